@@ -1,0 +1,351 @@
+"""Typed configuration: one dataclass per component, YAML recipes, dotted overrides.
+
+    cfg = load_config("configs/tiny_sft.yaml", ["train.steps=20", "parallel.tp=2"])
+
+Every field has a type and a docstring (the string literal under it). Loading fails at once,
+with a one-line :class:`ConfigError` naming the field, on an unknown key, a value of the wrong
+type, or an impossible value (TP not dividing the heads, PP above the layer count, ...). The
+resolved config is written into the run directory by :func:`save_config`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+from megarl.algo.config import AlgoConfig
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message starts with the dotted field name."""
+
+
+@dataclass
+class ModelConfig:
+    hf_path: str = ""
+    """HF model directory: config.json (architecture, sizes) and, for init=hf, safetensors."""
+    init: str = "hf"
+    """hf: load the HF safetensors in hf_path; random: fresh init from config.json only."""
+    dtype: str = "float32"
+    """Parameter/compute dtype: float32 or bfloat16 (bf16 needs a GPU)."""
+    seed: int = 1234
+    """Seed for weight init and dropout."""
+    spec: str = "auto"
+    """Layer spec: auto (TE when TE and CUDA are present, else local), te, or local."""
+    recompute: bool = False
+    """Full activation recomputation (saves memory for large models)."""
+
+    def validate(self) -> None:
+        _choice("model.init", self.init, ("hf", "random"))
+        _choice("model.dtype", self.dtype, ("float32", "bfloat16"))
+        _choice("model.spec", self.spec, ("auto", "te", "local"))
+        if not self.hf_path:
+            raise ConfigError("model.hf_path: required (an HF model directory with config.json)")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size; must divide attention heads and query groups."""
+    pp: int = 1
+    """Pipeline-parallel size; at most the number of layers."""
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); null = off."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs the TE spec and TP > 1)."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state over DP (Megatron distributed optimizer)."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo."""
+
+    def validate(self) -> None:
+        _positive("parallel.tp", self.tp)
+        _positive("parallel.pp", self.pp)
+        if self.vpp is not None:
+            _positive("parallel.vpp", self.vpp)
+            if self.pp < 2:
+                raise ConfigError("parallel.vpp: needs parallel.pp >= 2")
+        _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global grad-norm clip; 0 disables clipping."""
+    lr_warmup_steps: int = 0
+    """Linear warmup steps."""
+    lr_decay_style: str = "constant"
+    """constant, linear or cosine."""
+    lr_decay_steps: Optional[int] = None
+    """Steps over which to decay (default: train.steps)."""
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr: must be > 0, got {self.lr}")
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"optim.min_lr: must be in [0, optim.lr], got {self.min_lr}")
+        if self.clip_grad < 0:
+            raise ConfigError(f"optim.clip_grad: must be >= 0, got {self.clip_grad}")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError(f"optim.lr_warmup_steps: must be >= 0, got {self.lr_warmup_steps}")
+        _choice("optim.lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine"))
+
+
+@dataclass
+class TrainConfig:
+    algorithm: str = "sft"
+    """sft (supervised fine-tuning) or grpo (asynchronous RL; advantage per algo.advantage)."""
+    steps: int = 100
+    """Optimizer steps to run (RL: one step per global batch)."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step, across all DP ranks."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one micro-batch (padded length x sequences)."""
+    max_seq_len: int = 512
+    """Longest sequence (prompt + response) in tokens; longer SFT samples are truncated."""
+    run_dir: str = "runs/default"
+    """Directory for the resolved config, metrics.jsonl and checkpoints by default."""
+    seed: int = 1234
+    """Data-order seed."""
+
+    def validate(self) -> None:
+        _choice("train.algorithm", self.algorithm, ("sft", "grpo"))
+        for name in ("steps", "global_batch_size", "micro_batch_tokens", "max_seq_len"):
+            _positive(f"train.{name}", getattr(self, name))
+
+
+@dataclass
+class DataConfig:
+    train_path: str = ""
+    """JSONL: SFT lines {prompt, response}; RL lines {prompt, answer, ...}."""
+    eval_path: str = ""
+    """Optional held-out JSONL, same format."""
+    prompt_key: str = "prompt"
+    """Key of the prompt text in each JSONL line."""
+    response_key: str = "response"
+    """Key of the response text (SFT)."""
+    tokenizer_path: str = ""
+    """Tokenizer directory or file; empty = model.hf_path."""
+
+    def validate(self) -> None:
+        if not self.train_path:
+            raise ConfigError("data.train_path: required")
+
+
+@dataclass
+class CheckpointConfig:
+    save_dir: str = ""
+    """Training checkpoints (Megatron dist-checkpoint); empty = <run_dir>/checkpoints."""
+    save_interval: int = 0
+    """Save every N steps; 0 = only at the end."""
+    keep_last: int = 2
+    """Keep the newest N complete checkpoints."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint in save_dir if there is one."""
+    hf_export_dir: str = ""
+    """Where to write the HF-format model (safetensors + config + tokenizer); empty = off."""
+    hf_export_interval: int = 0
+    """Export every N steps; 0 = only at the end."""
+
+    def validate(self) -> None:
+        if self.save_interval < 0:
+            raise ConfigError(f"checkpoint.save_interval: must be >= 0, got {self.save_interval}")
+        if self.keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last: must be >= 1, got {self.keep_last}")
+        if self.hf_export_interval < 0:
+            raise ConfigError(
+                f"checkpoint.hf_export_interval: must be >= 0, got {self.hf_export_interval}")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 1
+    """Print a metrics line every N steps (metrics.jsonl gets every step)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files under <run_dir>/tb."""
+    wandb_project: str = ""
+    """Weights & Biases project; empty = off."""
+
+    def validate(self) -> None:
+        _positive("logging.log_interval", self.log_interval)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            try:
+                section.validate()
+            except ConfigError:
+                raise
+            except ValueError as e:  # sections from megarl.algo raise plain ValueError
+                raise ConfigError(str(e)) from None
+        validate_against_model(self)
+
+
+def validate_against_model(cfg: Config) -> None:
+    """Checks that need the HF config.json: TP vs heads and query groups, PP vs layers."""
+    path = os.path.join(cfg.model.hf_path, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"model.hf_path: no config.json in {cfg.model.hf_path!r}")
+    with open(path) as f:
+        hf = json.load(f)
+    heads = hf.get("num_attention_heads")
+    groups = hf.get("num_key_value_heads") or heads
+    layers = hf.get("num_hidden_layers")
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if heads and heads % tp:
+        raise ConfigError(f"parallel.tp: {tp} does not divide num_attention_heads={heads}")
+    if groups and groups % tp:
+        raise ConfigError(f"parallel.tp: {tp} does not divide num_key_value_heads={groups}")
+    if layers and pp > layers:
+        raise ConfigError(f"parallel.pp: {pp} is greater than num_hidden_layers={layers}")
+    vpp = cfg.parallel.vpp
+    if layers and vpp and layers % (pp * vpp):
+        raise ConfigError(f"parallel.vpp: pp*vpp={pp * vpp} does not divide num_hidden_layers={layers}")
+
+
+def check_world_size(cfg: Config, world_size: int) -> int:
+    """Returns the data-parallel size; the world must be a multiple of TP*PP."""
+    mp = cfg.parallel.tp * cfg.parallel.pp
+    if world_size % mp:
+        raise ConfigError(
+            f"parallel.tp: world size {world_size} is not divisible by tp*pp={mp} "
+            f"(tp={cfg.parallel.tp}, pp={cfg.parallel.pp})")
+    return world_size // mp
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_config(path: Optional[str], overrides: list[str] = (), validate: bool = True) -> Config:
+    """Reads a YAML recipe, applies ``a.b=c`` overrides (values parsed as YAML), validates."""
+    raw: dict = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config: file not found: {path}")
+        with open(path) as f:
+            try:
+                raw = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"config: {path} is not valid YAML: {str(e).splitlines()[0]}")
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config: {path} must hold a mapping at the top level")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override: expected a.b=value, got {item!r}")
+        node = raw
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: {p} is not a section")
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+    cfg = from_dict(Config, raw, prefix="")
+    if validate:
+        cfg.validate()
+    return cfg
+
+
+def from_dict(cls, data: Any, prefix: str):
+    """Builds dataclass ``cls`` from a mapping, checking keys and types against annotations."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(tp, value, name):
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, prefix=name + ".")
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, name)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        return [_coerce(item_tp, v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    return value
+
+
+def save_config(cfg: Config, run_dir: str) -> str:
+    """Writes the resolved config to ``<run_dir>/config.yaml`` (atomically) and returns the path."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.yaml")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
+    os.replace(tmp, path)
+    return path
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}: must be one of {', '.join(map(str, allowed))}; got {value!r}")
+
+
+def _positive(name: str, value) -> None:
+    if value < 1:
+        raise ConfigError(f"{name}: must be >= 1, got {value}")

@@ -1,0 +1,126 @@
+"""HF config -> Megatron ``TransformerConfig`` + layer spec -> ``GPTModel`` chunks.
+
+One model chunk per virtual pipeline stage (a single chunk without interleaving). On CPU the
+local spec is the only choice: fp32, fusions off, CPU initialisation (which also makes the
+initial weights independent of the TP layout: Megatron initialises the full master weight and
+splits it).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megarl import compat
+from megarl.models.registry import ModelArgs
+
+
+def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] = None,
+                       dtype: str = "float32", sequence_parallel: bool = False,
+                       recompute: bool = False, use_te: bool = False):
+    """The ``TransformerConfig`` for an HF architecture and a parallel layout."""
+    from megatron.core.transformer import TransformerConfig
+
+    if args.vocab_size % tp:
+        raise ValueError(f"parallel.tp: {tp} does not divide vocab_size={args.vocab_size}")
+    if args.num_layers % (pp * (vpp or 1)):
+        raise ValueError(f"parallel.pp: pp*vpp={pp * (vpp or 1)} does not divide "
+                         f"num_hidden_layers={args.num_layers}")
+    bf16 = dtype == "bfloat16"
+    if bf16 and not compat.HAVE_CUDA:
+        raise ValueError("model.dtype: bfloat16 needs a GPU; use float32 on CPU")
+    if sequence_parallel and not use_te:
+        raise ValueError("parallel.sequence_parallel: needs the Transformer Engine spec (GPU)")
+    params_dtype = torch.bfloat16 if bf16 else torch.float32
+    extra = {}
+    if recompute:
+        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_heads,
+        num_query_groups=args.num_kv_heads,
+        kv_channels=args.head_dim,
+        ffn_hidden_size=args.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=args.qkv_bias,
+        qk_layernorm=args.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=args.initializer_range,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=bf16,
+        use_cpu_initialization=not compat.HAVE_CUDA,
+        perform_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=use_te,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        # Token-budget micro-batches have different lengths: shapes are sent before tensors.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # 0.16.1 requires it with variable_seq_lengths
+        calculate_per_token_loss=True,
+        deallocate_pipeline_outputs=False,
+        **extra,
+    )
+
+
+def layer_spec(args: ModelArgs, use_te: bool):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_norm)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
+
+
+def resolve_spec(spec: str) -> bool:
+    """``model.spec`` -> use TE? (auto: TE exactly when TE and CUDA are both present)."""
+    if spec == "te":
+        if not compat.use_transformer_engine():
+            raise ValueError("model.spec: 'te' needs transformer-engine and a CUDA device")
+        return True
+    if spec == "local":
+        return False
+    return compat.use_transformer_engine()
+
+
+def build_model_chunks(args: ModelArgs, config, use_te: bool) -> list[torch.nn.Module]:
+    """GPTModel chunks for this rank's pipeline stage(s); the caller wraps them in DDP."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+
+    vpp = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(args, use_te),
+            vocab_size=args.vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=args.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(args.rope_theta),
+            rope_scaling=args.rope_scaling_factor is not None,
+            rope_scaling_factor=args.rope_scaling_factor or 8.0,
+            vp_stage=stage,
+        )
+        if compat.HAVE_CUDA:
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,64 @@
+"""Tiny random HF checkpoints (config.json + safetensors) for tests, benchmarks and demos."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+from safetensors.torch import save_file
+
+from megarl.models.registry import param_table, read_model_args
+
+TINY = {
+    "LlamaForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "Qwen2ForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "Qwen3ForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                             head_dim=32),
+}
+
+
+def tiny_config(arch: str = "LlamaForCausalLM", **overrides) -> dict:
+    cfg = {
+        "architectures": [arch], "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4,
+        "intermediate_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 256, "initializer_range": 0.02, "torch_dtype": "float32",
+        "bos_token_id": 1, "eos_token_id": 2,
+        "model_type": {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                       "Qwen3ForCausalLM": "qwen3"}.get(arch, "llama"),
+    }
+    cfg.update(TINY.get(arch, {}))
+    cfg.update(overrides)
+    return cfg
+
+
+def write_random_hf(out_dir: str, config: dict, seed: int = 0, std: float = 0.05,
+                    dtype: torch.dtype = torch.float32, tensors: Optional[dict] = None) -> str:
+    """Writes ``config`` and random weights for every tensor of its architecture's table."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    args = read_model_args(out_dir)
+    g = torch.Generator().manual_seed(seed)
+    q_rows, kv_rows = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    shapes = {
+        "embed_tokens": (args.vocab_size, args.hidden_size), "lm_head": (args.vocab_size, args.hidden_size),
+        "q_proj.weight": (q_rows, args.hidden_size), "k_proj.weight": (kv_rows, args.hidden_size),
+        "v_proj.weight": (kv_rows, args.hidden_size), "q_proj.bias": (q_rows,),
+        "k_proj.bias": (kv_rows,), "v_proj.bias": (kv_rows,),
+        "o_proj": (args.hidden_size, q_rows), "gate_proj": (args.ffn_hidden_size, args.hidden_size),
+        "up_proj": (args.ffn_hidden_size, args.hidden_size), "down_proj": (args.hidden_size, args.ffn_hidden_size),
+        "q_norm": (args.head_dim,), "k_norm": (args.head_dim,), "norm.weight": (args.hidden_size,),
+        "layernorm": (args.hidden_size,),
+    }
+    out = {}
+    for layer, pmap in param_table(args):
+        for name in pmap.names(layer)[1]:
+            shape = next(s for key, s in shapes.items() if key in name)
+            if "norm" in name:  # norms near 1 so activations stay in range
+                out[name] = (1.0 + 0.1 * torch.randn(shape, generator=g)).to(dtype)
+            else:
+                out[name] = (std * torch.randn(shape, generator=g)).to(dtype)
+    out.update(tensors or {})
+    save_file(out, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return out_dir

@@ -1,0 +1,170 @@
+"""Per-architecture weight tables, keyed on HF ``config.json`` ``architectures[0]``.
+
+A table lists, for every Megatron parameter (local layer spec names, ``{L}`` = global layer
+index), the HF tensors it is made of, how they combine (plain copy, fused QKV, fused gate/up) and
+the tensor-parallel dimension. The TE spec fuses the pre-attention/pre-MLP norms into the
+following linear layer; :func:`te_name` maps those two names.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+PLAIN, QKV, GATE_UP = "plain", "qkv", "gate_up"
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    mcore: str  # Megatron name; {L} is the global layer index
+    hf: tuple[str, ...]  # HF names; {L} likewise
+    kind: str = PLAIN  # plain | qkv | gate_up
+    tp_dim: Optional[int] = None  # None: replicated across TP
+
+    def names(self, layer: Optional[int] = None) -> tuple[str, tuple[str, ...]]:
+        if layer is None:
+            return self.mcore, self.hf
+        return self.mcore.format(L=layer), tuple(h.format(L=layer) for h in self.hf)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The HF config fields megarl uses, read once from config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope_scaling_factor: Optional[float] = None
+    initializer_range: float = 0.02
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    qkv_bias: bool
+    qk_norm: bool
+
+    def layer_table(self) -> list[ParamMap]:
+        p, a = "model.layers.{L}.", "decoder.layers.{L}."
+        table = [
+            ParamMap(a + "input_layernorm.weight", (p + "input_layernorm.weight",)),
+            ParamMap(a + "self_attention.linear_qkv.weight",
+                     tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"), QKV, 0),
+        ]
+        if self.qkv_bias:
+            table.append(ParamMap(a + "self_attention.linear_qkv.bias",
+                                  tuple(p + f"self_attn.{x}_proj.bias" for x in "qkv"), QKV, 0))
+        if self.qk_norm:
+            table += [ParamMap(a + "self_attention.q_layernorm.weight", (p + "self_attn.q_norm.weight",)),
+                      ParamMap(a + "self_attention.k_layernorm.weight", (p + "self_attn.k_norm.weight",))]
+        table += [
+            ParamMap(a + "self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",), PLAIN, 1),
+            ParamMap(a + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",)),
+            ParamMap(a + "mlp.linear_fc1.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                     GATE_UP, 0),
+            ParamMap(a + "mlp.linear_fc2.weight", (p + "mlp.down_proj.weight",), PLAIN, 1),
+        ]
+        return table
+
+    def embedding(self) -> ParamMap:
+        return ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), PLAIN, 0)
+
+    def final_norm(self) -> ParamMap:
+        return ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",))
+
+    def output_layer(self) -> ParamMap:
+        return ParamMap("output_layer.weight", ("lm_head.weight",), PLAIN, 0)
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture("LlamaForCausalLM", qkv_bias=False, qk_norm=False),
+    "MistralForCausalLM": Architecture("MistralForCausalLM", qkv_bias=False, qk_norm=False),
+    "Qwen2ForCausalLM": Architecture("Qwen2ForCausalLM", qkv_bias=True, qk_norm=False),
+    "Qwen3ForCausalLM": Architecture("Qwen3ForCausalLM", qkv_bias=False, qk_norm=True),
+}
+
+
+def get_architecture(name: str) -> Architecture:
+    if name not in ARCHITECTURES:
+        raise ValueError(f"architectures[0]={name!r} is not supported; supported: "
+                         f"{', '.join(sorted(ARCHITECTURES))}")
+    return ARCHITECTURES[name]
+
+
+def te_name(mcore_name: str) -> str:
+    """Local-spec name -> TE-spec name (norms fused into the next linear layer)."""
+    return (mcore_name.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+            .replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"))
+
+
+def read_model_args(hf_dir: str) -> ModelArgs:
+    """Parses ``<hf_dir>/config.json``; errors name the file and the field."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: not found (an HF model directory needs config.json)")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    archs = hf.get("architectures") or []
+    if not archs:
+        raise ValueError(f"{path}: 'architectures' is missing")
+    arch = get_architecture(archs[0])
+
+    def need(key):
+        if key not in hf:
+            raise ValueError(f"{path}: '{key}' is missing")
+        return hf[key]
+
+    heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    scaling = hf.get("rope_scaling")
+    factor = None
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "llama3":
+            raise ValueError(f"{path}: rope_scaling type {kind!r} is not supported (only llama3)")
+        factor = float(scaling["factor"])
+    return ModelArgs(
+        architecture=arch.name,
+        vocab_size=need("vocab_size"),
+        hidden_size=hidden,
+        num_layers=need("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hidden // heads,
+        ffn_hidden_size=need("intermediate_size"),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=arch.qkv_bias or bool(hf.get("attention_bias", False)),
+        qk_norm=arch.qk_norm,
+        rope_scaling_factor=factor,
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+    )
+
+
+def param_table(args: ModelArgs) -> list[tuple[Optional[int], ParamMap]]:
+    """Every (layer or None, ParamMap) of the model, in HF order: embedding, layers, norm, head."""
+    arch = Architecture(args.architecture, args.qkv_bias, args.qk_norm)
+    rows: list[tuple[Optional[int], ParamMap]] = [(None, arch.embedding())]
+    for layer in range(args.num_layers):
+        rows += [(layer, m) for m in arch.layer_table()]
+    rows.append((None, arch.final_norm()))
+    if not args.tie_word_embeddings:
+        rows.append((None, arch.output_layer()))
+    return rows

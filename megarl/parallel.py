@@ -1,0 +1,196 @@
+"""torch.distributed + Megatron model-parallel init from torchrun, SLURM or MPI environments.
+
+Rank discovery order (first match wins): torchrun (RANK/WORLD_SIZE/LOCAL_RANK), Open MPI
+(OMPI_COMM_WORLD_*), PMIx (PMIX_RANK, size from SLURM_NTASKS or mpi4py), PMI (PMI_RANK/PMI_SIZE),
+SLURM (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID). MPI comes before SLURM because under
+``mpirun`` inside a one-node sbatch job every rank sees SLURM_PROCID=0. The master address comes
+from MASTER_ADDR, else the first host of SLURM_JOB_NODELIST, else 127.0.0.1.
+
+The result is a :class:`ParallelState` object passed to whoever needs groups or ranks; nothing
+below this module reads Megatron's global getters.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl import compat
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # torchrun | ompi | pmix | pmi | slurm | single
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expands a SLURM hostlist: ``"gpu[01-03,07],cpu1"`` -> gpu01 gpu02 gpu03 gpu07 cpu1."""
+    hosts: list[str] = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not hi:
+                hosts.append(prefix + lo)
+                continue
+            width = len(lo)
+            hosts.extend(f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
+    return hosts
+
+
+def discover_ranks(env: Optional[dict] = None) -> RankInfo:
+    """Reads rank, world size and local rank from the launcher's environment variables."""
+    env = os.environ if env is None else env
+
+    def geti(name, default=None):
+        return int(env[name]) if name in env else default
+
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world, local, source = geti("RANK"), geti("WORLD_SIZE"), geti("LOCAL_RANK", 0), "torchrun"
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        rank, world = geti("OMPI_COMM_WORLD_RANK"), geti("OMPI_COMM_WORLD_SIZE")
+        local, source = geti("OMPI_COMM_WORLD_LOCAL_RANK", 0), "ompi"
+    elif "PMIX_RANK" in env:
+        rank = geti("PMIX_RANK")
+        world = geti("SLURM_NTASKS") or _mpi4py_world_size()
+        local, source = geti("SLURM_LOCALID", 0), "pmix"
+    elif "PMI_RANK" in env:
+        rank, world, local, source = geti("PMI_RANK"), geti("PMI_SIZE"), geti("MPI_LOCALRANKID", 0), "pmi"
+    elif "SLURM_PROCID" in env:
+        rank, world, local, source = geti("SLURM_PROCID"), geti("SLURM_NTASKS"), geti("SLURM_LOCALID", 0), "slurm"
+    else:
+        rank, world, local, source = 0, 1, 0, "single"
+    if world is None:
+        raise RuntimeError(f"parallel: launcher '{source}' gave a rank but no world size")
+    if "MASTER_ADDR" in env:
+        addr = env["MASTER_ADDR"]
+    elif env.get("SLURM_JOB_NODELIST"):
+        addr = expand_nodelist(env["SLURM_JOB_NODELIST"])[0]
+    else:
+        addr = "127.0.0.1"
+    port = geti("MASTER_PORT", 29500)
+    return RankInfo(rank, world, local, addr, port, source)
+
+
+def _mpi4py_world_size() -> Optional[int]:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.COMM_WORLD.Get_size()
+
+
+@dataclass
+class ParallelState:
+    """Ranks and process groups of this process; passed around instead of global getters."""
+
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    vpp: Optional[int] = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    tp_group: Any = None
+    pp_group: Any = None
+    dp_group: Any = None
+    mp_group: Any = None
+    pp_global_ranks: list = field(default_factory=list)
+    dp_global_ranks: list = field(default_factory=list)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_pp_source(self) -> bool:
+        """The rank that serves this pipeline stage's weights (DP=0, TP=0)."""
+        return self.dp_rank == 0 and self.tp_rank == 0
+
+    @property
+    def last_stage_rank(self) -> int:
+        return self.pp_global_ranks[-1]
+
+
+def init_distributed(backend: str = "auto", timeout_s: int = 600) -> RankInfo:
+    """Initialises the default process group from the launcher environment (idempotent)."""
+    info = discover_ranks()
+    if dist.is_initialized():
+        return info
+    if backend == "auto":
+        backend = "nccl" if compat.HAVE_CUDA else "gloo"
+    if compat.HAVE_CUDA:
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    else:
+        compat.install_cpu_shim()
+    os.environ.setdefault("MASTER_ADDR", info.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(info.master_port))
+    dist.init_process_group(
+        backend=backend, rank=info.rank, world_size=info.world_size,
+        init_method=f"tcp://{info.master_addr}:{info.master_port}",
+        timeout=timedelta(seconds=timeout_s))
+    return info
+
+
+def init_model_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int = 1234) -> ParallelState:
+    """Megatron ``initialize_model_parallel`` (DP derived) and the model-parallel RNG seeds."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"parallel.tp: world size {world} is not divisible by tp*pp={tp * pp}")
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    device = torch.device("cuda", torch.cuda.current_device()) if compat.HAVE_CUDA else torch.device("cpu")
+    return ParallelState(
+        rank=dist.get_rank(), world_size=world, tp=tp, pp=pp, dp=world // (tp * pp),
+        tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(), vpp=vpp, device=device,
+        tp_group=mpu.get_tensor_model_parallel_group(), pp_group=mpu.get_pipeline_model_parallel_group(),
+        dp_group=mpu.get_data_parallel_group(), mp_group=mpu.get_model_parallel_group(),
+        pp_global_ranks=_group_ranks(mpu.get_pipeline_model_parallel_group()),
+        dp_global_ranks=_group_ranks(mpu.get_data_parallel_group()))
+
+
+def _group_ranks(group) -> list[int]:
+    return [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def destroy_model_parallel_only() -> None:
+    """Tears down Megatron's groups but keeps torch.distributed (to re-init another layout)."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()

@@ -1,0 +1,221 @@
+"""The loss-agnostic Megatron training engine.
+
+    engine = Engine.build(cfg, ps)                  # GPTModel chunks + DDP + optimizer + LR sched
+    logp = engine.compute_logp(batch)               # forward-only, per-token logprobs
+    metrics = engine.train_batch(batch, loss_fn)    # forward+backward over micro-batches + step
+
+Both run through Megatron's ``get_forward_backward_func`` (no pipeline, 1F1B or interleaved),
+one token-budget micro-batch at a time. Losses are normalised per token at step level:
+
+    loss_fn(logp, entropy, mb) -> (loss, metrics)
+
+returns ``loss`` = this micro-batch's contribution to the step loss (its per-token terms already
+divided by step-level denominators, e.g. ``mb.step_tokens`` = loss-mask tokens over all micro-
+batches and DP ranks). The engine hands Megatron ``loss * step_tokens`` with the micro-batch's
+token count; Megatron (``calculate_per_token_loss``) sums gradients over DP and divides by the
+step's total token count, so the gradient is exactly d(sum of contributions)/d(theta) however the
+step is split. ``metrics`` maps name -> (sum, count) and is reduced over micro-batches and DP.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import Config
+from megarl.models import builder, hf_io
+from megarl.models.registry import ModelArgs, read_model_args
+from megarl.parallel import ParallelState
+from megarl.trainer.batch import MicroBatch, SequenceBatch, make_microbatches
+from megarl.trainer.logits import shift_logprobs
+
+LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], MicroBatch],
+                  tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]]
+
+
+@dataclass
+class LogpResult:
+    logp: list[torch.Tensor]  # per sample, [len], entry 0 = 0.0
+    entropy: Optional[list[torch.Tensor]] = None
+
+
+class Engine:
+    def __init__(self, cfg: Config, ps: ParallelState, args: ModelArgs, chunks, tconfig, use_te: bool,
+                 optimizer=None, scheduler=None):
+        self.cfg, self.ps, self.args = cfg, ps, args
+        self.chunks, self.tconfig, self.use_te = chunks, tconfig, use_te
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.step = 0
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build(cls, cfg: Config, ps: ParallelState, trainable: bool = True) -> "Engine":
+        """Model (HF weights or random init), DDP, Megatron optimizer and LR scheduler."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        args = read_model_args(cfg.model.hf_path)
+        use_te = builder.resolve_spec(cfg.model.spec)
+        tconfig = builder.transformer_config(
+            args, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, dtype=cfg.model.dtype,
+            sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.model.recompute,
+            use_te=use_te)
+        chunks = builder.build_model_chunks(args, tconfig, use_te)
+        if cfg.model.init == "hf":
+            hf_io.load_hf_weights(chunks, args, cfg.model.hf_path, ps.tp, ps.tp_rank, use_te)
+        if not trainable:
+            for c in chunks:
+                c.requires_grad_(False)
+                c.eval()
+            return cls(cfg, ps, args, chunks, tconfig, use_te)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.parallel.distributed_optimizer)
+        chunks = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c,
+                                          disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+        for c in chunks:
+            c.broadcast_params()  # DP replicas start identical even from a random init
+        optimizer, scheduler = cls._optimizer(cfg, chunks)
+        tconfig.finalize_model_grads_func = finalize_model_grads
+        tconfig.grad_scale_func = optimizer.scale_loss
+        tconfig.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        return cls(cfg, ps, args, chunks, tconfig, use_te, optimizer, scheduler)
+
+    @staticmethod
+    def _optimizer(cfg: Config, chunks):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = cfg.optim
+        bf16 = cfg.model.dtype == "bfloat16"
+        oconf = OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=cfg.parallel.distributed_optimizer)
+        optimizer = get_megatron_optimizer(oconf, chunks)
+        decay_steps = o.lr_decay_steps or cfg.train.steps
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=max(decay_steps, o.lr_warmup_steps + 1),
+            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=max(decay_steps, 1), wd_incr_style="constant")
+        return optimizer, scheduler
+
+    # ------------------------------------------------------------------ schedules
+    def _run(self, mbs: list[MicroBatch], loss_func, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
+            return out, partial(loss_func, mb)
+
+        its = [iter(mbs) for _ in self.chunks] if len(self.chunks) > 1 else iter(mbs)
+        max_len = max(m.tokens.shape[1] for m in mbs)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=its,
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=len(mbs), seq_length=max_len, micro_batch_size=mbs[0].tokens.shape[0],
+            forward_only=forward_only)
+
+    def _logits_to_logp(self, logits, mb: MicroBatch, with_entropy: bool):
+        return shift_logprobs(logits, mb.tokens, self.ps.tp_group, self.ps.tp, self.ps.tp_rank,
+                              with_entropy)
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def compute_logp(self, batch: SequenceBatch, with_entropy: bool = False) -> LogpResult:
+        """Per-token logprobs (and entropies) of this DP rank's samples, on every PP stage."""
+        for c in self.chunks:
+            c.eval()
+        mbs = make_microbatches(batch, self.cfg.train.micro_batch_tokens, self.ps.device)
+
+        def loss_func(mb, logits):
+            logp, ent = self._logits_to_logp(logits, mb, with_entropy)
+            out = {"logp": logp.cpu()}
+            if ent is not None:
+                out["entropy"] = ent.cpu()
+            return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), out
+
+        store = self._run(mbs, loss_func, forward_only=True)
+        names = ["logp", "entropy"] if with_entropy else ["logp"]
+        flat = {}
+        for name in names:
+            per_sample: list = [None] * len(batch)
+            if self.ps.is_last_stage:
+                for mb, out in zip(mbs, store):
+                    for row, i in enumerate(mb.indices):
+                        per_sample[i] = out[name][row, : mb.lengths[row]]
+                flat[name] = torch.cat(per_sample).float()
+            else:
+                flat[name] = torch.empty(sum(batch.lengths), dtype=torch.float32)
+            if self.ps.pp > 1:
+                buf = flat[name].to(self.ps.device)
+                dist.broadcast(buf, src=self.ps.last_stage_rank, group=self.ps.pp_group)
+                flat[name] = buf.cpu()
+        result = {n: list(torch.split(flat[n], batch.lengths)) for n in names}
+        return LogpResult(result["logp"], result.get("entropy"))
+
+    def train_batch(self, batch: SequenceBatch, loss_fn: LossFn, with_entropy: bool = False) -> dict:
+        """One optimizer step over ``batch`` (this DP rank's share). Returns reduced metrics."""
+        t0 = time.perf_counter()
+        for c in self.chunks:
+            c.train()
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        mbs = make_microbatches(batch, self.cfg.train.micro_batch_tokens, self.ps.device)
+        local_tokens = sum(float(sum(m)) for m in batch.fields["loss_mask"])
+        step_tokens = torch.tensor([local_tokens], dtype=torch.float64, device=self.ps.device)
+        dist.all_reduce(step_tokens, group=self.ps.dp_group)
+        for mb in mbs:
+            mb.step_tokens = max(float(step_tokens.item()), 1.0)
+
+        def loss_func(mb, logits):
+            logp, ent = self._logits_to_logp(logits, mb, with_entropy)
+            loss, metrics = loss_fn(logp, ent, mb)
+            num = mb["loss_mask"].sum().to(torch.int)
+            packed = {k: torch.stack([s.detach().float().reshape(()), c.detach().float().reshape(())])
+                      for k, (s, c) in metrics.items()}
+            packed["loss"] = torch.stack([loss.detach().float().reshape(()), torch.tensor(1.0)])
+            return loss * mb.step_tokens, num, packed
+
+        store = self._run(mbs, loss_func, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step(increment=1)
+        self.step += 1
+        metrics = self._reduce_metrics(store)
+        metrics.update(grad_norm=float(grad_norm or 0.0), lr=lr, tokens=float(step_tokens.item()),
+                       step_time=time.perf_counter() - t0, update_ok=float(bool(ok)))
+        return metrics
+
+    def _reduce_metrics(self, store: list) -> dict:
+        """Sums (sum, count) pairs over micro-batches and DP; every rank gets the result."""
+        obj = [None]
+        if self.ps.is_last_stage:
+            names = sorted(store[0])
+            sums = torch.stack([sum(out[n] for out in store) for n in names]).to(torch.float64)
+            dist.all_reduce(sums, group=self.ps.dp_group)
+            result = {}
+            for n, (s, c) in zip(names, sums.tolist()):
+                # the loss contributions are already step-normalised: sum, don't average
+                result[n] = s if n == "loss" else (s / c if c else 0.0)
+            obj = [result]
+        if self.ps.pp > 1:
+            dist.broadcast_object_list(obj, src=self.ps.last_stage_rank, group=self.ps.pp_group)
+        return obj[0]
+
+    # ------------------------------------------------------------------ weights
+    def export_hf(self, out_dir: str, dtype: Optional[torch.dtype] = None) -> None:
+        tokenizer_dir = self.cfg.data.tokenizer_path or self.cfg.model.hf_path
+        hf_io.export_hf(self.chunks, self.args, self.ps, out_dir, src_hf_dir=tokenizer_dir,
+                        use_te=self.use_te, dtype=dtype)
+
+    def named_hf_tensors(self, dtype: Optional[torch.dtype] = None):
+        """This stage's (HF name, full tensor) pairs; collective over the TP group of DP rank 0."""
+        return hf_io.iter_hf_tensors(self.chunks, self.args, self.ps, self.use_te, dtype)

@@ -1,0 +1,72 @@
+"""Per-token logprobs and entropy from vocab-parallel logits, one micro-batch at a time.
+
+With the vocabulary split over TP ranks (each holds logits z[..., V/tp]):
+
+    lse      = m + log( sum_tp sum_v exp(z_v - m) ),    m = max over all shards (no grad)
+    log p(y) = z_y - lse                                (z_y taken on the shard owning y)
+    H        = lse - sum_tp sum_v softmax(z)_v * z_v
+
+The sums over shards are all-reduces whose backward is the identity (each shard's partial sum
+contributes with gradient 1), so gradients flow through both outputs. No [tokens, vocab] tensor
+is ever gathered.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _sum_over_tp(x: torch.Tensor, group, tp: int) -> torch.Tensor:
+    return x if tp == 1 else _AllReduceSum.apply(x, group)
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group, tp: int,
+                            tp_rank: int, with_entropy: bool = False
+                            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """logits [b, s, V/tp] (this rank's vocab shard), targets [b, s] -> (logp, entropy) [b, s]."""
+    logits = logits.float()
+    shard = logits.shape[-1]
+    with torch.no_grad():
+        m = logits.max(dim=-1).values
+        if tp > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits - m.unsqueeze(-1)
+    lse = torch.log(_sum_over_tp(shifted.exp().sum(-1), tp_group, tp)) + m
+    lo = tp_rank * shard
+    local = targets - lo
+    owned = (local >= 0) & (local < shard)
+    picked = torch.gather(logits, -1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1)
+    z_y = _sum_over_tp(torch.where(owned, picked, torch.zeros_like(picked)), tp_group, tp)
+    logp = z_y - lse
+    entropy = None
+    if with_entropy:
+        probs = torch.exp(logits - lse.unsqueeze(-1))
+        entropy = lse - _sum_over_tp((probs * logits).sum(-1), tp_group, tp)
+    return logp, entropy
+
+
+def shift_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, tp_group, tp: int, tp_rank: int,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Token-aligned: entry i = log p(token i | tokens < i); entry 0 = 0 (and entropy likewise,
+    entry i = entropy of the distribution that produced token i)."""
+    logp, ent = vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], tp_group, tp, tp_rank,
+                                        with_entropy)
+    pad = torch.zeros_like(logp[:, :1])
+    logp = torch.cat([pad, logp], dim=1)
+    if ent is not None:
+        ent = torch.cat([pad, ent], dim=1)
+    return logp, ent

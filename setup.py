@@ -1,0 +1,36 @@
+"""megarl: a Megatron-native, asynchronous RL post-training system for LLMs."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Megatron-native asynchronous RL post-training with a sidecar SGLang rollout cluster",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    install_requires=[
+        # 2.13.0 is the CPU build CI uses; GPU users bring the CUDA build they run.
+        "torch>=2.4",
+        "megatron-core>=0.16.1",
+        "numpy",
+        "pyyaml",
+        "sentencepiece",
+        "safetensors",
+        "psutil",  # megatron-core's async checkpoint writer needs it
+        "aiohttp>=3.9",  # rollout client and the CPU rollout server
+    ],
+    extras_require={
+        "test": ["pytest>=7", "transformers>=4.45", "matplotlib"],
+        "sglang": ["sglang>=0.5"],
+        "gpu": ["transformer-engine[pytorch]", "apex"],
+        "mpi": ["mpi4py"],
+        "plot": ["matplotlib"],
+    },
+    entry_points={
+        "console_scripts": [
+            "megarl-train=megarl.train:main",
+            "megarl-convert=megarl.tools_cli.convert:main",
+            "megarl-logprobs=megarl.tools_cli.logprobs:main",
+            "megarl-server=megarl.rollout.server.__main__:main",
+        ]
+    },
+)

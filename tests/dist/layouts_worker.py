@@ -1,0 +1,68 @@
+"""torchrun worker: runs one tiny model under several TP/PP(/DP) layouts and records logprobs,
+loss, grad norm and post-step logprobs on rank 0 (JSON). Used by test_parallel_equivalence.py."""
+import json
+import random
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megarl import compat, parallel
+from megarl.config import load_config
+from megarl.trainer.batch import SequenceBatch
+from megarl.trainer.engine import Engine
+from megarl.trainer.sft import sft_loss
+
+
+def make_batch(n=8, vocab=128, seed=0):
+    rng = random.Random(seed)
+    ids, mask = [], []
+    for _ in range(n):
+        length = rng.randint(6, 20)
+        prompt = rng.randint(2, length - 2)
+        ids.append([rng.randrange(vocab) for _ in range(length)])
+        mask.append([0.0] * prompt + [1.0] * (length - prompt))
+    return SequenceBatch(ids, {"loss_mask": mask})
+
+
+def run_layout(hf_dir, tp, pp, mbt, dist_opt, batch):
+    cfg = load_config(None, [f"model.hf_path={hf_dir}", "data.train_path=x", f"parallel.tp={tp}",
+                             f"parallel.pp={pp}", f"train.micro_batch_tokens={mbt}", "optim.lr=0.01",
+                             f"parallel.distributed_optimizer={str(dist_opt).lower()}"])
+    ps = parallel.init_model_parallel(tp, pp, seed=1234)
+    engine = Engine.build(cfg, ps)
+    mine = [i for i in range(len(batch)) if i % ps.dp == ps.dp_rank]
+    local = batch.select(mine)
+    before = engine.compute_logp(local).logp
+    metrics = engine.train_batch(local, sft_loss)
+    after = engine.compute_logp(local).logp
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, {i: (b.tolist(), a.tolist()) for i, b, a in zip(mine, before, after)})
+    merged = {}
+    for r in rows:
+        merged.update(r)
+    parallel.destroy_model_parallel_only()
+    return {"logp": [merged[i][0] for i in range(len(batch))],
+            "logp_after": [merged[i][1] for i in range(len(batch))],
+            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "nll": metrics["nll"]}
+
+
+def main():
+    hf_dir, out, *layouts = sys.argv[1:]
+    compat.quiet_megatron_warnings()
+    torch.set_num_threads(1)
+    parallel.init_distributed()
+    batch = make_batch()
+    results = {}
+    for spec in layouts:  # "tp,pp,micro_batch_tokens,dist_opt"
+        tp, pp, mbt, dopt = spec.split(",")
+        results[spec] = run_layout(hf_dir, int(tp), int(pp), int(mbt), dopt == "1", batch)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
