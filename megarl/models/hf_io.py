@@ -221,9 +221,12 @@ def export_hf(chunks, args: ModelArgs, ps, out_dir: str, *, src_hf_dir: str = ""
 
 
 def _plan_files(stages: list, max_bytes: int) -> dict[str, str]:
-    """(pp_rank, [(hf_names, nbytes)]) lists -> HF name -> file name, in stage order."""
-    groups, size = [[]], 0
+    """(pp_rank, [(hf_names, nbytes)]) lists -> HF name -> file name. Files never span pipeline
+    stages (each stage's writer owns its files) and hold at most ``max_bytes`` where possible."""
+    groups: list[list[str]] = []
     for _, meta in sorted(stages, key=lambda s: s[0]):
+        groups.append([])
+        size = 0
         for names, nbytes in meta:
             for n in names:
                 if groups[-1] and size + nbytes > max_bytes:
@@ -231,6 +234,7 @@ def _plan_files(stages: list, max_bytes: int) -> dict[str, str]:
                     size = 0
                 groups[-1].append(n)
                 size += nbytes
+    groups = [g for g in groups if g]
     if len(groups) == 1:
         return {n: "model.safetensors" for n in groups[0]}
     total = len(groups)
