@@ -63,6 +63,8 @@ class ParallelConfig:
     """Shard optimizer state over DP (Megatron distributed optimizer)."""
     backend: str = "auto"
     """torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo."""
+    world_size: Optional[int] = None
+    """Ranks to start when run directly (not under torchrun/srun/mpirun); default tp*pp."""
 
     def validate(self) -> None:
         _positive("parallel.tp", self.tp)
@@ -72,6 +74,11 @@ class ParallelConfig:
             if self.pp < 2:
                 raise ConfigError("parallel.vpp: needs parallel.pp >= 2")
         _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
+        if self.world_size is not None:
+            _positive("parallel.world_size", self.world_size)
+            if self.world_size % (self.tp * self.pp):
+                raise ConfigError(f"parallel.world_size: {self.world_size} is not divisible by "
+                                  f"tp*pp={self.tp * self.pp}")
 
 
 @dataclass

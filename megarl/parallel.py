@@ -84,6 +84,26 @@ def discover_ranks(env: Optional[dict] = None) -> RankInfo:
     return RankInfo(rank, world, local, addr, port, source)
 
 
+def under_launcher(env: Optional[dict] = None) -> bool:
+    """True under torchrun, srun or mpirun (anything :func:`discover_ranks` recognises)."""
+    return discover_ranks(env).source != "single"
+
+
+def relaunch(nproc: int, module: str, argv: list[str]) -> int:
+    """Re-executes ``python -m module argv`` under torchrun with ``nproc`` local ranks on a free
+    loopback port, so a user never has to know the launcher; returns its exit code."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", module, *argv]
+    return subprocess.call(cmd)
+
+
 def _mpi4py_world_size() -> Optional[int]:
     try:
         from mpi4py import MPI

@@ -1,9 +1,11 @@
-"""Supervised fine-tuning loss: token-mean negative log-likelihood over response tokens."""
+"""Supervised fine-tuning: token-mean NLL over response tokens, driven by the same engine as RL."""
 from __future__ import annotations
 
 import torch
 
-from megarl.trainer.batch import MicroBatch
+from megarl.data.datasets import ResumableSampler, SFTDataset, balance_across_ranks
+from megarl.data.tokenizer import load_tokenizer
+from megarl.trainer.batch import MicroBatch, SequenceBatch
 
 
 def sft_loss(logp: torch.Tensor, entropy, mb: MicroBatch):
@@ -11,3 +13,27 @@ def sft_loss(logp: torch.Tensor, entropy, mb: MicroBatch):
     mask = mb["loss_mask"]
     nll = -(logp * mask).sum()
     return nll / mb.step_tokens, {"nll": (nll, mask.sum())}
+
+
+class SFTData:
+    """The step's samples for this DP rank: every rank draws the same global batch from a
+    resumable sampler and keeps its token-balanced share."""
+
+    def __init__(self, cfg, ps):
+        tok = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
+        self.dataset = SFTDataset(cfg.data.train_path, tok, cfg.train.max_seq_len,
+                                  cfg.data.prompt_key, cfg.data.response_key)
+        self.sampler = ResumableSampler(len(self.dataset), seed=cfg.train.seed)
+        self.batch_size, self.ps = cfg.train.global_batch_size, ps
+
+    def next_batch(self) -> SequenceBatch:
+        samples = [self.dataset[i] for i in self.sampler.next_batch(self.batch_size)]
+        share = balance_across_ranks([len(s["input_ids"]) for s in samples], self.ps.dp)[self.ps.dp_rank]
+        return SequenceBatch([samples[i]["input_ids"] for i in share],
+                             {"loss_mask": [[float(m) for m in samples[i]["loss_mask"]] for i in share]})
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])

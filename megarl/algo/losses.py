@@ -1,0 +1,192 @@
+"""Policy-gradient losses with three log-probabilities.
+
+    logp         log pi_theta(y_t)   current policy, carries the gradient
+    prox_logp    log pi_prox(y_t)    trainer weights at the start of the step (recomputed or
+                                     approximated, see `megarl.algo.prox`); detached
+    behave_logp  log pi_behave(y_t)  what the rollout engine reported when sampling; detached
+
+All tensors are [batch, seq]; `loss_mask` is 1 on generated tokens. `policy_loss` returns the loss
+contribution of every token (0 off the mask and on dropped tokens) so that the caller aggregates
+it with step-level weights (`megarl.algo.aggregation`), plus `dict[str, Stat]` metrics (masked sums
+with their token counts, see `megarl.algo.stats`).
+
+Standard PPO (`algo.policy_loss=ppo`), pi_old = pi_prox or pi_behave (`algo.old_logp`):
+
+    r_t  = pi_theta / pi_old
+    S_t  = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))
+    dual clip (A_t < 0, c > 1):  S_t <- min(S_t, c |A_t|)
+    L_t  = w_t * S_t,  w_t = rollout-correction weight (`megarl.algo.correction`), 1 when none
+
+Decoupled PPO (`algo.policy_loss=decoupled_ppo`, AReaL):
+
+    u_t  = pi_theta / pi_prox                       (the trust region is around pi_prox)
+    w_t  = pi_prox / pi_behave                      (detached behaviour importance weight)
+    L_t  = w_t * S_t,  S_t as above with r_t replaced by u_t (dual clip included)
+    w_t > cap: the token is dropped (`mask`) or w_t = cap (`clamp`)
+
+A rollout correction that produces a weight (tis_*, icepop) replaces w_t = pi_prox / pi_behave in
+decoupled PPO (both are importance weights for the same ratio, multiplying them would count it
+twice); the cap then applies to that weight. A masking correction (mis_*) keeps w_t and drops
+tokens. With pi_theta = pi_prox = pi_behave every variant gives grad L_t = -A_t grad log pi_theta.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from megarl.algo.correction import RolloutCorrection, rollout_correction
+from megarl.algo.stats import Stat
+
+
+class PolicyLossKind(str, Enum):
+    """`algo.policy_loss`."""
+
+    PPO = "ppo"
+    DECOUPLED_PPO = "decoupled_ppo"
+
+
+class OldLogp(str, Enum):
+    """`algo.old_logp`: which logprob is pi_old in standard PPO."""
+
+    PROX = "prox"
+    BEHAVE = "behave"
+
+
+class CapMode(str, Enum):
+    """`algo.behave_weight_cap_mode`: what happens to a behaviour weight above the cap."""
+
+    MASK = "mask"
+    CLAMP = "clamp"
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """The policy-loss variant, chosen once (built by `AlgoConfig.build()`)."""
+
+    kind: PolicyLossKind = PolicyLossKind.DECOUPLED_PPO
+    """ppo: ratio against one old logprob; decoupled_ppo: trust region at pi_prox, times pi_prox/pi_behave."""
+    old_logp: OldLogp = OldLogp.PROX
+    """Standard PPO only: pi_old = pi_prox (recomputed) or pi_behave (rollout engine)."""
+    eps_clip_low: float = 0.2
+    """Lower clip: the ratio is clipped at 1 - eps_clip_low."""
+    eps_clip_high: float = 0.2
+    """Upper clip: the ratio is clipped at 1 + eps_clip_high (clip-higher when > eps_clip_low)."""
+    dual_clip_c: float | None = None
+    """Dual clip constant c > 1: for A < 0 the per-token loss is at most c |A|. None = off."""
+    behave_weight_cap: float | None = 5.0
+    """Decoupled PPO only: cap on the behaviour weight pi_prox / pi_behave. None = no cap."""
+    behave_weight_cap_mode: CapMode = CapMode.MASK
+    """mask: drop tokens whose weight exceeds the cap; clamp: use min(weight, cap)."""
+    rollout_correction: RolloutCorrection = RolloutCorrection.NONE
+    """Training-inference mismatch correction on rho = pi_prox / pi_behave."""
+    rollout_correction_low: float = 0.5
+    """Lower edge of the accepted band for mis_token / mis_seq / icepop."""
+    rollout_correction_high: float = 2.0
+    """Upper edge of the band (mis_*, icepop) and truncation C (tis_*)."""
+
+    @property
+    def needs_prox_logp(self) -> bool:
+        return (self.kind == PolicyLossKind.DECOUPLED_PPO or self.old_logp == OldLogp.PROX
+                or self.rollout_correction != RolloutCorrection.NONE)
+
+
+@dataclass
+class PolicyLossOutput:
+    """loss: [B, S] per-token loss contributions (0 off loss_mask and on dropped tokens);
+    stats: metrics as masked sums with token counts."""
+
+    loss: torch.Tensor
+    stats: dict[str, Stat]
+
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
+                      eps_low: float, eps_high: float,
+                      dual_clip_c: float | None) -> tuple[torch.Tensor, dict[str, Stat]]:
+    """Per-token clipped PPO surrogate loss (to minimise), r = ratio = pi_theta / pi_old:
+
+        L_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))
+        L_t = min(L_t, c |A_t|)  where A_t < 0 and dual_clip_c = c is set
+
+    Stats: clip_frac_low (A < 0 and r < 1 - eps_low), clip_frac_high (A > 0 and r > 1 + eps_high),
+    dual_clip_frac (A < 0 and the c |A| bound is active). Values off loss_mask are 0.
+    """
+    m = loss_mask.bool()
+    adv = advantages.detach()
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    neg = adv < 0
+    stats = {
+        "clip_frac_low": Stat.masked_mean((neg & (ratio < 1.0 - eps_low)).float(), m),
+        "clip_frac_high": Stat.masked_mean(((adv > 0) & (ratio > 1.0 + eps_high)).float(), m),
+    }
+    if dual_clip_c is not None:
+        bound = -dual_clip_c * adv
+        dual_active = neg & (pg > bound)
+        pg = torch.where(neg, torch.minimum(pg, bound), pg)
+        stats["dual_clip_frac"] = Stat.masked_mean(dual_active.float(), m)
+    pg = torch.where(m, pg, torch.zeros_like(pg))
+    return pg, stats
+
+
+def _importance_weight(cfg: PolicyLossConfig, corr_weight: torch.Tensor | None, rho: torch.Tensor,
+                       keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Stat]]:
+    """The detached per-token weight w_t and the updated keep mask (see module docstring)."""
+    if cfg.kind == PolicyLossKind.PPO:
+        w = corr_weight if corr_weight is not None else torch.ones_like(rho)
+        return w, keep, {}
+    w = corr_weight if corr_weight is not None else rho
+    stats: dict[str, Stat] = {}
+    if cfg.behave_weight_cap is not None:
+        over = keep & (w > cfg.behave_weight_cap)
+        stats["behave_weight_capped_frac"] = Stat.masked_mean(over.float(), keep)
+        if cfg.behave_weight_cap_mode == CapMode.MASK:
+            keep = keep & ~over
+        else:
+            w = w.clamp(max=cfg.behave_weight_cap)
+    return w, keep, stats
+
+
+def policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor | None, behave_logp: torch.Tensor,
+                advantages: torch.Tensor, loss_mask: torch.Tensor,
+                cfg: PolicyLossConfig) -> PolicyLossOutput:
+    """Per-token PPO / decoupled-PPO loss (formulas in the module docstring).
+
+    Shapes [B, S]; `prox_logp` may be None only for ppo with old_logp=behave and no correction.
+    Stats (masked sums over loss tokens): clip_frac_low, clip_frac_high, dual_clip_frac (when
+    on), approx_kl_k1 = E[log pi_old - log pi_theta], approx_kl_k3 = E[r - 1 - log r] (pi_old =
+    pi_prox in decoupled PPO), behave_weight (mean applied weight w_t over kept tokens),
+    behave_weight_max (max raw pi_prox / pi_behave), behave_weight_capped_frac, the rollout_corr_*
+    stats of `rollout_correction`, and dropped_frac (tokens that contribute nothing).
+    """
+    if cfg.needs_prox_logp and prox_logp is None:
+        raise ValueError(f"policy_loss: {cfg.kind.value} with old_logp={cfg.old_logp.value} and "
+                         f"rollout_correction={cfg.rollout_correction.value} needs prox_logp")
+    m = loss_mask.bool()
+    use_prox = cfg.kind == PolicyLossKind.DECOUPLED_PPO or cfg.old_logp == OldLogp.PROX
+    old = (prox_logp if use_prox else behave_logp).detach()
+    # Zero the log-ratio off the mask before exp(): padding must never produce inf (inf * 0 = nan).
+    log_ratio = torch.where(m, logp - old, torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)
+    pg, stats = clipped_surrogate(ratio, advantages, loss_mask, cfg.eps_clip_low,
+                                  cfg.eps_clip_high, cfg.dual_clip_c)
+    lr = log_ratio.detach()
+    stats["approx_kl_k1"] = Stat.masked_mean(-lr, m)
+    stats["approx_kl_k3"] = Stat.masked_mean(torch.exp(lr) - 1.0 - lr, m)
+
+    if prox_logp is None:
+        loss = pg
+        keep = m
+    else:
+        corr = rollout_correction(prox_logp, behave_logp, loss_mask, cfg.rollout_correction,
+                                  cfg.rollout_correction_low, cfg.rollout_correction_high)
+        stats.update(corr.stats)
+        w, keep, cap_stats = _importance_weight(cfg, corr.weight, corr.rho, corr.keep)
+        stats.update(cap_stats)
+        stats["behave_weight"] = Stat.masked_mean(w, keep)
+        stats["behave_weight_max"] = Stat.masked_max(corr.rho, m)
+        loss = torch.where(keep, w.detach() * pg, torch.zeros_like(pg))
+    stats["dropped_frac"] = Stat.masked_mean((m & ~keep).float(), m)
+    return PolicyLossOutput(loss, stats)

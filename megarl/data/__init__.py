@@ -1,0 +1,28 @@
+"""Data: tokenizers, SFT/prompt datasets, a resumable sampler and token-budget batching.
+
+`megarl.data.tasks` (synthetic tasks + evaluation) is imported explicitly; it pulls in the rollout
+reward functions and is kept out of this package's import.
+"""
+from megarl.data.datasets import (
+    PromptDataset,
+    PromptSample,
+    ResumableSampler,
+    SFTDataset,
+    balance_across_ranks,
+    pack_microbatches,
+    read_jsonl,
+)
+from megarl.data.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
+
+__all__ = [
+    "PromptDataset",
+    "PromptSample",
+    "ResumableSampler",
+    "SFTDataset",
+    "Tokenizer",
+    "balance_across_ranks",
+    "load_tokenizer",
+    "pack_microbatches",
+    "read_jsonl",
+    "train_sentencepiece",
+]

@@ -1,0 +1,240 @@
+"""Datasets, a resumable sampler, and token-budget batching.
+
+- `SFTDataset`: JSONL {"prompt", "response"} -> {"input_ids", "loss_mask"} (loss on the response
+  and its EOS only).
+- `PromptDataset`: JSONL {"prompt", "answer", ...} -> `PromptSample` for RL; every field but the
+  prompt lands in `meta`, which is what reward functions receive.
+- `ResumableSampler`: an endless, epoch-shuffled index stream whose `state_dict()` (seed, epoch,
+  position) resumes exactly where a checkpoint left it.
+- `pack_microbatches` / `balance_across_ranks`: split a batch by token counts, deterministically.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from megarl.data.tokenizer import Tokenizer
+
+__all__ = [
+    "read_jsonl",
+    "SFTDataset",
+    "PromptSample",
+    "PromptDataset",
+    "ResumableSampler",
+    "pack_microbatches",
+    "balance_across_ranks",
+]
+
+
+def read_jsonl(path: str, required_keys: Sequence[str] = ()) -> list[tuple[int, dict]]:
+    """(line number, record) for each non-blank line; bad JSON or a missing key names file:line."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            missing = [k for k in required_keys if k not in row]
+            if missing:
+                raise KeyError(f"{path}:{lineno}: missing key(s) {missing}; has {sorted(row)}")
+            rows.append((lineno, row))
+    return rows
+
+
+class SFTDataset:
+    """Supervised pairs, tokenized eagerly (the whole file is validated before training starts).
+
+    Sample i is `{"input_ids": [bos?] + prompt + response + [eos], "loss_mask": 0 on bos/prompt,
+    1 on response and eos}`. Prompt and response are encoded separately so the boundary is exact.
+    Samples longer than `max_seq_len` are cut at the right (the EOS may then be lost).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: Tokenizer,
+        max_seq_len: int,
+        prompt_key: str = "prompt",
+        response_key: str = "response",
+        add_bos: bool = True,
+    ):
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        self.path = path
+        self.samples: list[dict[str, list[int]]] = []
+        for _, row in read_jsonl(path, (prompt_key, response_key)):
+            prompt = tokenizer.encode(str(row[prompt_key]), add_bos=add_bos)
+            response = tokenizer.encode(str(row[response_key])) + [tokenizer.eos_id]
+            ids = (prompt + response)[:max_seq_len]
+            mask = ([0] * len(prompt) + [1] * len(response))[:max_seq_len]
+            self.samples.append({"input_ids": ids, "loss_mask": mask})
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return self.samples[i]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(s["input_ids"]) for s in self.samples]
+
+
+@dataclass
+class PromptSample:
+    """One RL prompt. `meta` holds every JSONL field except the prompt (so `meta["answer"]`)."""
+
+    index: int
+    prompt: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    prompt_ids: list[int] | None = None
+
+    @property
+    def answer(self) -> Any:
+        return self.meta.get("answer")
+
+
+class PromptDataset:
+    """RL prompts from JSONL. With a tokenizer, `prompt_ids` is filled (BOS prepended if it exists)."""
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: Tokenizer | None = None,
+        prompt_key: str = "prompt",
+        answer_key: str | None = "answer",
+        add_bos: bool = True,
+    ):
+        self.path = path
+        required = (prompt_key,) + ((answer_key,) if answer_key else ())
+        self.samples: list[PromptSample] = []
+        for _, row in read_jsonl(path, required):
+            prompt = str(row[prompt_key])
+            meta = {k: v for k, v in row.items() if k != prompt_key}
+            if answer_key and answer_key != "answer":
+                meta["answer"] = row[answer_key]
+            ids = tokenizer.encode(prompt, add_bos=add_bos) if tokenizer is not None else None
+            self.samples.append(PromptSample(len(self.samples), prompt, meta, ids))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> PromptSample:
+        return self.samples[i]
+
+
+class ResumableSampler:
+    """Endless stream of indices in [0, n): a fresh permutation each epoch, fixed by (seed, epoch).
+
+    The state is three integers, so a restored sampler yields exactly the indices the original
+    would have yielded next. Not thread-safe: one owner (the controller) draws from it.
+    """
+
+    def __init__(self, n: int, seed: int = 0, shuffle: bool = True):
+        if n < 1:
+            raise ValueError(f"cannot sample from an empty dataset (n={n})")
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.n)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    def next_index(self) -> int:
+        if self.position == self.n:
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        idx = int(self._order[self.position])
+        self.position += 1
+        return idx
+
+    def next_batch(self, batch_size: int) -> list[int]:
+        """The next `batch_size` indices; a batch may straddle an epoch boundary."""
+        return [self.next_index() for _ in range(batch_size)]
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            yield self.next_index()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position, "n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if int(state["n"]) != self.n:
+            raise ValueError(f"sampler state is for a dataset of {state['n']} samples, not {self.n}")
+        self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)
+
+
+def _cost(bin_lengths: list[int], padded: bool) -> int:
+    return max(bin_lengths) * len(bin_lengths) if padded else sum(bin_lengths)
+
+
+def pack_microbatches(
+    lengths: Sequence[int], max_tokens: int, padded: bool = True, min_microbatches: int = 1
+) -> list[list[int]]:
+    """Group sample indices into micro-batches of at most `max_tokens` tokens (first-fit decreasing).
+
+    Cost of a micro-batch: `max(len) * count` when `padded` (a [count, max_len] padded tensor), else
+    `sum(len)` (packed/THD sequences). Every index appears exactly once; a sample longer than
+    `max_tokens` gets a micro-batch of its own (the one case the budget is exceeded). With
+    `min_microbatches` = k the costliest micro-batch is split in two until there are k (or one per
+    sample), e.g. to give every DP rank the same count. Deterministic: ties break by index.
+    Within a micro-batch indices are ascending; micro-batches are ordered by their first index.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []  # indices, longest first
+    sums: list[int] = []
+    for i in order:
+        for k, b in enumerate(bins):
+            # Lengths arrive in decreasing order, so a bin's max is its first member's length.
+            cost = lengths[b[0]] * (len(b) + 1) if padded else sums[k] + lengths[i]
+            if cost <= max_tokens:
+                b.append(i)
+                sums[k] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            sums.append(lengths[i])
+    while len(bins) < min(min_microbatches, len(lengths)):
+        splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
+        k = max(splittable, key=lambda b: (_cost([lengths[j] for j in bins[b]], padded), -b))
+        # Alternate the (sorted) members: both halves cost no more than the whole.
+        bins[k:k + 1] = [bins[k][0::2], bins[k][1::2]]
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def balance_across_ranks(
+    lengths: Sequence[int], n_ranks: int, equal_size: bool = False
+) -> list[list[int]]:
+    """Split sample indices over `n_ranks` so token sums are near-equal (greedy LPT).
+
+    Longest first, each sample goes to the rank with the least tokens so far (ties: lowest rank).
+    LPT's makespan is within 4/3 of optimal. With `equal_size`, rank sample counts differ by at
+    most one (ranks r < n % n_ranks take the extra one). Each rank's indices are ascending.
+    """
+    if n_ranks < 1:
+        raise ValueError(f"n_ranks must be >= 1, got {n_ranks}")
+    n = len(lengths)
+    capacity = [n // n_ranks + (r < n % n_ranks) if equal_size else n for r in range(n_ranks)]
+    heap = [(0, r) for r in range(n_ranks) if capacity[r] > 0]  # (tokens, rank)
+    parts: list[list[int]] = [[] for _ in range(n_ranks)]
+    for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
+        load, r = heapq.heappop(heap)
+        parts[r].append(i)
+        if len(parts[r]) < capacity[r]:
+            heapq.heappush(heap, (load + lengths[i], r))
+    return [sorted(p) for p in parts]

@@ -1,0 +1,269 @@
+"""The one metrics path: accumulate (sum, count) pairs, reduce them over DP once per step, log.
+
+    tracker.add("loss", loss_sum, n_tokens)      # a masked mean with its explicit denominator
+    tracker.add_scalar("grad_norm", gn)          # a plain value: sum = value, count = 1
+    stats = tracker.reduce(dp_group)             # ONE all_reduce; name -> sum_all / count_all
+    logger.log(stats, step)                      # jsonl (always), tensorboard, wandb, console
+
+Means are global: sum over all DP ranks and calls divided by the summed count, so ranks with more
+tokens weigh more (never a mean of per-rank means). Also `print0` and a dependency-free `progress`.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import threading
+import time
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["StatsTracker", "MetricsLogger", "print0", "get_rank", "progress"]
+
+
+def _to_float(x: Any) -> float:
+    return float(x.detach().item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def get_rank() -> int:
+    """Global rank: torch.distributed's if initialized, else $RANK, else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """print() on global rank 0 only (flushed)."""
+    if get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+class StatsTracker:
+    """Thread-safe accumulator of named (sum, count) pairs.
+
+    Invariant for `reduce` over a group: every rank of the group has added the same set of names
+    (in any order, any number of times, count 0 allowed), since the packed tensor is laid out by
+    sorted name.
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, float] = {}
+        self._prefix: list[str] = []
+        self._lock = threading.Lock()
+
+    def _name(self, name: str) -> str:
+        return "/".join(self._prefix + [name])
+
+    @contextlib.contextmanager
+    def scope(self, prefix: str) -> Iterator["StatsTracker"]:
+        """Names added inside get "prefix/" prepended (scopes nest). Not per-thread."""
+        self._prefix.append(prefix)
+        try:
+            yield self
+        finally:
+            self._prefix.pop()
+
+    def add(self, name: str, value_sum: Any, count: Any) -> None:
+        """Add a sum and the number of items it sums (e.g. masked token sum and mask.sum())."""
+        key, s, c = self._name(name), _to_float(value_sum), _to_float(count)
+        with self._lock:
+            self._sums[key] = self._sums.get(key, 0.0) + s
+            self._counts[key] = self._counts.get(key, 0.0) + c
+
+    def add_scalar(self, name: str, value: Any) -> None:
+        """A single observation (count 1); its reduced value is the mean over calls and ranks."""
+        self.add(name, value, 1.0)
+
+    def add_masked(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """sum(values * mask) over sum(mask)."""
+        mask = mask.to(values.dtype)
+        self.add(name, (values * mask).sum(), mask.sum())
+
+    def reduce(self, group: "dist.ProcessGroup | None" = None) -> dict[str, float]:
+        """name -> sum / count, summed over `group` by ONE all_reduce; then the tracker is empty.
+
+        No communication when `group` is None or has one rank. Names whose total count is 0 are
+        left out of the result.
+        """
+        with self._lock:
+            names = sorted(self._sums)
+            sums = [self._sums[n] for n in names]
+            counts = [self._counts[n] for n in names]
+            self._sums, self._counts = {}, {}
+        if group is not None and dist.get_world_size(group) > 1:
+            device = "cpu"
+            if dist.get_backend(group) == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            packed = torch.tensor(sums + counts, dtype=torch.float64, device=device)
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+            values = packed.tolist()
+            sums, counts = values[: len(names)], values[len(names):]
+        return {n: s / c for n, s, c in zip(names, sums, counts) if c != 0}
+
+
+class _JsonlSink:
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, metrics: dict[str, float], step: int) -> None:
+        row = {"step": step, "time": round(time.time(), 3)}
+        row.update({k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()})
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class _TensorboardSink:
+    def __init__(self, log_dir: str):
+        from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+
+        self._w = SummaryWriter(log_dir=log_dir)
+
+    def write(self, metrics: dict[str, float], step: int) -> None:
+        for k, v in metrics.items():
+            self._w.add_scalar(k, v, step)
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class _WandbSink:
+    def __init__(self, project: str, run_name: str | None, config: dict | None, run_dir: str):
+        import wandb
+
+        self._wandb = wandb
+        self._run = wandb.init(project=project, name=run_name, config=config, dir=run_dir)
+
+    def write(self, metrics: dict[str, float], step: int) -> None:
+        self._run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class _ConsoleSink:
+    def __init__(self, keys: list[str] | None, max_keys: int = 8):
+        self._keys, self._max_keys = keys, max_keys
+
+    def write(self, metrics: dict[str, float], step: int) -> None:
+        keys = self._keys if self._keys is not None else list(metrics)[: self._max_keys]
+        parts = [f"{k} {metrics[k]:.4g}" for k in keys if k in metrics]
+        print(" | ".join([f"step {step}"] + parts), flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class MetricsLogger:
+    """Rank-0 sinks behind one `log(metrics, step)`; on other ranks every call is a no-op.
+
+    Always `RUN_DIR/metrics.jsonl` (one flushed line per step: step, time, metrics); tensorboard
+    under RUN_DIR/tensorboard when `tensorboard=True` and it imports; wandb when `wandb_project` is
+    set and wandb imports; a console line with `console_keys` (default: the first 8 metrics).
+    A sink that cannot start is reported once and skipped; the run never fails for a logger.
+    """
+
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        wandb_run_name: str | None = None,
+        config: dict | None = None,
+        console: bool = True,
+        console_keys: list[str] | None = None,
+        enabled: bool | None = None,
+    ):
+        self.run_dir = run_dir
+        self.enabled = get_rank() == 0 if enabled is None else enabled
+        self.sinks: list[Any] = []
+        if not self.enabled:
+            return
+        self.sinks.append(_JsonlSink(os.path.join(run_dir, "metrics.jsonl")))
+        optional = []
+        if tensorboard:
+            optional.append(("tensorboard", lambda: _TensorboardSink(os.path.join(run_dir, "tensorboard"))))
+        if wandb_project:
+            optional.append(("wandb", lambda: _WandbSink(wandb_project, wandb_run_name, config, run_dir)))
+        for name, make in optional:
+            try:
+                self.sinks.append(make())
+            except ImportError as e:
+                print(f"[metrics] {name} logging off: {e}", file=sys.stderr, flush=True)
+        if console:
+            self.sinks.append(_ConsoleSink(console_keys))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if not self.enabled:
+            return
+        clean = {k: _to_float(v) for k, v in metrics.items()}
+        for sink in self.sinks:
+            sink.write(clean, step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _fmt_time(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
+
+
+def progress(
+    iterable: Iterable | int, desc: str = "", total: int | None = None, enabled: bool | None = None
+) -> Iterator:
+    """Yield from `iterable` (or range(n) for an int) while drawing a one-line bar on stderr.
+
+    On a terminal the line is redrawn at most 10x/s; otherwise (log files) a line is printed at
+    most every 10 s. Only rank 0 draws unless `enabled` says otherwise.
+    """
+    if isinstance(iterable, int):
+        iterable, total = range(iterable), iterable
+    elif total is None and hasattr(iterable, "__len__"):
+        total = len(iterable)  # type: ignore[arg-type]
+    show = (get_rank() == 0) if enabled is None else enabled
+    tty = sys.stderr.isatty()
+    interval = 0.1 if tty else 10.0
+    start = last = time.monotonic()
+    done = 0
+
+    def draw(final: bool = False) -> None:
+        elapsed = time.monotonic() - start
+        rate = done / elapsed if elapsed > 0 else 0.0
+        if total:
+            frac = min(done / total, 1.0)
+            bar = "#" * int(20 * frac) + "." * (20 - int(20 * frac))
+            eta = (total - done) / rate if rate > 0 else 0.0
+            text = f"{desc} [{bar}] {done}/{total} {_fmt_time(elapsed)}<{_fmt_time(eta)} {rate:.2f}it/s"
+        else:
+            text = f"{desc} {done} {_fmt_time(elapsed)} {rate:.2f}it/s"
+        end = "\n" if final or not tty else ""
+        print(("\r" if tty else "") + text, end=end, file=sys.stderr, flush=True)
+
+    for item in iterable:
+        yield item
+        done += 1
+        now = time.monotonic()
+        if show and now - last >= interval:
+            last = now
+            draw()
+    if show:
+        draw(final=True)

@@ -1,0 +1,120 @@
+"""Addition task: seeded generation, held-out disjointness, make_tiny_model steps (i)-(iii), and
+evaluate_accuracy against a stand-in /generate server."""
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from megarl.data.datasets import read_jsonl
+from megarl.data.tasks import AdditionTask, evaluate_accuracy, write_addition_corpus
+from megarl.data.tokenizer import load_tokenizer, train_sentencepiece
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_addition_task_basics():
+    t = AdditionTask(digits=2, seed=0)
+    assert (t.low, t.num_pairs, t.pair(0), t.pair(8099)) == (10, 8100, (10, 10), (99, 99))
+    assert (t.prompt(12, 34), t.answer(12, 34)) == ("12+34=", "46")
+    assert AdditionTask(digits=1).num_pairs == 100 and AdditionTask(digits=1).pair(37) == (3, 7)
+    assert AdditionTask(3).num_pairs == 900 * 900
+    assert list(t.rl_rows([(12, 34)])) == [{"prompt": "12+34=", "answer": "46"}]
+    assert list(t.sft_rows([(99, 1)])) == [{"prompt": "99+1=", "response": "100"}]
+    with pytest.raises(ValueError, match="only 100 exist"):
+        AdditionTask(digits=1).held_out(101)
+
+
+def test_seeded_and_held_out_disjoint():
+    t = AdditionTask(digits=2, seed=0)
+    held = t.held_out(500)
+    assert len(set(held)) == 500 and held == AdditionTask(2, 0).held_out(500)
+    assert t.held_out(5) == [(86, 87), (45, 15), (78, 99), (91, 12), (48, 35)]
+    assert AdditionTask(2, 1).held_out(5) != t.held_out(5)
+    train = t.training_pairs(5000, 500)
+    assert train == AdditionTask(2, 0).training_pairs(5000, 500)
+    assert not set(train) & set(held)
+    assert not set(t.training_pairs(2000, 500, stream=2)) & set(held)
+    assert all(10 <= a <= 99 and 10 <= b <= 99 for a, b in train)
+    small = AdditionTask(digits=1, seed=0)
+    assert not set(small.training_pairs(500, 99)) & set(small.held_out(99))
+
+
+def test_make_tiny_model_data_tokenizer_config(tmp_path):
+    out = tmp_path / "tiny"
+    r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"), "--out", str(out),
+                        "--skip-sft", "--n-sft", "300", "--n-rl", "200", "--n-eval", "50"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = {n: [row for _, row in read_jsonl(str(out / "data" / f"{n}.jsonl"))]
+            for n in ("sft", "rl_prompts", "eval_prompts")}
+    assert [len(v) for v in rows.values()] == [300, 200, 50]
+    assert set(rows["sft"][0]) == {"prompt", "response"} and set(rows["eval_prompts"][0]) == {"prompt", "answer"}
+    held = {r["prompt"] for r in rows["eval_prompts"]}
+    assert not held & {r["prompt"] for r in rows["sft"] + rows["rl_prompts"]}
+    tok = load_tokenizer(str(out / "hf"))
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (15, 1, 2)
+    assert tok.encode("12+34=") == [4, 5, 13, 6, 7, 14]
+    cfg = json.loads((out / "hf" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+            cfg["num_key_value_heads"], cfg["intermediate_size"], cfg["max_position_embeddings"]) == (
+        16, 128, 4, 4, 2, 256, 64)
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["tie_word_embeddings"], cfg["torch_dtype"]) == (
+        1, 2, False, "float32")
+    assert sorted(os.listdir(out / "hf")) == ["config.json", "tokenizer.model"]
+
+
+class _FakeGenerate(BaseHTTPRequestHandler):
+    """Answers "a+b=" correctly when a is even, with "0" otherwise; EOS then junk after it."""
+
+    tok = None
+    requests: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def _reply(self, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._reply({})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append(req)
+        outs = []
+        for ids in req["input_ids"]:
+            a, b = map(int, self.tok.decode(ids).rstrip("=").split("+"))
+            text = str(a + b) if a % 2 == 0 else "0"
+            out_ids = self.tok.encode(text) + [self.tok.eos_id, 4, 4]
+            outs.append({"output_ids": out_ids, "text": text, "meta_info": {"finish_reason": {"type": "stop"}}})
+        self._reply(outs)
+
+
+def test_evaluate_accuracy_through_generate(tmp_path):
+    model_dir = tmp_path / "model"
+    _FakeGenerate.tok = train_sentencepiece(["1+1=2"], str(model_dir), required_chars="0123456789+=")
+    paths = write_addition_corpus(str(tmp_path / "data"), digits=2, n_sft=0, n_rl=0, n_eval=40, seed=0)
+    held = AdditionTask(2, 0).held_out(40)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeGenerate)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        acc = evaluate_accuracy(str(model_dir), paths["eval_prompts"], n=30, server_url=url, batch_size=16)
+    finally:
+        server.shutdown()
+    assert sum(a % 2 == 0 for a, _ in held[:30]) == 15
+    assert acc == pytest.approx(0.5)
+    assert [len(r["input_ids"]) for r in _FakeGenerate.requests] == [16, 14]
+    first = _FakeGenerate.requests[0]
+    assert first["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 8, "stop_token_ids": [2]}
+    assert first["input_ids"][0] == [1, 11, 9, 13, 11, 10, 14]  # bos "86+87="
