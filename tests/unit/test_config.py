@@ -1,0 +1,83 @@
+"""Config loading: YAML + dotted overrides, and one-line errors that name the field."""
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from megarl.config import ConfigError, check_world_size, load_config, save_config
+from megarl.models.random_hf import tiny_config, write_random_hf
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    # tiny Llama: 4 heads, 2 kv heads, 4 layers, vocab 128
+    return write_random_hf(str(tmp_path_factory.mktemp("hf")), tiny_config())
+
+
+def load(hf, *overrides):
+    return load_config(None, [f"model.hf_path={hf}", "data.train_path=x.jsonl", *overrides])
+
+
+def test_yaml_and_overrides(tmp_path, hf):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"hf_path": hf}, "data": {"train_path": "t.jsonl"},
+                                    "optim": {"lr": 1e-4}, "train": {"steps": 5}}))
+    cfg = load_config(str(path), ["train.steps=7", "optim.lr=2e-4", "parallel.tp=2",
+                                  "algo.eps_clip_high=0.28", "checkpoint.hf_export_dir="])
+    assert cfg.train.steps == 7 and cfg.optim.lr == 2e-4 and cfg.parallel.tp == 2
+    assert cfg.algo.eps_clip_high == 0.28 and cfg.checkpoint.hf_export_dir == ""
+    out = save_config(cfg, str(tmp_path / "run"))
+    again = load_config(out)
+    assert again == cfg
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.stepz=3", "train.stepz: unknown key"),
+    ("bogus.x=1", "bogus: unknown key"),
+    ("train.steps=abc", "train.steps: expected an integer"),
+    ("train.steps=1.5", "train.steps: expected an integer"),
+    ("optim.lr=fast", "optim.lr: expected a number"),
+    ("parallel.distributed_optimizer=maybe", "parallel.distributed_optimizer: expected true/false"),
+    ("optim.lr=-1", "optim.lr: must be > 0"),
+    ("parallel.tp=3", "parallel.tp: 3 does not divide num_attention_heads=4"),
+    ("parallel.tp=4", "parallel.tp: 4 does not divide num_key_value_heads=2"),
+    ("parallel.pp=5", "parallel.pp: 5 is greater than num_hidden_layers=4"),
+    ("parallel.tp=0", "parallel.tp: must be >= 1"),
+    ("train.algorithm=dpo", "train.algorithm: must be one of"),
+    ("algo.eps_clip_low=-0.1", "algo.eps_clip_low"),
+    ("parallel.world_size=3", "parallel.world_size: 3 is not divisible by tp*pp=2"),
+])
+def test_bad_values_name_the_field(hf, override, field):
+    extra = ["parallel.tp=2"] if override.startswith("parallel.world_size") else []
+    with pytest.raises(ConfigError) as e:
+        load(hf, *extra, override)
+    msg = str(e.value)
+    assert msg.startswith(field.split(":")[0]) and field in msg and "\n" not in msg
+
+
+def test_world_size_not_divisible(hf):
+    cfg = load(hf, "parallel.tp=2", "parallel.pp=2")
+    assert check_world_size(cfg, 8) == 2
+    with pytest.raises(ConfigError, match=r"^parallel.tp: world size 6 is not divisible by tp\*pp=4"):
+        check_world_size(cfg, 6)
+
+
+def test_missing_model_dir(tmp_path):
+    with pytest.raises(ConfigError, match="^model.hf_path: no config.json"):
+        load(str(tmp_path))
+
+
+def test_cli_reports_one_line_and_nonzero_exit(hf, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"hf_path": hf}, "data": {"train_path": "x"}}))
+    proc = subprocess.run([sys.executable, "-m", "megarl.train", str(cfg), "parallel.tp=3",
+                           f"train.run_dir={tmp_path}/run"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "megarl-train: parallel.tp: 3 does not divide num_attention_heads=4"]
+    assert not (tmp_path / "run").exists()
+    missing = subprocess.run([sys.executable, "-m", "megarl.train", str(tmp_path / "nope.yaml")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == f"megarl-train: config: file not found: {tmp_path}/nope.yaml"

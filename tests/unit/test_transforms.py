@@ -1,0 +1,46 @@
+"""Fused-QKV (GQA grouping) and gate/up transforms against hand-built layouts."""
+import torch
+
+from megarl.models import transforms as T
+from megarl.models.registry import get_architecture, read_model_args
+
+
+def test_merge_qkv_group_layout():
+    heads, groups, d, hidden = 4, 2, 3, 5
+    q = torch.arange(heads * d * hidden, dtype=torch.float32).reshape(heads * d, hidden)
+    k = -torch.arange(groups * d * hidden, dtype=torch.float32).reshape(groups * d, hidden) - 1
+    v = 1000 + torch.arange(groups * d * hidden, dtype=torch.float32).reshape(groups * d, hidden)
+    fused = T.merge_qkv(q, k, v, heads, groups)
+    # group 0: q heads 0,1 then k0 then v0; group 1: q heads 2,3 then k1 then v1
+    expect = torch.cat([q[0:6], k[0:3], v[0:3], q[6:12], k[3:6], v[3:6]])
+    assert torch.equal(fused, expect)
+    assert all(torch.equal(a, b) for a, b in zip(T.split_qkv(fused, heads, groups), (q, k, v)))
+
+
+def test_qkv_bias_and_tp_shard_is_contiguous_groups():
+    heads, groups, d = 8, 4, 2
+    q, k, v = torch.randn(heads * d), torch.randn(groups * d), torch.randn(groups * d)
+    fused = T.merge_qkv(q, k, v, heads, groups)
+    shard1 = T.shard(fused, 0, 2, 1)  # TP rank 1 owns groups 2, 3
+    q1, k1, v1 = T.split_qkv(shard1, heads // 2, groups // 2)
+    assert torch.equal(q1, q[8:]) and torch.equal(k1, k[4:]) and torch.equal(v1, v[4:])
+
+
+def test_gate_up_shards():
+    gate, up = torch.randn(8, 3), torch.randn(8, 3)
+    shards = [T.gate_up_to_shard(gate, up, 2, r) for r in range(2)]
+    assert torch.equal(shards[0], torch.cat([gate[:4], up[:4]]))
+    assert torch.equal(shards[1], torch.cat([gate[4:], up[4:]]))
+    g, u = T.shards_to_gate_up(shards)
+    assert torch.equal(g, gate) and torch.equal(u, up)
+
+
+def test_unknown_architecture_lists_supported(tmp_path):
+    import json
+    import pytest
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError) as e:
+        read_model_args(str(tmp_path))
+    assert "'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, MistralForCausalLM, " \
+           "Qwen2ForCausalLM, Qwen3ForCausalLM" in str(e.value)
+    assert get_architecture("Qwen2ForCausalLM").qkv_bias
