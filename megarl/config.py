@@ -40,6 +40,9 @@ class ModelConfig:
     """Layer spec: auto (TE when TE and CUDA are present, else local), te, or local."""
     recompute: bool = False
     """Full activation recomputation (saves memory for large models)."""
+    ref_hf_path: str = ""
+    """Reference policy for the KL term (HF directory, loaded frozen with the same parallel
+    layout when algo.kl_coef > 0); empty = the initial weights (model.hf_path)."""
 
     def validate(self) -> None:
         _choice("model.init", self.init, ("hf", "random"))
@@ -131,12 +134,18 @@ class TrainConfig:
     run_dir: str = "runs/default"
     """Directory for the resolved config, metrics.jsonl and checkpoints by default."""
     seed: int = 1234
-    """Data-order seed."""
+    """Data-order seed (also seeds the PPO mini-batch shuffle)."""
+    ppo_epochs: int = 1
+    """RL: passes over each step's trajectories (one optimizer step per mini-batch per pass)."""
+    ppo_mini_batch_size: int = 0
+    """RL: sequences per optimizer step across all DP ranks; 0 = the whole step (one mini-batch)."""
 
     def validate(self) -> None:
         _choice("train.algorithm", self.algorithm, ("sft", "grpo"))
-        for name in ("steps", "global_batch_size", "micro_batch_tokens", "max_seq_len"):
+        for name in ("steps", "global_batch_size", "micro_batch_tokens", "max_seq_len", "ppo_epochs"):
             _positive(f"train.{name}", getattr(self, name))
+        if self.ppo_mini_batch_size < 0:
+            raise ConfigError(f"train.ppo_mini_batch_size: must be >= 0, got {self.ppo_mini_batch_size}")
 
 
 @dataclass
@@ -196,6 +205,71 @@ class LoggingConfig:
 
 
 @dataclass
+class RolloutConfig:
+    servers: list[str] = field(default_factory=list)
+    """Rollout server addresses (http://host:port): SGLang servers or megarl-server."""
+    api_key: str = ""
+    """Bearer token for the servers' admin endpoints; empty = none."""
+
+    def validate(self) -> None:
+        for i, s in enumerate(self.servers):
+            if not s.startswith(("http://", "https://")) and ":" not in s:
+                raise ConfigError(f"rollout.servers[{i}]: expected host:port or a URL, got {s!r}")
+
+
+@dataclass
+class WeightSyncConfig:
+    transport: str = "distributed"
+    """distributed (broadcast over a gloo/NCCL group), disk (shared dir) or tensor (HTTP)."""
+    bucket_mb: int = 256
+    """Bucket size cap in MiB; peak extra memory is about two buckets."""
+    dtype: str = "auto"
+    """Serving dtype: auto (the training dtype), float32 or bfloat16."""
+    pause_mode: str = "abort"
+    """How servers pause for a push: abort (partial rollouts resume), retract or in_place."""
+    timeout_s: float = 120.0
+    """Deadline of every step of a push (HTTP calls and broadcasts)."""
+    master_address: str = "127.0.0.1"
+    """Address the servers use to reach this job's source ranks (distributed transport)."""
+    disk_dir: str = ""
+    """Shared directory for the disk transport; empty = <run_dir>/weights."""
+    keep_versions: int = 2
+    """Versions kept in disk_dir."""
+    verify: bool = False
+    """After a push, compare per-tensor checksums against the servers (slow; for debugging)."""
+
+    def validate(self) -> None:
+        _choice("weights.transport", self.transport, ("distributed", "disk", "tensor"))
+        _choice("weights.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _choice("weights.pause_mode", self.pause_mode, ("abort", "retract", "in_place"))
+        _positive("weights.bucket_mb", self.bucket_mb)
+        _positive("weights.keep_versions", self.keep_versions)
+        if self.timeout_s <= 0:
+            raise ConfigError(f"weights.timeout_s: must be > 0, got {self.timeout_s}")
+
+
+@dataclass
+class CriticConfig:
+    hf_path: str = ""
+    """Critic backbone (HF directory) for algo.advantage=gae; empty = model.hf_path. Its LM head is
+    replaced by a fresh scalar value head."""
+    lr: Optional[float] = None
+    """Critic peak learning rate; null = optim.lr (other optimizer settings from optim)."""
+    value_clip: Optional[float] = 0.2
+    """Value clip c: the loss also scores V_old + clip(V - V_old, -c, c); null = off."""
+    warmup_steps: int = 0
+    """RL steps that train only the critic before the actor starts updating."""
+
+    def validate(self) -> None:
+        if self.lr is not None and self.lr <= 0:
+            raise ConfigError(f"critic.lr: must be > 0, got {self.lr}")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ConfigError(f"critic.value_clip: must be > 0 or null, got {self.value_clip}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"critic.warmup_steps: must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -205,6 +279,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

@@ -1,0 +1,1 @@
+"""Weight push: plan (pure) -> reshard (gather + convert + bucket) -> transport -> servers."""

@@ -1,0 +1,114 @@
+"""Gather + convert + bucket: Megatron shards -> byte-capped buckets of HF/SGLang tensors.
+
+For each pipeline stage, the TP group of DP rank 0 walks the stage's part of the plan; per
+Megatron parameter it all-gathers the TP shards, splits fused QKV / gate-up into HF tensors,
+casts to the serving dtype and appends them to the current bucket. Only the stage's source rank
+(DP=0, TP=0) keeps the tensors and yields buckets; its TP peers take part in the gathers and
+drop the results. A bucket is yielded as soon as it is full, so at most the bucket being filled
+plus the one being sent are alive (~2 buckets of extra memory).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from megarl.models.hf_io import gather_tp, local_params, shards_to_hf
+from megarl.weights.planner import TensorSpec, bucketize, plan
+
+
+@dataclass
+class Bucket:
+    names: list[str]
+    tensors: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @property
+    def dtypes(self) -> list[str]:
+        return [str(t.dtype).replace("torch.", "") for t in self.tensors]
+
+    @property
+    def shapes(self) -> list[list[int]]:
+        return [list(t.shape) for t in self.tensors]
+
+
+@dataclass
+class ReshardTimes:
+    gather_s: float = 0.0
+    convert_s: float = 0.0
+    buckets: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class Resharder:
+    """Bound to one engine (model chunks + parallel state); reusable across pushes."""
+
+    engine: object
+    bucket_bytes: int = 256 * 2**20
+    dtype: Optional[torch.dtype] = None  # serving dtype; None = the training dtype
+    times: ReshardTimes = field(default_factory=ReshardTimes)
+
+    def stage_plan(self, stage: int) -> list[list[TensorSpec]]:
+        """Buckets of this stage, identical on every rank."""
+        e = self.engine
+        specs = [s for s in plan(e.args, e.ps.pp, e.ps.vpp) if s.stage == stage]
+        return bucketize(specs, self.bucket_bytes, self.serving_dtype)
+
+    @property
+    def serving_dtype(self) -> torch.dtype:
+        return self.dtype or next(p for c in self.engine.chunks for p in c.parameters()).dtype
+
+    def total_bytes(self) -> int:
+        """Bytes of the whole model in the serving dtype (all stages)."""
+        return sum(s.nbytes(self.serving_dtype) for stage in range(self.engine.ps.pp)
+                   for bucket in self.stage_plan(stage) for s in bucket)
+
+    def iter_buckets(self) -> Iterator[Bucket]:
+        """This rank's stage, as buckets; yields only on the stage's source rank. Collective over
+        the TP group of DP rank 0 (other DP ranks return at once)."""
+        e = self.engine
+        ps = e.ps
+        self.times = ReshardTimes()
+        if ps.dp_rank != 0:
+            return
+        params = {}
+        for lp in local_params(e.chunks, e.args, e.use_te):
+            name = lp.pmap.names(lp.layer)[0]
+            if not (e.args.tie_word_embeddings and lp.local_name == "output_layer.weight"):
+                params[name] = lp
+        converted: dict[str, torch.Tensor] = {}
+        for bucket_specs in self.stage_plan(ps.pp_rank):
+            names, tensors = [], []
+            for spec in bucket_specs:
+                if spec.hf_name not in converted:
+                    converted = self._convert(params[spec.mcore_name])
+                t = converted.pop(spec.hf_name)
+                if tuple(t.shape) != spec.shape:
+                    raise RuntimeError(f"resharder: {spec.hf_name} has shape {tuple(t.shape)}, "
+                                       f"plan says {spec.shape}")
+                if ps.is_pp_source:
+                    names.append(spec.hf_name)
+                    tensors.append(t)
+            if ps.is_pp_source:
+                bucket = Bucket(names, tensors)
+                self.times.buckets += 1
+                self.times.bytes += bucket.nbytes
+                yield bucket
+
+    def _convert(self, lp) -> dict[str, torch.Tensor]:
+        e = self.engine
+        t0 = time.perf_counter()
+        shards = gather_tp(lp.param, lp.pmap.tp_dim, e.ps.tp, e.ps.tp_group)
+        t1 = time.perf_counter()
+        out = shards_to_hf(lp.pmap, shards, e.args)
+        names = lp.pmap.names(lp.layer)[1]
+        result = {n: (t.to(self.dtype) if self.dtype else t).contiguous() for n, t in zip(names, out)}
+        self.times.gather_s += t1 - t0
+        self.times.convert_s += time.perf_counter() - t1
+        return result

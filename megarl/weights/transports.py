@@ -1,0 +1,168 @@
+"""How buckets reach the rollout servers. One transport instance per trainer rank; only the
+stage source ranks (DP=0, TP=0 of each pipeline stage) send anything.
+
+- :class:`DistributedTransport`: a weight-update group per stage source (the source is rank 0,
+  server i is rank 1+i), made through the servers' ``/init_weights_update_group`` and a TCP-store
+  rendezvous; per bucket, announce names/dtypes/shapes over HTTP and broadcast the tensors.
+  NCCL on GPU, gloo on CPU. Groups are created stage by stage, so sources never deadlock.
+- :class:`DiskTransport`: HF safetensors written atomically to a shared directory (one
+  subdirectory per version), then every server reloads it (clusters with no common network group).
+- :class:`TensorTransport`: each bucket as base64 safetensors over HTTP (small models, tests).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from megarl.rollout.types import DistributedWeightsMeta, DiskWeightsUpdate, TensorWeightsUpdate, WeightsUpdateGroup
+from megarl.weights.admin import AdminRunner
+from megarl.weights.resharder import Bucket
+
+
+class PushError(RuntimeError):
+    """A push step failed; the message names the step and the server(s)."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def new_update_group(addr: str, port: int, rank: int, world: int, name: str, backend: str, timeout_s: float):
+    """A process group outside the trainer's default group, built like SGLang's
+    ``init_custom_process_group``: TCP-store rendezvous, ``PrefixStore(name)``, registered in
+    torch's group table (identity rank map) so collectives accept it."""
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.PrefixStore(name, dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout))
+    pg, _ = _new_process_group_helper(world, rank, [], backend, store, group_name=name, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    return pg
+
+
+class DistributedTransport:
+    def __init__(self, admin: AdminRunner, master_address: str, timeout_s: float, backend: str):
+        self.admin, self.addr, self.timeout_s, self.backend = admin, master_address, timeout_s, backend
+        self.group = None
+        self.group_name = ""
+
+    def setup(self, stage: int) -> None:
+        """Source rank of ``stage``: host a group and have every server join it."""
+        self.group_name = f"megarl-weights-pp{stage}"
+        port = _free_port(self.addr)
+        world = 1 + len(self.admin.addresses)
+        spec = WeightsUpdateGroup(self.addr, port, world, self.group_name,
+                                  "nccl" if self.backend == "nccl" else "gloo")
+        joined = self.admin.submit(lambda c: c.init_weights_update_group(spec))
+        try:
+            self.group = new_update_group(self.addr, port, 0, world, self.group_name, spec.backend,
+                                          self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the servers' side says why, if they can
+            _finish(joined, self.timeout_s, "init_weights_update_group")
+            raise PushError(f"init_weights_update_group: rendezvous at {self.addr}:{port} failed: {e}") from e
+        _finish(joined, self.timeout_s, "init_weights_update_group")
+
+    def send(self, bucket: Bucket, version: str) -> None:
+        meta = DistributedWeightsMeta(bucket.names, bucket.dtypes, bucket.shapes, self.group_name,
+                                      flush_cache=False)
+        announced = self.admin.submit(lambda c: c.update_weights_from_distributed(meta))
+        try:
+            for t in bucket.tensors:
+                dist.broadcast(t, group=self.group, group_src=0)
+        except Exception as e:  # noqa: BLE001
+            announced.cancel()
+            raise PushError(f"update_weights_from_distributed: broadcast of {bucket.names[0]}... "
+                            f"failed ({type(e).__name__}: {str(e).splitlines()[0]}); servers "
+                            f"{self.admin.addresses}") from e
+        _finish(announced, self.timeout_s, "update_weights_from_distributed")
+
+    def finish(self, version: str, engine) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                self.admin.call(lambda c: c.destroy_weights_update_group(self.group_name), 10)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+class TensorTransport:
+    def __init__(self, admin: AdminRunner, timeout_s: float):
+        self.admin, self.timeout_s = admin, timeout_s
+
+    def setup(self, stage: int) -> None:
+        pass
+
+    def send(self, bucket: Bucket, version: str) -> None:
+        from megarl.rollout.server.weights import encode_named_tensors
+
+        entry = encode_named_tensors(dict(zip(bucket.names, bucket.tensors)))
+        update = TensorWeightsUpdate([entry], flush_cache=False)
+        try:
+            self.admin.call(lambda c: c.update_weights_from_tensor(update), self.timeout_s)
+        except Exception as e:  # noqa: BLE001
+            raise PushError(f"update_weights_from_tensor: {e}") from e
+
+    def finish(self, version: str, engine) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class DiskTransport:
+    """Writes through the engine's HF export (collective, atomic) in :meth:`finish`."""
+
+    def __init__(self, admin: Optional[AdminRunner], directory: str, keep: int, timeout_s: float, dtype):
+        self.admin, self.dir, self.keep, self.timeout_s, self.dtype = admin, directory, keep, timeout_s, dtype
+
+    def setup(self, stage: int) -> None:
+        pass
+
+    def send(self, bucket: Bucket, version: str) -> None:
+        raise AssertionError("DiskTransport writes whole checkpoints in finish()")
+
+    def finish(self, version: str, engine) -> None:
+        path = os.path.join(self.dir, f"v{version}")
+        engine.export_hf(path, dtype=self.dtype)
+        if dist.get_rank() == 0:
+            update = DiskWeightsUpdate(path)
+            try:
+                self.admin.call(lambda c: c.update_weights_from_disk(update), self.timeout_s)
+            except Exception as e:  # noqa: BLE001
+                raise PushError(f"update_weights_from_disk {path}: {e}") from e
+            self._prune(keep_also=path)
+
+    def _prune(self, keep_also: str) -> None:
+        versions = sorted((d for d in os.listdir(self.dir) if d.startswith("v") and d[1:].isdigit()),
+                          key=lambda d: int(d[1:]))
+        for d in versions[:-self.keep]:
+            if os.path.join(self.dir, d) != keep_also:
+                shutil.rmtree(os.path.join(self.dir, d), ignore_errors=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _finish(fut, timeout_s: float, step: str):
+    """Waits for an admin future; timeouts and server failures become PushError."""
+    import concurrent.futures
+
+    try:
+        return fut.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        fut.cancel()
+        raise PushError(f"{step}: no answer within {timeout_s:.0f} s") from None
+    except Exception as e:  # noqa: BLE001
+        raise PushError(f"{step}: {e}") from e
+

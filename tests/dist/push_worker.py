@@ -1,0 +1,124 @@
+"""torchrun worker for the weight push. Mode "layouts": for each (tp, pp) layout and transport,
+reset a real megarl CPU server to weights A, push the trainer's weights B, and record (rank 0)
+the max |server logprob - trainer logprob| and whether every server tensor equals the HF export.
+Mode "stall": push to a server that is SIGSTOPped (hangs) or killed (dead); record how long it
+took to fail and the error on every rank."""
+import json
+import os
+import signal
+import sys
+import time
+import urllib.request
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from megarl import compat, parallel
+from megarl.config import load_config
+from megarl.trainer.batch import SequenceBatch
+from megarl.trainer.engine import Engine
+from megarl.weights.push import WeightPusher
+
+
+def post(url, body, timeout=60):
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def build(hf_b, server, tp, pp, transport, work, timeout_s=60):
+    cfg = load_config(None, [f"model.hf_path={hf_b}", "data.train_path=x", f"parallel.tp={tp}",
+                             f"parallel.pp={pp}", f"weights.transport={transport}",
+                             f"weights.timeout_s={timeout_s}", "weights.bucket_mb=1",
+                             f"weights.disk_dir={work}/push_{transport}_{tp}{pp}",
+                             f"rollout.servers=[{server}]", f"train.run_dir={work}/run"])
+    ps = parallel.init_model_parallel(tp, pp)
+    engine = Engine.build(cfg, ps, trainable=False)
+    return engine, WeightPusher(cfg, engine)
+
+
+def server_vs_trainer(engine, server):
+    """Greedy continuation on the server; trainer logprobs of the same tokens."""
+    seq = [None]
+    if dist.get_rank() == 0:
+        out = post(f"{server}/generate", {"input_ids": [1, 5, 9, 17, 33], "return_logprob": True,
+                                           "sampling_params": {"temperature": 0, "max_new_tokens": 12,
+                                                               "ignore_eos": True}})
+        lps = out["meta_info"]["output_token_logprobs"]
+        seq = [([1, 5, 9, 17, 33] + [t for _, t, _ in lps], [lp for lp, _, _ in lps],
+                out["meta_info"].get("weight_version"))]
+    dist.broadcast_object_list(seq, src=0)
+    ids, server_lp, version = seq[0]
+    mine = engine.compute_logp(SequenceBatch([ids])).logp[0][5:]
+    return float((mine - torch.tensor(server_lp)).abs().max()), version
+
+
+def server_weights_equal(server, reference_dir):
+    ref = load_file(os.path.join(reference_dir, "model.safetensors"))
+    bad = []
+    for name, t in ref.items():
+        got = torch.tensor(post(f"{server}/get_weights_by_name", {"name": name, "truncate_size": 100000}))
+        if not torch.equal(got, t.float()):
+            bad.append(name)
+    return bad
+
+
+def layouts(hf_a, hf_b, server, work, specs):
+    results = {}
+    for spec in specs:
+        tp, pp, transport = spec.split(",")
+        if dist.get_rank() == 0:  # reset the server to weights A
+            assert post(f"{server}/update_weights_from_disk", {"model_path": hf_a})["success"]
+        dist.barrier()
+        engine, pusher = build(hf_b, server, int(tp), int(pp), transport, work)
+        before, _ = server_vs_trainer(engine, server)
+        m = pusher.push()
+        after, version = server_vs_trainer(engine, server)
+        bad = server_weights_equal(server, hf_b) if dist.get_rank() == 0 else None
+        results[spec] = {"before": before, "after": after, "version": version, "bad": bad,
+                         "bytes": m.bytes, "buckets": m.buckets}
+        pusher.close()
+        parallel.destroy_model_parallel_only()
+    return results
+
+
+def stall(hf_b, server, work, pid, how):
+    engine, pusher = build(hf_b, server, 2, 1, "distributed", work, timeout_s=4)
+    pusher.push()  # healthy first push: groups exist
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.kill(pid, signal.SIGSTOP if how == "hang" else signal.SIGKILL)
+    dist.barrier()
+    t0 = time.perf_counter()
+    try:
+        pusher.push()
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = f"{type(e).__name__}: {e}"
+    elapsed = time.perf_counter() - t0
+    if dist.get_rank() == 0 and how == "hang":
+        os.kill(pid, signal.SIGCONT)
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, {"error": err, "elapsed": elapsed})
+    return out
+
+
+def main():
+    mode, hf_a, hf_b, server, work, out, *rest = sys.argv[1:]
+    compat.quiet_megatron_warnings()
+    torch.set_num_threads(1)
+    parallel.init_distributed()
+    if mode == "layouts":
+        results = layouts(hf_a, hf_b, server, work, rest)
+    else:
+        results = stall(hf_b, server, work, int(rest[0]), rest[1])
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    os._exit(0)  # a stalled server's group may still hold sockets; don't wait on them
+
+
+if __name__ == "__main__":
+    main()
