@@ -1,0 +1,92 @@
+"""megarl's CPU rollout server: SGLang's HTTP protocol over a compact torch engine.
+
+    megarl-server --model HF_DIR [--host 127.0.0.1 --port 30000] [--dtype float32|bfloat16]
+                  [--api-key KEY] [--max-running-requests N] [--context-length N] [--threads N]
+
+It exists so that the whole RL loop (partial rollouts, weight pushes over gloo/disk/tensor) runs
+and is tested on a CPU-only machine with the same client that drives real SGLang servers.
+Modules: `model` (HF Llama/Mistral/Qwen2/Qwen3 forward + KV cache), `sampling` (batched sampler),
+`engine` (continuous batching thread), `protocol` (/generate JSON), `app` + `weight_routes`
+(HTTP endpoints), `weights` (safetensors dirs, tensor payloads, the weight-update group).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+log = logging.getLogger("megarl.server")
+
+
+def load_tokenizer_or_none(model_dir: str):
+    """The model dir's tokenizer (megarl.data.tokenizer, else raw sentencepiece), or None."""
+    try:
+        from megarl.data.tokenizer import load_tokenizer
+    except ImportError:
+        load_tokenizer = None
+    if load_tokenizer is not None:
+        try:
+            return load_tokenizer(model_dir)
+        except FileNotFoundError:
+            return None
+    path = os.path.join(model_dir, "tokenizer.model")
+    if not os.path.exists(path):
+        return None
+    return _SentencePiece(path)
+
+
+class _SentencePiece:
+    """Fallback tokenizer when megarl.data is unavailable."""
+
+    def __init__(self, path: str):
+        import sentencepiece as spm
+
+        self.sp = spm.SentencePieceProcessor(model_file=path)
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+        self.vocab_size = self.sp.get_piece_size()
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = list(self.sp.encode(text))
+        return [self.bos_id] + ids if add_bos and self.bos_id is not None else ids
+
+    def decode(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
+
+
+def build_state(
+    model_dir: str,
+    dtype: str = "float32",
+    api_key: Optional[str] = None,
+    max_running_requests: int = 128,
+    context_length: Optional[int] = None,
+    max_prefill_tokens: int = 8192,
+    weight_version: str = "0",
+    seed: Optional[int] = None,
+):
+    """Load config, weights and tokenizer; start the engine thread; return the app state."""
+    from megarl.rollout.server.app import ServerState
+    from megarl.rollout.server.engine import Engine
+    from megarl.rollout.server.model import CausalLM, ModelConfig
+    from megarl.rollout.server.weights import parse_dtype, read_hf_dir
+
+    cfg = ModelConfig.from_dir(model_dir)
+    ctx = int(context_length or cfg.max_position_embeddings)
+    if cfg.sliding_window and ctx > cfg.sliding_window:
+        # No sliding-window attention here: cap the context where full attention is still exact.
+        log.warning("context length capped at sliding_window=%d", cfg.sliding_window)
+        ctx = int(cfg.sliding_window)
+    model = CausalLM(cfg, parse_dtype(dtype), max_len=ctx)
+    tensors = read_hf_dir(model_dir)
+    missing = model.missing(tensors)
+    if missing:
+        raise ValueError(f"{model_dir} lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    unknown = [n for n in tensors if n not in model.params and n != "lm_head.weight"]
+    if unknown:
+        log.warning("ignoring %d unexpected tensors, e.g. %s", len(unknown), unknown[:3])
+    model.load({k: v for k, v in tensors.items() if k not in unknown})
+    tok = load_tokenizer_or_none(model_dir)
+    engine = Engine(model, tok, max_running_requests, ctx, max_prefill_tokens, weight_version, seed)
+    engine.start()
+    return ServerState(engine, model_dir, tok, model_dir if tok is not None else None, api_key)

@@ -1,0 +1,259 @@
+"""aiohttp application of the CPU rollout server: SGLang 0.5.x endpoints over one `Engine`.
+
+Auth: with an API key, every endpoint except ``/health`` and ``/health_generate`` needs
+``Authorization: Bearer KEY`` (401 otherwise) - like SGLang, generation is protected too.
+Errors: a malformed request is a 400 ``{"object": "error", "message": ..., "code": 400}`` naming the
+field; an unexpected failure is a 500 with the message; neither stops the server.
+Weight updates run on the engine thread (`Engine.call`), so they land between decode steps.
+Weight-update endpoints answer ``{"success": bool, "message": str}`` (HTTP 400 when false).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from aiohttp import web
+
+from megarl.rollout.server.engine import PAUSE_MODES, Engine, Sequence
+from megarl.rollout.server.protocol import BadRequest, build_response, parse_generate
+from megarl.rollout.server.sampling import SamplingConfig
+
+log = logging.getLogger("megarl.server")
+
+OPEN_PATHS = frozenset({"/health", "/health_generate"})
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    model_path: str
+    tokenizer: Any = None
+    tokenizer_path: Optional[str] = None
+    api_key: Optional[str] = None
+    groups: dict = field(default_factory=dict)  # group_name -> process group
+    started: float = field(default_factory=time.time)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"object": "error", "message": message, "code": status}, status=status)
+
+
+def _result(ok: bool, message: str = "", **extra) -> web.Response:
+    return web.json_response({"success": ok, "message": message, **extra}, status=200 if ok else 400)
+
+
+@web.middleware
+async def _guard(request: web.Request, handler):
+    state: ServerState = request.app["state"]
+    if state.api_key and request.path not in OPEN_PATHS:
+        if request.headers.get("Authorization", "") != f"Bearer {state.api_key}":
+            return _error(401, "missing or invalid API key (Authorization: Bearer KEY)")
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except BadRequest as e:
+        return _error(400, str(e))
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - keep serving
+        log.exception("%s failed", request.path)
+        return _error(500, f"{type(e).__name__}: {e}")
+
+
+async def _body(request: web.Request) -> dict:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _field(body: dict, key: str, kind, default=None, required: bool = False):
+    if key not in body or body[key] is None:
+        if required:
+            raise BadRequest(f"{key} is required")
+        return default
+    v = body[key]
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise BadRequest(f"{key} must be {getattr(kind, '__name__', kind)}")
+    return v
+
+
+async def _on_engine(state: ServerState, fn):
+    return await asyncio.wrap_future(state.engine.call(fn))
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, seq: Sequence) -> None:
+    def done():
+        if not fut.done():
+            fut.set_result(seq)
+
+    loop.call_soon_threadsafe(done)
+
+
+# ---- generation ---------------------------------------------------------------------------------
+async def generate(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    eng = state.engine
+    body = await _body(request)
+    samples, return_logprob, is_batch = parse_generate(
+        body, eng.model.cfg.vocab_size, state.tokenizer, eng.context_length
+    )
+    loop = asyncio.get_running_loop()
+    futs, seqs = [], []
+    for spec in samples:
+        fut = loop.create_future()
+        seq = Sequence(spec.rid, spec.input_ids, spec.params, functools.partial(_resolve, loop, fut), group=spec.group)
+        if spec.params.max_new_tokens == 0:
+            seq.finish = {"type": "length", "length": 0}
+            fut.set_result(seq)
+        else:
+            eng.submit(seq)
+        futs.append(fut)
+        seqs.append(seq)
+    try:
+        done = await asyncio.gather(*futs)
+    except asyncio.CancelledError:  # client went away: free the slots
+        rids = {s.rid for s in seqs}
+        eng.call(lambda: sum(eng.abort(r) for r in rids))
+        raise
+    now = time.perf_counter()
+    outs = [build_response(s, return_logprob, state.tokenizer, eng.weight_version, now) for s in done]
+    return web.json_response(outs if is_batch else outs[0])
+
+
+async def health(request: web.Request) -> web.Response:
+    ok = request.app["state"].engine.alive()
+    return web.Response(status=200 if ok else 503)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    eng = state.engine
+    if not eng.alive():
+        return web.Response(status=503)
+    if eng.paused or eng.updating:  # generation is held on purpose; the engine thread is alive
+        return web.Response(status=200)
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    cfg = SamplingConfig(max_new_tokens=1, temperature=0.0)
+    eng.submit(Sequence("health-" + str(id(fut)), [0], cfg, functools.partial(_resolve, loop, fut)))
+    try:
+        await asyncio.wait_for(fut, timeout=30)
+    except asyncio.TimeoutError:
+        return web.Response(status=503)
+    return web.Response(status=200)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    eng, cfg = state.engine, state.engine.model.cfg
+    return web.json_response({
+        "model_path": state.model_path,
+        "tokenizer_path": state.tokenizer_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": eng.weight_version,
+        "architecture": cfg.architecture,
+        "dtype": str(eng.model.dtype).removeprefix("torch."),
+        "vocab_size": cfg.vocab_size,
+        "context_length": eng.context_length,
+        "max_running_requests": eng.max_running,
+        "paused": eng.paused,
+        "updating_weights": eng.updating,
+    })
+
+
+async def server_info(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    eng = state.engine
+    return web.json_response({
+        "weight_version": eng.weight_version,
+        "num_running": len(eng.running),
+        "num_waiting": len(eng.waiting),
+        "uptime_s": time.time() - state.started,
+        **dict(eng.stats),
+    })
+
+
+# ---- control ------------------------------------------------------------------------------------
+async def flush_cache(request: web.Request) -> web.Response:
+    await _on_engine(request.app["state"], request.app["state"].engine.flush_cache)
+    return web.Response(text="Cache flushed.\n")
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    mode = _field(await _body(request), "mode", str, "abort")
+    if mode not in PAUSE_MODES:
+        raise BadRequest(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+    n = await _on_engine(state, lambda: state.engine.pause(mode))
+    return _result(True, f"paused ({mode})", num_affected_requests=n)
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    await _on_engine(state, state.engine.resume)
+    return _result(True, "continued")
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    body = await _body(request)
+    rid = _field(body, "rid", str, "")
+    abort_all = _field(body, "abort_all", bool, False)
+    if not rid and not abort_all:
+        raise BadRequest("rid (or abort_all: true) is required")
+    n = await _on_engine(state, lambda: state.engine.abort(rid, abort_all))
+    return _result(True, f"aborted {n}", num_aborted=n)
+
+
+async def begin_weight_update(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    await _on_engine(state, lambda: setattr(state.engine, "updating", True))
+    return _result(True, "weight update begun")
+
+
+async def end_weight_update(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    await _on_engine(state, lambda: setattr(state.engine, "updating", False))
+    return _result(True, "weight update ended")
+
+
+def setup_routes(app: web.Application) -> None:
+    from megarl.rollout.server import weight_routes
+
+    r = app.router
+    r.add_post("/generate", generate)
+    r.add_get("/health", health)
+    r.add_get("/health_generate", health_generate)
+    for path in ("/model_info", "/get_model_info"):
+        r.add_get(path, model_info)
+    r.add_get("/get_server_info", server_info)
+    r.add_route("*", "/flush_cache", flush_cache)
+    r.add_post("/pause_generation", pause_generation)
+    r.add_post("/continue_generation", continue_generation)
+    r.add_post("/abort_request", abort_request)
+    r.add_post("/begin_weight_update", begin_weight_update)
+    r.add_post("/end_weight_update", end_weight_update)
+    weight_routes.setup(r)
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(middlewares=[_guard], client_max_size=1 << 31)
+    app["state"] = state
+    setup_routes(app)
+    app.on_shutdown.append(lambda _app: asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown))
+    return app
+

@@ -1,0 +1,285 @@
+"""Continuous-batching generation engine: one thread owns the model, the KV cache and the batch.
+
+    HTTP handlers ──submit(seq)──▶ inbox ─┐                    ┌─▶ on_done(seq) (HTTP futures)
+                  ──call(fn)────▶ cmds ──┤  engine thread:    │
+                                         └▶ run cmds; admit waiting -> batched prefill;
+                                            one batched decode step for all running; finish
+
+Invariants
+- Only the engine thread touches the model, the cache and the running/waiting lists; every other
+  thread talks to it through `submit` and `call` (a weight update is a `call`, so it always lands
+  between two steps, never inside a forward).
+- Running sequences occupy cache slots 0..B-1 in list order; finished ones are swapped out
+  (`_compact`), so a decode step reads contiguous cache views.
+- `seq.kv_len` tokens of `seq.tokens()` are in the cache; the last sampled token is not yet.
+- Every output token records the weight version that produced it (`seq.out_versions`).
+
+Pause modes (SGLang's): "abort" finishes every request with finish_reason abort and its partial
+output; "retract" keeps requests (queued, outputs kept) but drops their KV, recomputed on continue
+under the then-current weights; "in_place" just stops stepping. While paused, new requests wait.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from megarl.rollout.server.model import CausalLM, KVCache
+from megarl.rollout.server.sampling import BatchSampler, SamplingConfig
+
+log = logging.getLogger("megarl.server")
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample being generated (a request with n > 1 becomes n of these)."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingConfig
+    on_done: Callable[["Sequence"], None]
+    group: str = ""  # the request's rid when n > 1 expanded it into several sequences
+    stop_ids: frozenset = frozenset()
+    out_ids: list[int] = field(default_factory=list)
+    out_logprobs: list[float] = field(default_factory=list)
+    out_versions: list[str] = field(default_factory=list)
+    finish: Optional[dict] = None
+    slot: int = -1
+    kv_len: int = 0
+    created: float = field(default_factory=time.perf_counter)
+
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out_ids
+
+
+class Engine:
+    """See module docstring. `start()` launches the thread; all public methods are thread-safe."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer=None,
+        max_running: int = 128,
+        context_length: int = 4096,
+        max_prefill_tokens: int = 8192,
+        weight_version: str = "0",
+        seed: Optional[int] = None,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_running, self.context_length = max_running, context_length
+        self.max_prefill_tokens = max_prefill_tokens
+        self.weight_version = weight_version
+        self.cache = KVCache(model.cfg, model.dtype, max_running, context_length)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.sampler = BatchSampler(gen)
+        self.eos_ids = frozenset(model.cfg.eos_token_ids) | frozenset(
+            [tokenizer.eos_id] if tokenizer is not None and getattr(tokenizer, "eos_id", None) is not None else []
+        )
+        self.paused: Optional[str] = None  # a PAUSE_MODES entry while paused
+        self.updating = False  # between begin_weight_update and end_weight_update
+        self.running: list[Sequence] = []
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.stats = collections.Counter()
+        self._cv = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._cmds: list[tuple[Callable, concurrent.futures.Future]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="megarl-engine", daemon=True)
+
+    # ---- thread-safe API ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, seq: Sequence) -> None:
+        seq.stop_ids = frozenset(seq.params.stop_token_ids) | (
+            frozenset() if seq.params.ignore_eos else self.eos_ids
+        )
+        with self._cv:
+            self._inbox.append(seq)
+            self._cv.notify()
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn()` on the engine thread between steps; the future holds its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._cmds.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    # ---- commands (run on the engine thread through `call`) -----------------------------------
+    def pause(self, mode: str) -> int:
+        """Returns how many requests were affected."""
+        n = len(self.running) + len(self.waiting)
+        if mode == "abort":
+            for s in self.running + list(self.waiting):
+                s.finish = {"type": "abort", "message": "aborted by pause_generation(mode=abort)"}
+                self._deliver(s)
+            self.running, self.waiting = [], collections.deque()
+        elif mode == "retract":
+            for s in reversed(self.running):
+                s.slot, s.kv_len = -1, 0
+                self.waiting.appendleft(s)
+            self.running = []
+        self.paused = mode
+        return n
+
+    def resume(self) -> None:
+        self.paused = None
+
+    def abort(self, rid: Optional[str], abort_all: bool = False) -> int:
+        hit = [s for s in self.running + list(self.waiting) if abort_all or rid in (s.rid, s.group)]
+        for s in hit:
+            s.finish = {"type": "abort", "message": "aborted by abort_request"}
+            self._deliver(s)
+        gone = set(map(id, hit))
+        self.waiting = collections.deque(s for s in self.waiting if id(s) not in gone)
+        if any(id(s) in gone for s in self.running):
+            self._compact([s for s in self.running if id(s) not in gone])
+        return len(hit)
+
+    def flush_cache(self) -> None:
+        """No prefix cache is kept across requests; drop idle cache memory."""
+        if not self.running:
+            self.cache.clear()
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _runnable(self) -> bool:
+        return not self.paused and not self.updating and bool(self.running or self.waiting)
+
+    def _loop(self) -> None:
+        # Inference mode for the whole thread: the cache is made and updated only here.
+        with torch.inference_mode():
+            self._serve()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stop or self._inbox or self._cmds or self._runnable()):
+                    self._cv.wait()
+                if self._stop:
+                    return
+                inbox, self._inbox = self._inbox, []
+                cmds, self._cmds = self._cmds, []
+            self.waiting.extend(inbox)
+            for fn, fut in cmds:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(e)
+            if not self._runnable():
+                continue
+            try:
+                self._step()
+            except Exception:  # noqa: BLE001 - a bad step must not kill the server
+                msg = traceback.format_exc()
+                log.error("engine step failed:\n%s", msg)
+                for s in self.running:
+                    s.finish = {"type": "abort", "message": f"internal error: {msg.splitlines()[-1]}"}
+                    self._deliver(s)
+                self.running = []
+                self.cache.clear()
+
+    def _step(self) -> None:
+        if self.waiting and len(self.running) < self.max_running:
+            self._prefill()
+        if self.running:
+            self._decode()
+
+    def _prefill(self) -> None:
+        batch: list[Sequence] = []
+        longest = 0
+        while self.waiting and len(self.running) + len(batch) < self.max_running:
+            n = len(self.waiting[0].tokens())
+            if batch and (len(batch) + 1) * max(longest, n) > self.max_prefill_tokens:
+                break
+            batch.append(self.waiting.popleft())
+            longest = max(longest, n)
+        first = len(self.running)
+        seqs = [s.tokens() for s in batch]
+        logits = self.model.prefill(seqs, first, self.cache)
+        for i, s in enumerate(batch):
+            s.slot, s.kv_len = first + i, len(seqs[i])
+        self.running.extend(batch)
+        self.stats["prefill_tokens"] += sum(map(len, seqs))
+        self._sample_and_finish(batch, logits, [len(t) for t in seqs])
+
+    def _decode(self) -> None:
+        run = self.running
+        tokens = torch.tensor([s.out_ids[-1] for s in run])
+        pos = [s.kv_len for s in run]
+        logits = self.model.decode(tokens, torch.tensor(pos), self.cache)
+        for s in run:
+            s.kv_len += 1
+        self._sample_and_finish(run, logits, [p + 1 for p in pos])
+
+    def _sample_and_finish(self, seqs: list[Sequence], logits, positions: list[int]) -> None:
+        tokens, logps = self.sampler.sample(logits, [s.params for s in seqs], positions)
+        version, done = self.weight_version, False
+        for s, t, lp in zip(seqs, tokens, logps):
+            s.out_ids.append(t)
+            s.out_logprobs.append(lp)
+            s.out_versions.append(version)
+            s.finish = self._check_finish(s, t)
+            done = done or s.finish is not None
+        self.stats["tokens"] += len(seqs)
+        self.stats["steps"] += 1
+        if done:
+            for s in self.running:
+                if s.finish is not None:
+                    self._deliver(s)
+            self._compact([s for s in self.running if s.finish is None])
+
+    def _check_finish(self, s: Sequence, token: int) -> Optional[dict]:
+        p = s.params
+        if token in s.stop_ids:
+            return {"type": "stop", "matched": token}
+        if p.stop and self.tokenizer is not None:
+            window = 2 * max(map(len, p.stop)) + 8
+            tail = self.tokenizer.decode(s.out_ids[-window:])
+            for stop in p.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        if len(s.out_ids) >= p.max_new_tokens or len(s.prompt) + len(s.out_ids) >= self.context_length:
+            return {"type": "length", "length": len(s.out_ids)}
+        return None
+
+    def _compact(self, keep: list[Sequence]) -> None:
+        """Make `keep` the running batch in slots 0..len(keep)-1, moving cache rows as needed."""
+        n = len(keep)
+        taken = {s.slot for s in keep if s.slot < n}
+        holes = [i for i in range(n) if i not in taken]
+        movers = [s for s in keep if s.slot >= n]
+        if movers:
+            length = max(s.kv_len for s in movers)
+            self.cache.move([s.slot for s in movers], holes, length)
+            for s, d in zip(movers, holes):
+                s.slot = d
+        self.running = sorted(keep, key=lambda s: s.slot)
+
+    def _deliver(self, s: Sequence) -> None:
+        s.slot = -1
+        self.stats["finished"] += 1
+        try:
+            s.on_done(s)
+        except Exception:  # noqa: BLE001 - a dead HTTP waiter must not stop the engine
+            log.exception("on_done callback failed for %s", s.rid)

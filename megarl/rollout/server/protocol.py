@@ -1,0 +1,187 @@
+"""SGLang 0.5.x JSON shapes for /generate: request validation and response building.
+
+Request: ``{"input_ids": [int] | [[int]], "text": str | [str], "sampling_params": {..} | [{..}],
+"return_logprob": bool, "rid": str | [str], "stream": false}``; exactly one of input_ids / text.
+``sampling_params.n`` > 1 expands each prompt into n samples; the response is then a list,
+prompt-major (prompt 0 samples 0..n-1, prompt 1 ...). A single prompt with n == 1 returns one
+object, a batch returns a list.
+
+Response object: ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+"completion_tokens", "cached_tokens", "e2e_latency", "weight_version", "weight_versions",
+"output_token_logprobs"?}}``. ``output_token_logprobs`` is ``[[logprob, token_id, null], ...]``
+with logprob = log_softmax of the raw fp32 logits (temperature 1, before top-k/top-p/min-p).
+``weight_versions`` (megarl extension) lists, per output token, the weight version that produced
+it; ``weight_version`` is the server's version when the response was built. Tokens that stopped
+generation (EOS, stop_token_ids, the token completing a stop string) stay in output_ids; ``text``
+is cut before a matched stop string.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from megarl.rollout.server.sampling import SamplingConfig
+
+_KNOWN_SAMPLING = {
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
+    "ignore_eos", "n", "seed", "sampling_seed", "skip_special_tokens", "no_stop_trim",
+    "spaces_between_special_tokens", "frequency_penalty", "presence_penalty",
+    "repetition_penalty", "min_new_tokens",
+}
+
+
+class BadRequest(ValueError):
+    """A malformed request; the message names the offending field."""
+
+
+@dataclass
+class SampleSpec:
+    rid: str
+    group: str
+    input_ids: list[int]
+    params: SamplingConfig
+
+
+def _num(d: dict, key: str, kind, default, lo=None, hi=None, where="sampling_params"):
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        raise BadRequest(f"{where}.{key} must be {kind.__name__}, got {v!r}")
+    v = kind(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise BadRequest(f"{where}.{key}={v} out of range [{lo}, {hi}]")
+    return v
+
+
+def parse_sampling(d: Any, vocab: int, has_tokenizer: bool) -> tuple[SamplingConfig, int]:
+    """(config, n) from one sampling_params dict."""
+    if d is None:
+        d = {}
+    if not isinstance(d, dict):
+        raise BadRequest("sampling_params must be an object")
+    unknown = set(d) - _KNOWN_SAMPLING
+    if unknown:
+        raise BadRequest(f"sampling_params: unknown field(s) {sorted(unknown)}")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if d.get(key) not in (None, 0, 0.0):
+            raise BadRequest(f"sampling_params.{key} is not supported by the CPU server")
+    if d.get("repetition_penalty") not in (None, 1, 1.0):
+        raise BadRequest("sampling_params.repetition_penalty is not supported by the CPU server")
+    stop = d.get("stop") or ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("sampling_params.stop must be a string or a list of non-empty strings")
+    if stop and not has_tokenizer:
+        raise BadRequest("sampling_params.stop needs a tokenizer (the model dir has none)")
+    stop_ids = d.get("stop_token_ids") or ()
+    if not isinstance(stop_ids, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
+    ):
+        raise BadRequest("sampling_params.stop_token_ids must be a list of ints")
+    ignore_eos = d.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("sampling_params.ignore_eos must be a bool")
+    seed = d.get("sampling_seed", d.get("seed"))
+    if seed is not None:
+        seed = _num({"seed": seed}, "seed", int, None)
+    cfg = SamplingConfig(
+        max_new_tokens=_num(d, "max_new_tokens", int, 128, lo=0),
+        temperature=_num(d, "temperature", float, 1.0, lo=0.0),
+        top_p=_num(d, "top_p", float, 1.0, lo=1e-9, hi=1.0),
+        top_k=_num(d, "top_k", int, -1, lo=-1, hi=vocab),
+        min_p=_num(d, "min_p", float, 0.0, lo=0.0, hi=1.0),
+        stop=tuple(stop),
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=ignore_eos,
+        seed=seed,
+    )
+    return cfg, _num(d, "n", int, 1, lo=1, hi=1024)
+
+
+def _token_list(v: Any, where: str, vocab: int) -> list[int]:
+    if not isinstance(v, list) or not v:
+        raise BadRequest(f"{where} must be a non-empty list of token ids")
+    for t in v:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise BadRequest(f"{where} has an invalid token id {t!r} (vocab size {vocab})")
+    return v
+
+
+def parse_generate(body: Any, vocab: int, tokenizer, context_length: int) -> tuple[list[SampleSpec], bool, bool]:
+    """Returns (samples, return_logprob, is_batch). Raises BadRequest naming the field."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if body.get("stream"):
+        raise BadRequest("stream: streaming is not supported by the CPU server")
+    has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
+    if has_ids == has_text:
+        raise BadRequest("exactly one of input_ids or text is required")
+    if has_ids:
+        ids = body["input_ids"]
+        is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = [_token_list(p, f"input_ids[{i}]", vocab) for i, p in enumerate(ids)] if is_batch else [
+            _token_list(ids, "input_ids", vocab)
+        ]
+    else:
+        if tokenizer is None:
+            raise BadRequest("text: the model dir has no tokenizer; send input_ids")
+        text = body["text"]
+        is_batch = isinstance(text, list)
+        texts = text if is_batch else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text must be a string or a non-empty list of strings")
+        prompts = [tokenizer.encode(t, add_bos=True) for t in texts]
+    sp = body.get("sampling_params")
+    if isinstance(sp, list):
+        if len(sp) != len(prompts):
+            raise BadRequest(f"sampling_params: {len(sp)} entries for {len(prompts)} prompts")
+        parsed = [parse_sampling(s, vocab, tokenizer is not None) for s in sp]
+    else:
+        parsed = [parse_sampling(sp, vocab, tokenizer is not None)] * len(prompts)
+    rids = body.get("rid")
+    if rids is None:
+        rids = [uuid.uuid4().hex for _ in prompts]
+    elif isinstance(rids, str) and not is_batch:
+        rids = [rids]
+    if not isinstance(rids, list) or len(rids) != len(prompts) or not all(isinstance(r, str) for r in rids):
+        raise BadRequest("rid must be a string (one prompt) or a list of strings (one per prompt)")
+    return_logprob = body.get("return_logprob", False)
+    if not isinstance(return_logprob, bool):
+        raise BadRequest("return_logprob must be a bool")
+    samples = []
+    for rid, prompt, (cfg, n) in zip(rids, prompts, parsed):
+        if len(prompt) >= context_length:
+            raise BadRequest(f"input_ids: prompt of {len(prompt)} tokens >= context length {context_length}")
+        for j in range(n):
+            seed = cfg.seed
+            if n > 1 and seed is not None:
+                seed = seed * 1_000_003 + j  # distinct, reproducible streams per sample
+            c = cfg if seed == cfg.seed else SamplingConfig(**{**cfg.__dict__, "seed": seed})
+            samples.append(SampleSpec(rid if n == 1 else f"{rid}-{j}", rid, list(prompt), c))
+    return samples, return_logprob, is_batch or any(n > 1 for _, n in parsed)
+
+
+def build_response(seq, return_logprob: bool, tokenizer, weight_version: str, now: float) -> dict:
+    text: Optional[str] = None
+    if tokenizer is not None:
+        text = tokenizer.decode(seq.out_ids)
+        matched = (seq.finish or {}).get("matched")
+        if isinstance(matched, str) and matched in text:
+            text = text[: text.index(matched)]
+    meta = {
+        "id": seq.rid,
+        "finish_reason": seq.finish,
+        "prompt_tokens": len(seq.prompt),
+        "completion_tokens": len(seq.out_ids),
+        "cached_tokens": 0,
+        "e2e_latency": now - seq.created,
+        "weight_version": weight_version,
+        "weight_versions": list(seq.out_versions),
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.out_logprobs, seq.out_ids)]
+    return {"text": text, "output_ids": list(seq.out_ids), "meta_info": meta}

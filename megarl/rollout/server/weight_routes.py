@@ -1,0 +1,175 @@
+"""Weight endpoints of the CPU rollout server (SGLang 0.5.x request shapes).
+
+- ``/init_weights_update_group`` {master_address, master_port, rank_offset, world_size,
+  group_name="weight_update_group", backend="gloo"}: this server joins as rank ``rank_offset``.
+- ``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, flush_cache,
+  abort_all_requests, weight_version}: receive ``broadcast(src=0)`` per announced tensor, in order,
+  then load them all (every announced tensor is received even when a name is bad, so the trainer's
+  broadcasts never hang; the bad name is reported afterwards).
+- ``/update_weights_from_disk`` {model_path, weight_version}: a full HF safetensors dir.
+- ``/update_weights_from_tensor`` {serialized_named_tensors: [base64 safetensors], load_format,
+  weight_version}: see `weights.decode_named_tensors`; never unpickles.
+- ``/destroy_weights_update_group`` {group_name}; ``/get_weights_by_name`` {name, truncate_size};
+  ``/update_weight_version`` {new_version}.
+A given ``weight_version`` becomes the server's version once the tensors are loaded; without one
+the version is unchanged (SGLang semantics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from megarl.rollout.server import weights as W
+from megarl.rollout.server.app import BadRequest, ServerState, _body, _field, _on_engine, _result
+
+
+def _version(body: dict):
+    v = body.get("weight_version")
+    if v is not None and not isinstance(v, (str, int)):
+        raise BadRequest("weight_version must be a string")
+    return None if v is None else str(v)
+
+
+def _apply(state: ServerState, tensors: dict, version, abort_all: bool):
+    """Engine-thread body of every update: optional abort, validate-then-load, version."""
+
+    def run():
+        eng = state.engine
+        if abort_all:
+            eng.abort(None, abort_all=True)
+        eng.model.load(tensors)
+        if version is not None:
+            eng.weight_version = version
+        return len(tensors)
+
+    return run
+
+
+async def _update(state: ServerState, tensors: dict, body: dict) -> web.Response:
+    version = _version(body)
+    abort_all = bool(body.get("abort_all_requests", False))
+    try:
+        n = await _on_engine(state, _apply(state, tensors, version, abort_all))
+    except (KeyError, ValueError) as e:
+        return _result(False, f"weights not loaded: {e}")
+    return _result(True, f"loaded {n} tensors", weight_version=state.engine.weight_version)
+
+
+async def init_group(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    body = await _body(request)
+    addr = _field(body, "master_address", str, required=True)
+    port = _field(body, "master_port", int, required=True)
+    rank = _field(body, "rank_offset", int, 1)
+    world = _field(body, "world_size", int, required=True)
+    name = _field(body, "group_name", str, "weight_update_group")
+    backend = _field(body, "backend", str, "gloo")
+    timeout = float(body.get("timeout", 300))
+    if not 0 < rank < world:
+        raise BadRequest(f"rank_offset={rank} must be in [1, world_size={world})")
+    if name in state.groups:
+        return _result(False, f"group {name!r} already exists; destroy it first")
+    try:
+        pg = await asyncio.to_thread(W.init_weight_update_group, addr, port, rank, world, name, backend, timeout)
+    except Exception as e:  # noqa: BLE001 - rendezvous failures are the caller's to see
+        return _result(False, f"init_weights_update_group failed: {type(e).__name__}: {e}")
+    state.groups[name] = pg
+    return _result(True, f"joined {name!r} as rank {rank}/{world} ({backend})")
+
+
+async def destroy_group(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    name = _field(await _body(request), "group_name", str, "weight_update_group")
+    pg = state.groups.pop(name, None)
+    if pg is None:
+        return _result(False, f"no group {name!r}")
+    await _on_engine(state, lambda: W.destroy_weight_update_group(pg))
+    return _result(True, f"destroyed {name!r}")
+
+
+async def from_distributed(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    body = await _body(request)
+    names = _field(body, "names", list, required=True)
+    dtypes = body.get("dtypes", body.get("dtype_names"))
+    shapes = _field(body, "shapes", list, required=True)
+    if not isinstance(dtypes, list) or not (len(names) == len(dtypes) == len(shapes)):
+        raise BadRequest("names, dtypes and shapes must be lists of equal length")
+    try:
+        for d in dtypes:
+            W.parse_dtype(d)
+    except ValueError as e:
+        raise BadRequest(f"dtypes: {e}") from e
+    name = _field(body, "group_name", str, "weight_update_group")
+    pg = state.groups.get(name)
+    if pg is None:
+        return _result(False, f"no weight update group {name!r}; call /init_weights_update_group")
+    try:
+        tensors = await _on_engine(state, lambda: W.receive_broadcast(pg, names, dtypes, shapes))
+    except Exception as e:  # noqa: BLE001
+        return _result(False, f"broadcast receive failed: {type(e).__name__}: {e}")
+    return await _update(state, tensors, body)
+
+
+async def from_disk(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    body = await _body(request)
+    path = _field(body, "model_path", str, required=True)
+    try:
+        tensors = await asyncio.to_thread(W.read_hf_dir, path)
+    except (OSError, ValueError) as e:
+        return _result(False, f"cannot read {path}: {e}")
+    missing = state.engine.model.missing(tensors)
+    if missing:
+        return _result(False, f"{path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    resp = await _update(state, tensors, body)
+    if resp.status == 200:
+        state.model_path = path
+    return resp
+
+
+async def from_tensor(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    body = await _body(request)
+    entries = _field(body, "serialized_named_tensors", list, required=True)
+    try:
+        tensors = await asyncio.to_thread(W.decode_named_tensors, entries, body.get("load_format"))
+    except ValueError as e:
+        raise BadRequest(str(e)) from e
+    return await _update(state, tensors, body)
+
+
+async def get_weights_by_name(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    body = await _body(request)
+    name = _field(body, "name", str, required=True)
+    k = _field(body, "truncate_size", int, 100)
+    model = state.engine.model
+    canon = "model.embed_tokens.weight" if name == "lm_head.weight" and model.cfg.tie_word_embeddings else name
+    if canon not in model.params:
+        raise BadRequest(f"name: unknown parameter {name!r}")
+    t = await _on_engine(state, lambda: model.params[canon][:k].float().clone())
+    return web.json_response(t.tolist())
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    body = await _body(request)
+    v = body.get("new_version")
+    if not isinstance(v, (str, int)):
+        raise BadRequest("new_version must be a string")
+    abort_all = bool(body.get("abort_all_requests", False))
+    await _on_engine(state, _apply(state, {}, str(v), abort_all))
+    return _result(True, f"weight_version={v}")
+
+
+def setup(r: web.UrlDispatcher) -> None:
+    r.add_post("/init_weights_update_group", init_group)
+    r.add_post("/destroy_weights_update_group", destroy_group)
+    r.add_post("/update_weights_from_distributed", from_distributed)
+    r.add_post("/update_weights_from_disk", from_disk)
+    r.add_post("/update_weights_from_tensor", from_tensor)
+    r.add_post("/get_weights_by_name", get_weights_by_name)
+    r.add_post("/update_weight_version", update_weight_version)

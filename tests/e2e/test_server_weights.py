@@ -1,0 +1,177 @@
+"""Weight updates on megarl-server through RolloutClient: partial rollouts across a push, and
+distributed (gloo), disk and tensor transports taking effect exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import API_KEY, free_port, http
+from test_rollout_reference import make_tiny_model, reference_logprobs
+
+from megarl.rollout.client import AdminError, RolloutClient
+from megarl.rollout.server.weights import (
+    destroy_weight_update_group,
+    encode_named_tensors,
+    init_weight_update_group,
+)
+from megarl.rollout.types import (
+    DiskWeightsUpdate,
+    DistributedWeightsMeta,
+    ModelRequest,
+    SamplingParams,
+    TensorWeightsUpdate,
+    WeightsUpdateGroup,
+)
+
+
+@pytest.fixture(scope="module")
+def new_weights(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("new"))
+    return path, make_tiny_model(path, seed=1)
+
+
+@pytest.fixture
+def servers(cluster):
+    return cluster
+
+
+async def wait_tokens(url: str, n: int, timeout: float = 20.0) -> None:
+    """Until the server has generated n more tokens (its cumulative counter)."""
+    base = (await asyncio.to_thread(http, "GET", url + "/get_server_info", None, API_KEY))[1].get("tokens", 0)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = (await asyncio.to_thread(http, "GET", url + "/get_server_info", None, API_KEY))[1]
+        if info.get("tokens", 0) - base >= n:
+            return
+        await asyncio.sleep(0.005)
+    raise TimeoutError("server made no progress")
+
+
+def assert_logprobs(path, sd, prompt, tokens, logprobs):
+    want = reference_logprobs(path, sd, prompt + tokens)[len(prompt):]
+    assert max(abs(a - b) for a, b in zip(logprobs, want)) <= 1e-5
+
+
+def run_interrupted(url, push, mode, new_tokens=300):
+    """Generate, interrupt it with pause(mode) + push(client) + continue; return the response."""
+
+    async def main():
+        async with RolloutClient([url], api_key=API_KEY) as c:
+            req = ModelRequest([1, 5, 6], SamplingParams(max_new_tokens=new_tokens, seed=5, ignore_eos=True))
+            task = asyncio.create_task(c.agenerate(req))
+            await wait_tokens(url, 20)
+            await c.pause(mode)
+            await push(c)
+            await c.continue_generation()
+            return await task
+
+    return asyncio.run(main())
+
+
+def test_pause_abort_push_continue_is_a_partial_rollout(tiny_model, new_weights, servers):
+    (old_path, sd0), (new_path, sd1) = tiny_model, new_weights
+    srv = servers[0]
+    push = lambda c: c.update_weights_from_tensor(  # noqa: E731
+        TensorWeightsUpdate([encode_named_tensors(sd1)], weight_version="1"))
+    resp = run_interrupted(srv.url, push, "abort")
+    n = len(resp.output_tokens)
+    k = resp.output_versions.count(0)
+    assert n == 300 and resp.stop_reason == "length" and resp.num_segments == 2
+    assert 0 < k < n and resp.output_versions == [0] * k + [1] * (n - k)
+    prompt, out = resp.input_tokens, resp.output_tokens
+    # segment 1 under the old weights, segment 2 under the new ones over the whole prefix
+    assert_logprobs(old_path, sd0, prompt, out[:k], resp.output_logprobs[:k])
+    assert_logprobs(new_path, sd1, prompt + out[:k], out[k:], resp.output_logprobs[k:])
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_retract_and_in_place_keep_the_request(tiny_model, new_weights, servers, mode):
+    (old_path, _), (new_path, sd1) = tiny_model, new_weights
+    srv = servers[1]
+    push = lambda c: c.update_weights_from_disk(DiskWeightsUpdate(new_path, weight_version="3"))  # noqa: E731
+    resp = run_interrupted(srv.url, push, mode, new_tokens=200)
+    k = resp.output_versions.count(0)
+    assert resp.num_segments == 1 and len(resp.output_tokens) == 200
+    assert 0 < k < 200 and resp.output_versions == [0] * k + [3] * (200 - k)
+    if mode == "retract":  # KV recomputed under the new weights
+        p = resp.input_tokens + resp.output_tokens[:k]
+        assert_logprobs(new_path, sd1, p, resp.output_tokens[k:], resp.output_logprobs[k:])
+
+
+async def _generate_and_check(c: RolloutClient, path, sd, version: int):
+    req = ModelRequest([1, 9, 8, 7], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+    for r in await asyncio.gather(*(c.agenerate(req) for _ in range(len(c.servers)))):
+        assert r.output_versions == [version] * 16
+        assert_logprobs(path, sd, r.input_tokens, r.output_tokens, r.output_logprobs)
+
+
+def test_update_from_distributed_gloo_two_servers(tiny_model, new_weights, servers):
+    (old_path, sd0), (new_path, sd1) = tiny_model, new_weights
+
+    async def main():
+        async with RolloutClient([s.url for s in servers], api_key=API_KEY) as c:
+            port = free_port()
+            group = WeightsUpdateGroup("127.0.0.1", port, world_size=3, group_name="wug")
+            pg, _ = await asyncio.gather(
+                asyncio.to_thread(init_weight_update_group, "127.0.0.1", port, 0, 3, "wug", "gloo", 60),
+                c.init_weights_update_group(group),
+            )
+            names = sorted(sd1)
+            meta = DistributedWeightsMeta(names, ["float32"] * len(names), [list(sd1[n].shape) for n in names],
+                                          group_name="wug", weight_version="7")
+
+            def broadcast():
+                for n in names:
+                    dist.broadcast(sd1[n].contiguous(), src=0, group=pg)
+
+            await c.pause("abort")
+            await c.begin_weight_update()
+            await asyncio.gather(c.update_weights_from_distributed(meta), asyncio.to_thread(broadcast))
+            await c.end_weight_update()
+            await c.continue_generation()
+            got = await c.get_weights_by_name("model.layers.1.mlp.down_proj.weight", truncate_size=3)
+            for rows in got.values():
+                assert torch.allclose(torch.tensor(rows), sd1["model.layers.1.mlp.down_proj.weight"][:3])
+            infos = await c.get_model_info()
+            assert {i["weight_version"] for i in infos.values()} == {"7"}
+            await _generate_and_check(c, new_path, sd1, 7)
+            await c.destroy_weights_update_group("wug")
+            destroy_weight_update_group(pg)
+
+    asyncio.run(main())
+
+
+def test_update_from_disk_and_tensor_and_bad_updates(tiny_model, new_weights, servers):
+    (old_path, sd0), (new_path, sd1) = tiny_model, new_weights
+    srv = servers[0]
+
+    async def main():
+        async with RolloutClient([srv.url], api_key=API_KEY) as c:
+            await _generate_and_check(c, old_path, sd0, 0)
+            await c.update_weights_from_disk(DiskWeightsUpdate(new_path, weight_version="1"))
+            await _generate_and_check(c, new_path, sd1, 1)
+            await c.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(sd0)], weight_version="2"))
+            await _generate_and_check(c, old_path, sd0, 2)
+            # partial update by tensor: one parameter only
+            one = {"model.norm.weight": sd1["model.norm.weight"]}
+            await c.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(one)]))
+            got = await c.get_weights_by_name("model.norm.weight")
+            assert torch.allclose(torch.tensor(next(iter(got.values()))), sd1["model.norm.weight"])
+            await c.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(sd0)]))
+            # bad updates fail loudly and change nothing
+            bad = {"model.norm.weight": torch.zeros(3)}
+            with pytest.raises(AdminError, match=srv.url):
+                await c.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(bad)]))
+            with pytest.raises(AdminError, match="unknown parameter"):
+                await c.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors({"x.weight": torch.zeros(2)})]))
+            with pytest.raises(AdminError, match="cannot read"):
+                await c.update_weights_from_disk(DiskWeightsUpdate("/nonexistent/dir"))
+            with pytest.raises(AdminError, match="no weight update group"):
+                await c.update_weights_from_distributed(DistributedWeightsMeta(["model.norm.weight"], ["float32"], [[64]]))
+            await _generate_and_check(c, old_path, sd0, 2)
+
+    asyncio.run(main())

@@ -1,0 +1,118 @@
+"""Engine (no HTTP): continuous batching gives the same tokens as running alone; pause modes,
+aborts and a failing step behave as documented."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from test_rollout_reference import make_tiny_model, reference_logprobs
+
+from megarl.rollout.server import build_state
+from megarl.rollout.server.engine import Sequence
+from megarl.rollout.server.sampling import SamplingConfig
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("eng"))
+    return path, make_tiny_model(path, max_pos=96)
+
+
+@pytest.fixture
+def engine(model_dir):
+    eng = build_state(model_dir[0], max_running_requests=3, max_prefill_tokens=24).engine
+    yield eng
+    eng.shutdown()
+
+
+class Waiter:
+    def __init__(self):
+        self.done: list[Sequence] = []
+        self.cv = threading.Condition()
+
+    def __call__(self, seq):
+        with self.cv:
+            self.done.append(seq)
+            self.cv.notify_all()
+
+    def wait(self, n, timeout=30):
+        with self.cv:
+            assert self.cv.wait_for(lambda: len(self.done) >= n, timeout), f"{len(self.done)}/{n} done"
+        return self.done
+
+
+def _seq(rid, prompt, w, **kw):
+    return Sequence(rid, prompt, SamplingConfig(**{"temperature": 0.0, "ignore_eos": True, **kw}), w)
+
+
+def test_continuous_batching_equals_running_alone(engine, model_dir):
+    path, sd = model_dir
+    g = torch.Generator().manual_seed(0)
+    jobs = [(torch.randint(3, 128, (int(n),), generator=g).tolist(), int(m))
+            for n, m in zip(torch.randint(1, 12, (8,), generator=g), torch.randint(1, 20, (8,), generator=g))]
+    w = Waiter()
+    for i, (prompt, m) in enumerate(jobs):  # 8 requests, 3 slots: queueing, joins and leaves
+        engine.submit(_seq(f"r{i}", prompt, w, max_new_tokens=m))
+    done = {s.rid: s for s in w.wait(len(jobs))}
+    for i, (prompt, m) in enumerate(jobs):
+        s = done[f"r{i}"]
+        assert len(s.out_ids) == m and s.finish == {"type": "length", "length": m}
+        solo = Waiter()
+        engine.submit(_seq("solo", prompt, solo, max_new_tokens=m))
+        assert solo.wait(1)[0].out_ids == s.out_ids
+        want = reference_logprobs(path, sd, prompt + s.out_ids)[len(prompt):]
+        assert max(abs(a - b) for a, b in zip(s.out_logprobs, want)) <= 1e-5
+
+
+def test_context_length_and_stop_ids(engine):
+    w = Waiter()
+    engine.submit(_seq("ctx", list(range(3, 90)), w, max_new_tokens=50))
+    s = w.wait(1)[0]
+    assert len(s.prompt) + len(s.out_ids) == 96 and s.finish["type"] == "length"
+    w2 = Waiter()
+    engine.submit(_seq("ids", [5, 6], w2, max_new_tokens=30))
+    ids = w2.wait(1)[0].out_ids
+    w3 = Waiter()
+    engine.submit(_seq("stop", [5, 6], w3, max_new_tokens=30, stop_token_ids=(ids[3],)))
+    s = w3.wait(1)[0]
+    assert s.out_ids == ids[: ids.index(ids[3]) + 1] and s.finish == {"type": "stop", "matched": ids[3]}
+
+
+def test_pause_modes_and_abort(engine):
+    engine.call(lambda: engine.pause("in_place")).result(5)
+    w = Waiter()
+    for i in range(4):
+        engine.submit(_seq(f"p{i}", [1, 2, 3], w, max_new_tokens=40))
+    assert engine.call(lambda: len(engine.waiting)).result(5) == 4  # held while paused
+    engine.call(engine.resume).result(5)
+    engine.call(lambda: engine.pause("retract")).result(5)
+    state = engine.call(lambda: (len(engine.running), [len(s.out_ids) for s in engine.waiting])).result(5)
+    assert state[0] == 0 and len(state[1]) == 4
+    assert engine.call(lambda: engine.abort("p3")).result(5) == 1
+    engine.call(engine.resume).result(5)
+    engine.call(lambda: engine.pause("abort")).result(5)
+    done = w.wait(4)
+    assert all(s.finish["type"] == "abort" for s in done)
+    engine.call(engine.resume).result(5)
+
+
+def test_a_failing_step_aborts_the_batch_and_the_engine_lives_on(engine):
+    real = engine.model.decode
+    calls = {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(*a, **k)
+
+    engine.model.decode = flaky
+    w = Waiter()
+    engine.submit(_seq("x", [1, 2], w, max_new_tokens=10))
+    s = w.wait(1)[0]
+    assert s.finish["type"] == "abort" and "boom" in s.finish["message"]
+    w2 = Waiter()
+    engine.submit(_seq("y", [1, 2], w2, max_new_tokens=10))
+    assert len(w2.wait(1)[0].out_ids) == 10
