@@ -4,7 +4,7 @@ With the vocabulary split over TP ranks (each holds logits z[..., V/tp]):
 
     lse      = m + log( sum_tp sum_v exp(z_v - m) ),    m = max over all shards (no grad)
     log p(y) = z_y - lse                                (z_y taken on the shard owning y)
-    H        = lse - sum_tp sum_v softmax(z)_v * z_v
+    H        = lse - (sum_tp sum_v exp(z_v - m) z_v) / (sum_tp sum_v exp(z_v - m))
 
 The sums over shards are all-reduces whose backward is the identity (each shard's partial sum
 contributes with gradient 1), so gradients flow through both outputs. No [tokens, vocab] tensor
@@ -44,8 +44,9 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
         m = logits.max(dim=-1).values
         if tp > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-    shifted = logits - m.unsqueeze(-1)
-    lse = torch.log(_sum_over_tp(shifted.exp().sum(-1), tp_group, tp)) + m
+    exp = (logits - m.unsqueeze(-1)).exp()
+    sum_exp = _sum_over_tp(exp.sum(-1), tp_group, tp)
+    lse = torch.log(sum_exp) + m
     lo = tp_rank * shard
     local = targets - lo
     owned = (local >= 0) & (local < shard)
@@ -54,8 +55,11 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
     logp = z_y - lse
     entropy = None
     if with_entropy:
-        probs = torch.exp(logits - lse.unsqueeze(-1))
-        entropy = lse - _sum_over_tp((probs * logits).sum(-1), tp_group, tp)
+        # E_p[z] = sum(exp(z - m) z) / sum(exp(z - m)), both sums reduced over TP first. Every
+        # reduced value is then used identically on all TP ranks, which is what makes the
+        # identity backward of _AllReduceSum exact (probs = exp(z - lse) would use the reduced
+        # lse per shard, and its gradient would miss the other shards' contributions).
+        entropy = lse - _sum_over_tp((exp * logits).sum(-1), tp_group, tp) / sum_exp
     return logp, entropy
 
 

@@ -1,0 +1,382 @@
+"""The PPO actor: one RL step's policy update on top of the loss-agnostic engine.
+
+    actor = Actor.build(cfg, ps, engine)            # + a frozen reference when algo.kl_coef > 0
+    batch = actor.with_advantages(batch, rewards, group_id)  # or step_advantages() pre-split
+    metrics = actor.ppo_update(batch)               # prox recompute, epochs x mini-batches
+
+`ppo_update` takes this DP rank's share of a step (fields loss_mask, behave_logp, advantages,
+versions; optional ref_logp) and runs
+
+    prox_logp  <- engine.compute_logp(batch)       (algo.prox_logp_mode: recompute | metrics;
+                                                    loglinear interpolates inside the loss)
+    for epoch in range(train.ppo_epochs):
+        for mini-batch in shuffled split:           (train.ppo_mini_batch_size is GLOBAL over DP)
+            W <- token_weights(mini-batch, all_reduce_DP(step_denominators(mini-batch)))
+            engine.train_batch(mini-batch, loss)    (one optimizer step)
+
+    loss = sum_it W_it [ L^policy_it - entropy_coef H_it + kl_coef k_it ]
+
+so every aggregation denominator is a statistic of the whole mini-batch (all micro-batches, all DP
+ranks): the loss and its gradient do not depend on how the mini-batch is cut into micro-batches.
+Every DP rank of a step draws the same number of mini-batches (from the all-gathered sample
+counts); TP/PP peers hold the same samples and use the same shuffle seed, so they agree.
+
+Under loglinear prox the clock of mini-batch k of K optimizer steps is v_theta = v_prox + k / K
+(the update as a whole moves the policy from version v_prox to v_prox + 1), so the first
+mini-batch sees pi_prox = pi_theta exactly, like a recompute would.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+from itertools import chain
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.algo import (AdvantageConfig, AlgoSpec, ProxLogpMode, Reduce, Stat, aggregate,
+                         compute_advantages, entropy_loss, kl_loss, kl_penalty,
+                         loglinear_prox_logp, merge_stats, policy_loss, prox_approx_stats,
+                         step_denominators, token_weights)
+from megarl.algo.aggregation import LossAgg, StepDenominators
+from megarl.trainer.batch import MicroBatch, SequenceBatch
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+def pad_rows(rows: Sequence[Sequence[float]], dtype=torch.float32) -> torch.Tensor:
+    """Token-aligned per-sample lists -> a right-zero-padded [B, S] tensor."""
+    s = max((len(r) for r in rows), default=0)
+    out = torch.zeros(len(rows), s, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
+    return out
+
+
+def unpad_rows(t: torch.Tensor, lengths: Sequence[int]) -> list[list[float]]:
+    """[B, S] -> per-sample lists of the given lengths (inverse of `pad_rows`)."""
+    t = t.detach().cpu()
+    return [t[i, :n].tolist() for i, n in enumerate(lengths)]
+
+
+def num_minibatches(local_counts: Sequence[int], mini_batch_size: int) -> int:
+    """Optimizer steps per epoch for a step whose DP ranks hold `local_counts` sequences.
+
+    n = ceil(sum(local_counts) / mini_batch_size) (mini_batch_size <= 0: the whole step, n = 1),
+    capped at min(local_counts) so that every rank has at least one sequence in every mini-batch
+    (all DP ranks must take part in every optimizer step). 0 when some rank holds nothing.
+    """
+    total, fewest = sum(local_counts), min(local_counts, default=0)
+    if fewest <= 0:
+        return 0
+    n = 1 if mini_batch_size <= 0 else math.ceil(total / mini_batch_size)
+    return max(1, min(n, fewest))
+
+
+def minibatch_indices(n: int, n_mini: int, seed: int) -> list[list[int]]:
+    """Splits range(n) into `n_mini` nearly equal parts (sizes differ by at most one, larger
+    first) of a seeded random permutation; each part is sorted. Same seed, same split on every
+    process (torch CPU generator)."""
+    if n_mini < 1 or n < n_mini:
+        raise ValueError(f"cannot split {n} sequences into {n_mini} mini-batches")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    base, extra = divmod(n, n_mini)
+    out, start = [], 0
+    for j in range(n_mini):
+        size = base + (1 if j < extra else 0)
+        out.append(sorted(perm[start:start + size]))
+        start += size
+    return out
+
+
+def shuffle_seed(seed: int, update: int, epoch: int) -> int:
+    """The mini-batch shuffle seed of (config seed, update index, epoch)."""
+    return (seed * 1_000_003 + update * 1_009 + epoch) % (2 ** 63)
+
+
+@dataclass
+class StepAdvantages:
+    """Per-sample token lists: advantages and returns (value targets / broadcast scores)."""
+
+    advantages: list[list[float]]
+    returns: list[list[float]]
+
+
+def step_advantages(cfg: AdvantageConfig, loss_mask: Sequence[Sequence[float]],
+                    rewards: Sequence[float], group_id: Sequence[int],
+                    values: Optional[Sequence[Sequence[float]]] = None,
+                    kl: Optional[Sequence[Sequence[float]]] = None) -> StepAdvantages:
+    """`megarl.algo.compute_advantages` on a WHOLE step given as per-sample lists (every group
+    complete; call before the DP split, or on the all-gathered step). `values` are the critic's
+    V_t for gae, `kl` the per-token KL estimate to fold into the reward (algo.kl_in_reward)."""
+    mask = pad_rows(loss_mask)
+    out = compute_advantages(
+        cfg, torch.as_tensor(list(rewards), dtype=torch.float64), mask, list(group_id),
+        values=pad_rows(values) if values is not None else None,
+        kl=pad_rows(kl) if kl is not None else None)
+    lengths = [len(m) for m in loss_mask]
+    return StepAdvantages(unpad_rows(out.advantages, lengths), unpad_rows(out.returns, lengths))
+
+
+# ----------------------------------------------------------------------------- DP collectives
+
+
+def dp_counts(n_local: int, ps) -> list[int]:
+    """Every DP rank's local sequence count (all-gather over the DP group)."""
+    mine = torch.tensor([n_local], dtype=torch.float64, device=ps.device)
+    if ps.dp == 1:
+        return [n_local]
+    parts = [torch.zeros_like(mine) for _ in range(ps.dp)]
+    dist.all_gather(parts, mine, group=ps.dp_group)
+    return [int(p.item()) for p in parts]
+
+
+def minibatch_loss_weights(mini: SequenceBatch, spec: AlgoSpec, ps,
+                           norm_len: Optional[int]) -> list[list[float]]:
+    """Aggregation weights W (`algo.loss_agg`) whose denominators are those of the whole
+    mini-batch: one SUM all-reduce of (N_tok, N_seq) over the DP group."""
+    mask = pad_rows(mini.fields["loss_mask"])
+    den = step_denominators(mask).as_tensor().to(ps.device)
+    if ps.dp > 1:
+        dist.all_reduce(den, group=ps.dp_group)
+    w = token_weights(mask, spec.loss_agg, StepDenominators.from_tensor(den.cpu()), norm_len)
+    return unpad_rows(w, mini.lengths)
+
+
+def step_norm_len(full: SequenceBatch, spec: AlgoSpec, ps) -> Optional[int]:
+    """C of seq_mean_token_sum_norm: algo.loss_agg_norm_len, else the longest response of the
+    step (max loss tokens of one sequence over all DP ranks); None for other modes."""
+    if spec.loss_agg != LossAgg.SEQ_MEAN_TOKEN_SUM_NORM:
+        return None
+    if spec.loss_agg_norm_len is not None:
+        return spec.loss_agg_norm_len
+    longest = max((sum(m) for m in full.fields["loss_mask"]), default=0.0)
+    t = torch.tensor([float(longest)], dtype=torch.float64, device=ps.device)
+    if ps.dp > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.dp_group)
+    return max(1, int(t.item()))
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+class StatAccumulator:
+    """`Stat`s merged over micro-batches and mini-batches, reduced over DP once per update.
+
+    Only the last pipeline stage runs loss functions, so it reduces (SUM and MAX over its DP
+    group) and broadcasts the result over the pipeline group; every rank returns the same dict.
+    """
+
+    def __init__(self):
+        self.stats: dict[str, Stat] = {}
+
+    def add(self, stats: dict[str, Stat]) -> None:
+        self.stats = merge_stats(self.stats, stats)
+
+    def reduce(self, ps) -> dict[str, float]:
+        obj: list = [None]
+        if ps.is_last_stage:
+            names = sorted(self.stats)
+            sums = [n for n in names if self.stats[n].reduce == Reduce.SUM]
+            maxes = [n for n in names if self.stats[n].reduce == Reduce.MAX]
+            packed = torch.tensor([float(self.stats[n].value) for n in sums]
+                                  + [float(self.stats[n].count) for n in names],
+                                  dtype=torch.float64, device=ps.device)
+            top = torch.tensor([float(self.stats[n].value) for n in maxes] or [0.0],
+                               dtype=torch.float64, device=ps.device)
+            if ps.dp > 1:
+                dist.all_reduce(packed, group=ps.dp_group)
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.dp_group)
+            values = dict(zip(sums, packed[: len(sums)].tolist()))
+            values.update(zip(maxes, top.tolist()))
+            counts = dict(zip(names, packed[len(sums):].tolist()))
+            obj = [{n: Stat(torch.tensor(values[n]), torch.tensor(counts[n]),
+                            self.stats[n].reduce).result() for n in names}]
+        if ps.pp > 1:
+            dist.broadcast_object_list(obj, src=ps.last_stage_rank, group=ps.pp_group)
+        self.stats = {}
+        return obj[0]
+
+
+# ----------------------------------------------------------------------------- the actor
+
+
+@dataclass
+class _Clock:
+    """Where the update is: optimizer step k of K, policy version at the step start."""
+
+    k: int = 0
+    total: int = 1
+    prox_version: float = 0.0
+
+    @property
+    def theta_version(self) -> float:
+        return self.prox_version + self.k / self.total
+
+
+class Actor:
+    """Policy update of one RL step (module docstring). Holds the trainable engine, an optional
+    frozen reference engine, and the policy version clock used by loglinear prox."""
+
+    def __init__(self, cfg, ps, engine, ref=None, spec: Optional[AlgoSpec] = None):
+        self.cfg, self.ps, self.engine, self.ref = cfg, ps, engine, ref
+        self.spec = spec or cfg.algo.build()
+        self.version = 0
+        """Policy version of the trainer weights (advanced by one per `ppo_update`)."""
+        self.updates = 0
+
+    @classmethod
+    def build(cls, cfg, ps, engine=None) -> "Actor":
+        """Engine (unless given) + the frozen reference when the algorithm needs one."""
+        from megarl.trainer.engine import Engine
+
+        engine = engine or Engine.build(cfg, ps)
+        spec = cfg.algo.build()
+        ref = build_reference(cfg, ps, engine) if spec.uses_ref_model else None
+        return cls(cfg, ps, engine, ref, spec)
+
+    # ------------------------------------------------------------------ per-step inputs
+    def ref_logp(self, batch: SequenceBatch) -> list[list[float]]:
+        """log pi_ref of this rank's samples (forward-only on the frozen reference)."""
+        if self.ref is None:
+            raise ValueError("Actor.ref_logp: no reference model (algo.kl_coef is 0)")
+        return [t.tolist() for t in self.ref.compute_logp(batch).logp]
+
+    def with_advantages(self, batch: SequenceBatch, rewards: Sequence[float],
+                        group_id: Sequence[int]) -> SequenceBatch:
+        """DP-collective advantages for this rank's share: all-gathers the step over the DP
+        group, runs `step_advantages` on the whole step (groups complete, step-level whitening)
+        and keeps this rank's rows. Use it when the advantage needs per-rank model outputs
+        (algo.kl_in_reward: ref_logp, computed here if missing; gae: a `values` field).
+        Returns a new batch with `advantages` and `returns` fields (and `ref_logp` if computed)."""
+        fields = dict(batch.fields)
+        kl = None
+        if self.spec.kl_in_reward and self.spec.kl_coef > 0:
+            if "ref_logp" not in fields:
+                fields["ref_logp"] = self.ref_logp(batch)
+            mask = pad_rows(fields["loss_mask"])
+            k = kl_penalty(pad_rows(fields["behave_logp"]), pad_rows(fields["ref_logp"]), mask,
+                           self.spec.kl_estimator)
+            kl = unpad_rows(k, batch.lengths)
+        local = (fields["loss_mask"], list(rewards), list(group_id), fields.get("values"), kl)
+        parts: list = [None] * self.ps.dp
+        dist.all_gather_object(parts, local, group=self.ps.dp_group)
+        offset = sum(len(p[0]) for p in parts[: self.ps.dp_rank])
+        cat = [list(chain.from_iterable(p[i] for p in parts)) if parts[0][i] is not None
+               else None for i in range(5)]
+        out = step_advantages(self.spec.advantage, cat[0], cat[1], cat[2], cat[3], cat[4])
+        rows = slice(offset, offset + len(batch))
+        fields["advantages"], fields["returns"] = out.advantages[rows], out.returns[rows]
+        return SequenceBatch(batch.input_ids, fields)
+
+    # ------------------------------------------------------------------ the update
+    def ppo_update(self, batch: SequenceBatch, version: Optional[int] = None) -> dict[str, float]:
+        """One RL step on this DP rank's share (module docstring). `version` = the policy version
+        of the current weights (default: the actor's own counter). Collective over all ranks."""
+        t0 = time.perf_counter()
+        spec, cfg = self.spec, self.cfg
+        mode = spec.prox_logp_mode
+        need = ["loss_mask", "behave_logp", "advantages"]
+        need += ["versions"] if mode != ProxLogpMode.RECOMPUTE else []
+        missing = [n for n in need if n not in batch.fields]
+        if missing:
+            raise ValueError(f"Actor.ppo_update: batch lacks field(s) {missing}")
+        fields = dict(batch.fields)
+        acc = StatAccumulator()
+        if self.ref is not None and spec.kl_loss_coef > 0 and "ref_logp" not in fields:
+            fields["ref_logp"] = self.ref_logp(batch)
+        train_entropy = spec.entropy_coef > 0
+        if mode != ProxLogpMode.LOGLINEAR and spec.policy_loss.needs_prox_logp:
+            res = self.engine.compute_logp(batch, with_entropy=not train_entropy)
+            fields["prox_logp"] = [t.tolist() for t in res.logp]
+            if res.entropy is not None:  # the entropy metric without paying for it in backward
+                acc.add({"entropy": Stat.masked_mean(pad_rows([t.tolist() for t in res.entropy]),
+                                                     pad_rows(fields["loss_mask"]))})
+        full = SequenceBatch(batch.input_ids, fields)
+
+        n_mini = num_minibatches(dp_counts(len(batch), self.ps), cfg.train.ppo_mini_batch_size)
+        clock = _Clock(0, max(1, n_mini * cfg.train.ppo_epochs),
+                       float(self.version if version is None else version))
+        norm_len = step_norm_len(full, spec, self.ps) if n_mini else None
+        losses, grad_norms, lr = [], [], 0.0
+        for epoch in range(cfg.train.ppo_epochs if n_mini else 0):
+            seed = shuffle_seed(cfg.train.seed, self.updates, epoch)
+            for idx in minibatch_indices(len(full), n_mini, seed):
+                mini = full.select(idx)
+                mini.fields["loss_weight"] = minibatch_loss_weights(mini, spec, self.ps, norm_len)
+                out = self.engine.train_batch(mini, partial(self._loss_fn, clock, acc),
+                                              with_entropy=train_entropy)
+                losses.append(out["loss"])
+                grad_norms.append(out["grad_norm"])
+                lr = out["lr"]
+                clock.k += 1
+        metrics = acc.reduce(self.ps)
+        metrics.update(
+            loss=mean_or_zero(losses), grad_norm=mean_or_zero(grad_norms),
+            grad_norm_max=max(grad_norms, default=0.0), lr=lr, n_minibatches=float(n_mini),
+            optimizer_steps=float(clock.k), update_time=time.perf_counter() - t0)
+        self.version = int(clock.prox_version) + 1
+        self.updates += 1
+        return metrics
+
+    def _loss_fn(self, clock: _Clock, acc: StatAccumulator, logp: torch.Tensor,
+                 entropy: Optional[torch.Tensor], mb: MicroBatch):
+        """Per micro-batch: sum_it W_it (policy + entropy + KL terms); stats go to `acc`."""
+        spec = self.spec
+        m, behave, w = mb["loss_mask"], mb["behave_logp"], mb["loss_weight"]
+        stats: dict[str, Stat] = {}
+        prox = mb.fields.get("prox_logp")
+        if spec.prox_logp_mode != ProxLogpMode.RECOMPUTE:
+            approx = loglinear_prox_logp(logp, behave, mb["versions"], clock.prox_version,
+                                         clock.theta_version, m)
+            if spec.prox_logp_mode == ProxLogpMode.LOGLINEAR:
+                prox = approx
+            elif prox is not None:
+                stats.update(prox_approx_stats(approx, prox, m))
+        out = policy_loss(logp, prox, behave, mb["advantages"], m, spec.policy_loss)
+        stats.update(out.stats)
+        per_token = out.loss
+        if entropy is not None:
+            ent, s = entropy_loss(entropy, m, spec.entropy_coef)
+            per_token, stats = per_token + ent, {**stats, **s}
+        if "ref_logp" in mb.fields:
+            kl, s = kl_loss(logp, mb["ref_logp"], m, spec.kl_estimator, spec.kl_loss_coef)
+            per_token, stats = per_token + kl, {**stats, **s}
+        loss = aggregate(per_token, w)
+        # Sums of step-normalised contributions: count = this micro-batch's share of the
+        # mini-batch's tokens, so the reduced result is the mean over optimizer steps.
+        share = m.sum() / mb.step_tokens
+        stats["pg_loss"] = Stat(aggregate(out.loss, w).detach(), share.detach())
+        if clock.k == 0:  # trainer vs rollout engine on the same weights: ~0 when in sync
+            gap = (logp.detach() - behave).abs()
+            stats["logp_gap"] = Stat.masked_mean(gap, m)
+            stats["logp_gap_max"] = Stat.masked_max(gap, m)
+        acc.add(stats)
+        return loss, {}
+
+
+def mean_or_zero(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def build_reference(cfg, ps, engine):
+    """The frozen reference policy, same parallel layout as `engine`: model.ref_hf_path, else
+    model.hf_path; with model.init=random and no ref path, a copy of the actor's initial weights."""
+    from megarl.trainer.engine import Engine
+
+    path = cfg.model.ref_hf_path or cfg.model.hf_path
+    copy_actor = cfg.model.init == "random" and not cfg.model.ref_hf_path
+    model = dataclasses.replace(cfg.model, hf_path=path, init="random" if copy_actor else "hf")
+    ref = Engine.build(dataclasses.replace(cfg, model=model), ps, trainable=False)
+    if copy_actor:
+        with torch.no_grad():
+            for src, dst in zip(engine.chunks, ref.chunks):
+                src = getattr(src, "module", src)
+                for (name, p), (name2, q) in zip(src.named_parameters(), dst.named_parameters()):
+                    assert name == name2, (name, name2)
+                    q.copy_(p)
+    return ref

@@ -1,0 +1,195 @@
+"""The critic for GAE: a Megatron GPTModel whose vocab-parallel LM head is replaced by a scalar
+value head, trained by the same engine machinery as the actor.
+
+    critic = Critic.build(cfg, ps)                  # critic.hf_path, else model.hf_path
+    batch.fields["values"] = critic.values(batch)   # V_t at the step start (old values)
+    batch = actor.with_advantages(batch, rewards, group_id)   # gae -> advantages + returns
+    metrics = critic.update(batch)                  # clipped value loss, epochs x mini-batches
+    if not critic.warming_up: actor.ppo_update(batch)
+
+The value head is a plain replicated Linear(hidden, 1): on the last pipeline stage the hidden
+states (after the final norm) are complete and identical on every TP rank (no sequence
+parallelism), so every TP rank computes the same values and the same head gradient, and the
+backward into the backbone needs no extra communication (like a layer norm's weight). Megatron's
+grad-norm counts a replicated parameter once (TP rank 0). Tied embeddings are untied for the
+critic: the head has nothing to share with the input embedding.
+
+V_t is aligned like logprobs: entry t is the value of the state that emits token t, i.e. the head
+applied to the hidden state at position t - 1; entry 0 = 0.
+
+Value loss per token (old values V_old from the step start, returns R from GAE, c = value_clip):
+
+    L_t = 0.5 max((V_t - R_t)^2, (V_old_t + clip(V_t - V_old_t, -c, c) - R_t)^2)    (c set)
+    L_t = 0.5 (V_t - R_t)^2                                                          (c null)
+
+aggregated with the actor's `algo.loss_agg` weights over each whole mini-batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from functools import partial
+from typing import Optional
+
+import torch
+
+from megarl import compat
+from megarl.algo import Stat, aggregate
+from megarl.trainer.actor import (StatAccumulator, dp_counts, minibatch_indices,
+                                  mean_or_zero, minibatch_loss_weights, num_minibatches,
+                                  shuffle_seed, step_norm_len)
+from megarl.trainer.batch import MicroBatch, SequenceBatch
+from megarl.trainer.engine import Engine
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               loss_mask: torch.Tensor,
+               clip: Optional[float]) -> tuple[torch.Tensor, dict[str, Stat]]:
+    """Per-token clipped value loss (module docstring), 0 off the mask. Stats: value_clip_frac
+    (|V - V_old| > c and the clipped branch is the larger), value_mean, return_mean,
+    value_abs_err (mean |V - R|)."""
+    m = loss_mask.bool()
+    ret, old = returns.detach(), old_values.detach()
+    err = (values - ret).square()
+    stats = {"value_mean": Stat.masked_mean(values, m), "return_mean": Stat.masked_mean(ret, m),
+             "value_abs_err": Stat.masked_mean((values - ret).abs(), m)}
+    if clip is not None:
+        clipped = old + (values - old).clamp(-clip, clip)
+        err_c = (clipped - ret).square()
+        active = ((values - old).abs() > clip) & (err_c > err)  # the clip changed the loss
+        stats["value_clip_frac"] = Stat.masked_mean(active.float(), m)
+        err = torch.maximum(err, err_c)
+    loss = 0.5 * torch.where(m, err, torch.zeros_like(err))
+    return loss, stats
+
+
+class ValueHead(torch.nn.Module):
+    """Linear(hidden, 1) standing in for GPTModel.output_layer (same call signature)."""
+
+    def __init__(self, hidden: int, std: float, dtype: torch.dtype, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)  # same init on every TP/DP rank
+        self.weight = torch.nn.Parameter((torch.randn(1, hidden, generator=g) * std).to(dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = False  # read by GPTModel._postprocess
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+
+
+def attach_value_head(chunks: list, hidden: int, std: float, dtype: torch.dtype, seed: int) -> None:
+    """Replaces the LM head of the last-stage chunk by a `ValueHead`; unties embeddings."""
+    for model in chunks:
+        model.share_embeddings_and_output_weights = False
+        if model.post_process:
+            model.output_layer = ValueHead(hidden, std, dtype, seed)
+            if compat.HAVE_CUDA:
+                model.output_layer.cuda(torch.cuda.current_device())
+
+
+class CriticEngine(Engine):
+    """`Engine` whose per-token output is V_t instead of log p(y_t)."""
+
+    @classmethod
+    def build(cls, cfg, ps, trainable: bool = True) -> "CriticEngine":
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig, finalize_model_grads)
+
+        from megarl.models import builder, hf_io
+        from megarl.models.registry import read_model_args
+
+        args = read_model_args(cfg.model.hf_path)
+        use_te = builder.resolve_spec(cfg.model.spec)
+        tconfig = builder.transformer_config(
+            args, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, dtype=cfg.model.dtype,
+            sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.model.recompute,
+            use_te=use_te)
+        chunks = builder.build_model_chunks(args, tconfig, use_te)
+        if cfg.model.init == "hf":
+            hf_io.load_hf_weights(chunks, args, cfg.model.hf_path, ps.tp, ps.tp_rank, use_te)
+        attach_value_head(chunks, args.hidden_size, args.initializer_range, tconfig.params_dtype,
+                          cfg.model.seed)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.parallel.distributed_optimizer)
+        chunks = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c,
+                                          disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+        for c in chunks:
+            c.broadcast_params()
+        optimizer, scheduler = cls._optimizer(cfg, chunks)
+        tconfig.finalize_model_grads_func = finalize_model_grads
+        tconfig.grad_scale_func = optimizer.scale_loss
+        tconfig.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        return cls(cfg, ps, args, chunks, tconfig, use_te, optimizer, scheduler)
+
+    def _logits_to_logp(self, values, mb: MicroBatch, with_entropy: bool):
+        v = values[..., 0].float()  # [b, s]: value of the state after token s
+        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1), None
+
+    def export_hf(self, out_dir, dtype=None):
+        raise NotImplementedError("the critic has no HF export (its head is not an LM head)")
+
+
+def critic_config(cfg):
+    """The Config the critic engine is built from: critic.hf_path / critic.lr over the actor's."""
+    c = cfg.critic
+    model = dataclasses.replace(cfg.model, hf_path=c.hf_path or cfg.model.hf_path)
+    optim = dataclasses.replace(cfg.optim, lr=c.lr if c.lr is not None else cfg.optim.lr,
+                                min_lr=min(cfg.optim.min_lr, c.lr or cfg.optim.lr))
+    return dataclasses.replace(cfg, model=model, optim=optim)
+
+
+class Critic:
+    """Value model for GAE: step-start values, and a clipped-value-loss update per RL step."""
+
+    def __init__(self, cfg, ps, engine: CriticEngine):
+        self.cfg, self.ps, self.engine = cfg, ps, engine
+        self.spec = cfg.algo.build()
+        self.updates = 0
+
+    @classmethod
+    def build(cls, cfg, ps) -> "Critic":
+        return cls(cfg, ps, CriticEngine.build(critic_config(cfg), ps))
+
+    @property
+    def warming_up(self) -> bool:
+        """True for the first critic.warmup_steps updates: the actor should not update yet."""
+        return self.updates < self.cfg.critic.warmup_steps
+
+    def values(self, batch: SequenceBatch) -> list[list[float]]:
+        """V_t of this rank's samples (forward-only; on every PP stage)."""
+        return [t.tolist() for t in self.engine.compute_logp(batch).logp]
+
+    def update(self, batch: SequenceBatch) -> dict[str, float]:
+        """Epochs x mini-batches of the value loss (fields loss_mask, values = V_old, returns);
+        the same mini-batch plan as the actor. Collective over all ranks."""
+        t0 = time.perf_counter()
+        missing = [n for n in ("loss_mask", "values", "returns") if n not in batch.fields]
+        if missing:
+            raise ValueError(f"Critic.update: batch lacks field(s) {missing}")
+        train = self.cfg.train
+        n_mini = num_minibatches(dp_counts(len(batch), self.ps), train.ppo_mini_batch_size)
+        norm_len = step_norm_len(batch, self.spec, self.ps) if n_mini else None
+        acc, losses, grad_norms = StatAccumulator(), [], []
+        for epoch in range(train.ppo_epochs if n_mini else 0):
+            # a different stream from the actor's shuffle (same seed would couple them)
+            seed = shuffle_seed(train.seed + 1, self.updates, epoch)
+            for idx in minibatch_indices(len(batch), n_mini, seed):
+                mini = batch.select(idx)
+                mini.fields["loss_weight"] = minibatch_loss_weights(mini, self.spec, self.ps,
+                                                                    norm_len)
+                out = self.engine.train_batch(mini, partial(self._loss_fn, acc))
+                losses.append(out["loss"])
+                grad_norms.append(out["grad_norm"])
+        metrics = acc.reduce(self.ps)
+        metrics.update(value_loss=mean_or_zero(losses), grad_norm=mean_or_zero(grad_norms),
+                       update_time=time.perf_counter() - t0)
+        self.updates += 1
+        return metrics
+
+    def _loss_fn(self, acc: StatAccumulator, values: torch.Tensor, entropy, mb: MicroBatch):
+        m = mb["loss_mask"]
+        per_token, stats = value_loss(values, mb["values"], mb["returns"], m,
+                                      self.cfg.critic.value_clip)
+        acc.add(stats)
+        return aggregate(per_token, mb["loss_weight"]), {}

@@ -1,0 +1,141 @@
+"""torchrun worker: the PPO actor (and the GAE critic) under several TP/PP/DP layouts and
+micro-batch budgets. Rank 0 writes {layout: results} as JSON for test_actor.py.
+
+Layout specs: "actor,tp,pp,micro_batch_tokens,ppo_mini_batch_size" (prox_logp_mode=metrics),
+"loglinear,..." (the same with prox_logp_mode=loglinear) and "critic,tp,pp,mbt".
+Every layout sees the same step: 8 sequences in 2 groups of 4, behave_logp = the trainer's own
+logprob + fixed noise (so behaviour weights are not 1 and some are capped), versions v-1 / v.
+"""
+import json
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megarl import compat, parallel
+from megarl.config import load_config
+from megarl.trainer.actor import Actor, step_advantages
+from megarl.trainer.batch import SequenceBatch
+from megarl.trainer.critic import Critic
+
+VERSION = 3
+ALGO = ["algo.policy_loss=decoupled_ppo", "algo.prox_logp_mode=metrics",
+        "algo.loss_agg=seq_mean_token_mean", "algo.kl_coef=0.05", "algo.entropy_coef=0.01",
+        "algo.behave_weight_cap=1.15", "algo.eps_clip_low=0.1", "algo.eps_clip_high=0.1"]
+
+
+def make_step(n=8, vocab=128, seed=0):
+    rng = random.Random(seed)
+    ids, mask, noise, versions = [], [], [], []
+    for _ in range(n):
+        length = rng.randint(6, 20)
+        prompt = rng.randint(2, length - 2)
+        ids.append([rng.randrange(vocab) for _ in range(length)])
+        mask.append([0.0] * prompt + [1.0] * (length - prompt))
+        noise.append([0.0] * prompt + [rng.gauss(0.0, 0.1) for _ in range(length - prompt)])
+        old = rng.random() < 0.5  # half the samples come from the previous policy version
+        versions.append([-1.0] * prompt + [float(VERSION - old)] * (length - prompt))
+    rewards = [float(rng.random() < 0.5) + 0.1 * i for i in range(n)]
+    return ids, mask, noise, versions, rewards, [i // 4 for i in range(n)]
+
+
+def gather_rows(mine, rows_by_name, n):
+    """{name: per-sample list over the whole step} from every rank's local rows."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {name: dict(zip(mine, rows))
+                                   for name, rows in rows_by_name.items()})
+    out = {}
+    for name in rows_by_name:
+        merged = {}
+        for p in parts:
+            merged.update(p[name])
+        out[name] = [merged[i] for i in range(n)]
+    return out
+
+
+def config(hf_dir, tp, pp, mbt, mini, extra=()):
+    return load_config(None, [f"model.hf_path={hf_dir}", "data.train_path=x", f"parallel.tp={tp}",
+                              f"parallel.pp={pp}", f"train.micro_batch_tokens={mbt}",
+                              f"train.ppo_mini_batch_size={mini}", "train.ppo_epochs=2",
+                              # Adam's first step moves a coordinate by lr * g / (|g| + eps):
+                              # with the default eps=1e-8, float noise in a gradient coordinate
+                              # of ~1e-8 shifts it by ~lr / 10 between layouts; 1e-6 damps that.
+                              "optim.lr=0.002", "optim.adam_eps=1e-6", *ALGO, *extra])
+
+
+def run_actor(hf_dir, tp, pp, mbt, mini, step, extra=()):
+    ids, mask, noise, versions, rewards, gids = step
+    cfg = config(hf_dir, tp, pp, mbt, mini, extra)
+    ps = parallel.init_model_parallel(tp, pp, seed=1234)
+    actor = Actor.build(cfg, ps)
+    mine = [i for i in range(len(ids)) if i % ps.dp == ps.dp_rank]
+    local = SequenceBatch([ids[i] for i in mine], {"loss_mask": [mask[i] for i in mine]})
+    true = actor.engine.compute_logp(local).logp
+    behave = [[(x + e) * m for x, e, m in zip(t.tolist(), noise[i], mask[i])]
+              for t, i in zip(true, mine)]
+    full_adv = step_advantages(actor.spec.advantage, mask, rewards, gids).advantages
+    local.fields.update(behave_logp=behave, versions=[versions[i] for i in mine])
+    # the DP-collective helper gives this rank's rows of the whole-step advantages
+    local = actor.with_advantages(local, [rewards[i] for i in mine], [gids[i] for i in mine])
+    adv_ok = all(local.fields["advantages"][r] == full_adv[i] for r, i in enumerate(mine))
+    metrics = actor.ppo_update(local, version=VERSION)
+    after = actor.engine.compute_logp(local).logp
+    rows = gather_rows(mine, {"before": [t.tolist() for t in true],
+                              "after": [t.tolist() for t in after]}, len(ids))
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, adv_ok)
+    parallel.destroy_model_parallel_only()
+    return {"logp": rows["before"], "logp_after": rows["after"], "metrics": metrics,
+            "adv_ok": all(flags), "version_after": actor.version}
+
+
+def run_critic(hf_dir, tp, pp, mbt, step):
+    ids, mask, _, _, rewards, gids = step
+    cfg = config(hf_dir, tp, pp, mbt, 0, ["algo.advantage=gae", "algo.lam=0.95",
+                                          "critic.lr=0.01", "critic.value_clip=0.5"])
+    ps = parallel.init_model_parallel(tp, pp, seed=1234)
+    critic = Critic.build(cfg, ps)
+    mine = [i for i in range(len(ids)) if i % ps.dp == ps.dp_rank]
+    local = SequenceBatch([ids[i] for i in mine], {"loss_mask": [mask[i] for i in mine]})
+    local.fields["values"] = critic.values(local)
+    # GAE over the whole step from every rank's values (no engine needed for advantages)
+    local = Actor(cfg, ps, engine=None).with_advantages(
+        local, [rewards[i] for i in mine], [gids[i] for i in mine])
+    m1 = critic.update(local)
+    mid = critic.values(local)
+    m2 = critic.update(SequenceBatch(local.input_ids, {**local.fields, "values": mid}))
+    rows = gather_rows(mine, {"values": local.fields["values"], "values_after": mid,
+                              "advantages": local.fields["advantages"]}, len(ids))
+    parallel.destroy_model_parallel_only()
+    return {**rows, "metrics": m1, "metrics2": m2}
+
+
+def main():
+    hf_dir, out, *layouts = sys.argv[1:]
+    compat.quiet_megatron_warnings()
+    torch.set_num_threads(1)
+    parallel.init_distributed()
+    step = make_step()
+    results = {}
+    for spec in layouts:
+        t0 = time.perf_counter()
+        kind, *nums = spec.split(",")
+        nums = [int(x) for x in nums]
+        if kind == "actor":
+            results[spec] = run_actor(hf_dir, *nums, step)
+        elif kind == "loglinear":
+            results[spec] = run_actor(hf_dir, *nums, step, ["algo.prox_logp_mode=loglinear"])
+        else:
+            results[spec] = run_critic(hf_dir, *nums, step)
+        results[spec]["wall_s"] = time.perf_counter() - t0
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
