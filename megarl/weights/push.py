@@ -42,21 +42,37 @@ class WeightPusher:
         self.cfg, self.engine, self.ps = cfg, engine, engine.ps
         self.timeout_s, self.pause_mode = w.timeout_s, w.pause_mode
         self.version = 0
-        dtype = None if w.dtype == "auto" else getattr(torch, w.dtype)
-        self.resharder = Resharder(engine, bucket_bytes=w.bucket_mb * 2**20, dtype=dtype)
-        servers = servers if servers is not None else cfg.rollout.servers
+        self.dtype = None if w.dtype == "auto" else getattr(torch, w.dtype)
+        self.resharder = Resharder(engine, bucket_bytes=w.bucket_mb * 2**20, dtype=self.dtype)
+        self.servers = list(servers if servers is not None else cfg.rollout.servers)
+        self.admin, self.transport = None, None
+        self._connect()
+
+    def _connect(self) -> None:
+        """Admin client and transport for the current server list."""
+        w, ps = self.cfg.weights, self.ps
         # rank 0 drives pause/continue; each stage source talks to the servers for its buckets
-        needs_admin = self.ps.rank == 0 or (self.ps.is_pp_source and w.transport != "disk")
-        self.admin = AdminRunner(servers, cfg.rollout.api_key or None, w.timeout_s) if needs_admin else None
+        needs_admin = ps.rank == 0 or (ps.is_pp_source and w.transport != "disk")
+        self.admin = AdminRunner(self.servers, self.cfg.rollout.api_key or None, w.timeout_s) if needs_admin else None
         if w.transport == "distributed":
-            backend = "nccl" if self.ps.device.type == "cuda" else "gloo"
+            backend = "nccl" if ps.device.type == "cuda" else "gloo"
             self.transport = DistributedTransport(self.admin, w.master_address, w.timeout_s, backend)
         elif w.transport == "tensor":
             self.transport = TensorTransport(self.admin, w.timeout_s)
         else:
-            directory = w.disk_dir or f"{cfg.train.run_dir}/weights"
-            self.transport = DiskTransport(self.admin, directory, w.keep_versions, w.timeout_s, dtype)
+            directory = w.disk_dir or f"{self.cfg.train.run_dir}/weights"
+            self.transport = DiskTransport(self.admin, directory, w.keep_versions, w.timeout_s, self.dtype)
         self._ready = False
+
+    def add_server(self, address: str) -> "PushMetrics":
+        """A server that joins later gets the current weights before it receives work: the
+        update groups are rebuilt to include it and the current version is pushed again (the
+        other servers pause meanwhile). Collective; the caller admits the server to rollouts
+        only after this returns."""
+        self.close()
+        self.servers.append(address)
+        self._connect()
+        return self.push(bump=False)
 
     def _agree(self, error: Optional[BaseException]) -> None:
         """Every rank learns whether any rank failed (no rank is left waiting in a barrier)."""
@@ -78,8 +94,9 @@ class WeightPusher:
             self._agree(err)
         self._ready = True
 
-    def push(self) -> PushMetrics:
-        """Push the current weights as version ``self.version + 1``. The protocol:
+    def push(self, bump: bool = True) -> PushMetrics:
+        """Push the current weights as version ``self.version + 1`` (``bump=False``: re-push the
+        current version, e.g. to a server that joined late). The protocol:
 
         1. rank 0: ``/pause_generation`` {mode: weights.pause_mode} on every server (abort returns
            in-flight requests with finish_reason abort; the rollout client resubmits them after
@@ -100,7 +117,7 @@ class WeightPusher:
         error names the step and the server. Servers are resumed even when the push fails.
         """
         t0 = time.perf_counter()
-        new_version = str(self.version + 1)
+        new_version = str(self.version + int(bump))
         if not self._ready:
             self._setup()
         self._rank0(lambda c: c.pause(self.pause_mode), "pause_generation")
@@ -121,7 +138,7 @@ class WeightPusher:
             self._rank0(lambda c: c.end_weight_update(), "end_weight_update")
         finally:
             self._resume()
-        self.version += 1
+        self.version = int(new_version)
         t = self.resharder.times
         nbytes = t.bytes
         if isinstance(self.transport, DiskTransport) and self.ps.rank == 0:
@@ -186,4 +203,5 @@ class WeightPusher:
         self.transport.close()
         if self.admin is not None:
             self.admin.close()
+            self.admin = None
 

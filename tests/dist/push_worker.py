@@ -104,6 +104,26 @@ def stall(hf_b, server, work, pid, how):
     return out
 
 
+def join(hf_a, hf_b, server, server2, work):
+    """Push v1 to server 1; server 2 (weights A) joins late and must get v1; verify() agrees,
+    and catches a server whose weights were changed behind the trainer's back."""
+    engine, pusher = build(hf_b, server, 2, 2, "distributed", work)
+    pusher.push()
+    late_before, _ = server_vs_trainer(engine, server2)
+    pusher.add_server(server2)
+    late_after, late_version = server_vs_trainer(engine, server2)
+    first_after, first_version = server_vs_trainer(engine, server)
+    ok = pusher.verify()
+    if dist.get_rank() == 0:  # tamper: server 2 back to weights A
+        assert post(f"{server2}/update_weights_from_disk", {"model_path": hf_a})["success"]
+    dist.barrier()
+    tampered = pusher.verify()
+    pusher.close()
+    return {"late_before": late_before, "late_after": late_after, "late_version": late_version,
+            "first_after": first_after, "first_version": first_version, "verify_ok": ok,
+            "verify_tampered": sorted(tampered), "pusher_version": pusher.version}
+
+
 def main():
     mode, hf_a, hf_b, server, work, out, *rest = sys.argv[1:]
     compat.quiet_megatron_warnings()
@@ -111,6 +131,8 @@ def main():
     parallel.init_distributed()
     if mode == "layouts":
         results = layouts(hf_a, hf_b, server, work, rest)
+    elif mode == "join":
+        results = join(hf_a, hf_b, server, rest[0], work)
     else:
         results = stall(hf_b, server, work, int(rest[0]), rest[1])
     if dist.get_rank() == 0:

@@ -57,3 +57,21 @@ def test_stalled_or_dead_server_fails_within_timeout(models, how):
         assert r["error"] is not None and r["error"].startswith("PushError")
         assert r["elapsed"] < 4 + 3  # timeout_s=4 plus slack; nobody hangs
     assert url.removeprefix("http://") in ranks[0]["error"] or "127.0.0.1" in ranks[0]["error"]
+
+
+def test_late_server_gets_current_weights_and_verify(models):
+    d, a, b = models
+    url1, p1 = start_server(a, str(d / "server_j1.log"))
+    url2, p2 = start_server(a, str(d / "server_j2.log"))
+    try:
+        out = d / "join.json"
+        torchrun("push_worker.py", 4, "join", a, b, url1, d, out, url2)  # TP=2 x PP=2
+        r = json.loads(out.read_text())
+    finally:
+        p1.kill()
+        p2.kill()
+    assert r["late_before"] > 0.1 and r["late_after"] <= 1e-5 and r["first_after"] <= 1e-5
+    assert r["late_version"] == r["first_version"] == "1" and r["pusher_version"] == 1
+    assert r["verify_ok"] == {}
+    # every tensor of the tampered server is reported (names carry the server address)
+    assert len(r["verify_tampered"]) == 39 and all(x.startswith(url2) for x in r["verify_tampered"])
