@@ -208,13 +208,46 @@ class LoggingConfig:
 class RolloutConfig:
     servers: list[str] = field(default_factory=list)
     """Rollout server addresses (http://host:port): SGLang servers or megarl-server."""
+    local_servers: int = 1
+    """When servers is empty: start this many megarl CPU servers on loopback (the CPU demo)."""
+    server_threads: int = 1
+    """torch threads of each local server."""
     api_key: str = ""
     """Bearer token for the servers' admin endpoints; empty = none."""
+    group_size: int = 8
+    """Samples per prompt (GRPO group)."""
+    max_new_tokens: int = 64
+    """Generation budget per sample."""
+    temperature: float = 1.0
+    """Sampling temperature (1.0: behave_logp is the policy's own logprob)."""
+    top_p: float = 1.0
+    """Nucleus sampling; < 1 makes behave_logp differ from the sampling distribution."""
+    max_staleness: int = 1
+    """Bounded off-policyness: an episode started at version v trains by version v + this (0 = sync)."""
+    max_concurrent: int = 64
+    """Episodes (prompt groups) generating at once."""
+    reward_fn: str = "megarl.rollout.rewards:arith_exact_match"
+    """Reward function import path: fn(prompt, completion, meta) -> float."""
+    workflow: str = "megarl.rollout.workflow:SingleTurnWorkflow"
+    """Workflow class import path (arun_episode(client, sample) -> list[Trajectory])."""
+    eval_interval: int = 0
+    """Greedy accuracy on data.eval_path every N steps (0 = only at the end, if eval_path is set)."""
+    eval_size: int = 500
+    """Held-out prompts per evaluation."""
 
     def validate(self) -> None:
         for i, s in enumerate(self.servers):
             if not s.startswith(("http://", "https://")) and ":" not in s:
                 raise ConfigError(f"rollout.servers[{i}]: expected host:port or a URL, got {s!r}")
+        for name in ("local_servers", "server_threads", "group_size", "max_new_tokens", "max_concurrent",
+                     "eval_size"):
+            _positive(f"rollout.{name}", getattr(self, name))
+        if self.max_staleness < 0:
+            raise ConfigError(f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.temperature <= 0:
+            raise ConfigError(f"rollout.temperature: must be > 0 for RL sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
 
 
 @dataclass
@@ -293,6 +326,9 @@ class Config:
             except ValueError as e:  # sections from megarl.algo raise plain ValueError
                 raise ConfigError(str(e)) from None
         validate_against_model(self)
+        if self.train.algorithm == "grpo" and self.train.global_batch_size % self.rollout.group_size:
+            raise ConfigError(f"train.global_batch_size: {self.train.global_batch_size} is not a multiple "
+                              f"of rollout.group_size={self.rollout.group_size}")
 
 
 def validate_against_model(cfg: Config) -> None:

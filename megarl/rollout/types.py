@@ -152,3 +152,31 @@ class DiskWeightsUpdate:
         if d["weight_version"] is None:
             del d["weight_version"]
         return d
+
+
+@dataclass
+class Trajectory:
+    """One sample for training, token-aligned (DESIGN.md contract): prompt + generated tokens."""
+
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on generated tokens
+    behave_logp: list[float]  # rollout engine's logprob; 0.0 on the prompt
+    versions: list[int]  # -1 on the prompt; policy version per generated token
+    reward: float
+    group_id: int  # samples of one prompt share it
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        n = len(self.input_ids)
+        if not (len(self.loss_mask) == len(self.behave_logp) == len(self.versions) == n):
+            raise ValueError(f"trajectory fields must be token-aligned ({n} tokens)")
+
+    @property
+    def response_len(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version that produced a token of this sample (-1: no generated token)."""
+        gen = [v for v, m in zip(self.versions, self.loss_mask) if m]
+        return min(gen) if gen else -1

@@ -29,24 +29,5 @@ def torchrun(script: str, nproc: int, *args, timeout: int = 600) -> subprocess.C
     return proc
 
 
-def start_server(model_dir: str, log_path: str, extra=()) -> tuple[str, subprocess.Popen]:
-    """A real megarl CPU rollout server on a free loopback port; waits for /health."""
-    import time
-    import urllib.request
 
-    port = free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
-                             "--port", str(port), *extra], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early; log: {open(log_path).read()[-2000:]}")
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            return url, proc
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server not ready in 60 s; log: {open(log_path).read()[-2000:]}")
+from megarl.rollout.local import start_server  # noqa: E402,F401  (re-exported for the tests)

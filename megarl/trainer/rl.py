@@ -1,0 +1,123 @@
+"""The asynchronous RL loop (GRPO family) on all trainer ranks.
+
+    rank 0: controller thread generates groups ahead (bounded by rollout.max_staleness)
+    every step, all ranks:
+        groups   <- controller.next_batch()              (rank 0; broadcast to all ranks)
+        share    <- token-balanced DP split
+        share    <- actor.with_advantages(share, ...)    (step-level group baselines)
+        metrics  <- actor.ppo_update(share)              (prox recompute, PPO epochs, mini-batches)
+        pause rollouts -> push weights (version + 1) -> resume: in-flight samples continue as
+        partial rollouts under the new version
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+from typing import Optional
+
+import torch.distributed as dist
+
+from megarl.data.datasets import PromptDataset, balance_across_ranks
+from megarl.data.tokenizer import load_tokenizer
+from megarl.metrics import print0, progress
+from megarl.rollout.controller import RolloutController
+from megarl.rollout.local import LocalCluster
+from megarl.rollout.rewards import load_reward_fn
+from megarl.rollout.types import SamplingParams, Trajectory
+from megarl.rollout.workflow import load_workflow_class
+from megarl.trainer.actor import Actor
+from megarl.trainer.batch import SequenceBatch
+from megarl.weights.push import WeightPusher
+
+
+def _broadcast(obj, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def build_controller(cfg, servers: list[str]) -> RolloutController:
+    r = cfg.rollout
+    tok = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
+    dataset = PromptDataset(cfg.data.train_path, tok, prompt_key=cfg.data.prompt_key)
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              stop_token_ids=[tok.eos_id])
+    workflow = load_workflow_class(r.workflow)(tok, load_reward_fn(r.reward_fn), sampling, r.group_size)
+    return RolloutController(
+        dataset, workflow, servers, batch_groups=cfg.train.global_batch_size // r.group_size,
+        max_staleness=r.max_staleness, max_concurrent=r.max_concurrent, seed=cfg.train.seed,
+        api_key=r.api_key or None, dynamic_sampling=cfg.algo.dynamic_sampling)
+
+
+def rollout_metrics(trajs: list[Trajectory], version: int) -> dict:
+    lens = [t.response_len for t in trajs]
+    stale = [version - t.min_version for t in trajs]
+    return {"reward": statistics.fmean(t.reward for t in trajs), "response_len": statistics.fmean(lens),
+            "staleness_mean": statistics.fmean(stale), "staleness_max": max(stale),
+            "partial_frac": statistics.fmean(t.info.get("segments", 1) > 1 for t in trajs)}
+
+
+def local_share(trajs: list[Trajectory], ps) -> tuple[SequenceBatch, list[float], list[int]]:
+    mine = balance_across_ranks([len(t.input_ids) for t in trajs], ps.dp)[ps.dp_rank]
+    sel = [trajs[i] for i in mine]
+    batch = SequenceBatch([t.input_ids for t in sel], {
+        "loss_mask": [[float(m) for m in t.loss_mask] for t in sel],
+        "behave_logp": [t.behave_logp for t in sel],
+        "versions": [[float(v) for v in t.versions] for t in sel]})
+    return batch, [t.reward for t in sel], [t.group_id for t in sel]
+
+
+def evaluate(cfg, servers: list[str]) -> Optional[float]:
+    if not cfg.data.eval_path:
+        return None
+    from megarl.data.tasks import evaluate_accuracy
+
+    return evaluate_accuracy(cfg.data.tokenizer_path or cfg.model.hf_path, cfg.data.eval_path,
+                             n=cfg.rollout.eval_size, server_url=servers[0],
+                             max_new_tokens=cfg.rollout.max_new_tokens)
+
+
+def run_rl(cfg, ps, engine, logger, ckpt) -> None:
+    r = cfg.rollout
+    with contextlib.ExitStack() as stack:
+        servers = list(r.servers)
+        if not servers and ps.rank == 0:
+            servers = stack.enter_context(LocalCluster(
+                cfg.model.hf_path, r.local_servers, f"{cfg.train.run_dir}/servers",
+                extra=["--threads", r.server_threads]))
+        servers = _broadcast(servers)
+        actor = Actor.build(cfg, ps, engine)
+        pusher = WeightPusher(cfg, engine, servers)
+        stack.callback(pusher.close)
+        controller = build_controller(cfg, servers) if ps.rank == 0 else None
+        if controller is not None:
+            ckpt.register("controller", controller)
+        start = ckpt.resume()
+        pusher.version = _broadcast(controller.get_version() if controller else 0)
+        pusher.push(bump=False)  # servers hold exactly the trainer's weights before any rollout
+        if controller is not None:
+            controller.start()
+            stack.callback(controller.stop)
+        groups = cfg.train.global_batch_size // r.group_size
+        for step in progress(range(start + 1, cfg.train.steps + 1), desc="grpo", total=cfg.train.steps - start):
+            trajs = _broadcast(controller.next_batch(groups) if controller else None)
+            batch, rewards, group_ids = local_share(trajs, ps)
+            batch = actor.with_advantages(batch, rewards, group_ids)
+            metrics = actor.ppo_update(batch, version=pusher.version)
+            metrics.update(rollout_metrics(trajs, pusher.version))
+            if controller is not None:
+                controller.pause_generation(cfg.weights.pause_mode)
+            try:
+                metrics.update(pusher.push().as_dict())
+            finally:
+                if controller is not None:
+                    controller.set_version(pusher.version)
+                    controller.continue_generation()
+                    metrics.update(controller.stats())
+            if r.eval_interval and step % r.eval_interval == 0 or step == cfg.train.steps:
+                acc = evaluate(cfg, servers) if ps.rank == 0 else None
+                if acc is not None:
+                    metrics["eval_accuracy"] = acc
+            logger.log(metrics, step)
+            ckpt.maybe_save(step, last=step == cfg.train.steps)
+        print0(f"[grpo] done: {cfg.train.steps} steps, policy version {pusher.version}")
