@@ -1,0 +1,157 @@
+"""Benchmark: weight push (resharder + distributed transport) vs a raw torch.distributed broadcast
+of the same bytes over the same weight-update group, to the same real megarl CPU server.
+
+    python tools/bench/bench_weight_push.py [--tp 1] [--hidden 1024 --layers 8 --vocab 16384]
+        [--bucket-mb 128] [--repeats 3] [--out docs/benchmarks.md]
+
+Starts its own ranks (torchrun on loopback) and server. The raw baseline announces the same
+bucket sizes as flat uint8 tensors and broadcasts them: same HTTP announce, same group, same
+receiver, no gather/convert/load. Peak extra trainer memory is sampled from RSS during the push.
+Appends a table row to --out (rank 0).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--bucket-mb", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"))
+    p.add_argument("--work", default="")
+    return p.parse_args(argv)
+
+
+class PeakRSS:
+    """Samples this process's RSS every 2 ms; ``peak - base`` is the extra memory used."""
+
+    def __init__(self):
+        self.proc, self.base, self.peak, self._stop = psutil.Process(), 0, 0, threading.Event()
+
+    def __enter__(self):
+        self.base = self.peak = self.proc.memory_info().rss
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def raw_broadcast(pusher, sizes: list[int]) -> float:
+    """Same group, same receiver: flat fp32 buckets of the given byte sizes."""
+    from megarl.rollout.types import DistributedWeightsMeta
+
+    tr = pusher.transport
+    bufs = [torch.empty(n // 4, dtype=torch.float32) for n in sizes]
+    t0 = time.perf_counter()
+    for i, buf in enumerate(bufs):
+        meta = DistributedWeightsMeta([f"bench.raw.{i}"], ["float32"], [[buf.numel()]], tr.group_name,
+                                      flush_cache=False)
+        fut = pusher.admin.submit(lambda c: c._admin("/update_weights_from_distributed", meta.to_json()))
+        dist.broadcast(buf, group=tr.group, group_src=0)
+        try:
+            fut.result(timeout=120)
+        except Exception:  # noqa: BLE001 - the server refuses the unknown names after receiving
+            pass
+    return time.perf_counter() - t0
+
+
+def worker(args):
+    from megarl import compat, parallel
+    from megarl.config import load_config
+    from megarl.trainer.engine import Engine
+    from megarl.weights.push import WeightPusher
+
+    compat.quiet_megatron_warnings()
+    parallel.init_distributed()
+    hf, server = os.environ["BENCH_HF"], os.environ["BENCH_SERVER"]
+    cfg = load_config(None, [f"model.hf_path={hf}", "data.train_path=x", f"parallel.tp={args.tp}",
+                             f"weights.bucket_mb={args.bucket_mb}", f"rollout.servers=[{server}]",
+                             "weights.timeout_s=300"])
+    ps = parallel.init_model_parallel(args.tp, 1)
+    engine = Engine.build(cfg, ps, trainable=False)
+    pusher = WeightPusher(cfg, engine)
+    pusher.push()  # warm-up: groups, first allocation
+    push_s, raw_s, extra, metrics = [], [], [], None
+    sizes = [sum(s.nbytes(pusher.resharder.serving_dtype) for s in b) for b in pusher.resharder.stage_plan(0)]
+    for _ in range(args.repeats):
+        dist.barrier()
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            metrics = pusher.push()
+            push_s.append(time.perf_counter() - t0)
+        extra.append(mem.extra)
+        dist.barrier()
+        if ps.rank == 0:
+            raw_s.append(raw_broadcast(pusher, sizes))
+    if ps.rank == 0:
+        total = sum(sizes)
+        p, r = statistics.median(push_s), statistics.median(raw_s)
+        row = (f"| weight push, TP={args.tp}, {total / 2**20:.0f} MiB fp32, {len(sizes)} buckets of "
+               f"<= {args.bucket_mb} MiB | {total / p / 2**30:.2f} GiB/s | raw broadcast {total / r / 2**30:.2f}"
+               f" GiB/s | **{r / p:.2f}x** | peak extra RSS {max(extra) / 2**20:.0f} MiB "
+               f"(= {max(extra) / (args.bucket_mb * 2**20):.2f} buckets) |")
+        print(row)
+        print(f"gather {metrics.gather_s:.3f}s convert {metrics.convert_s:.3f}s send {metrics.send_s:.3f}s")
+        with open(args.out, "a") as f:
+            f.write(row + "\n")
+    pusher.close()
+    dist.barrier()
+    os._exit(0)
+
+
+def main():
+    args = parse()
+    if "RANK" in os.environ:
+        return worker(args)
+    from megarl.models.random_hf import tiny_config, write_random_hf
+
+    work = args.work or tempfile.mkdtemp(prefix="bench_push_")
+    hf = os.path.join(work, "hf")
+    write_random_hf(hf, tiny_config(hidden_size=args.hidden, num_hidden_layers=args.layers,
+                                    vocab_size=args.vocab, intermediate_size=args.hidden * 11 // 4,
+                                    num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256)))
+    sys.path.insert(0, os.path.join(REPO, "tests", "dist"))
+    from distrun import free_port, start_server
+
+    url, proc = start_server(hf, os.path.join(work, "server.log"))
+    try:
+        env = dict(os.environ, BENCH_HF=hf, BENCH_SERVER=url, OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.tp),
+               "--master_port", str(free_port()), os.path.abspath(__file__), *sys.argv[1:]]
+        return subprocess.call(cmd, env=env)
+    finally:
+        proc.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
