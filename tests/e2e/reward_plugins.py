@@ -1,0 +1,6 @@
+"""Reward plugins used by the e2e tests (loaded by import path, as users' plugins are)."""
+
+
+def starts_with_one(prompt: str, completion: str, meta: dict) -> float:
+    """1 when the completion starts with the digit 1: easy to learn, so RL must raise it fast."""
+    return 1.0 if completion.strip().startswith("1") else 0.0
