@@ -91,36 +91,9 @@ class CriticEngine(Engine):
     """`Engine` whose per-token output is V_t instead of log p(y_t)."""
 
     @classmethod
-    def build(cls, cfg, ps, trainable: bool = True) -> "CriticEngine":
-        from megatron.core.distributed import (DistributedDataParallel,
-                                               DistributedDataParallelConfig, finalize_model_grads)
-
-        from megarl.models import builder, hf_io
-        from megarl.models.registry import read_model_args
-
-        args = read_model_args(cfg.model.hf_path)
-        use_te = builder.resolve_spec(cfg.model.spec)
-        tconfig = builder.transformer_config(
-            args, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, dtype=cfg.model.dtype,
-            sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.model.recompute,
-            use_te=use_te)
-        chunks = builder.build_model_chunks(args, tconfig, use_te)
-        if cfg.model.init == "hf":
-            hf_io.load_hf_weights(chunks, args, cfg.model.hf_path, ps.tp, ps.tp_rank, use_te)
+    def adapt_chunks(cls, chunks, cfg, args, tconfig) -> None:
         attach_value_head(chunks, args.hidden_size, args.initializer_range, tconfig.params_dtype,
                           cfg.model.seed)
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.parallel.distributed_optimizer)
-        chunks = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c,
-                                          disable_bucketing=i > 0) for i, c in enumerate(chunks)]
-        for c in chunks:
-            c.broadcast_params()
-        optimizer, scheduler = cls._optimizer(cfg, chunks)
-        tconfig.finalize_model_grads_func = finalize_model_grads
-        tconfig.grad_scale_func = optimizer.scale_loss
-        tconfig.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
-        return cls(cfg, ps, args, chunks, tconfig, use_te, optimizer, scheduler)
 
     def _logits_to_logp(self, values, mb: MicroBatch, with_entropy: bool):
         v = values[..., 0].float()  # [b, s]: value of the state after token s

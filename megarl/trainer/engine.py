@@ -54,7 +54,8 @@ class Engine:
     # ------------------------------------------------------------------ construction
     @classmethod
     def build(cls, cfg: Config, ps: ParallelState, trainable: bool = True) -> "Engine":
-        """Model (HF weights or random init), DDP, Megatron optimizer and LR scheduler."""
+        """Model (HF weights or random init), DDP, Megatron optimizer and LR scheduler.
+        Subclasses change the bare model chunks (e.g. a value head) in :meth:`adapt_chunks`."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
@@ -67,6 +68,7 @@ class Engine:
         chunks = builder.build_model_chunks(args, tconfig, use_te)
         if cfg.model.init == "hf":
             hf_io.load_hf_weights(chunks, args, cfg.model.hf_path, ps.tp, ps.tp_rank, use_te)
+        cls.adapt_chunks(chunks, cfg, args, tconfig)
         if not trainable:
             for c in chunks:
                 c.requires_grad_(False)
@@ -84,6 +86,10 @@ class Engine:
         tconfig.grad_scale_func = optimizer.scale_loss
         tconfig.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
         return cls(cfg, ps, args, chunks, tconfig, use_te, optimizer, scheduler)
+
+    @classmethod
+    def adapt_chunks(cls, chunks, cfg: Config, args: ModelArgs, tconfig) -> None:
+        """Hook between weight loading and DDP wrapping; the policy engine changes nothing."""
 
     @staticmethod
     def _optimizer(cfg: Config, chunks):
