@@ -4,7 +4,7 @@
                                  at 3 and 6, writes WORK/ref.json), then a second run in WORK/crash
                                  killed (os._exit) while saving step 6, after the tensors are written
     ckpt_worker.py WORK resume   A: resume WORK/crash (must pick step 3) and run to 6; B: TP=2 from
-                                 the reference's TP=1 step-3 checkpoint; C: TP=2 without the
+                                 the reference's TP=1 step-3 checkpoint; C: PP=2 without the
                                  distributed optimizer, save + reload in-process. Writes WORK/resume.json.
 Each phase exports the final model as HF safetensors (WORK/<phase>_hf) for bitwise comparison.
 """
@@ -24,10 +24,10 @@ from megarl.trainer.sft import SFTData, sft_loss
 STEPS = 6
 
 
-def make_cfg(work, save_dir, tp, dist_opt, keep_last=2):
+def make_cfg(work, save_dir, tp, dist_opt, keep_last=2, pp=1):
     return load_config(None, [
         f"model.hf_path={work}/hf", "model.init=random", f"data.train_path={work}/sft.jsonl",
-        f"parallel.tp={tp}", f"parallel.distributed_optimizer={str(dist_opt).lower()}",
+        f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.distributed_optimizer={str(dist_opt).lower()}",
         f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_tokens=64",
         "train.max_seq_len=32", f"train.run_dir={work}/run", "optim.lr=3e-3", "optim.min_lr=3e-4",
         "optim.lr_warmup_steps=2", "optim.lr_decay_style=cosine",
@@ -93,8 +93,8 @@ def run_resume(work):
     _, engine, data, ckpt = setup(make_cfg(work, f"{work}/B", tp=2, dist_opt=True))
     start = ckpt.load(f"{work}/ref/step_00000003")
     results["B"] = {"start": start, "losses": train(engine, data, ckpt, start, f"{work}/B_hf")}
-    # C: TP=2 without the distributed optimizer; save at 2, continue, reload, continue again
-    cfg = make_cfg(work, f"{work}/C", tp=2, dist_opt=False)
+    # C: PP=2 without the distributed optimizer; save at 2, continue, reload, continue again
+    cfg = make_cfg(work, f"{work}/C", tp=1, dist_opt=False, pp=2)
     _, engine, data, ckpt = setup(cfg)
     for _ in range(2):
         engine.train_batch(data.next_batch(), sft_loss)

@@ -1,0 +1,96 @@
+"""Command-line tools: ``megarl-convert`` (HF <-> Megatron dist checkpoints) and ``megarl-logprobs``.
+
+Shared conventions: inputs are validated in the launching process before any rank starts, bad
+input ends in one line ``<prog>: <message>`` on stderr and a non-zero exit (no traceback), outputs
+appear atomically (temp path + rename), and a command whose ``--tp/--pp`` needs several ranks
+re-executes itself under torchrun unless it already runs under torchrun/srun/mpirun.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import warnings
+from typing import Callable
+
+
+class ToolError(Exception):
+    """Bad input or an unusable checkpoint; the message is printed as is (one line)."""
+
+
+def run_tool(prog: str, fn: Callable[[], int]) -> int:
+    """Runs ``fn``; known errors become ``prog: message`` on stderr and exit status 1."""
+    from megarl.checkpoint import CheckpointError
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch ShardedTensor deprecation
+    warnings.filterwarnings("ignore", message=".*(cuda_graph_scope|Transformer Engine|Apex).*")
+    try:
+        return fn()
+    except (ToolError, CheckpointError, FileNotFoundError, ValueError, KeyError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"{prog}: {msg}".splitlines()[0], file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def needs_launch(nproc: int) -> bool:
+    from megarl import parallel
+
+    return nproc > 1 and not parallel.under_launcher()
+
+
+def init_ranks(tp: int, pp: int):
+    """torch.distributed (a private loopback port when not under a launcher) + model parallel.
+    Returns (ParallelState, created) where ``created`` says this call made the process group."""
+    import torch.distributed as dist
+
+    from megarl import compat, parallel
+
+    compat.quiet_megatron_warnings()
+    created = not dist.is_initialized()
+    if created and not parallel.under_launcher():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+    info = parallel.init_distributed()
+    if info.world_size % (tp * pp):
+        raise ToolError(f"world size {info.world_size} is not divisible by tp*pp={tp * pp}")
+    return parallel.init_model_parallel(tp, pp), created
+
+
+def finish_ranks(created: bool) -> None:
+    import torch.distributed as dist
+
+    from megarl import parallel
+
+    parallel.destroy_model_parallel_only()
+    if created and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def temp_output_dir(out: str) -> str:
+    """The temp directory an output is written into before the final rename."""
+    out = os.path.abspath(out)
+    return os.path.join(os.path.dirname(out), f".tmp-{os.path.basename(out)}")
+
+
+def check_output_dir(out: str, force: bool) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ToolError(f"--out {out}: exists and is not a directory")
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise ToolError(f"--out {out}: exists and is not empty (pass --force to replace it)")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise ToolError(f"--out {out}: parent directory {parent} does not exist")
+
+
+def discard(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,154 @@
+"""megarl-logprobs: per-token logprobs of given token sequences under a checkpoint.
+
+    megarl-logprobs --ckpt DIR --input IN.jsonl --output OUT.jsonl [--tp N --pp M]
+
+DIR is an HF model directory, a megarl dist checkpoint (converted or training) or a save
+directory (its latest complete checkpoint). Each input line is a JSON object with "input_ids";
+each output line is that object plus "logprobs", where entry i = log p(token i | tokens < i) and
+entry 0 = 0.0. Runs Megatron's forward (Engine.compute_logp) under any TP/PP layout; extra ranks
+beyond TP*PP split the samples (data parallel). OUT appears atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+from megarl.tools_cli import ToolError, finish_ranks, init_ranks, needs_launch, run_tool
+
+PROG = "megarl-logprobs"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "hf" | "mcore"
+    path: str  # HF dir or the resolved checkpoint dir; both hold config.json
+
+
+def resolve_source(path: str) -> ModelSource:
+    from megarl.checkpoint import is_complete, resolve_checkpoint
+
+    has_weights = any(os.path.isfile(os.path.join(path, n))
+                      for n in ("model.safetensors", "model.safetensors.index.json"))
+    if has_weights and not is_complete(path):
+        return ModelSource("hf", path)
+    ckpt = resolve_checkpoint(path)
+    if not os.path.isfile(os.path.join(ckpt, "config.json")):
+        raise ToolError(f"{ckpt}: no config.json next to the checkpoint")
+    return ModelSource("mcore", ckpt)
+
+
+def read_input(path: str, vocab_size: int) -> list[dict]:
+    """Input rows; errors name the line."""
+    if not os.path.isfile(path):
+        raise ToolError(f"--input {path}: no such file")
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ToolError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            ids = row.get("input_ids") if isinstance(row, dict) else None
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ToolError(f"{path}:{lineno}: needs \"input_ids\": a non-empty list of integers")
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ToolError(f"{path}:{lineno}: token id {bad[0]} is outside the vocabulary "
+                                f"[0, {vocab_size})")
+            rows.append(row)
+    if not rows:
+        raise ToolError(f"--input {path}: no input lines")
+    return rows
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap.add_argument("--ckpt", required=True, help="HF dir, megarl checkpoint or save dir")
+    ap.add_argument("--input", required=True, help='JSONL, one {"input_ids": [...]} per line')
+    ap.add_argument("--output", required=True, help="JSONL: each input object plus \"logprobs\"")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    ap.add_argument("--micro-batch-tokens", type=int, default=4096, help="padded tokens per forward")
+    ap.add_argument("--batch-size", type=int, default=256, help="sequences per gathered chunk")
+    return ap.parse_args(argv)
+
+
+def run(a: argparse.Namespace, argv: list[str]) -> int:
+    from megarl.tools_cli.conversion import check_hf, check_layout, check_mcore, model_args
+
+    if not os.path.isdir(a.ckpt):
+        raise ToolError(f"--ckpt {a.ckpt}: no such directory")
+    source = resolve_source(a.ckpt)
+    args = model_args(source.path)
+    check_layout(args, a.tp, a.pp)
+    (check_hf if source.kind == "hf" else check_mcore)(source.path, args)
+    rows = read_input(a.input, args.vocab_size)
+    out_parent = os.path.dirname(os.path.abspath(a.output))
+    if not os.path.isdir(out_parent):
+        raise ToolError(f"--output {a.output}: directory {out_parent} does not exist")
+    if needs_launch(a.tp * a.pp):
+        from megarl import parallel
+
+        return parallel.relaunch(a.tp * a.pp, "megarl.tools_cli.logprobs", argv)
+    ps, created = init_ranks(a.tp, a.pp)
+    try:
+        _compute_and_write(a, source, rows, ps)
+    finally:
+        finish_ranks(created)
+    return 0
+
+
+def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
+    import torch.distributed as dist
+
+    from megarl.checkpoint import load_model_weights
+    from megarl.config import load_config
+    from megarl.trainer.batch import SequenceBatch
+    from megarl.trainer.engine import Engine
+
+    cfg = load_config(None, [f"model.hf_path={source.path}",
+                             f"model.init={'hf' if source.kind == 'hf' else 'random'}",
+                             f"data.train_path={a.input}", f"parallel.tp={a.tp}", f"parallel.pp={a.pp}",
+                             f"train.micro_batch_tokens={a.micro_batch_tokens}"])
+    engine = Engine.build(cfg, ps, trainable=False)
+    if source.kind == "mcore":
+        load_model_weights(engine.chunks, source.path)
+    tmp = a.output + ".tmp"
+    out = open(tmp, "w") if ps.rank == 0 else None
+    try:
+        for lo in range(0, len(rows), a.batch_size):
+            chunk = list(range(lo, min(lo + a.batch_size, len(rows))))
+            mine = [i for i in chunk if i % ps.dp == ps.dp_rank]
+            result = engine.compute_logp(SequenceBatch([rows[i]["input_ids"] for i in mine])) if mine else None
+            share = ({i: lp.tolist() for i, lp in zip(mine, result.logp)}
+                     if mine and ps.tp_rank == 0 and ps.pp_rank == 0 else {})
+            gathered = [None] * ps.world_size if ps.rank == 0 else None
+            dist.gather_object(share, gathered, dst=0)
+            if out is not None:
+                merged = {k: v for g in gathered for k, v in g.items()}
+                for i in chunk:
+                    out.write(json.dumps({**rows[i], "logprobs": merged[i]}) + "\n")
+        if out is not None:
+            out.close()
+            os.replace(tmp, a.output)
+            print(f"[{PROG}] wrote {len(rows)} sequences to {a.output}", flush=True)
+    finally:
+        if out is not None and not out.closed:
+            out.close()
+            os.remove(tmp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
+    return run_tool(PROG, lambda: run(a, argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

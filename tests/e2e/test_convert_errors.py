@@ -1,0 +1,210 @@
+"""Bad input to megarl-convert / megarl-logprobs: one line on stderr naming the file or key, exit
+status 1, and nothing (not even a temp directory) left next to --out. Validation runs before any
+rank starts, so these call the entry points in-process (plus one real subprocess)."""
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megarl.models.random_hf import tiny_config, write_random_hf
+from megarl.tools_cli import convert, logprobs
+
+
+@pytest.fixture
+def hf(tmp_path):
+    return write_random_hf(str(tmp_path / "hf"), tiny_config("LlamaForCausalLM", num_hidden_layers=2))
+
+
+def run(main, argv, capsys):
+    rc = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def assert_fails(main, argv, capsys, *needles, out=None):
+    rc, err = run(main, argv, capsys)
+    assert rc == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(("megarl-convert: ", "megarl-logprobs: ")), err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    if out is not None:
+        parent = os.path.dirname(out)
+        assert not os.path.exists(out)
+        assert not [n for n in os.listdir(parent) if n.startswith(".tmp-")]
+    return lines[0]
+
+
+def to_mcore(hf_dir, out, *extra):
+    return [str(a) for a in ("hf-to-mcore", "--hf", hf_dir, "--out", out, *extra)]
+
+
+def rewrite(hf_dir, drop=(), add=None, replace=None):
+    path = os.path.join(hf_dir, "model.safetensors")
+    t = load_file(path)
+    for k in drop:
+        del t[k]
+    t.update(add or {})
+    t.update(replace or {})
+    save_file(t, path)
+
+
+def edit_config(hf_dir, **changes):
+    path = os.path.join(hf_dir, "config.json")
+    cfg = json.load(open(path))
+    cfg.update(changes)
+    json.dump(cfg, open(path, "w"))
+
+
+def test_missing_inputs(tmp_path, hf, capsys):
+    out = str(tmp_path / "out")
+    assert_fails(convert.main, to_mcore(tmp_path / "nope", out), capsys, "nope", "no such directory", out=out)
+    os.remove(os.path.join(hf, "model.safetensors"))
+    assert_fails(convert.main, to_mcore(hf, out), capsys, "no model.safetensors", out=out)
+    os.remove(os.path.join(hf, "config.json"))
+    assert_fails(convert.main, to_mcore(hf, out), capsys, "config.json", "not found", out=out)
+
+
+def test_corrupt_and_truncated_safetensors(tmp_path, hf, capsys):
+    out, path = str(tmp_path / "out"), os.path.join(hf, "model.safetensors")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    assert_fails(convert.main, to_mcore(hf, out), capsys, "model.safetensors", "cannot read", out=out)
+    open(path, "wb").write(b"\x00not a safetensors file" * 4)
+    assert_fails(convert.main, to_mcore(hf, out), capsys, "model.safetensors", "cannot read", out=out)
+
+
+def test_sharded_index_naming_a_missing_file(tmp_path, hf, capsys):
+    out = str(tmp_path / "out")
+    t = load_file(os.path.join(hf, "model.safetensors"))
+    json.dump({"weight_map": {k: "model-00001-of-00002.safetensors" for k in t}},
+              open(os.path.join(hf, "model.safetensors.index.json"), "w"))
+    assert_fails(convert.main, to_mcore(hf, out), capsys, "model-00001-of-00002.safetensors", out=out)
+
+
+def test_shape_missing_unexpected_and_dtype(tmp_path, hf, capsys):
+    out = str(tmp_path / "out")
+    q = "model.layers.1.self_attn.q_proj.weight"
+    rewrite(hf, replace={q: torch.zeros(32, 64)})
+    assert_fails(convert.main, to_mcore(hf, out), capsys, q, "(32, 64)", "(64, 64)", out=out)
+    rewrite(hf, replace={q: torch.zeros(64, 64)}, drop=["model.layers.0.mlp.up_proj.weight", "lm_head.weight"])
+    assert_fails(convert.main, to_mcore(hf, out), capsys, "missing 2", "lm_head.weight",
+                 "model.layers.0.mlp.up_proj.weight", out=out)
+    rewrite(hf, add={"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 64),
+                     "lm_head.weight": torch.zeros(128, 64), "model.extra.weight": torch.zeros(3)})
+    assert_fails(convert.main, to_mcore(hf, out), capsys, "unexpected 1", "model.extra.weight", out=out)
+    rewrite(hf, drop=["model.extra.weight"], replace={"model.norm.weight": torch.zeros(64, dtype=torch.int32)})
+    assert_fails(convert.main, to_mcore(hf, out), capsys, "model.norm.weight", "I32", out=out)
+
+
+def test_vocab_mismatch_unknown_architecture_and_bad_tp(tmp_path, hf, capsys):
+    out = str(tmp_path / "out")
+    edit_config(hf, vocab_size=130)
+    assert_fails(convert.main, to_mcore(hf, out), capsys, "vocab size mismatch", "vocab_size=130",
+                 "128 rows", out=out)
+    edit_config(hf, vocab_size=128)
+    assert_fails(convert.main, to_mcore(hf, out, "--tp", "3"), capsys, "--tp 3", "num_attention_heads=4",
+                 out=out)
+    assert_fails(convert.main, to_mcore(hf, out, "--pp", "3"), capsys, "--pp 3", "num_hidden_layers=2",
+                 out=out)
+    edit_config(hf, architectures=["GPT2LMHeadModel"])
+    assert_fails(convert.main, to_mcore(hf, out), capsys, "GPT2LMHeadModel", "not supported", out=out)
+
+
+def test_rope_parameters_are_never_silently_ignored(tmp_path, hf, capsys):
+    from megarl.models.registry import read_model_args
+
+    edit_config(hf, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    rc, err = run(convert.main, to_mcore(hf, tmp_path / "out", "--force"), capsys)
+    if read_model_args(hf).rope_theta == 50000.0:  # the registry reads the newer layout
+        assert rc in (0, None) or "rope" not in err
+    else:
+        assert rc == 1 and "rope_parameters" in err
+
+
+def test_existing_output_and_dtype_choice(tmp_path, hf, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert_fails(convert.main, to_mcore(hf, out), capsys, "--force")
+    assert (out / "keep.txt").read_text() == "x"
+    with pytest.raises(SystemExit) as e:
+        convert.main(to_mcore(hf, tmp_path / "o2", "--dtype", "int8"))
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def fake_checkpoint(path, hf_dir, shapes, complete=True, payload=None):
+    """A checkpoint directory whose .metadata describes ``shapes`` (enough for validation)."""
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    os.makedirs(path)
+    entries = {k: TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(s),
+                                        [ChunkStorageMetadata(torch.Size([0] * len(s)), torch.Size(s))])
+               for k, s in shapes.items()}
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(payload if payload is not None else Metadata(state_dict_metadata=entries), f)
+    open(os.path.join(path, "metadata.json"), "w").write('{"sharded_backend": "torch_dist"}')
+    if complete:
+        json.dump({"complete": True, "kind": "converted"}, open(os.path.join(path, "megarl.json"), "w"))
+    if hf_dir:
+        os.link(os.path.join(hf_dir, "config.json"), os.path.join(path, "config.json"))
+
+
+def test_mcore_to_hf_bad_checkpoints(tmp_path, hf, capsys):
+    from megarl.models.registry import read_model_args
+    from megarl.tools_cli.conversion import mcore_shapes
+
+    out = str(tmp_path / "out")
+    back = ["mcore-to-hf", "--out", out, "--ckpt"]
+    assert_fails(convert.main, back + [tmp_path / "nope"], capsys, "nope", "no such directory", out=out)
+    fake_checkpoint(str(tmp_path / "save" / ".tmp-step_00000004"), hf, {})  # a killed save only
+    assert_fails(convert.main, back + [tmp_path / "save"], capsys, "save", "no complete step_*", out=out)
+    shapes = mcore_shapes(read_model_args(hf))
+    wrong = dict(shapes, **{"decoder.layers.mlp.linear_fc2.weight": (2, 64, 99)})
+    fake_checkpoint(str(tmp_path / "c1"), hf, wrong)
+    assert_fails(convert.main, back + [tmp_path / "c1"], capsys, "decoder.layers.mlp.linear_fc2.weight",
+                 "(2, 64, 99)", "(2, 64, 128)", out=out)
+    fake_checkpoint(str(tmp_path / "c2"), hf, {k: v for k, v in shapes.items() if k != "output_layer.weight"})
+    assert_fails(convert.main, back + [tmp_path / "c2"], capsys, "missing 1", "output_layer.weight", out=out)
+    fake_checkpoint(str(tmp_path / "c3"), None, shapes)
+    assert_fails(convert.main, back + [tmp_path / "c3"], capsys, "no config.json", out=out)
+    fake_checkpoint(str(tmp_path / "c4"), hf, shapes, payload={"evil": os.getcwd})
+    assert_fails(convert.main, back + [tmp_path / "c4"], capsys, ".metadata", "not allowed", out=out)
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    md = Metadata(state_dict_metadata={"decoder.layers.mlp.linear_fc1._extra_state/shard_0_2":
+                                       BytesStorageMetadata()})
+    fake_checkpoint(str(tmp_path / "c5"), hf, shapes, payload=md)  # would be torch.load(weights_only=False)
+    assert_fails(convert.main, back + [tmp_path / "c5"], capsys, "pickled objects", "_extra_state", out=out)
+
+
+def test_logprobs_bad_input_lines(tmp_path, hf, capsys):
+    inp, out = tmp_path / "in.jsonl", str(tmp_path / "out.jsonl")
+    inp.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2\n')
+    args = ["--ckpt", hf, "--input", inp, "--output", out]
+    assert_fails(logprobs.main, args, capsys, "in.jsonl:2", "not valid JSON")
+    inp.write_text('{"input_ids": [1, 999]}\n')
+    assert_fails(logprobs.main, args, capsys, "in.jsonl:1", "token id 999", "[0, 128)")
+    inp.write_text('{"ids": [1]}\n')
+    assert_fails(logprobs.main, args, capsys, "in.jsonl:1", "input_ids")
+    assert_fails(logprobs.main, ["--ckpt", tmp_path / "none", "--input", inp, "--output", out], capsys,
+                 "no such directory")
+    assert not os.path.exists(out)
+
+
+def test_real_process_prints_one_line_and_no_traceback(tmp_path, hf):
+    open(os.path.join(hf, "model.safetensors"), "wb").write(b"garbage")
+    proc = subprocess.run([sys.executable, "-m", "megarl.tools_cli.convert", "hf-to-mcore", "--hf", hf,
+                           "--out", str(tmp_path / "out"), "--tp", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("megarl-convert: ") and "model.safetensors" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
