@@ -162,6 +162,13 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> RankInfo:
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
     else:
         compat.install_cpu_shim()
+    if info.source == "single" and "MASTER_PORT" not in os.environ:
+        # one process, no launcher: any free port (two single-rank jobs must not collide)
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            info = RankInfo(0, 1, 0, "127.0.0.1", s.getsockname()[1], "single")
     os.environ.setdefault("MASTER_ADDR", info.master_addr)
     os.environ.setdefault("MASTER_PORT", str(info.master_port))
     dist.init_process_group(

@@ -131,7 +131,11 @@ def read_model_args(hf_dir: str) -> ModelArgs:
 
     heads = need("num_attention_heads")
     hidden = need("hidden_size")
-    scaling = hf.get("rope_scaling")
+    # transformers >= 5 writes RoPE settings into "rope_parameters"; older configs use top-level
+    # rope_theta / rope_scaling. A default-type rope_parameters carries only the theta.
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     factor = None
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
@@ -148,7 +152,7 @@ def read_model_args(hf_dir: str) -> ModelArgs:
         head_dim=hf.get("head_dim") or hidden // heads,
         ffn_hidden_size=need("intermediate_size"),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_theta=theta,
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=arch.qkv_bias or bool(hf.get("attention_bias", False)),

@@ -93,24 +93,13 @@ def _listing(names: list[str], n: int = 6) -> str:
 # ----------------------------------------------------------------------------- validation
 
 def model_args(config_dir: str) -> ModelArgs:
-    """config.json -> ModelArgs, refusing RoPE settings megarl would read differently (newer
-    transformers write rope_theta inside "rope_parameters")."""
+    """config.json -> ModelArgs; a bad config is a one-line ToolError."""
     from megarl.models.registry import read_model_args
 
     try:
-        args = read_model_args(config_dir)
+        return read_model_args(config_dir)
     except (FileNotFoundError, ValueError) as e:
         raise ToolError(str(e)) from None
-    path = os.path.join(config_dir, "config.json")
-    with open(path) as f:
-        rope = json.load(f).get("rope_parameters")
-    if isinstance(rope, dict):
-        theta, kind = rope.get("rope_theta"), rope.get("rope_type") or "default"
-        if (theta is not None and float(theta) != args.rope_theta) or (
-                kind != "default" and args.rope_scaling_factor is None):
-            raise ToolError(f"{path}: rope_parameters {rope} differ from what megarl reads "
-                            f"(rope_theta={args.rope_theta}, scaling={args.rope_scaling_factor})")
-    return args
 
 
 def check_layout(args: ModelArgs, tp: int, pp: int) -> None:

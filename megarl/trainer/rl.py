@@ -119,5 +119,5 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
                 if acc is not None:
                     metrics["eval_accuracy"] = acc
             logger.log(metrics, step)
-            ckpt.maybe_save(step, last=step == cfg.train.steps)
+            ckpt.maybe_save(step, last=step == cfg.train.steps, policy_version=pusher.version)
         print0(f"[grpo] done: {cfg.train.steps} steps, policy version {pusher.version}")

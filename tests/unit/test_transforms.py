@@ -44,3 +44,17 @@ def test_unknown_architecture_lists_supported(tmp_path):
     assert "'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, MistralForCausalLM, " \
            "Qwen2ForCausalLM, Qwen3ForCausalLM" in str(e.value)
     assert get_architecture("Qwen2ForCausalLM").qkv_bias
+
+
+def test_rope_theta_from_transformers5_rope_parameters(tmp_path):
+    from megarl.models.random_hf import tiny_config, write_random_hf
+
+    cfg = tiny_config()
+    del cfg["rope_theta"]
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    assert read_model_args(write_random_hf(str(tmp_path / "a"), cfg)).rope_theta == 500000.0
+    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}
+    args = read_model_args(write_random_hf(str(tmp_path / "b"), cfg))
+    assert args.rope_scaling_factor == 8.0 and args.rope_theta == 500000.0
