@@ -59,7 +59,7 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel size; at most the number of layers."""
     vpp: Optional[int] = None
-    """Virtual pipeline stages per rank (interleaved 1F1B); null = off."""
+    """Virtual pipeline stages per rank (interleaved 1F1B): not supported yet, must stay null."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs the TE spec and TP > 1)."""
     distributed_optimizer: bool = False
@@ -73,9 +73,11 @@ class ParallelConfig:
         _positive("parallel.tp", self.tp)
         _positive("parallel.pp", self.pp)
         if self.vpp is not None:
-            _positive("parallel.vpp", self.vpp)
-            if self.pp < 2:
-                raise ConfigError("parallel.vpp: needs parallel.pp >= 2")
+            # Checked on CPU with megatron-core 0.16.1: the interleaved schedule with token-budget
+            # micro-batches gave wrong gradients (and hung with fewer micro-batches than stages),
+            # so it is refused rather than trained on silently.
+            raise ConfigError("parallel.vpp: the interleaved (virtual) pipeline schedule is not "
+                              "supported yet; use parallel.pp without vpp")
         _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
         if self.world_size is not None:
             _positive("parallel.world_size", self.world_size)
@@ -270,9 +272,12 @@ class WeightSyncConfig:
     """Versions kept in disk_dir."""
     verify: bool = False
     """After a push, compare per-tensor checksums against the servers (slow; for debugging)."""
+    tensor_format: str = "megarl"
+    """Tensor-transport payload: megarl (safetensors, megarl-server) or sglang (real SGLang)."""
 
     def validate(self) -> None:
         _choice("weights.transport", self.transport, ("distributed", "disk", "tensor"))
+        _choice("weights.tensor_format", self.tensor_format, ("megarl", "sglang"))
         _choice("weights.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         _choice("weights.pause_mode", self.pause_mode, ("abort", "retract", "in_place"))
         _positive("weights.bucket_mb", self.bucket_mb)

@@ -47,6 +47,7 @@ def test_yaml_and_overrides(tmp_path, hf):
     ("train.algorithm=dpo", "train.algorithm: must be one of"),
     ("algo.eps_clip_low=-0.1", "algo.eps_clip_low"),
     ("parallel.world_size=3", "parallel.world_size: 3 is not divisible by tp*pp=2"),
+    ("parallel.vpp=2", "parallel.vpp: the interleaved (virtual) pipeline schedule is not supported"),
 ])
 def test_bad_values_name_the_field(hf, override, field):
     extra = ["parallel.tp=2"] if override.startswith("parallel.world_size") else []
