@@ -8,8 +8,8 @@ import pytest
 from distrun import start_server, torchrun
 from megarl.models.random_hf import tiny_config, write_random_hf
 
-SPECS = ["1,1,distributed", "2,1,distributed", "1,2,distributed", "2,2,distributed",
-         "1,1,disk", "2,2,disk", "1,1,tensor", "2,2,tensor"]
+SPECS = [f"{layout},{transport}" for transport in ("distributed", "disk", "tensor")
+         for layout in ("1,1", "2,1", "1,2", "2,2")]  # TP=1, TP=2, PP=2, TP=2 x PP=2
 
 
 @pytest.fixture(scope="module")
