@@ -11,9 +11,10 @@ Generation: `await client.agenerate(ModelRequest) -> ModelResponse`.
         finish_reason stop|length -> done; abort -> resubmit (weight update), unless this client
         aborted the request or too many aborts in a row brought no token
 
-Versions: each token gets the version the server reports for it - ``meta_info.weight_versions[i]``
-(megarl-server) or the segment's ``meta_info.weight_version`` (SGLang) - parsed as an int; a
-non-numeric version maps to the client's `version` (set by `set_version` / a weight push).
+Versions: each token gets the version the server reports for it - ``meta_info.weight_versions``
+as SGLang's spans ``[{"version", "start", "end"}]`` or megarl-server's per-token list, else the
+segment's ``meta_info.weight_version`` - parsed as an int; a non-numeric version maps to the
+client's `version` (set by `set_version` / a weight push).
 
 Health: a server is marked dead after `dead_after` consecutive failures; a background probe
 re-admits it when ``/health`` answers 200 and (once this client pushed a version) its
@@ -254,12 +255,25 @@ class RolloutClient:
         lps = [float(e[0]) for e in meta.get("output_token_logprobs") or []]
         if len(lps) != len(ids):
             raise RolloutError(f"{len(lps)} logprobs for {len(ids)} tokens in /generate response")
-        per_token = meta.get("weight_versions")
-        if isinstance(per_token, list) and len(per_token) == len(ids):
-            vers = [self._to_version(v) for v in per_token]
-        else:
-            vers = [self._to_version(meta.get("weight_version"))] * len(ids)
+        vers = self._token_versions(meta, len(ids))
         return ids, lps, vers, meta.get("finish_reason") or {}
+
+    def _token_versions(self, meta: dict, n: int) -> list[int]:
+        """Per-token versions from ``weight_versions``: SGLang's spans
+        ``[{"version", "start", "end"}, ...]`` or megarl-server's one-per-token list; else the
+        segment's ``weight_version`` for every token."""
+        given = meta.get("weight_versions")
+        fallback = self._to_version(meta.get("weight_version"))
+        if isinstance(given, list) and given and all(isinstance(s, dict) for s in given):
+            vers = [fallback] * n
+            for span in given:
+                v = self._to_version(span.get("version"))
+                for i in range(max(0, int(span.get("start", 0))), min(n, int(span.get("end", n)))):
+                    vers[i] = v
+            return vers
+        if isinstance(given, list) and len(given) == n:
+            return [self._to_version(v) for v in given]
+        return [fallback] * n
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Generate one sample to completion across interruptions (see module docstring)."""

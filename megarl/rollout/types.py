@@ -128,7 +128,8 @@ class DistributedWeightsMeta:
 
 @dataclass
 class TensorWeightsUpdate:
-    """/update_weights_from_tensor body; entries from `weights.encode_named_tensors`."""
+    """/update_weights_from_tensor body; build it with `megarl.rollout.tensor_wire.tensor_update`
+    (safetensors for megarl-server, SGLang's format for real SGLang: ``load_format`` None)."""
 
     serialized_named_tensors: list[str]
     load_format: str = "safetensors_b64"

@@ -58,7 +58,7 @@ class WeightPusher:
             backend = "nccl" if ps.device.type == "cuda" else "gloo"
             self.transport = DistributedTransport(self.admin, w.master_address, w.timeout_s, backend)
         elif w.transport == "tensor":
-            self.transport = TensorTransport(self.admin, w.timeout_s)
+            self.transport = TensorTransport(self.admin, w.timeout_s, w.tensor_format)
         else:
             directory = w.disk_dir or f"{self.cfg.train.run_dir}/weights"
             self.transport = DiskTransport(self.admin, directory, w.keep_versions, w.timeout_s, self.dtype)

@@ -7,7 +7,8 @@ stage source ranks (DP=0, TP=0 of each pipeline stage) send anything.
   NCCL on GPU, gloo on CPU. Groups are created stage by stage, so sources never deadlock.
 - :class:`DiskTransport`: HF safetensors written atomically to a shared directory (one
   subdirectory per version), then every server reloads it (clusters with no common network group).
-- :class:`TensorTransport`: each bucket as base64 safetensors over HTTP (small models, tests).
+- :class:`TensorTransport`: each bucket in the body of an HTTP call (small models, tests), as
+  base64 safetensors (megarl-server) or in SGLang's format (real SGLang).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megarl.rollout.types import DistributedWeightsMeta, DiskWeightsUpdate, TensorWeightsUpdate, WeightsUpdateGroup
+from megarl.rollout.tensor_wire import WireFormat, tensor_update
+from megarl.rollout.types import DistributedWeightsMeta, DiskWeightsUpdate, WeightsUpdateGroup
 from megarl.weights.admin import AdminRunner
 from megarl.weights.resharder import Bucket
 
@@ -97,17 +99,17 @@ class DistributedTransport:
 
 
 class TensorTransport:
-    def __init__(self, admin: AdminRunner, timeout_s: float):
-        self.admin, self.timeout_s = admin, timeout_s
+    """``wire``: "megarl" (safetensors) for megarl-server, "sglang" for real SGLang (see
+    megarl.rollout.tensor_wire)."""
+
+    def __init__(self, admin: AdminRunner, timeout_s: float, wire: WireFormat = "megarl"):
+        self.admin, self.timeout_s, self.wire = admin, timeout_s, wire
 
     def setup(self, stage: int) -> None:
         pass
 
     def send(self, bucket: Bucket, version: str) -> None:
-        from megarl.rollout.server.weights import encode_named_tensors
-
-        entry = encode_named_tensors(dict(zip(bucket.names, bucket.tensors)))
-        update = TensorWeightsUpdate([entry], flush_cache=False)
+        update = tensor_update(dict(zip(bucket.names, bucket.tensors)), self.wire, flush_cache=False)
         try:
             self.admin.call(lambda c: c.update_weights_from_tensor(update), self.timeout_s)
         except Exception as e:  # noqa: BLE001

@@ -1,0 +1,56 @@
+"""Payload encoders for ``/update_weights_from_tensor`` (one ``serialized_named_tensors`` entry).
+
+Two wire formats, chosen once per transport:
+
+- ``"megarl"``: base64 safetensors, ``load_format: "safetensors_b64"`` (megarl-server; no code
+  runs on load).
+- ``"sglang"``: what real SGLang reads - base64 of a pickle of ``[(name, tensor), ...]`` that its
+  restricted unpickler accepts, with ``load_format`` left out. SGLang's own serializer pickles
+  CPU tensors as shared-memory handles, which only a process on the same host can open, and only
+  once (a re-sent payload fails); here each tensor is pickled *by value* (torch's storage bytes),
+  so the payload travels over HTTP and can be re-sent. megarl only produces this format; it never
+  unpickles anything.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+from typing import Literal, Optional
+
+import torch
+
+from megarl.rollout.types import TensorWeightsUpdate
+
+WireFormat = Literal["megarl", "sglang"]
+SAFETENSORS_B64 = "safetensors_b64"
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor that owns exactly its bytes (a view would pickle its whole base)."""
+    t = t.detach().cpu().contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
+        t = t.clone()
+    return t
+
+
+def encode_megarl(tensors: dict[str, torch.Tensor]) -> str:
+    from safetensors.torch import save
+
+    return base64.b64encode(save({k: _owned(v) for k, v in tensors.items()})).decode("ascii")
+
+
+def encode_sglang(tensors: dict[str, torch.Tensor]) -> str:
+    buf = io.BytesIO()
+    pickle.Pickler(buf, protocol=4).dump([(k, _owned(v)) for k, v in tensors.items()])
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def tensor_update(tensors: dict[str, torch.Tensor], wire: WireFormat = "megarl", *,
+                  weight_version: Optional[str] = None, flush_cache: bool = True) -> TensorWeightsUpdate:
+    """A ``/update_weights_from_tensor`` body for one bucket in the given wire format."""
+    if wire == "megarl":
+        return TensorWeightsUpdate([encode_megarl(tensors)], SAFETENSORS_B64, flush_cache, weight_version)
+    if wire == "sglang":
+        return TensorWeightsUpdate([encode_sglang(tensors)], None, flush_cache, weight_version)
+    raise ValueError(f"unknown tensor wire format {wire!r}; use 'megarl' or 'sglang'")
