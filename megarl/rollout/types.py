@@ -108,6 +108,14 @@ class WeightsUpdateGroup:
         return asdict(self)
 
 
+def _without_unset_version(msg) -> dict:
+    """The message's JSON body; ``weight_version`` is left out when unset (server keeps its own)."""
+    d = asdict(msg)
+    if d.get("weight_version") is None:
+        d.pop("weight_version", None)
+    return d
+
+
 @dataclass
 class DistributedWeightsMeta:
     """One announced bucket for /update_weights_from_distributed (HF names, broadcast order)."""
@@ -120,10 +128,7 @@ class DistributedWeightsMeta:
     weight_version: Optional[str] = None
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        if d["weight_version"] is None:
-            del d["weight_version"]
-        return d
+        return _without_unset_version(self)
 
 
 @dataclass
@@ -137,10 +142,7 @@ class TensorWeightsUpdate:
     weight_version: Optional[str] = None
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        if d["weight_version"] is None:
-            del d["weight_version"]
-        return d
+        return _without_unset_version(self)
 
 
 @dataclass
@@ -149,10 +151,7 @@ class DiskWeightsUpdate:
     weight_version: Optional[str] = None
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        if d["weight_version"] is None:
-            del d["weight_version"]
-        return d
+        return _without_unset_version(self)
 
 
 @dataclass
