@@ -44,24 +44,23 @@ def read_input(path: str, vocab_size: int) -> list[dict]:
     """Input rows; errors name the line."""
     if not os.path.isfile(path):
         raise ToolError(f"--input {path}: no such file")
+    from megarl.data.datasets import read_jsonl
+
+    try:
+        records = read_jsonl(path)
+    except (ValueError, KeyError) as e:
+        raise ToolError(str(e).strip("'")) from None
     rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ToolError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            ids = row.get("input_ids") if isinstance(row, dict) else None
-            if not isinstance(ids, list) or not ids or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ToolError(f"{path}:{lineno}: needs \"input_ids\": a non-empty list of integers")
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ToolError(f"{path}:{lineno}: token id {bad[0]} is outside the vocabulary "
-                                f"[0, {vocab_size})")
-            rows.append(row)
+    for lineno, row in records:
+        ids = row.get("input_ids")
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ToolError(f"{path}:{lineno}: needs \"input_ids\": a non-empty list of integers")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ToolError(f"{path}:{lineno}: token id {bad[0]} is outside the vocabulary "
+                            f"[0, {vocab_size})")
+        rows.append(row)
     if not rows:
         raise ToolError(f"--input {path}: no input lines")
     return rows

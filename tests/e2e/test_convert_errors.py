@@ -189,7 +189,7 @@ def test_logprobs_bad_input_lines(tmp_path, hf, capsys):
     inp, out = tmp_path / "in.jsonl", str(tmp_path / "out.jsonl")
     inp.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2\n')
     args = ["--ckpt", hf, "--input", inp, "--output", out]
-    assert_fails(logprobs.main, args, capsys, "in.jsonl:2", "not valid JSON")
+    assert_fails(logprobs.main, args, capsys, "in.jsonl:2", "invalid JSON")
     inp.write_text('{"input_ids": [1, 999]}\n')
     assert_fails(logprobs.main, args, capsys, "in.jsonl:1", "token id 999", "[0, 128)")
     inp.write_text('{"ids": [1]}\n')
