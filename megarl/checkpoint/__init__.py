@@ -1,0 +1,28 @@
+"""Training checkpoints: Megatron dist-checkpointing (sharded ``torch_dist``), atomic, resumable
+in any TP/PP/DP layout, and safe to load.
+
+    layout.py   step directory naming, megarl.json, is_complete / find_latest / resolve_checkpoint,
+                atomic commit helpers (write_synced, commit_dir, copy_hf_side_files)
+    safe.py     allow-list unpickler for DCP metadata; check_safe refuses pickled content
+    mcore.py    the only module touching megatron-core internals (pinned to 0.16.1): the sync
+                torch_dist save strategy, sharded state dicts, loading, optimizer fixes
+    rng.py      per-rank RNG states as safetensors
+    manager.py  CheckpointManager: register / resume / load / maybe_save / save / retention
+
+The names below are the package's public surface; ``from megarl.checkpoint import X`` is the way
+to import them.
+"""
+from megarl.checkpoint.layout import (
+    FORMAT, HF_SIDE_FILES, LATEST, META, TMP_PREFIX, CheckpointError, commit_dir, copy_hf_side_files,
+    find_latest, is_complete, list_checkpoints, read_meta, resolve_checkpoint, step_dir_name,
+    write_synced)
+from megarl.checkpoint.manager import CheckpointManager
+from megarl.checkpoint.mcore import load_model_weights, model_sharded_state_dict, sync_save_strategy
+from megarl.checkpoint.safe import check_safe, read_dcp_metadata
+
+__all__ = [
+    "FORMAT", "HF_SIDE_FILES", "LATEST", "META", "TMP_PREFIX", "CheckpointError", "CheckpointManager",
+    "check_safe", "commit_dir", "copy_hf_side_files", "find_latest", "is_complete",
+    "list_checkpoints", "load_model_weights", "model_sharded_state_dict", "read_dcp_metadata",
+    "read_meta", "resolve_checkpoint", "step_dir_name", "sync_save_strategy", "write_synced",
+]

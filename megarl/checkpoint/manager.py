@@ -1,0 +1,209 @@
+"""CheckpointManager: saves and resumes the whole training state of a run, atomically.
+
+Save protocol (collective): every rank writes into ``.tmp-step_N`` -> barrier -> rank 0 writes
+megarl.json (fsync) -> renames the directory to ``step_N`` -> replaces ``latest`` -> retires
+checkpoints beyond ``keep_last`` (renamed away before deletion). A crash at any point leaves the
+previous checkpoints intact and at most a ``.tmp-*`` directory that resume never picks. The
+directory layout and the completion rule are in ``layout.py``; what makes loading safe in
+``safe.py``; everything that knows Megatron's sharded formats in ``mcore.py``.
+
+Tensors are written synchronously by torch.distributed.checkpoint's own writer (no worker
+processes: Megatron's async writer forks, needs psutil and re-imports ``__main__``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from megarl.checkpoint import mcore
+from megarl.checkpoint.layout import (
+    FORMAT, HF_SIDE_FILES, LATEST, META, TMP_PREFIX, CheckpointError, commit_dir, copy_hf_side_files,
+    find_latest, is_complete, list_checkpoints, read_meta, step_dir_name, write_synced)
+from megarl.checkpoint.rng import load_rng, save_rng
+from megarl.checkpoint.safe import check_safe
+
+
+class CheckpointManager:
+    """Saves and resumes everything a run needs to continue bitwise: model, optimizer (incl. the
+    distributed optimizer's state), LR scheduler, RNG states, step, policy version and registered
+    objects (``state_dict() -> JSON-able dict`` / ``load_state_dict(dict)``; rank 0's state is
+    saved, every rank loads it).
+
+        ckpt = CheckpointManager(cfg, ps, engine)
+        ckpt.register("data", data)
+        start = ckpt.resume()                    # last completed step, 0 when starting fresh
+        for step in range(start + 1, n + 1):
+            ...
+            ckpt.maybe_save(step, last=step == n, policy_version=version)
+
+    ``fault_hook(stage, step)`` (tests) runs on every rank at each save stage: "written" (tensors in
+    the temp dir), "committing" (rank 0, before the rename), "committed" (rank 0, before ``latest``).
+    """
+
+    def __init__(self, cfg, ps, engine):
+        self.cfg, self.ps, self.engine = cfg, ps, engine
+        self.save_dir = cfg.checkpoint.save_dir or os.path.join(cfg.train.run_dir, "checkpoints")
+        self.state: dict = {}
+        self.policy_version = 0
+        self.loaded_from: Optional[str] = None
+        self.fault_hook: Optional[Callable[[str, int], None]] = None
+
+    def register(self, name: str, obj) -> None:
+        if name in self.state:
+            raise ValueError(f"checkpoint: state {name!r} is already registered")
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"checkpoint: {name!r} needs state_dict() and load_state_dict()")
+        self.state[name] = obj
+
+    # ------------------------------------------------------------------ resume
+    def resume(self) -> int:
+        """Loads the latest complete checkpoint of save_dir; returns its step (0 if none)."""
+        if not self.cfg.checkpoint.resume:
+            return 0
+        found = [find_latest(self.save_dir) if self.ps.rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        if found[0] is None:
+            return 0
+        return self.load(found[0])
+
+    def load(self, path: str) -> int:
+        """Restores the full training state from checkpoint directory ``path``; returns its step."""
+        meta = read_meta(path)
+        if not meta or not is_complete(path):
+            raise CheckpointError(f"{path}: not a complete checkpoint")
+        if meta.get("kind") != "training":
+            raise CheckpointError(f"{path}: a {meta.get('kind')} checkpoint holds no optimizer state")
+        want = bool(self.cfg.parallel.distributed_optimizer)
+        if bool(meta.get("distributed_optimizer")) != want:
+            raise CheckpointError(
+                f"{path}: saved with parallel.distributed_optimizer={str(not want).lower()}; "
+                f"resume with the same setting")
+        check_safe(path)
+        engine = self.engine
+        mcore.prime_optimizer_state(engine.optimizer)  # before the template: it needs the tensors
+        sharded = mcore.training_sharded_state_dict(engine.chunks, engine.optimizer, is_loading=True)
+        state = mcore.load_sharded(sharded, path)
+        mcore.load_modules(engine.chunks, state, path)
+        mcore.load_optimizer(engine.optimizer, state["optimizer"])
+        self._load_scheduler(meta["scheduler"])
+        engine.step = int(meta["engine_step"])
+        self.policy_version = int(meta["policy_version"])
+        if meta["layout"] == self._layout():
+            load_rng(os.path.join(path, "rng", f"rank_{self.ps.rank:05d}.safetensors"))
+        elif self.ps.rank == 0:
+            print(f"[checkpoint] layout changed ({meta['layout']} -> {self._layout()}): "
+                  "RNG states start fresh", flush=True)
+        for name, obj in self.state.items():
+            if name in meta["state"]:
+                obj.load_state_dict(meta["state"][name])
+            elif self.ps.rank == 0:
+                print(f"[checkpoint] {path} has no state for {name!r}; it starts fresh", flush=True)
+        self.loaded_from = path
+        if self.ps.rank == 0:
+            print(f"[checkpoint] resumed from {path} (step {meta['step']})", flush=True)
+        return int(meta["step"])
+
+    def _load_scheduler(self, saved: dict) -> None:
+        """The config's schedule wins (a run may be extended); the position comes from the file."""
+        sched = self.engine.scheduler
+        changed = sorted(k for k, v in sched.state_dict().items()
+                         if k != "num_steps" and saved.get(k) != v)
+        if changed and self.ps.rank == 0:
+            print(f"[checkpoint] LR schedule differs from the checkpoint in {', '.join(changed)}; "
+                  "using the config's", flush=True)
+        sched.num_steps = 0
+        sched.step(increment=int(saved["num_steps"]))
+
+    # ------------------------------------------------------------------ save
+    def maybe_save(self, step: int, last: bool = False, policy_version: Optional[int] = None) -> None:
+        c = self.cfg.checkpoint
+        if last or (c.save_interval and step % c.save_interval == 0):
+            self.save(step, policy_version)
+        if c.hf_export_dir and (last or (c.hf_export_interval and step % c.hf_export_interval == 0)):
+            self.engine.export_hf(c.hf_export_dir)
+
+    def save(self, step: int, policy_version: Optional[int] = None) -> str:
+        """Writes checkpoint ``step_<step>`` atomically (collective); returns its path."""
+        if policy_version is not None:
+            self.policy_version = int(policy_version)
+        t0 = time.perf_counter()
+        name = step_dir_name(step)
+        final, tmp = os.path.join(self.save_dir, name), os.path.join(self.save_dir, TMP_PREFIX + name)
+        meta = [self._meta_json(step) if self.ps.rank == 0 else None]
+        dist.broadcast_object_list(meta, src=0)  # a bad registered state fails on every rank
+        if isinstance(meta[0], Exception):
+            raise meta[0]
+        if self.ps.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()  # the temp dir exists (and is empty) before any rank writes into it
+        mcore.save_sharded(mcore.training_sharded_state_dict(
+            self.engine.chunks, self.engine.optimizer, is_loading=False), tmp)
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        save_rng(os.path.join(tmp, "rng", f"rank_{self.ps.rank:05d}.safetensors"))
+        self._stage("written", step)
+        dist.barrier()  # every rank's tensors are on disk before rank 0 marks the checkpoint complete
+        if self.ps.rank == 0:
+            self._commit(tmp, final, meta[0], step)
+            print(f"[checkpoint] saved {final} in {time.perf_counter() - t0:.2f}s", flush=True)
+        dist.barrier()  # no rank goes on (or exits) before the checkpoint is committed
+        return final
+
+    def _commit(self, tmp: str, final: str, meta_text: str, step: int) -> None:
+        """Rank 0: side files, megarl.json (last file in), rename, ``latest``, retention."""
+        copy_hf_side_files(self.cfg.model.hf_path, tmp)
+        tok = self.cfg.data.tokenizer_path
+        if tok and os.path.isdir(tok):  # a separate tokenizer dir wins over the model's
+            copy_hf_side_files(tok, tmp, [n for n in HF_SIDE_FILES if n.startswith("tokenizer")])
+        write_synced(os.path.join(tmp, META), meta_text)
+        self._stage("committing", step)
+        commit_dir(tmp, final)
+        self._stage("committed", step)
+        write_synced(os.path.join(self.save_dir, LATEST), os.path.basename(final) + "\n")
+        self._retire(keep=final)
+
+    def _retire(self, keep: str) -> None:
+        """Keeps the newest keep_last complete checkpoints (and ``keep``); removes stale temp
+        directories. Each victim is renamed into a temp name first, so a crash mid-delete never
+        leaves a damaged directory under a checkpoint name."""
+        found = list_checkpoints(self.save_dir)
+        victims = [p for _, p in found[:-self.cfg.checkpoint.keep_last] if p != keep]
+        victims += [os.path.join(self.save_dir, n) for n in os.listdir(self.save_dir)
+                    if n.startswith(TMP_PREFIX)]
+        for path in victims:
+            base = os.path.basename(path)
+            trash = path if base.startswith(TMP_PREFIX) else os.path.join(
+                self.save_dir, f"{TMP_PREFIX}trash-{base}")
+            if trash != path:
+                os.rename(path, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def _stage(self, stage: str, step: int) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(stage, step)
+
+    # ------------------------------------------------------------------ contents
+    def _layout(self) -> dict:
+        ps = self.ps
+        return {"tp": ps.tp, "pp": ps.pp, "dp": ps.dp, "vpp": ps.vpp, "world_size": ps.world_size}
+
+    def _meta_json(self, step: int):
+        """megarl.json text (rank 0), or the exception to raise on every rank."""
+        try:
+            meta = {
+                "format": FORMAT, "version": 1, "kind": "training", "complete": True,
+                "step": step, "engine_step": self.engine.step, "policy_version": self.policy_version,
+                "layout": self._layout(),
+                "distributed_optimizer": bool(self.cfg.parallel.distributed_optimizer),
+                "dtype": self.cfg.model.dtype, "scheduler": self.engine.scheduler.state_dict(),
+                "state": {name: obj.state_dict() for name, obj in self.state.items()},
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            }
+            return json.dumps(meta, indent=1)
+        except (TypeError, ValueError) as e:
+            return CheckpointError(f"checkpoint: registered state is not JSON-serialisable ({e})")

@@ -1,0 +1,212 @@
+"""Megatron-core glue for checkpoints: THE ONLY megarl module that touches megatron-core internals.
+
+Pinned to megatron-core 0.16.1. Everything here works around or extends that release; a new
+release must be re-verified against this list (the dist tests of checkpointing are the
+behavioural check):
+
+Private (underscore) or internal megatron-core names used:
+
+- ``dist_checkpointing.strategies.torch.MCoreSavePlanner``: subclassed so that a chunk's data
+  can be produced lazily when it is written (``resolve_data``), see ``sync_save_strategy``.
+- ``dist_checkpointing.strategies.torch._replace_state_dict_keys_with_sharded_keys`` and
+  ``mcore_to_pyt_state_dict``: the two steps Megatron's torch_dist strategy takes to turn a
+  sharded state dict into what torch DCP writes; reused so the files are exactly ``torch_dist``.
+- ``dist_checkpointing.strategies.base.SaveShardedStrategy``: the strategy base class
+  (``__init__(backend, version)``, ``can_handle_sharded_objects``).
+- ``optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states``:
+  replaced per instance during a load (``_copy_loaded_states_only``), because 0.16.1 copies every
+  key of the torch state, 'step' included, which the fully_reshardable format keeps per group.
+- ``DistributedOptimizer.model_param_group_index_map`` (instance attribute): read by that
+  replacement to find a parameter's main copy.
+- ``DistributedOptimizer.checkpoint_fully_reshardable_formats``: must accept
+  ``"fully_reshardable"``, the only distributed-optimizer format that saves and loads here
+  (the default fails with "flattened_range is not supported").
+- ``optimizer.ChainedOptimizer.chained_optimizers`` (instance attribute) and each
+  ``MegatronOptimizer.optimizer`` (the wrapped torch optimizer, whose ``state`` is primed and fixed).
+
+Behaviours of 0.16.1 this module corrects (no name to check; the dist tests catch them):
+a fresh torch Adam has empty state, so the load template would hold no optimizer tensors
+(``prime_optimizer_state``); ``DistributedOptimizer.load_state_dict`` gives every parameter the
+SAME ``step`` tensor, which torch Adam then advances once per parameter per step
+(``load_optimizer``); Megatron's async writer forks a Manager that re-imports ``__main__`` and
+needs psutil (``sync_save_strategy`` writes synchronously instead).
+
+Megatron is imported inside functions so that ``import megarl.checkpoint`` stays cheap for tools
+that only look at files.
+"""
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from megarl.checkpoint.layout import CheckpointError
+from megarl.checkpoint.safe import check_safe
+
+_DISTOPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+# ----------------------------------------------------------------------------- format: save
+
+def sync_save_strategy(resolve: Optional[Callable] = None):
+    """Megatron's ``torch_dist`` format written synchronously by torch DCP's FileSystemWriter (one
+    file per rank, one tensor in memory at a time, no worker processes).
+
+    ``resolve(key, offsets, sizes) -> tensor`` makes the data lazy: the sharded state dict then only
+    needs shapes (meta tensors) and each chunk is produced when it is written.
+    """
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class Planner(MCoreSavePlanner):
+        def resolve_data(self, write_item):
+            if resolve is None or write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            chunk = write_item.tensor_data.chunk
+            return resolve(write_item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes))
+
+    class SyncTorchDist(SaveShardedStrategy):
+        def __init__(self):
+            super().__init__("torch_dist", 1)
+
+        @property
+        def can_handle_sharded_objects(self):
+            return True
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            # keep_only_main_replica: each replicated shard (e.g. over DP) is written by one rank
+            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, keep_only_main_replica=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch ShardedTensor deprecation
+                dcp_save(mcore_to_pyt_state_dict(flat, False),
+                         storage_writer=FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True,
+                                                         sync_files=True, thread_count=1),
+                         planner=Planner(flatten_state_dict=False))
+
+    return SyncTorchDist()
+
+
+def _unwrap(m):
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+def model_sharded_state_dict(chunks) -> dict:
+    """{"model": sd} (or "model0", "model1", ... per virtual stage) without ``_extra_state``."""
+    # _extra_state holds pickled objects (TE fp8 metadata): saving it would make every
+    # checkpoint fail check_safe, and the local spec has nothing in it worth keeping
+    out = {}
+    for i, chunk in enumerate(chunks):
+        sd = _unwrap(chunk).sharded_state_dict()
+        out["model" if len(chunks) == 1 else f"model{i}"] = {
+            k: v for k, v in sd.items() if not k.endswith("._extra_state")}
+    return out
+
+
+def training_sharded_state_dict(chunks, optimizer, is_loading: bool) -> dict:
+    """Model chunks plus the optimizer (the distributed optimizer in its fully_reshardable format,
+    so a checkpoint loads into any TP/PP/DP layout)."""
+    sd = model_sharded_state_dict(chunks)
+    sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=is_loading,
+                                                   metadata=_DISTOPT_META)
+    return sd
+
+
+def save_sharded(sharded: dict, ckpt_dir: str) -> None:
+    """Writes a sharded state dict into ``ckpt_dir`` (collective; the directory must exist)."""
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(sharded, ckpt_dir, sharded_strategy=sync_save_strategy())
+
+
+# ----------------------------------------------------------------------------- format: load
+
+def load_sharded(sharded: dict, ckpt_dir: str) -> dict:
+    """dist_checkpointing.load that lists missing keys by name instead of failing inside DCP."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        state, missing, _ = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.RETURN_ALL)
+    if missing:
+        names = sorted({m.split("/")[0] for m in missing})
+        raise CheckpointError(f"{ckpt_dir}: missing {len(names)} tensor(s): {', '.join(names[:8])}"
+                              f"{' ...' if len(names) > 8 else ''}")
+    return state
+
+
+def load_modules(chunks, state: dict, ckpt_dir: str) -> None:
+    """Copies the loaded model state into ``chunks``; every parameter must be restored."""
+    for i, chunk in enumerate(chunks):
+        key = "model" if len(chunks) == 1 else f"model{i}"
+        result = _unwrap(chunk).load_state_dict(state[key], strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+        if missing or result.unexpected_keys:
+            raise CheckpointError(f"{ckpt_dir}: parameters not restored: "
+                                  f"{', '.join((missing + list(result.unexpected_keys))[:8])}")
+
+
+def load_model_weights(chunks, ckpt_dir: str) -> None:
+    """Loads only the model weights of a checkpoint (any saving layout) into ``chunks``.
+    Collective over all ranks."""
+    check_safe(ckpt_dir)
+    load_modules(chunks, load_sharded(model_sharded_state_dict(chunks), ckpt_dir), ckpt_dir)
+
+
+# ----------------------------------------------------------------------------- optimizer quirks
+
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def prime_optimizer_state(optimizer) -> None:
+    """A fresh torch Adam has no state, so the load template would hold no optimizer tensors:
+    give every parameter zero moments and step 0 (overwritten by the load)."""
+    for opt in _inner_optimizers(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                                          step=torch.zeros((), dtype=torch.float32))
+
+
+def _copy_loaded_states_only(self, model_param, tensors: dict) -> None:
+    """DistributedOptimizer._set_main_param_and_optimizer_states copies every key of the torch
+    state, 'step' included, which the fully_reshardable format keeps per group: KeyError."""
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    dst = {"param": main_param, **self.optimizer.state[main_param]}
+    for key, value in tensors.items():
+        dst[key].copy_(value)
+
+
+def load_optimizer(optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)`` with the 0.16.1 fixes described in the module docstring."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    # the patch is an instance attribute for the duration of the load only: the class (and any
+    # other optimizer in the process) is never modified
+    for opt in _inner_optimizers(optimizer):
+        if isinstance(opt, DistributedOptimizer) and not opt.config.use_precision_aware_optimizer:
+            opt._set_main_param_and_optimizer_states = types.MethodType(_copy_loaded_states_only, opt)
+    try:
+        optimizer.load_state_dict(state)
+    finally:
+        for opt in _inner_optimizers(optimizer):
+            opt.__dict__.pop("_set_main_param_and_optimizer_states", None)
+    # DistributedOptimizer.load_state_dict hands every parameter the SAME step tensor, which torch
+    # Adam increments in place once per parameter: give each its own copy.
+    for opt in _inner_optimizers(optimizer):
+        for st in opt.optimizer.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
