@@ -1,8 +1,9 @@
 """Megatron-core glue for checkpoints: THE ONLY megarl module that touches megatron-core internals.
 
-Pinned to megatron-core 0.16.1. Everything here works around or extends that release; a new
-release must be re-verified against this list (the dist tests of checkpointing are the
-behavioural check):
+Pinned to megatron-core 0.16.1 (``SUPPORTED_MCORE_VERSION``). Everything here works around or
+extends that release; a new release must be re-verified against this list (the dist tests of
+checkpointing are the behavioural check, ``tests/dist/test_checkpoint_mcore_pins.py`` fails first
+and by name when the version or one of the names below changes):
 
 Private (underscore) or internal megatron-core names used:
 
@@ -36,6 +37,8 @@ that only look at files.
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import types
 import warnings
 from typing import Callable, Optional
@@ -45,7 +48,58 @@ import torch
 from megarl.checkpoint.layout import CheckpointError
 from megarl.checkpoint.safe import check_safe
 
+SUPPORTED_MCORE_VERSION = "0.16.1"
+
+# (module, dotted attribute) pairs that must resolve; see the module docstring for why each is used
+PRIVATE_NAMES = (
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlanner"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlanner.resolve_data"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "_replace_state_dict_keys_with_sharded_keys"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "mcore_to_pyt_state_dict"),
+    ("megatron.core.dist_checkpointing.strategies.base", "SaveShardedStrategy"),
+    ("megatron.core.dist_checkpointing.strategies.base", "SaveShardedStrategy.can_handle_sharded_objects"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._set_main_param_and_optimizer_states"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.checkpoint_fully_reshardable_formats"),
+    ("megatron.core.optimizer.optimizer_config", "OptimizerConfig.use_precision_aware_optimizer"),
+)
+# (module, class, attribute) set in __init__, so only the class source can show they still exist
+INSTANCE_ATTRS = (
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "model_param_group_index_map"),
+    ("megatron.core.optimizer.optimizer", "ChainedOptimizer", "chained_optimizers"),
+    ("megatron.core.optimizer.optimizer", "MegatronOptimizer", "optimizer"),
+)
 _DISTOPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def pin_problems() -> list[str]:
+    """What no longer matches this module's assumptions in the installed megatron-core (empty when
+    all is well). Not called at run time; the pin test calls it."""
+    problems = []
+    for module, path in PRIVATE_NAMES:
+        try:
+            obj = importlib.import_module(module)
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{module}.{path}: gone ({e})")
+    for module, cls, attr in INSTANCE_ATTRS:
+        try:
+            source = inspect.getsource(getattr(importlib.import_module(module), cls))
+        except (ImportError, AttributeError, OSError, TypeError) as e:
+            problems.append(f"{module}.{cls}: gone ({e})")
+            continue
+        if f"self.{attr}" not in source:
+            problems.append(f"{module}.{cls}: no longer sets self.{attr}")
+    if not problems:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
+
+        params = list(inspect.signature(DO._set_main_param_and_optimizer_states).parameters)
+        if params != ["self", "model_param", "tensors"]:
+            problems.append(f"DistributedOptimizer._set_main_param_and_optimizer_states{params}: "
+                            "signature changed; _copy_loaded_states_only replaces it")
+        if _DISTOPT_META["distrib_optim_sharding_type"] not in DO.checkpoint_fully_reshardable_formats:
+            problems.append("DistributedOptimizer no longer accepts the 'fully_reshardable' format")
+    return problems
 
 
 # ----------------------------------------------------------------------------- format: save
