@@ -24,6 +24,7 @@ def parse_args(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def run_sft(cfg, ps, engine, logger, ckpt) -> None:
+    from megarl.checkpoint import maybe_export_hf
     from megarl.metrics import progress
     from megarl.trainer.sft import SFTData, sft_loss
 
@@ -34,6 +35,7 @@ def run_sft(cfg, ps, engine, logger, ckpt) -> None:
         metrics = engine.train_batch(data.next_batch(), sft_loss)
         logger.log(metrics, step)
         ckpt.maybe_save(step, last=step == cfg.train.steps)
+        maybe_export_hf(cfg, engine, step, last=step == cfg.train.steps)
 
 
 def main(argv: list[str] | None = None) -> int:

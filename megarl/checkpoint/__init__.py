@@ -8,10 +8,12 @@ in any TP/PP/DP layout, and safe to load.
                 torch_dist save strategy, sharded state dicts, loading, optimizer fixes
     rng.py      per-rank RNG states as safetensors
     manager.py  CheckpointManager: register / resume / load / maybe_save / save / retention
+    export.py   the HF export schedule the training loops call (maybe_export_hf)
 
 The names below are the package's public surface; ``from megarl.checkpoint import X`` is the way
 to import them.
 """
+from megarl.checkpoint.export import hf_export_due, maybe_export_hf
 from megarl.checkpoint.layout import (
     FORMAT, HF_SIDE_FILES, LATEST, META, TMP_PREFIX, CheckpointError, commit_dir, copy_hf_side_files,
     find_latest, is_complete, list_checkpoints, read_meta, resolve_checkpoint, step_dir_name,
@@ -22,7 +24,8 @@ from megarl.checkpoint.safe import check_safe, read_dcp_metadata
 
 __all__ = [
     "FORMAT", "HF_SIDE_FILES", "LATEST", "META", "TMP_PREFIX", "CheckpointError", "CheckpointManager",
-    "check_safe", "commit_dir", "copy_hf_side_files", "find_latest", "is_complete",
-    "list_checkpoints", "load_model_weights", "model_sharded_state_dict", "read_dcp_metadata",
-    "read_meta", "resolve_checkpoint", "step_dir_name", "sync_save_strategy", "write_synced",
+    "check_safe", "commit_dir", "copy_hf_side_files", "find_latest", "hf_export_due", "is_complete",
+    "list_checkpoints", "load_model_weights", "maybe_export_hf", "model_sharded_state_dict",
+    "read_dcp_metadata", "read_meta", "resolve_checkpoint", "step_dir_name", "sync_save_strategy",
+    "write_synced",
 ]

@@ -9,6 +9,9 @@ directory layout and the completion rule are in ``layout.py``; what makes loadin
 
 Tensors are written synchronously by torch.distributed.checkpoint's own writer (no worker
 processes: Megatron's async writer forks, needs psutil and re-imports ``__main__``).
+
+The manager owns resumable state only. The HF export is the run's deliverable, not state it
+resumes from, so its schedule lives with the loops (``export.maybe_export_hf``).
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ class CheckpointManager:
         for step in range(start + 1, n + 1):
             ...
             ckpt.maybe_save(step, last=step == n, policy_version=version)
+            maybe_export_hf(cfg, engine, step, last=step == n)   # the HF export: export.py
 
     ``fault_hook(stage, step)`` (tests) runs on every rank at each save stage: "written" (tensors in
     the temp dir), "committing" (rank 0, before the rename), "committed" (rank 0, before ``latest``).
@@ -121,11 +125,10 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def maybe_save(self, step: int, last: bool = False, policy_version: Optional[int] = None) -> None:
+        """Saves every ``checkpoint.save_interval`` steps when set, and always at the last step."""
         c = self.cfg.checkpoint
         if last or (c.save_interval and step % c.save_interval == 0):
             self.save(step, policy_version)
-        if c.hf_export_dir and (last or (c.hf_export_interval and step % c.hf_export_interval == 0)):
-            self.engine.export_hf(c.hf_export_dir)
 
     def save(self, step: int, policy_version: Optional[int] = None) -> str:
         """Writes checkpoint ``step_<step>`` atomically (collective); returns its path."""

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megarl.checkpoint import maybe_export_hf
 from megarl.data.datasets import PromptDataset, balance_across_ranks
 from megarl.data.tokenizer import load_tokenizer
 from megarl.metrics import print0, progress
@@ -120,4 +121,5 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
                     metrics["eval_accuracy"] = acc
             logger.log(metrics, step)
             ckpt.maybe_save(step, last=step == cfg.train.steps, policy_version=pusher.version)
+            maybe_export_hf(cfg, engine, step, last=step == cfg.train.steps)
         print0(f"[grpo] done: {cfg.train.steps} steps, policy version {pusher.version}")
