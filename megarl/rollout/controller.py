@@ -8,12 +8,14 @@
         v
     buffer (FIFO of groups) --------> trainer thread: next_batch(n_groups)  (blocks)
                                          |
-    set_version(v) <--- weight push <----+   pause_generation()/continue_generation() wrap the
-                                             push so aborted requests wait, then resume as
+    RolloutCluster (trainer side) <------+   weight push: hold() closes the client's gate so
+      version: the staleness clock           aborted requests wait; on_version(v) widens the
+                                             staleness window; release() lets them resume as
                                              partial rollouts under the new version.
 
 The trainer thread only talks to the controller through these thread-safe methods; every call
-into the event loop goes through ``run_coroutine_threadsafe`` with a deadline.
+into the event loop goes through ``run_coroutine_threadsafe`` with a deadline. The policy version
+is not stored here: it is read from the cluster (``versions.get_version()``).
 """
 from __future__ import annotations
 
@@ -26,22 +28,22 @@ from typing import Optional
 
 from megarl.data.datasets import PromptDataset, ResumableSampler
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.staleness import EpisodeState, StalenessManager
+from megarl.rollout.staleness import EpisodeState, StalenessManager, VersionProvider
 from megarl.rollout.types import Trajectory
 
 log = logging.getLogger("megarl.controller")
 
 
 class RolloutController:
-    def __init__(self, dataset: PromptDataset, workflow, servers: list[str], *, batch_groups: int,
-                 max_staleness: int, max_concurrent: int, seed: int = 0, api_key: Optional[str] = None,
-                 dynamic_sampling: bool = False, client_kwargs: Optional[dict] = None):
-        self.dataset, self.workflow = dataset, workflow
+    def __init__(self, dataset: PromptDataset, workflow, servers: list[str], versions: VersionProvider,
+                 *, batch_groups: int, max_staleness: int, max_concurrent: int, seed: int = 0,
+                 api_key: Optional[str] = None, dynamic_sampling: bool = False,
+                 client_kwargs: Optional[dict] = None):
+        self.dataset, self.workflow, self.versions = dataset, workflow, versions
         self.sampler = ResumableSampler(len(dataset), seed=seed)
-        self.staleness = StalenessManager(batch_groups, max_staleness, max_concurrent, self)
+        self.staleness = StalenessManager(batch_groups, max_staleness, max_concurrent, versions)
         self.dynamic_sampling = dynamic_sampling
         self._servers, self._api_key, self._client_kwargs = servers, api_key, client_kwargs or {}
-        self._version = 0
         self._episode = 0
         self._consumed = 0
         self._buffer: collections.deque[list[Trajectory]] = collections.deque()
@@ -54,10 +56,6 @@ class RolloutController:
         self.client: Optional[RolloutClient] = None
         self.counters = collections.Counter()
 
-    # ------------------------------------------------------------------ VersionProvider
-    def get_version(self) -> int:
-        return self._version
-
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop.run_forever, name="megarl-controller", daemon=True)
@@ -65,8 +63,8 @@ class RolloutController:
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
 
     async def _start(self) -> None:
-        self.client = RolloutClient(self._servers, self._api_key, **self._client_kwargs)
-        self.client.set_version(self._version)
+        self.client = RolloutClient(self._servers, self._api_key, version_fn=self.versions.get_version,
+                                    **self._client_kwargs)
         self._wake = asyncio.Event()
         self._task = asyncio.ensure_future(self._executor())
 
@@ -143,22 +141,26 @@ class RolloutController:
     def _call(self, coro_fn, timeout_s: float = 120.0):
         return asyncio.run_coroutine_threadsafe(coro_fn(), self._loop).result(timeout=timeout_s)
 
-    def pause_generation(self, mode: str = "abort") -> None:
-        """Closes the client's gate (aborted requests wait) and pauses the servers."""
-        self._call(lambda: self.client.pause(mode))
+    # ------------------------------------------------------------------ ClusterListener
+    def hold(self) -> None:
+        """Closes the client's gate before the servers pause: no segment is sent meanwhile."""
+        if self._thread is not None:
+            self._call(self._async(lambda: self.client.hold()))
 
-    def continue_generation(self) -> None:
-        self._call(lambda: self.client.continue_generation())
+    def release(self) -> None:
+        if self._thread is not None:
+            self._call(self._async(lambda: self.client.release()))
 
-    def set_version(self, version: int) -> None:
-        """The weights on the servers are now ``version``: more episodes may start."""
-        self._version = int(version)
+    def on_version(self, version: int) -> None:
+        """The staleness window moved: wake the executor so more episodes may start."""
+        if self._thread is not None:
+            self._call(self._async(lambda: self._wake.set()))
 
-        async def bump():
-            self.client.set_version(self._version)
-            self._wake.set()
-
-        self._call(bump)
+    @staticmethod
+    def _async(fn):
+        async def run():
+            fn()
+        return run
 
     def stats(self) -> dict:
         s = self.staleness.stats()
@@ -175,10 +177,9 @@ class RolloutController:
         pos = sampler["epoch"] * sampler["n"] + sampler["position"] - in_flight
         return {"sampler": {**sampler, "epoch": pos // sampler["n"], "position": pos % sampler["n"]},
                 "staleness": {"accepted": self._consumed, "rejected": 0},
-                "version": self._version, "episodes": self._consumed}
+                "episodes": self._consumed}
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self.staleness.load_state_dict(state["staleness"])
-        self._version = int(state["version"])
         self._episode = self._consumed = int(state["episodes"])

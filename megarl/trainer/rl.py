@@ -6,8 +6,11 @@
         share    <- token-balanced DP split
         share    <- actor.with_advantages(share, ...)    (step-level group baselines)
         metrics  <- actor.ppo_update(share)              (prox recompute, PPO epochs, mini-batches)
-        pause rollouts -> push weights (version + 1) -> resume: in-flight samples continue as
-        partial rollouts under the new version
+        pusher.push(): pause rollouts -> push weights -> cluster.version + 1 -> resume; in-flight
+        samples continue as partial rollouts under the new version
+
+The `RolloutCluster` (every rank) owns the policy version; the controller (rank 0) subscribes to
+it, so the push pauses and resumes generation exactly once.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from megarl.checkpoint import maybe_export_hf
 from megarl.data.datasets import PromptDataset, balance_across_ranks
 from megarl.data.tokenizer import load_tokenizer
 from megarl.metrics import print0, progress
+from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController
 from megarl.rollout.local import LocalCluster
 from megarl.rollout.rewards import load_reward_fn
@@ -37,7 +41,7 @@ def _broadcast(obj, src: int = 0):
     return box[0]
 
 
-def build_controller(cfg, servers: list[str]) -> RolloutController:
+def build_controller(cfg, cluster: RolloutCluster) -> RolloutController:
     r = cfg.rollout
     tok = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
     dataset = PromptDataset(cfg.data.train_path, tok, prompt_key=cfg.data.prompt_key)
@@ -45,7 +49,7 @@ def build_controller(cfg, servers: list[str]) -> RolloutController:
                               stop_token_ids=[tok.eos_id])
     workflow = load_workflow_class(r.workflow)(tok, load_reward_fn(r.reward_fn), sampling, r.group_size)
     return RolloutController(
-        dataset, workflow, servers, batch_groups=cfg.train.global_batch_size // r.group_size,
+        dataset, workflow, cluster.addresses, cluster, batch_groups=cfg.train.global_batch_size // r.group_size,
         max_staleness=r.max_staleness, max_concurrent=r.max_concurrent, seed=cfg.train.seed,
         api_key=r.api_key or None, dynamic_sampling=cfg.algo.dynamic_sampling)
 
@@ -86,17 +90,19 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
             servers = stack.enter_context(LocalCluster(
                 cfg.model.hf_path, r.local_servers, f"{cfg.train.run_dir}/servers",
                 extra=["--threads", r.server_threads]))
-        servers = _broadcast(servers)
+        cluster = RolloutCluster.from_config(cfg, _broadcast(servers), driver=ps.rank == 0)
+        stack.callback(cluster.close)
         actor = Actor.build(cfg, ps, engine)
-        pusher = WeightPusher(cfg, engine, servers)
+        pusher = WeightPusher(cfg, engine, cluster)
         stack.callback(pusher.close)
-        controller = build_controller(cfg, servers) if ps.rank == 0 else None
+        controller = build_controller(cfg, cluster) if ps.rank == 0 else None
         if controller is not None:
             ckpt.register("controller", controller)
         start = ckpt.resume()
-        pusher.version = _broadcast(controller.get_version() if controller else 0)
+        cluster.version = ckpt.policy_version  # the checkpoint records the version it was saved at
         pusher.push(bump=False)  # servers hold exactly the trainer's weights before any rollout
         if controller is not None:
+            cluster.subscribe(controller)  # after the first push: nothing to pause before
             controller.start()
             stack.callback(controller.stop)
         groups = cfg.train.global_batch_size // r.group_size
@@ -104,22 +110,16 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
             trajs = _broadcast(controller.next_batch(groups) if controller else None)
             batch, rewards, group_ids = local_share(trajs, ps)
             batch = actor.with_advantages(batch, rewards, group_ids)
-            metrics = actor.ppo_update(batch, version=pusher.version)
-            metrics.update(rollout_metrics(trajs, pusher.version))
+            metrics = actor.ppo_update(batch, version=cluster.version)
+            metrics.update(rollout_metrics(trajs, cluster.version))
+            metrics.update(pusher.push().as_dict())
             if controller is not None:
-                controller.pause_generation(cfg.weights.pause_mode)
-            try:
-                metrics.update(pusher.push().as_dict())
-            finally:
-                if controller is not None:
-                    controller.set_version(pusher.version)
-                    controller.continue_generation()
-                    metrics.update(controller.stats())
+                metrics.update(controller.stats())
             if r.eval_interval and step % r.eval_interval == 0 or step == cfg.train.steps:
-                acc = evaluate(cfg, servers) if ps.rank == 0 else None
+                acc = evaluate(cfg, cluster.addresses) if ps.rank == 0 else None
                 if acc is not None:
                     metrics["eval_accuracy"] = acc
             logger.log(metrics, step)
-            ckpt.maybe_save(step, last=step == cfg.train.steps, policy_version=pusher.version)
+            ckpt.maybe_save(step, last=step == cfg.train.steps, policy_version=cluster.version)
             maybe_export_hf(cfg, engine, step, last=step == cfg.train.steps)
-        print0(f"[grpo] done: {cfg.train.steps} steps, policy version {pusher.version}")
+        print0(f"[grpo] done: {cfg.train.steps} steps, policy version {cluster.version}")

@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megarl.weights.admin import AdminRunner
+from megarl.rollout.admin import AdminRunner
+from megarl.rollout.cluster import RolloutCluster
 from megarl.weights.resharder import Resharder
 from megarl.weights.transports import (DiskTransport, DistributedTransport, PushError,
                                        TensorTransport)
@@ -35,25 +36,32 @@ class PushMetrics:
 
 
 class WeightPusher:
-    """Collective over all trainer ranks. Build once after the engine; call :meth:`push`."""
+    """Collective over all trainer ranks. Build once after the engine with the job's
+    `RolloutCluster` (the owner of the server set and of the policy version); call :meth:`push`."""
 
-    def __init__(self, cfg, engine, servers: Optional[list[str]] = None):
+    def __init__(self, cfg, engine, cluster: RolloutCluster):
         w = cfg.weights
-        self.cfg, self.engine, self.ps = cfg, engine, engine.ps
-        self.timeout_s, self.pause_mode = w.timeout_s, w.pause_mode
-        self.version = 0
+        self.cfg, self.engine, self.ps, self.cluster = cfg, engine, engine.ps, cluster
+        self.timeout_s = w.timeout_s
         self.dtype = None if w.dtype == "auto" else getattr(torch, w.dtype)
         self.resharder = Resharder(engine, bucket_bytes=w.bucket_mb * 2**20, dtype=self.dtype)
-        self.servers = list(servers if servers is not None else cfg.rollout.servers)
         self.admin, self.transport = None, None
+        self._own_admin = False
         self._connect()
 
+    @property
+    def version(self) -> int:
+        return self.cluster.version
+
     def _connect(self) -> None:
-        """Admin client and transport for the current server list."""
+        """Transport for the cluster's current server list. The driver (rank 0) sends through the
+        cluster's admin connection; other pipeline-stage sources announce their own buckets."""
         w, ps = self.cfg.weights, self.ps
-        # rank 0 drives pause/continue; each stage source talks to the servers for its buckets
-        needs_admin = ps.rank == 0 or (ps.is_pp_source and w.transport != "disk")
-        self.admin = AdminRunner(self.servers, self.cfg.rollout.api_key or None, w.timeout_s) if needs_admin else None
+        if self.cluster.driver:
+            self.admin, self._own_admin = self.cluster.admin, False
+        elif ps.is_pp_source and w.transport != "disk":
+            self.admin = AdminRunner(self.cluster.addresses, self.cfg.rollout.api_key or None, w.timeout_s)
+            self._own_admin = True
         if w.transport == "distributed":
             backend = "nccl" if ps.device.type == "cuda" else "gloo"
             self.transport = DistributedTransport(self.admin, w.master_address, w.timeout_s, backend)
@@ -66,11 +74,11 @@ class WeightPusher:
 
     def add_server(self, address: str) -> "PushMetrics":
         """A server that joins later gets the current weights before it receives work: the
-        update groups are rebuilt to include it and the current version is pushed again (the
-        other servers pause meanwhile). Collective; the caller admits the server to rollouts
-        only after this returns."""
+        cluster admits it, the update groups are rebuilt to include it and the current version
+        is pushed again (the other servers pause meanwhile). Collective; the caller hands the
+        server rollouts only after this returns."""
         self.close()
-        self.servers.append(address)
+        self.cluster.add_server(address)
         self._connect()
         return self.push(bump=False)
 
@@ -95,50 +103,52 @@ class WeightPusher:
         self._ready = True
 
     def push(self, bump: bool = True) -> PushMetrics:
-        """Push the current weights as version ``self.version + 1`` (``bump=False``: re-push the
-        current version, e.g. to a server that joined late). The protocol:
+        """Push the current weights as version ``cluster.version + 1`` (``bump=False``: re-push
+        the current version, e.g. to a server that joined late). The protocol, run once:
 
-        1. rank 0: ``/pause_generation`` {mode: weights.pause_mode} on every server (abort returns
-           in-flight requests with finish_reason abort; the rollout client resubmits them after
-           step 7 with the tokens so far, stamping new tokens with the new version).
-        2. rank 0: ``/flush_cache`` (cached prefixes were computed by the old weights).
-        3. rank 0: ``/begin_weight_update``.
-        4. stage by stage (pipeline rank 0, 1, ...): the stage's TP group gathers and converts
+        1. driver: the cluster closes its listeners' gates (aborted requests wait in the client),
+           then ``/pause_generation`` {mode: weights.pause_mode} on every server (abort returns
+           in-flight requests with finish_reason abort; the client resubmits them after step 7
+           with the tokens so far, stamping new tokens with the new version),
+           ``/flush_cache`` (cached prefixes were computed by the old weights) and
+           ``/begin_weight_update``.
+        2. stage by stage (pipeline rank 0, 1, ...): the stage's TP group gathers and converts
            its parameters into byte-capped buckets (Resharder); the stage source sends each one:
            distributed = announce names/dtypes/shapes over HTTP + broadcast the tensors over the
            stage's weight-update group; tensor = POST the bucket; disk = (after all stages) write
            the HF checkpoint atomically and POST ``/update_weights_from_disk``.
-        5. rank 0: ``/update_weight_version`` {new_version} (servers flip version atomically).
-        6. rank 0: ``/end_weight_update``.
-        7. rank 0: ``/continue_generation``; ``self.version += 1``.
+        3. driver: ``/update_weight_version`` {new_version} (servers flip version atomically),
+           ``/end_weight_update``.
+        4. every rank: ``cluster.commit(new_version)`` (the only version counter advances).
+        5. driver: ``/continue_generation``, gates open - also after a failure.
 
         Every HTTP call and broadcast has a deadline (``weights.timeout_s``). After each phase the
         ranks agree on success with one all-reduce, so a failure anywhere raises everywhere; the
-        error names the step and the server. Servers are resumed even when the push fails.
+        error names the step and the server.
         """
         t0 = time.perf_counter()
-        new_version = str(self.version + int(bump))
+        new_version = self.cluster.version + int(bump)
         if not self._ready:
             self._setup()
-        self._rank0(lambda c: c.pause(self.pause_mode), "pause_generation")
+        ok = False
         try:
-            self._rank0(lambda c: c.flush_cache(), "flush_cache")
-            self._rank0(lambda c: c.begin_weight_update(), "begin_weight_update")
-            send_s = self._send_stages(new_version)
+            self._driver(self.cluster.pause_for_update, "pause_generation")
+            send_s = self._send_stages(str(new_version))
             ts = time.perf_counter()
             err = None
             try:
-                self.transport.finish(new_version, self.engine)
+                self.transport.finish(str(new_version), self.engine)
             except Exception as e:  # noqa: BLE001
                 err = e
             self._agree(err)
             send_s += time.perf_counter() - ts
-            self._rank0(lambda c: c._admin("/update_weight_version", {"new_version": new_version}),
-                        "update_weight_version")
-            self._rank0(lambda c: c.end_weight_update(), "end_weight_update")
+            self._driver(lambda: self.cluster.publish(new_version), "update_weight_version")
+            ok = True
         finally:
-            self._resume()
-        self.version = int(new_version)
+            if ok:
+                self.cluster.commit(new_version)
+            if self.cluster.driver:
+                self.cluster.resume()
         t = self.resharder.times
         nbytes = t.bytes
         if isinstance(self.transport, DiskTransport) and self.ps.rank == 0:
@@ -146,7 +156,7 @@ class WeightPusher:
         stats = torch.tensor([nbytes, t.buckets, t.gather_s, t.convert_s, send_s], dtype=torch.float64)
         dist.all_reduce(stats)  # sources hold the counts; times summed over stages
         b, n, g, c, s = stats.tolist()
-        return PushMetrics(self.version, int(b), int(n), g, c, s, time.perf_counter() - t0)
+        return PushMetrics(new_version, int(b), int(n), g, c, s, time.perf_counter() - t0)
 
     def _send_stages(self, version: str) -> float:
         send_s = 0.0
@@ -165,21 +175,15 @@ class WeightPusher:
             self._agree(err)
         return send_s
 
-    def _rank0(self, fn, step: str) -> None:
+    def _driver(self, fn, step: str) -> None:
+        """``fn()`` on the driver rank; every rank learns whether it failed."""
         err = None
-        if self.ps.rank == 0:
+        if self.cluster.driver:
             try:
-                self.admin.call(fn, self.timeout_s)
+                fn()
             except Exception as e:  # noqa: BLE001
                 err = PushError(f"{step}: {e}")
         self._agree(err)
-
-    def _resume(self) -> None:
-        if self.ps.rank == 0:
-            try:
-                self.admin.call(lambda c: c.continue_generation(), self.timeout_s)
-            except Exception as e:  # noqa: BLE001 - a dead server must not keep the others paused
-                print(f"[weights] continue_generation: {e}", flush=True)
 
     def verify(self) -> dict[str, bool]:
         """Opt-in check that the servers hold what the trainer holds: for every HF tensor, the
@@ -201,7 +205,7 @@ class WeightPusher:
 
     def close(self) -> None:
         self.transport.close()
-        if self.admin is not None:
+        if self._own_admin and self.admin is not None:
             self.admin.close()
-            self.admin = None
+        self.admin = None
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megarl.rollout.tensor_wire import WireFormat, tensor_update
 from megarl.rollout.types import DistributedWeightsMeta, DiskWeightsUpdate, WeightsUpdateGroup
-from megarl.weights.admin import AdminRunner
+from megarl.rollout.admin import AdminRunner
 from megarl.weights.resharder import Bucket
 
 

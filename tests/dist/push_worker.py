@@ -18,6 +18,7 @@ from megarl import compat, parallel
 from megarl.config import load_config
 from megarl.trainer.batch import SequenceBatch
 from megarl.trainer.engine import Engine
+from megarl.rollout.cluster import RolloutCluster
 from megarl.weights.push import WeightPusher
 
 
@@ -35,7 +36,8 @@ def build(hf_b, server, tp, pp, transport, work, timeout_s=60):
                              f"rollout.servers=[{server}]", f"train.run_dir={work}/run"])
     ps = parallel.init_model_parallel(tp, pp)
     engine = Engine.build(cfg, ps, trainable=False)
-    return engine, WeightPusher(cfg, engine)
+    cluster = RolloutCluster.from_config(cfg, [server], driver=dist.get_rank() == 0)
+    return engine, WeightPusher(cfg, engine, cluster)
 
 
 def server_vs_trainer(engine, server):
@@ -79,6 +81,7 @@ def layouts(hf_a, hf_b, server, work, specs):
         results[spec] = {"before": before, "after": after, "version": version, "bad": bad,
                          "bytes": m.bytes, "buckets": m.buckets}
         pusher.close()
+        pusher.cluster.close()
         parallel.destroy_model_parallel_only()
     return results
 

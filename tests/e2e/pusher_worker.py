@@ -14,6 +14,7 @@ import torch
 from megarl import compat, parallel
 from megarl.config import load_config
 from megarl.trainer.engine import Engine
+from megarl.rollout.cluster import RolloutCluster
 from megarl.weights.push import WeightPusher
 
 PROMPT = [1, 5, 9, 17]
@@ -40,9 +41,11 @@ def main():
                                  "weights.bucket_mb=1", f"weights.disk_dir={work}/push_disk",
                                  f"rollout.servers=[{server}]", f"rollout.api_key={key}",
                                  f"train.run_dir={work}/run"])
-        pusher = WeightPusher(cfg, Engine.build(cfg, ps, trainable=False))
+        cluster = RolloutCluster.from_config(cfg, [server], driver=True)
+        pusher = WeightPusher(cfg, Engine.build(cfg, ps, trainable=False), cluster)
         metrics = pusher.push()
         pusher.close()
+        cluster.close()
         res = post(server + "/generate", key, {"input_ids": PROMPT, "return_logprob": True, "sampling_params": {
             "temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})
         lps = res["meta_info"]["output_token_logprobs"]

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from conftest import REPO, ServerProc, free_port, http
 from test_rollout_reference import make_tiny_model, reference_logprobs
 
+from megarl.rollout.admin import AdminClient
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.tensor_wire import tensor_update
 from megarl.rollout.types import (DiskWeightsUpdate, DistributedWeightsMeta, ModelRequest, SamplingParams,
@@ -147,8 +148,23 @@ def srv(server, models):
     return server
 
 
-def client(server: Server) -> RolloutClient:
-    return RolloutClient([server.url], api_key=KEY)
+class Clients:
+    """``async with Clients(server) as (c, a)``: generation client and admin client."""
+
+    def __init__(self, server: Server):
+        self.c = RolloutClient([server.url], api_key=KEY)
+        self.a = AdminClient([server.url], api_key=KEY)
+
+    async def __aenter__(self):
+        return self.c, self.a
+
+    async def __aexit__(self, *exc):
+        await self.c.close()
+        await self.a.close()
+
+
+def client(server: Server) -> Clients:
+    return Clients(server)
 
 
 def assert_logprobs(model, prompt, tokens, logprobs) -> None:
@@ -182,7 +198,7 @@ async def check_generation(c: RolloutClient, model, version: int) -> None:
                          ids=["greedy", "sampled"])
 def test_generate_logprobs_match_reference(srv, models, sampling):
     async def main():
-        async with client(srv) as c:
+        async with client(srv) as (c, a):
             reqs = [ModelRequest(p, SamplingParams(max_new_tokens=24, ignore_eos=True, **sampling))
                     for p in ([1, 5, 9, 14], [1, 30, 31, 32, 33, 34, 35, 36, 37], [1, 7])]
             return await asyncio.gather(*(c.agenerate(r) for r in reqs))
@@ -201,7 +217,7 @@ def test_n_samples(srv, models):
     assert len({tuple(o["output_ids"]) for o in outs}) > 1
 
     async def main():
-        async with client(srv) as c:
+        async with client(srv) as (c, a):
             req = ModelRequest([1, 5, 6], SamplingParams(max_new_tokens=16, ignore_eos=True, seed=7))
             return await c.agenerate_n(req, 4)
 
@@ -215,7 +231,7 @@ def test_stop_strings_and_stop_tokens(srv):
     prompt = [1, 10, 11, 12]
 
     async def main():
-        async with client(srv) as c:
+        async with client(srv) as (c, a):
             gen = lambda **kw: c.agenerate(ModelRequest(prompt, SamplingParams(  # noqa: E731
                 max_new_tokens=40, temperature=0.0, **kw)))
             full = await gen(ignore_eos=True)
@@ -241,7 +257,7 @@ def test_stop_strings_and_stop_tokens(srv):
 
 def test_abort_mid_generation_returns_partial_tokens(srv, models):
     async def main():
-        async with client(srv) as c:
+        async with client(srv) as (c, a):
             req = ModelRequest([1, 3, 4], SamplingParams(max_new_tokens=1500, ignore_eos=True), rid="to-abort")
             task = asyncio.create_task(c.agenerate(req))
             await wait_generating(srv)
@@ -258,14 +274,16 @@ def test_pause_update_continue_is_a_partial_rollout(srv, models):
     """pause(abort) + disk update + continue: the client resubmits prompt + tokens so far, the
     output is segment 1 (old weights, version 0) followed by segment 2 (new weights, version 1)."""
     async def main():
-        async with client(srv) as c:
+        async with client(srv) as (c, a):
             req = ModelRequest([1, 5, 6], SamplingParams(max_new_tokens=600, seed=5, ignore_eos=True))
             task = asyncio.create_task(c.agenerate(req))
             await wait_generating(srv)
-            await c.pause("abort")
-            await c.flush_cache()
-            await c.update_weights_from_disk(DiskWeightsUpdate(models["new"][0], weight_version="1"))
-            await c.continue_generation()
+            c.hold()  # as RolloutCluster does: the gate closes before the servers pause
+            await a.pause("abort")
+            await a.flush_cache()
+            await a.update_weights_from_disk(DiskWeightsUpdate(models["new"][0], weight_version="1"))
+            await a.continue_generation()
+            c.release()
             return await task
 
     r = asyncio.run(main())
@@ -281,12 +299,12 @@ def test_update_from_distributed_gloo(srv, models):
     path, sd = models["new"]
 
     async def main():
-        async with client(srv) as c:
+        async with client(srv) as (c, a):
             port, name = free_port(), f"wug-{srv.kind}"
             spec = WeightsUpdateGroup("127.0.0.1", port, world_size=2, group_name=name, backend="gloo")
             pg, _ = await asyncio.gather(
                 asyncio.to_thread(new_update_group, "127.0.0.1", port, 0, 2, name, "gloo", 60),
-                c.init_weights_update_group(spec))
+                a.init_weights_update_group(spec))
             names = sorted(sd)
             meta = DistributedWeightsMeta(names, ["float32"] * len(names), [list(sd[n].shape) for n in names],
                                           group_name=name, weight_version="7")
@@ -296,16 +314,16 @@ def test_update_from_distributed_gloo(srv, models):
                     dist.broadcast(sd[n].contiguous(), group=pg, group_src=0)
 
             try:
-                await c.pause("abort")
-                await c.begin_weight_update()
-                await asyncio.gather(c.update_weights_from_distributed(meta), asyncio.to_thread(broadcast))
-                await c.end_weight_update()
-                await c.continue_generation()
-                info = await c.get_model_info()
+                await a.pause("abort")
+                await a.begin_weight_update()
+                await asyncio.gather(a.update_weights_from_distributed(meta), asyncio.to_thread(broadcast))
+                await a.end_weight_update()
+                await a.continue_generation()
+                info = await a.get_model_info()
                 assert {i["weight_version"] for i in info.values()} == {"7"}
                 await check_generation(c, models["new"], 7)
             finally:
-                await c.destroy_weights_update_group(name)
+                await a.destroy_weights_update_group(name)
                 dist.destroy_process_group(pg)
 
     asyncio.run(main())
@@ -315,16 +333,16 @@ def test_update_from_disk_and_tensor(srv, models):
     wire = "sglang" if srv.kind == "sglang" else "megarl"
 
     async def main():
-        async with client(srv) as c:
+        async with client(srv) as (c, a):
             await check_generation(c, models["old"], 0)
-            await c.update_weights_from_disk(DiskWeightsUpdate(models["new"][0], weight_version="1"))
+            await a.update_weights_from_disk(DiskWeightsUpdate(models["new"][0], weight_version="1"))
             await check_generation(c, models["new"], 1)
             payload = tensor_update(models["old"][1], wire)
             for version in ("2", "3"):  # the same payload twice: it must be re-sendable
                 payload.weight_version = version
-                await c.begin_weight_update()
-                await c.update_weights_from_tensor(payload)
-                await c.end_weight_update()
+                await a.begin_weight_update()
+                await a.update_weights_from_tensor(payload)
+                await a.end_weight_update()
                 await check_generation(c, models["old"], int(version))
 
     asyncio.run(main())

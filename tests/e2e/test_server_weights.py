@@ -12,6 +12,7 @@ import torch.distributed as dist
 from conftest import API_KEY, free_port, http
 from test_rollout_reference import make_tiny_model, reference_logprobs
 
+from megarl.rollout.admin import AdminClient
 from megarl.rollout.client import AdminError, RolloutClient
 from megarl.rollout.server.weights import (
     destroy_weight_update_group,
@@ -57,16 +58,18 @@ def assert_logprobs(path, sd, prompt, tokens, logprobs):
 
 
 def run_interrupted(url, push, mode, new_tokens=300):
-    """Generate, interrupt it with pause(mode) + push(client) + continue; return the response."""
+    """Generate, interrupt it with pause(mode) + push(admin) + continue; return the response."""
 
     async def main():
-        async with RolloutClient([url], api_key=API_KEY) as c:
+        async with RolloutClient([url], api_key=API_KEY) as c, AdminClient([url], api_key=API_KEY) as a:
             req = ModelRequest([1, 5, 6], SamplingParams(max_new_tokens=new_tokens, seed=5, ignore_eos=True))
             task = asyncio.create_task(c.agenerate(req))
             await wait_tokens(url, 20)
-            await c.pause(mode)
-            await push(c)
-            await c.continue_generation()
+            c.hold()  # as RolloutCluster does: the gate closes before the servers pause
+            await a.pause(mode)
+            await push(a)
+            await a.continue_generation()
+            c.release()
             return await task
 
     return asyncio.run(main())
@@ -75,7 +78,7 @@ def run_interrupted(url, push, mode, new_tokens=300):
 def test_pause_abort_push_continue_is_a_partial_rollout(tiny_model, new_weights, servers):
     (old_path, sd0), (new_path, sd1) = tiny_model, new_weights
     srv = servers[0]
-    push = lambda c: c.update_weights_from_tensor(  # noqa: E731
+    push = lambda a: a.update_weights_from_tensor(  # noqa: E731
         TensorWeightsUpdate([encode_named_tensors(sd1)], weight_version="1"))
     resp = run_interrupted(srv.url, push, "abort")
     n = len(resp.output_tokens)
@@ -92,7 +95,7 @@ def test_pause_abort_push_continue_is_a_partial_rollout(tiny_model, new_weights,
 def test_retract_and_in_place_keep_the_request(tiny_model, new_weights, servers, mode):
     (old_path, _), (new_path, sd1) = tiny_model, new_weights
     srv = servers[1]
-    push = lambda c: c.update_weights_from_disk(DiskWeightsUpdate(new_path, weight_version="3"))  # noqa: E731
+    push = lambda a: a.update_weights_from_disk(DiskWeightsUpdate(new_path, weight_version="3"))  # noqa: E731
     resp = run_interrupted(srv.url, push, mode, new_tokens=200)
     k = resp.output_versions.count(0)
     assert resp.num_segments == 1 and len(resp.output_tokens) == 200
@@ -113,12 +116,12 @@ def test_update_from_distributed_gloo_two_servers(tiny_model, new_weights, serve
     (old_path, sd0), (new_path, sd1) = tiny_model, new_weights
 
     async def main():
-        async with RolloutClient([s.url for s in servers], api_key=API_KEY) as c:
+        async with RolloutClient([s.url for s in servers], api_key=API_KEY) as c, AdminClient([s.url for s in servers], api_key=API_KEY) as a:
             port = free_port()
             group = WeightsUpdateGroup("127.0.0.1", port, world_size=3, group_name="wug")
             pg, _ = await asyncio.gather(
                 asyncio.to_thread(init_weight_update_group, "127.0.0.1", port, 0, 3, "wug", "gloo", 60),
-                c.init_weights_update_group(group),
+                a.init_weights_update_group(group),
             )
             names = sorted(sd1)
             meta = DistributedWeightsMeta(names, ["float32"] * len(names), [list(sd1[n].shape) for n in names],
@@ -128,18 +131,18 @@ def test_update_from_distributed_gloo_two_servers(tiny_model, new_weights, serve
                 for n in names:
                     dist.broadcast(sd1[n].contiguous(), src=0, group=pg)
 
-            await c.pause("abort")
-            await c.begin_weight_update()
-            await asyncio.gather(c.update_weights_from_distributed(meta), asyncio.to_thread(broadcast))
-            await c.end_weight_update()
-            await c.continue_generation()
-            got = await c.get_weights_by_name("model.layers.1.mlp.down_proj.weight", truncate_size=3)
+            await a.pause("abort")
+            await a.begin_weight_update()
+            await asyncio.gather(a.update_weights_from_distributed(meta), asyncio.to_thread(broadcast))
+            await a.end_weight_update()
+            await a.continue_generation()
+            got = await a.get_weights_by_name("model.layers.1.mlp.down_proj.weight", truncate_size=3)
             for rows in got.values():
                 assert torch.allclose(torch.tensor(rows), sd1["model.layers.1.mlp.down_proj.weight"][:3])
-            infos = await c.get_model_info()
+            infos = await a.get_model_info()
             assert {i["weight_version"] for i in infos.values()} == {"7"}
             await _generate_and_check(c, new_path, sd1, 7)
-            await c.destroy_weights_update_group("wug")
+            await a.destroy_weights_update_group("wug")
             destroy_weight_update_group(pg)
 
     asyncio.run(main())
@@ -150,28 +153,28 @@ def test_update_from_disk_and_tensor_and_bad_updates(tiny_model, new_weights, se
     srv = servers[0]
 
     async def main():
-        async with RolloutClient([srv.url], api_key=API_KEY) as c:
+        async with RolloutClient([srv.url], api_key=API_KEY) as c, AdminClient([srv.url], api_key=API_KEY) as a:
             await _generate_and_check(c, old_path, sd0, 0)
-            await c.update_weights_from_disk(DiskWeightsUpdate(new_path, weight_version="1"))
+            await a.update_weights_from_disk(DiskWeightsUpdate(new_path, weight_version="1"))
             await _generate_and_check(c, new_path, sd1, 1)
-            await c.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(sd0)], weight_version="2"))
+            await a.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(sd0)], weight_version="2"))
             await _generate_and_check(c, old_path, sd0, 2)
             # partial update by tensor: one parameter only
             one = {"model.norm.weight": sd1["model.norm.weight"]}
-            await c.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(one)]))
-            got = await c.get_weights_by_name("model.norm.weight")
+            await a.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(one)]))
+            got = await a.get_weights_by_name("model.norm.weight")
             assert torch.allclose(torch.tensor(next(iter(got.values()))), sd1["model.norm.weight"])
-            await c.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(sd0)]))
+            await a.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(sd0)]))
             # bad updates fail loudly and change nothing
             bad = {"model.norm.weight": torch.zeros(3)}
             with pytest.raises(AdminError, match=srv.url):
-                await c.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(bad)]))
+                await a.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(bad)]))
             with pytest.raises(AdminError, match="unknown parameter"):
-                await c.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors({"x.weight": torch.zeros(2)})]))
+                await a.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors({"x.weight": torch.zeros(2)})]))
             with pytest.raises(AdminError, match="cannot read"):
-                await c.update_weights_from_disk(DiskWeightsUpdate("/nonexistent/dir"))
+                await a.update_weights_from_disk(DiskWeightsUpdate("/nonexistent/dir"))
             with pytest.raises(AdminError, match="no weight update group"):
-                await c.update_weights_from_distributed(DistributedWeightsMeta(["model.norm.weight"], ["float32"], [[64]]))
+                await a.update_weights_from_distributed(DistributedWeightsMeta(["model.norm.weight"], ["float32"], [[64]]))
             await _generate_and_check(c, old_path, sd0, 2)
 
     asyncio.run(main())

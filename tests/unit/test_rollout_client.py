@@ -1,5 +1,6 @@
-"""RolloutClient against in-process fake SGLang servers (SGLang-shaped JSON, no per-token
-versions): resubmission after abort, version stamping, retries, dead servers, admin errors."""
+"""RolloutClient (generation) and AdminClient against in-process fake SGLang servers
+(SGLang-shaped JSON, no per-token versions): resubmission after abort, version stamping, retries,
+dead servers, admin errors, the gate."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import pytest
 from aiohttp import web
 
+from megarl.rollout.admin import AdminClient
 from megarl.rollout.client import AdminError, RolloutClient, ServerRequestError
 from megarl.rollout.types import DiskWeightsUpdate, ModelRequest, SamplingParams
 
@@ -88,12 +90,15 @@ def test_5xx_retries_elsewhere_dead_server_readmitted_only_when_current():
 
     async def main():
         bad, ok = await Fake(flaky).start(), await Fake(good).start()
+        pushed = {"version": 0}  # the trainer's policy version (RolloutCluster.version)
         async with RolloutClient([bad.url, ok.url], dead_after=2, health_interval=0.05,
-                                 backoff_base=0.001) as c:
+                                 backoff_base=0.001, version_fn=lambda: pushed["version"]) as c:
             rs = await asyncio.gather(*(c.agenerate(ModelRequest([1])) for _ in range(6)))
             assert all(r.output_tokens == [7] and r.stop_matched == 7 for r in rs)
             assert not c.servers[0].alive and c.stats["retries"] >= 2
-            await c.update_weights_from_disk(DiskWeightsUpdate("/x", weight_version="3"))  # live ones only
+            async with AdminClient([ok.url]) as admin:  # the push reaches the live one only
+                await admin.update_weights_from_disk(DiskWeightsUpdate("/x", weight_version="3"))
+            pushed["version"] = 3
             await asyncio.sleep(0.3)
             assert not c.servers[0].alive  # healthy but still on version 0
             bad.version = "3"
@@ -124,14 +129,16 @@ def test_admin_failure_names_the_server_and_pause_gates_new_segments():
     async def main():
         a, b = await Fake(good).start(), await Fake(good).start()
         b.fail_suffix = b.url[-6:]
-        async with RolloutClient([a.url, b.url]) as c:
+        async with RolloutClient([a.url, b.url]) as c, AdminClient([a.url, b.url]) as admin:
+            c.hold()
             with pytest.raises(AdminError, match=b.url) as e:
-                await c.pause("abort")
+                await admin.pause("abort")
             assert list(e.value.failures) == [b.url]
             task = asyncio.create_task(c.agenerate(ModelRequest([1])))
             await asyncio.sleep(0.1)
             assert not task.done() and not a.calls and not b.calls  # gated while paused
-            await c.continue_generation()
+            await admin.continue_generation()
+            c.release()
             assert (await task).output_tokens == [7]
         for f in (a, b):
             await f.runner.cleanup()

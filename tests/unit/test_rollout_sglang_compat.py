@@ -31,8 +31,7 @@ def _globals(payload: bytes) -> set[tuple[str, str]]:
 
 
 def test_token_versions_from_sglang_spans_and_megarl_lists():
-    c = RolloutClient(["127.0.0.1:1"])
-    c.set_version(5)
+    c = RolloutClient(["127.0.0.1:1"], version_fn=lambda: 5)
     spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
     assert c._token_versions({"weight_versions": spans, "weight_version": "4"}, 5) == [3, 3, 4, 4, 4]
     one = [{"version": "default", "start": 0, "end": 1}]  # a single span the size of the output

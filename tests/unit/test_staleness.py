@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from megarl.data.datasets import PromptSample
+from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController
 from megarl.rollout.staleness import EpisodeState, StalenessManager
 from megarl.rollout.types import Trajectory
@@ -81,7 +82,10 @@ def make_controller(workflow, **kw):
     data = [PromptSample(i, f"p{i}", {}, [1]) for i in range(30)]
     defaults = dict(batch_groups=3, max_staleness=1, max_concurrent=4, seed=0)
     defaults.update(kw)
-    return RolloutController(data, workflow, ["http://127.0.0.1:9"], **defaults)
+    cluster = RolloutCluster([], driver=False)  # holds the version only: no server to admin
+    controller = RolloutController(data, workflow, ["http://127.0.0.1:9"], cluster, **defaults)
+    cluster.subscribe(controller)
+    return controller
 
 
 def test_controller_respects_staleness_and_concurrency():
@@ -96,7 +100,7 @@ def test_controller_respects_staleness_and_concurrency():
         time.sleep(0.2)
         s = c.staleness.stats()
         assert s.accepted + s.running <= 6 and wf.max_running <= 4
-        c.set_version(1)
+        c.versions.commit(1)  # what a weight push ends with
         batch2 = c.next_batch(3, timeout_s=10)
         assert len(batch2) == 6 and not {t.group_id for t in batch} & {t.group_id for t in batch2}
         time.sleep(0.2)

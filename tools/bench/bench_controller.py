@@ -18,6 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from megarl.data.datasets import PromptSample  # noqa: E402
+from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController  # noqa: E402
 from megarl.rollout.types import Trajectory  # noqa: E402
 
@@ -36,14 +37,16 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"))
     args = ap.parse_args()
     data = [PromptSample(i, "p", {}, [1]) for i in range(1000)]
-    c = RolloutController(data, NullWorkflow(), ["http://127.0.0.1:9"], batch_groups=args.batch,
+    cluster = RolloutCluster([], driver=False)  # the version clock only: no server behind it
+    c = RolloutController(data, NullWorkflow(), ["http://127.0.0.1:9"], cluster, batch_groups=args.batch,
                           max_staleness=args.staleness, max_concurrent=args.concurrency)
+    cluster.subscribe(c)
     c.start()
     steps = args.episodes // args.batch
     t0 = time.perf_counter()
     for v in range(steps):
         c.next_batch(args.batch, timeout_s=60)
-        c.set_version(v + 1)
+        cluster.commit(v + 1)  # what a weight push ends with
     dt = time.perf_counter() - t0
     c.stop()
     rate = steps * args.batch / dt

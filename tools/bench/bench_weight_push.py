@@ -89,6 +89,7 @@ def worker(args):
     from megarl import compat, parallel
     from megarl.config import load_config
     from megarl.trainer.engine import Engine
+    from megarl.rollout.cluster import RolloutCluster
     from megarl.weights.push import WeightPusher
 
     compat.quiet_megatron_warnings()
@@ -99,7 +100,7 @@ def worker(args):
                              "weights.timeout_s=300"])
     ps = parallel.init_model_parallel(args.tp, 1)
     engine = Engine.build(cfg, ps, trainable=False)
-    pusher = WeightPusher(cfg, engine)
+    pusher = WeightPusher(cfg, engine, RolloutCluster.from_config(cfg, [server], driver=ps.rank == 0))
     pusher.push()  # warm-up: groups, first allocation
     push_s, raw_s, extra, metrics = [], [], [], None
     sizes = [sum(s.nbytes(pusher.resharder.serving_dtype) for s in b) for b in pusher.resharder.stage_plan(0)]

@@ -1,0 +1,155 @@
+"""Admin access to the rollout servers: pause/continue, cache, weight updates, model info.
+
+`AdminClient` is asyncio (one call goes to every target server at once, each with a deadline;
+any failure raises `AdminError` naming each failed address). `AdminRunner` wraps one in a private
+event loop on a daemon thread so the synchronous trainer ranks can call it with a deadline, or
+get a future for calls that must overlap a collective (a weight broadcast).
+
+Who calls what: the trainer's `RolloutCluster` runs the pause/flush/version/continue protocol
+once per push; the weight transports announce buckets; nothing on the generation path uses it.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any, Awaitable, Callable, Collection, Optional
+
+from megarl.rollout.http import AdminError, HttpClient, Server, ServerRequestError, Transient
+from megarl.rollout.types import (DiskWeightsUpdate, DistributedWeightsMeta, PauseMode, PauseRequest,
+                                  TensorWeightsUpdate, WeightsUpdateGroup)
+
+
+class AdminClient(HttpClient):
+    """One method per SGLang admin endpoint; every call targets all servers of this client."""
+
+    def __init__(self, addresses: list[str], api_key: Optional[str] = None, *,
+                 timeout: float = 60.0, weight_timeout: float = 600.0, connect_timeout: float = 5.0):
+        super().__init__(addresses, api_key, connect_timeout)
+        self.timeout, self.weight_timeout = timeout, weight_timeout
+
+    async def _admin(self, path: str, body: Any = None, *, method: str = "POST",
+                     timeout: Optional[float] = None, bodies: Optional[dict] = None,
+                     skip: Collection[str] = ()) -> dict[str, Any]:
+        """``path`` on every server (but ``skip``) concurrently; {address: reply}, or AdminError
+        naming each server that failed (also a 200 reply saying ``success: false``)."""
+        tmo = timeout or self.timeout
+        targets = [s for s in self.servers if s.address not in skip]
+
+        async def one(s: Server):
+            return await self._call(s, method, path, bodies[s.address] if bodies else body, tmo)
+
+        results = await asyncio.gather(*(one(s) for s in targets), return_exceptions=True)
+        out, failures = {}, {}
+        for s, r in zip(targets, results):
+            if isinstance(r, BaseException):
+                failures[s.address] = f"{type(r).__name__}: {r}"
+            elif isinstance(r, dict) and r.get("success") is False:
+                failures[s.address] = str(r.get("message"))
+            else:
+                out[s.address] = r
+        if failures:
+            raise AdminError(path, failures)
+        return out
+
+    async def pause(self, mode: PauseMode = "abort") -> dict:
+        return await self._admin("/pause_generation", PauseRequest(mode).to_json())
+
+    async def continue_generation(self, skip: Collection[str] = ()) -> dict:
+        return await self._admin("/continue_generation", {}, skip=skip)
+
+    async def flush_cache(self) -> dict:
+        return await self._admin("/flush_cache", {})
+
+    async def abort_all(self) -> dict:
+        return await self._admin("/abort_request", {"rid": "", "abort_all": True})
+
+    async def begin_weight_update(self) -> dict:
+        return await self._admin("/begin_weight_update", {})
+
+    async def end_weight_update(self) -> dict:
+        return await self._admin("/end_weight_update", {})
+
+    async def update_weight_version(self, version: str) -> dict:
+        """Servers flip their reported ``weight_version`` at once (after every bucket landed)."""
+        return await self._admin("/update_weight_version", {"new_version": str(version)})
+
+    async def init_weights_update_group(self, group: WeightsUpdateGroup,
+                                        rank_offsets: Optional[list[int]] = None) -> dict:
+        """Every server joins; server i gets rank_offsets[i] (default 1 + i; the trainer is 0)."""
+        offs = rank_offsets or [1 + s.index for s in self.servers]
+        bodies = {s.address: {**group.to_json(), "rank_offset": o} for s, o in zip(self.servers, offs)}
+        return await self._admin("/init_weights_update_group", bodies=bodies, timeout=self.weight_timeout)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return await self._admin("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(self, meta: DistributedWeightsMeta) -> dict:
+        """Announce one bucket; the trainer must broadcast it concurrently (src=0)."""
+        return await self._admin("/update_weights_from_distributed", meta.to_json(), timeout=self.weight_timeout)
+
+    async def update_weights_from_disk(self, update: DiskWeightsUpdate) -> dict:
+        return await self._admin("/update_weights_from_disk", update.to_json(), timeout=self.weight_timeout)
+
+    async def update_weights_from_tensor(self, update: TensorWeightsUpdate) -> dict:
+        return await self._admin("/update_weights_from_tensor", update.to_json(), timeout=self.weight_timeout)
+
+    async def get_model_info(self) -> dict[str, dict]:
+        return await self._admin("/model_info", method="GET")
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict[str, list]:
+        return await self._admin("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
+    async def health(self) -> dict[str, bool]:
+        """{address: /health answered 200} (never raises)."""
+        async def one(s):
+            try:
+                await self._call(s, "GET", "/health", None, self.timeout)
+                return True
+            except (Transient, ServerRequestError):
+                return False
+
+        return {s.address: ok for s, ok in zip(self.servers, await asyncio.gather(*(one(s) for s in self.servers)))}
+
+
+class AdminRunner:
+    """A synchronous `AdminClient` for trainer ranks: a private loop on a daemon thread."""
+
+    def __init__(self, addresses: list[str], api_key: Optional[str] = None, timeout_s: float = 60.0):
+        self.timeout_s = timeout_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="megarl-admin", daemon=True)
+        self._thread.start()
+        self.client: AdminClient = self._wait(self._make(addresses, api_key), timeout_s)
+
+    async def _make(self, addresses, api_key) -> AdminClient:
+        return AdminClient(addresses, api_key, timeout=self.timeout_s, weight_timeout=self.timeout_s)
+
+    def _wait(self, coro: Awaitable, timeout: Optional[float]) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"admin call did not finish within {timeout:.0f} s") from None
+
+    def call(self, fn: Callable[[AdminClient], Awaitable], timeout: Optional[float] = None) -> Any:
+        """Runs ``fn(client)`` on the admin loop and waits for it. The client's own per-server
+        deadline (``timeout_s``) fires first, so its error names the server; the extra second
+        here only guards against a stuck loop."""
+        return self._wait(fn(self.client), (timeout or self.timeout_s) + 1.0)
+
+    def submit(self, fn: Callable[[AdminClient], Awaitable]) -> concurrent.futures.Future:
+        """Starts ``fn(client)`` and returns at once (for calls that overlap a broadcast)."""
+        return asyncio.run_coroutine_threadsafe(fn(self.client), self._loop)
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.client.addresses
+
+    def close(self) -> None:
+        try:
+            self._wait(self.client.close(), 10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)

@@ -1,0 +1,140 @@
+"""The trainer's one owner of the rollout side: the server set, the admin connection, the policy
+version, and the HTTP half of the weight-update protocol.
+
+    trainer rank 0                                   rollout servers
+    RolloutCluster ──── AdminRunner ────────────────▶ /pause_generation, /flush_cache, ...
+      │ version (the ONLY policy-version counter)
+      │ listeners: the RolloutController (hold / release / on_version)
+      ▼
+    WeightPusher.push() (collective): pause_for_update -> buckets -> publish -> commit -> resume
+
+Every trainer rank builds one, so the version advances in lockstep inside the collective push
+(`commit` runs on every rank after the ranks agreed the push succeeded); only the driver (global
+rank 0) holds the admin connection and talks to servers. The controller, the pusher, the actor and
+the checkpoint all read the version here, so there is nothing to keep in sync.
+
+A push runs the protocol exactly once: the listeners' gates close first (so requests the servers
+abort wait instead of racing the update), then one ``/pause_generation`` and one
+``/continue_generation`` per server.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Protocol
+
+from megarl.rollout.admin import AdminRunner
+from megarl.rollout.http import AdminError, normalize_address
+from megarl.rollout.types import PauseMode
+
+log = logging.getLogger("megarl.cluster")
+
+
+class ClusterListener(Protocol):
+    """Who generates against the servers (the rollout controller)."""
+
+    def hold(self) -> None: ...  # stop sending new segments (blocks until the gate is closed)
+
+    def release(self) -> None: ...  # send again
+
+    def on_version(self, version: int) -> None: ...  # the servers now hold this version
+
+
+class RolloutCluster:
+    def __init__(self, addresses: list[str], *, driver: bool, api_key: Optional[str] = None,
+                 timeout_s: float = 60.0, pause_mode: PauseMode = "abort", version: int = 0):
+        self.addresses = [normalize_address(a) for a in addresses]
+        self.driver, self.api_key, self.timeout_s, self.pause_mode = driver, api_key, timeout_s, pause_mode
+        self.version = int(version)
+        self.listeners: list[ClusterListener] = []
+        self.admin: Optional[AdminRunner] = None
+        if driver and self.addresses:
+            self.admin = AdminRunner(self.addresses, api_key, timeout_s)
+        self.counters = {"pauses": 0, "continues": 0}
+        self.unresponsive: set[str] = set()  # failed the last pause: not waited on again
+
+    @classmethod
+    def from_config(cls, cfg, addresses: list[str], driver: bool) -> "RolloutCluster":
+        """From ``rollout.api_key``, ``weights.timeout_s`` and ``weights.pause_mode``."""
+        return cls(addresses, driver=driver, api_key=cfg.rollout.api_key or None,
+                   timeout_s=cfg.weights.timeout_s, pause_mode=cfg.weights.pause_mode)
+
+    # ------------------------------------------------------------------ the version
+    def get_version(self) -> int:
+        """`VersionProvider` for the staleness manager and the client's version stamps."""
+        return self.version
+
+    def commit(self, version: int) -> None:
+        """The servers hold ``version`` (called on every rank once the push succeeded)."""
+        self.version = int(version)
+        for listener in self.listeners:
+            listener.on_version(self.version)
+
+    def subscribe(self, listener: ClusterListener) -> None:
+        self.listeners.append(listener)
+
+    # ------------------------------------------------------------------ the server set
+    def add_server(self, address: str) -> None:
+        """A (re)joining server; the caller pushes the current weights to it before it gets
+        work (see `WeightPusher.add_server`)."""
+        address = normalize_address(address)
+        if address not in self.addresses:
+            self.addresses.append(address)
+            self._reconnect()
+
+    def remove_server(self, address: str) -> None:
+        address = normalize_address(address)
+        if address in self.addresses:
+            self.addresses.remove(address)
+            self._reconnect()
+
+    def _reconnect(self) -> None:
+        if self.driver:
+            if self.admin is not None:
+                self.admin.close()
+            self.admin = AdminRunner(self.addresses, self.api_key, self.timeout_s) if self.addresses else None
+
+    # ------------------------------------------------------------------ push protocol (driver)
+    def pause_for_update(self) -> None:
+        """Steps 1-3 of a push: gates closed, ``/pause_generation`` {mode}, ``/flush_cache``
+        (cached prefixes were computed by the old weights), ``/begin_weight_update``."""
+        for listener in self.listeners:
+            listener.hold()
+        self.counters["pauses"] += 1
+        self.unresponsive = set()
+        try:
+            self.admin.call(lambda c: c.pause(self.pause_mode))
+        except AdminError as e:
+            self.unresponsive = set(e.failures)  # a hung server would stall resume() as well
+            raise
+        self.admin.call(lambda c: c.flush_cache())
+        self.admin.call(lambda c: c.begin_weight_update())
+
+    def publish(self, version: int) -> None:
+        """After every bucket landed: servers flip to ``version`` at once, then close the update."""
+        self.admin.call(lambda c: c.update_weight_version(str(version)))
+        self.admin.call(lambda c: c.end_weight_update())
+
+    def resume(self) -> None:
+        """``/continue_generation`` and open the gates; runs even after a failed push so that one
+        dead server never keeps the others paused."""
+        try:
+            if self.admin is not None:
+                self.counters["continues"] += 1
+                self.admin.call(lambda c: c.continue_generation(skip=self.unresponsive))
+        except Exception as e:  # noqa: BLE001 - reported; the push's own error is the one raised
+            log.warning("continue_generation: %s", e)
+        finally:
+            for listener in self.listeners:
+                listener.release()
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict:
+        return {"version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.version = int(state["version"])
+
+    def close(self) -> None:
+        if self.admin is not None:
+            self.admin.close()
+            self.admin = None
