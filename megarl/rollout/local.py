@@ -6,17 +6,12 @@ servers die with the trainer (killed on exit, and on SIGTERM through the parent'
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from megarl.net import LOOPBACK, free_port, http_url
 
 
 def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0
@@ -27,7 +22,7 @@ def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
                              "--port", str(port), *map(str, extra)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    url = http_url(LOOPBACK, port)
     deadline = time.time() + ready_timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:

@@ -20,10 +20,9 @@ from typing import Literal, Optional
 
 import torch
 
-from megarl.rollout.types import TensorWeightsUpdate
+from megarl.rollout.types import SAFETENSORS_B64, TensorWeightsUpdate
 
 WireFormat = Literal["megarl", "sglang"]
-SAFETENSORS_B64 = "safetensors_b64"
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:

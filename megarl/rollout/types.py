@@ -16,6 +16,7 @@ from typing import Literal, Optional
 
 StopReason = Literal["stop", "length", "abort", "tool_calls"]
 PauseMode = Literal["abort", "retract", "in_place"]
+SAFETENSORS_B64 = "safetensors_b64"  # megarl's /update_weights_from_tensor load_format (no pickle)
 
 
 @dataclass
@@ -137,7 +138,7 @@ class TensorWeightsUpdate:
     (safetensors for megarl-server, SGLang's format for real SGLang: ``load_format`` None)."""
 
     serialized_named_tensors: list[str]
-    load_format: str = "safetensors_b64"
+    load_format: Optional[str] = SAFETENSORS_B64
     flush_cache: bool = True
     weight_version: Optional[str] = None
 

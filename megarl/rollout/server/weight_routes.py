@@ -21,6 +21,7 @@ import asyncio
 
 from aiohttp import web
 
+from megarl.net import new_process_group
 from megarl.rollout.server import weights as W
 from megarl.rollout.server.app import BadRequest, ServerState, _body, _field, _on_engine, _result
 
@@ -72,7 +73,7 @@ async def init_group(request: web.Request) -> web.Response:
     if name in state.groups:
         return _result(False, f"group {name!r} already exists; destroy it first")
     try:
-        pg = await asyncio.to_thread(W.init_weight_update_group, addr, port, rank, world, name, backend, timeout)
+        pg = await asyncio.to_thread(new_process_group, addr, port, rank, world, name, backend, timeout)
     except Exception as e:  # noqa: BLE001 - rendezvous failures are the caller's to see
         return _result(False, f"init_weights_update_group failed: {type(e).__name__}: {e}")
     state.groups[name] = pg
