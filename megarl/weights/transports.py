@@ -19,10 +19,10 @@ from typing import Optional
 import torch.distributed as dist
 
 from megarl.net import free_port, new_process_group
-from megarl.rollout.tensor_wire import WireFormat, tensor_update
 from megarl.rollout.types import DistributedWeightsMeta, DiskWeightsUpdate, WeightsUpdateGroup
 from megarl.weights.admin import AdminRunner
 from megarl.weights.resharder import Bucket
+from megarl.weights.tensor_wire import WireFormat, tensor_update
 
 
 class PushError(RuntimeError):
@@ -80,7 +80,7 @@ class DistributedTransport:
 
 class TensorTransport:
     """``wire``: "megarl" (safetensors) for megarl-server, "sglang" for real SGLang (see
-    megarl.rollout.tensor_wire)."""
+    megarl.weights.tensor_wire)."""
 
     def __init__(self, admin: AdminRunner, timeout_s: float, wire: WireFormat = "megarl"):
         self.admin, self.timeout_s, self.wire = admin, timeout_s, wire

@@ -30,9 +30,9 @@ from test_rollout_reference import make_tiny_model, reference_logprobs
 
 from megarl.net import new_process_group
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.tensor_wire import tensor_update
 from megarl.rollout.types import (DiskWeightsUpdate, DistributedWeightsMeta, ModelRequest, SamplingParams,
                                   WeightsUpdateGroup)
+from megarl.weights.tensor_wire import tensor_update
 
 KEY = "protocol-key"
 TOL = 2e-5  # fp32 server vs float64 reference, over up to ~600 positions

@@ -12,10 +12,9 @@ import torch.distributed as dist
 from conftest import API_KEY, free_port, http
 from test_rollout_reference import make_tiny_model, reference_logprobs
 
-from megarl.rollout.client import AdminError, RolloutClient
 from megarl.net import new_process_group
+from megarl.rollout.client import AdminError, RolloutClient
 from megarl.rollout.server.weights import destroy_weight_update_group
-from megarl.rollout.tensor_wire import encode_megarl
 from megarl.rollout.types import (
     DiskWeightsUpdate,
     DistributedWeightsMeta,
@@ -24,6 +23,7 @@ from megarl.rollout.types import (
     TensorWeightsUpdate,
     WeightsUpdateGroup,
 )
+from megarl.weights.tensor_wire import encode_megarl
 
 
 @pytest.fixture(scope="module")
