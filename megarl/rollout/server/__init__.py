@@ -7,7 +7,8 @@ It exists so that the whole RL loop (partial rollouts, weight pushes over gloo/d
 and is tested on a CPU-only machine with the same client that drives real SGLang servers.
 Modules: `model` (HF Llama/Mistral/Qwen2/Qwen3 forward + KV cache), `sampling` (batched sampler),
 `engine` (continuous batching thread), `protocol` (/generate JSON), `app` + `weight_routes`
-(HTTP endpoints), `weights` (safetensors dirs, tensor payloads, the weight-update group).
+(HTTP endpoints, both built on `state`), `weights` (safetensors dirs, tensor payloads, broadcast
+receive).
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def build_state(
     seed: Optional[int] = None,
 ):
     """Load config, weights and tokenizer; start the engine thread; return the app state."""
-    from megarl.rollout.server.app import ServerState
     from megarl.rollout.server.engine import Engine
     from megarl.rollout.server.model import CausalLM, ModelConfig
+    from megarl.rollout.server.state import ServerState
     from megarl.rollout.server.weights import parse_dtype, read_hf_dir
 
     cfg = ModelConfig.from_dir(model_dir)
