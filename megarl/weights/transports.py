@@ -3,8 +3,9 @@ stage source ranks (DP=0, TP=0 of each pipeline stage) send anything.
 
 - :class:`DistributedTransport`: a weight-update group per stage source (the source is rank 0,
   server i is rank 1+i), made through the servers' ``/init_weights_update_group`` and
-  :func:`megarl.net.new_process_group` (the servers join with the same function); per bucket, announce names/dtypes/shapes over HTTP and broadcast the tensors.
-  NCCL on GPU, gloo on CPU. Groups are created stage by stage, so sources never deadlock.
+  :func:`megarl.net.new_process_group` (the servers join with the same function); per bucket,
+  announce names/dtypes/shapes over HTTP and broadcast the tensors. NCCL on GPU, gloo on CPU.
+  Groups are created stage by stage, so sources never deadlock.
 - :class:`DiskTransport`: HF safetensors written atomically to a shared directory (one
   subdirectory per version), then every server reloads it (clusters with no common network group).
 - :class:`TensorTransport`: each bucket in the body of an HTTP call (small models, tests), as

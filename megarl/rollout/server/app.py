@@ -1,10 +1,12 @@
-"""aiohttp application of the CPU rollout server: SGLang 0.5.x endpoints over one `Engine`.
+"""aiohttp application of the CPU rollout server: SGLang 0.5.x endpoints over one
+`GenerationEngine`.
 
 Auth: with an API key, every endpoint except ``/health`` and ``/health_generate`` needs
 ``Authorization: Bearer KEY`` (401 otherwise) - like SGLang, generation is protected too.
 Errors: a malformed request is a 400 ``{"object": "error", "message": ..., "code": 400}`` naming the
 field; an unexpected failure is a 500 with the message; neither stops the server.
-Weight updates run on the engine thread (`Engine.call`), so they land between decode steps.
+Weight updates run on the engine thread (`GenerationEngine.call`), so they land between decode
+steps.
 Weight-update endpoints answer ``{"success": bool, "message": str}`` (HTTP 400 when false).
 """
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from megarl.rollout.server.engine import Engine
+from megarl.rollout.server.engine import GenerationEngine
 from megarl.rollout.server.protocol import BadRequest
 
 __all__ = ["BadRequest", "ServerState", "error", "result", "read_body", "body_field", "on_engine"]
@@ -24,7 +24,7 @@ __all__ = ["BadRequest", "ServerState", "error", "result", "read_body", "body_fi
 
 @dataclass
 class ServerState:
-    engine: Engine
+    engine: GenerationEngine
     model_path: str
     tokenizer: Any = None
     tokenizer_path: Optional[str] = None

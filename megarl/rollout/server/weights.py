@@ -4,8 +4,9 @@
   ``model.safetensors.index.json``; HF tensor names, no conversion.
 - `decode_named_tensors`: the payload of ``/update_weights_from_tensor`` (the trainer encodes it
   with ``megarl.weights.tensor_wire``). Each entry of ``serialized_named_tensors`` is base64 text
-  of a safetensors file (``load_format="safetensors_b64"``). Safetensors is a pure data format, so a payload can never
-  execute code; pickled payloads (SGLang's default) are rejected rather than deserialized.
+  of a safetensors file (``load_format="safetensors_b64"``). Safetensors is a pure data format,
+  so a payload can never execute code; pickled payloads (SGLang's default) are rejected rather
+  than deserialized.
 - `receive_broadcast`: one bucket of ``/update_weights_from_distributed`` over the group that
   ``/init_weights_update_group`` joined with `megarl.net.new_process_group` (built like SGLang's
   ``init_custom_process_group``, the same function the trainer hosts it with). The trainer is
