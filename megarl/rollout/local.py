@@ -1,7 +1,8 @@
 """A local rollout cluster: megarl CPU servers as child processes on free loopback ports.
 
-Used when ``rollout.servers`` is empty (the embedded CPU demo) and by tests and benchmarks. The
-servers die with the trainer (killed on exit, and on SIGTERM through the parent's cleanup).
+The one local launcher of megarl-server: used when ``rollout.servers`` is empty (the embedded CPU
+demo), by make_tiny_model's evaluation, and by tests and benchmarks. The servers die with the
+trainer (killed on exit, and on SIGTERM through the parent's cleanup).
 """
 from __future__ import annotations
 
