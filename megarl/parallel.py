@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import compat
+from megarl.net import LOOPBACK, free_port
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def discover_ranks(env: Optional[dict] = None) -> RankInfo:
     elif env.get("SLURM_JOB_NODELIST"):
         addr = expand_nodelist(env["SLURM_JOB_NODELIST"])[0]
     else:
-        addr = "127.0.0.1"
+        addr = LOOPBACK
     port = geti("MASTER_PORT", 29500)
     return RankInfo(rank, world, local, addr, port, source)
 
@@ -92,15 +93,12 @@ def under_launcher(env: Optional[dict] = None) -> bool:
 def relaunch(nproc: int, module: str, argv: list[str]) -> int:
     """Re-executes ``python -m module argv`` under torchrun with ``nproc`` local ranks on a free
     loopback port, so a user never has to know the launcher; returns its exit code."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", module, *argv]
+           "--master_addr", LOOPBACK, "--master_port", str(port), "-m", module, *argv]
     return subprocess.call(cmd)
 
 
@@ -164,11 +162,7 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> RankInfo:
         compat.install_cpu_shim()
     if info.source == "single" and "MASTER_PORT" not in os.environ:
         # one process, no launcher: any free port (two single-rank jobs must not collide)
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            info = RankInfo(0, 1, 0, "127.0.0.1", s.getsockname()[1], "single")
+        info = RankInfo(0, 1, 0, LOOPBACK, free_port(), "single")
     os.environ.setdefault("MASTER_ADDR", info.master_addr)
     os.environ.setdefault("MASTER_PORT", str(info.master_port))
     dist.init_process_group(

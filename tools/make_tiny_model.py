@@ -7,6 +7,7 @@ Writes
     DIR/hf/{config.json,tokenizer.model}           an HF Llama config without weights
     DIR/sft_run/                                   the SFT run (metrics.jsonl, checkpoints)
     DIR/model/                                     the SFT'd model as an HF dir (the RL start point)
+    DIR/eval_server/server0.log                    the CPU rollout server of the accuracy run
 SFT is megarl itself (`python -m megarl.train configs/tiny_sft.yaml ...`, random init); greedy
 accuracy on the held-out prompts is then measured through the CPU rollout server.
 `--skip-sft` stops after the config; `--skip-eval` skips the accuracy run.
@@ -14,6 +15,7 @@ accuracy on the held-out prompts is then measured through the CPU rollout server
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -24,9 +26,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, REPO)
 
-from megarl.data.datasets import read_jsonl  # noqa: E402
-from megarl.data.tasks import evaluate_accuracy, write_addition_corpus  # noqa: E402
-from megarl.data.tokenizer import SentencePieceTokenizer, train_sentencepiece  # noqa: E402
+from megarl.data.datasets import PromptDataset, read_jsonl  # noqa: E402
+from megarl.data.tasks import write_addition_corpus  # noqa: E402
+from megarl.data.tokenizer import SentencePieceTokenizer, load_tokenizer, train_sentencepiece  # noqa: E402
+from megarl.rollout.client import RolloutClient  # noqa: E402
+from megarl.rollout.evaluation import EvalResult, evaluate_samples  # noqa: E402
+from megarl.rollout.local import LocalCluster  # noqa: E402
+from megarl.rollout.rewards import arith_exact_match  # noqa: E402
+from megarl.rollout.types import SamplingParams  # noqa: E402
 
 TASK_CHARS = "0123456789+="
 
@@ -82,6 +89,21 @@ def run_sft(args: argparse.Namespace, out: str) -> None:
     subprocess.run(cmd, check=True, cwd=REPO)
 
 
+def evaluate_model(model_dir: str, prompts_path: str, n: int, max_new_tokens: int, log_dir: str
+                   ) -> EvalResult:
+    """Greedy exact-answer accuracy on the first n prompts, through a local CPU rollout server."""
+    tok = load_tokenizer(model_dir)
+    samples = PromptDataset(prompts_path, tok).samples[:n]
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=[tok.eos_id])
+
+    async def run(urls: list[str]) -> EvalResult:
+        async with RolloutClient(urls) as client:
+            return await evaluate_samples(client, samples, arith_exact_match, sampling, tok)
+
+    with LocalCluster(model_dir, 1, log_dir) as urls:
+        return asyncio.run(run(urls))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output directory")
@@ -128,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     run_sft(args, out)
     print(f"[make_tiny_model] SFT done, model in {out}/model ({time.monotonic() - t0:.1f}s)")
     if not args.skip_eval:
-        acc = evaluate_accuracy(os.path.join(out, "model"), paths["eval_prompts"], n=args.n_eval,
-                                max_new_tokens=args.digits + 3)
+        acc = evaluate_model(os.path.join(out, "model"), paths["eval_prompts"], args.n_eval,
+                             args.digits + 3, os.path.join(out, "eval_server")).accuracy
         print(f"[make_tiny_model] greedy held-out accuracy {acc:.3f} on {args.n_eval} prompts "
               f"({time.monotonic() - t0:.1f}s)")
         with open(os.path.join(out, "sft_eval.json"), "w") as f:

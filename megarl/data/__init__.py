@@ -1,7 +1,8 @@
 """Data: tokenizers, SFT/prompt datasets, a resumable sampler and token-budget batching.
 
-`megarl.data.tasks` (synthetic tasks + evaluation) is imported explicitly; it pulls in the rollout
-reward functions and is kept out of this package's import.
+`megarl.data.tasks` (the synthetic addition task and its corpus) is imported explicitly. Nothing in
+this package imports `megarl.rollout`: rollout (workflows, rewards, evaluation) depends on data,
+never the other way round.
 """
 from megarl.data.datasets import (
     PromptDataset,

@@ -96,30 +96,36 @@ def resolve_spec(spec: str) -> bool:
     return compat.use_transformer_engine()
 
 
-def build_model_chunks(args: ModelArgs, config, use_te: bool) -> list[torch.nn.Module]:
-    """GPTModel chunks for this rank's pipeline stage(s); the caller wraps them in DDP."""
+def gpt_model(args: ModelArgs, config, use_te: bool, vp_stage: Optional[int] = None) -> torch.nn.Module:
+    """One GPTModel chunk of this rank's pipeline stage (virtual stage ``vp_stage`` when
+    interleaving), on the current default device; the one place the HF architecture's RoPE,
+    tying and vocabulary reach Megatron's model."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(args, use_te),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        parallel_output=True,
+        share_embeddings_and_output_weights=args.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(args.rope_theta),
+        rope_scaling=args.rope_scaling_factor is not None,
+        rope_scaling_factor=args.rope_scaling_factor or 8.0,
+        vp_stage=vp_stage,
+    )
+
+
+def build_model_chunks(args: ModelArgs, config, use_te: bool) -> list[torch.nn.Module]:
+    """GPTModel chunks for this rank's pipeline stage(s); the caller wraps them in DDP."""
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp else None
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec(args, use_te),
-            vocab_size=args.vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            parallel_output=True,
-            share_embeddings_and_output_weights=args.tie_word_embeddings,
-            position_embedding_type="rope",
-            rotary_base=int(args.rope_theta),
-            rope_scaling=args.rope_scaling_factor is not None,
-            rope_scaling_factor=args.rope_scaling_factor or 8.0,
-            vp_stage=stage,
-        )
+        model = gpt_model(args, config, use_te, vp_stage if vpp else None)
         if compat.HAVE_CUDA:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

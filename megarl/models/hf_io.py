@@ -20,8 +20,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from megarl.models import transforms as T
-from megarl.models.registry import GATE_UP, QKV, ModelArgs, ParamMap, param_table, te_name
+from megarl.models.layouts import group_by_bytes, hf_to_shard, safetensors_file_names, shards_to_hf
+from megarl.models.registry import ModelArgs, ParamMap, param_table, te_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
@@ -101,26 +101,6 @@ def local_params(chunks: list[torch.nn.Module], args: ModelArgs, use_te: bool = 
             layer, pmap = table[name]
             out.append(LocalParam(ci, local_name, layer, pmap, param))
     return out
-
-
-def hf_to_shard(pmap: ParamMap, tensors: list[torch.Tensor], args: ModelArgs, tp: int, tp_rank: int
-                ) -> torch.Tensor:
-    """Full HF tensor(s) of one table row -> this TP rank's Megatron shard."""
-    if pmap.kind == QKV:
-        fused = T.merge_qkv(*tensors, args.num_heads, args.num_kv_heads)
-        return T.shard(fused, 0, tp, tp_rank)
-    if pmap.kind == GATE_UP:
-        return T.gate_up_to_shard(tensors[0], tensors[1], tp, tp_rank)
-    return T.shard(tensors[0], pmap.tp_dim, tp, tp_rank)
-
-
-def shards_to_hf(pmap: ParamMap, shards: list[torch.Tensor], args: ModelArgs) -> list[torch.Tensor]:
-    """All TP shards of one Megatron parameter -> the full HF tensor(s) of its table row."""
-    if pmap.kind == QKV:
-        return list(T.split_qkv(torch.cat(shards, dim=0), args.num_heads, args.num_kv_heads))
-    if pmap.kind == GATE_UP:
-        return list(T.shards_to_gate_up(shards))
-    return [T.unshard(shards, pmap.tp_dim)]
 
 
 @torch.no_grad()
@@ -223,22 +203,11 @@ def export_hf(chunks, args: ModelArgs, ps, out_dir: str, *, src_hf_dir: str = ""
 def _plan_files(stages: list, max_bytes: int) -> dict[str, str]:
     """(pp_rank, [(hf_names, nbytes)]) lists -> HF name -> file name. Files never span pipeline
     stages (each stage's writer owns its files) and hold at most ``max_bytes`` where possible."""
-    groups: list[list[str]] = []
-    for _, meta in sorted(stages, key=lambda s: s[0]):
-        groups.append([])
-        size = 0
-        for names, nbytes in meta:
-            for n in names:
-                if groups[-1] and size + nbytes > max_bytes:
-                    groups.append([])
-                    size = 0
-                groups[-1].append(n)
-                size += nbytes
-    groups = [g for g in groups if g]
-    if len(groups) == 1:
-        return {n: "model.safetensors" for n in groups[0]}
-    total = len(groups)
-    return {n: f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i, g in enumerate(groups) for n in g}
+    named = [(pp_rank, n, nbytes) for pp_rank, meta in sorted(stages, key=lambda s: s[0])
+             for names, nbytes in meta for n in names]
+    groups = group_by_bytes(named, lambda x: x[2], max_bytes, boundary=lambda x: x[0])
+    files = safetensors_file_names(len(groups))
+    return {n: fname for fname, group in zip(files, groups) for _, n, _ in group}
 
 
 def _write_metadata(out: str, files: dict, args: ModelArgs, src_hf_dir: str, dtype) -> None:

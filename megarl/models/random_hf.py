@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
-from megarl.models.registry import param_table, read_model_args
+from megarl.models.layouts import hf_shapes
+from megarl.models.registry import read_model_args
 
 TINY = {
     "LlamaForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
@@ -40,25 +41,12 @@ def write_random_hf(out_dir: str, config: dict, seed: int = 0, std: float = 0.05
         json.dump(config, f, indent=2)
     args = read_model_args(out_dir)
     g = torch.Generator().manual_seed(seed)
-    q_rows, kv_rows = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    shapes = {
-        "embed_tokens": (args.vocab_size, args.hidden_size), "lm_head": (args.vocab_size, args.hidden_size),
-        "q_proj.weight": (q_rows, args.hidden_size), "k_proj.weight": (kv_rows, args.hidden_size),
-        "v_proj.weight": (kv_rows, args.hidden_size), "q_proj.bias": (q_rows,),
-        "k_proj.bias": (kv_rows,), "v_proj.bias": (kv_rows,),
-        "o_proj": (args.hidden_size, q_rows), "gate_proj": (args.ffn_hidden_size, args.hidden_size),
-        "up_proj": (args.ffn_hidden_size, args.hidden_size), "down_proj": (args.hidden_size, args.ffn_hidden_size),
-        "q_norm": (args.head_dim,), "k_norm": (args.head_dim,), "norm.weight": (args.hidden_size,),
-        "layernorm": (args.hidden_size,),
-    }
     out = {}
-    for layer, pmap in param_table(args):
-        for name in pmap.names(layer)[1]:
-            shape = next(s for key, s in shapes.items() if key in name)
-            if "norm" in name:  # norms near 1 so activations stay in range
-                out[name] = (1.0 + 0.1 * torch.randn(shape, generator=g)).to(dtype)
-            else:
-                out[name] = (std * torch.randn(shape, generator=g)).to(dtype)
+    for name, shape in hf_shapes(args).items():  # table order: the draws depend on it
+        if "norm" in name:  # norms near 1 so activations stay in range
+            out[name] = (1.0 + 0.1 * torch.randn(shape, generator=g)).to(dtype)
+        else:
+            out[name] = (std * torch.randn(shape, generator=g)).to(dtype)
     out.update(tensors or {})
     save_file(out, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir

@@ -1,22 +1,18 @@
 """A local rollout cluster: megarl CPU servers as child processes on free loopback ports.
 
-Used when ``rollout.servers`` is empty (the embedded CPU demo) and by tests and benchmarks. The
-servers die with the trainer (killed on exit, and on SIGTERM through the parent's cleanup).
+The one local launcher of megarl-server: used when ``rollout.servers`` is empty (the embedded CPU
+demo), by make_tiny_model's evaluation, and by tests and benchmarks. The servers die with the
+trainer (killed on exit, and on SIGTERM through the parent's cleanup).
 """
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from megarl.net import LOOPBACK, free_port, http_url
 
 
 def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0
@@ -27,7 +23,7 @@ def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
                              "--port", str(port), *map(str, extra)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    url = http_url(LOOPBACK, port)
     deadline = time.time() + ready_timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:

@@ -16,6 +16,7 @@ from typing import Literal, Optional
 
 StopReason = Literal["stop", "length", "abort", "tool_calls"]
 PauseMode = Literal["abort", "retract", "in_place"]
+SAFETENSORS_B64 = "safetensors_b64"  # megarl's /update_weights_from_tensor load_format (no pickle)
 
 
 @dataclass
@@ -133,11 +134,11 @@ class DistributedWeightsMeta:
 
 @dataclass
 class TensorWeightsUpdate:
-    """/update_weights_from_tensor body; build it with `megarl.rollout.tensor_wire.tensor_update`
+    """/update_weights_from_tensor body; build it with `megarl.weights.tensor_wire.tensor_update`
     (safetensors for megarl-server, SGLang's format for real SGLang: ``load_format`` None)."""
 
     serialized_named_tensors: list[str]
-    load_format: str = "safetensors_b64"
+    load_format: Optional[str] = SAFETENSORS_B64
     flush_cache: bool = True
     weight_version: Optional[str] = None
 

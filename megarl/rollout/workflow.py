@@ -19,6 +19,12 @@ from megarl.rollout.rewards import RewardFn
 from megarl.rollout.types import ModelRequest, SamplingParams, Trajectory
 
 
+def completion_text(tokenizer, tokens: list[int]) -> str:
+    """Generated tokens decoded up to (without) the first EOS: what reward functions see."""
+    eos = tokenizer.eos_id
+    return tokenizer.decode(tokens[: tokens.index(eos)] if eos in tokens else tokens)
+
+
 class RolloutWorkflow(Protocol):
     async def arun_episode(self, client, sample: PromptSample) -> list[Trajectory]: ...
 
@@ -28,14 +34,10 @@ class SingleTurnWorkflow:
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
         self.sampling, self.group_size = sampling, group_size
 
-    def completion_text(self, tokens: list[int]) -> str:
-        eos = self.tokenizer.eos_id
-        return self.tokenizer.decode(tokens[: tokens.index(eos)] if eos in tokens else tokens)
-
     async def arun_episode(self, client, sample: PromptSample) -> list[Trajectory]:
         req = ModelRequest(list(sample.prompt_ids), self.sampling)
         responses = await client.agenerate_n(req, self.group_size)
-        texts = [self.completion_text(r.output_tokens) for r in responses]
+        texts = [completion_text(self.tokenizer, r.output_tokens) for r in responses]
         rewards = await asyncio.to_thread(
             lambda: [float(self.reward_fn(sample.prompt, t, sample.meta)) for t in texts])
         out = []

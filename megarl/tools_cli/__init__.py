@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 import warnings
 from typing import Callable
@@ -48,11 +47,12 @@ def init_ranks(tp: int, pp: int):
     import torch.distributed as dist
 
     from megarl import compat, parallel
+    from megarl.net import LOOPBACK, free_port
 
     compat.quiet_megatron_warnings()
     created = not dist.is_initialized()
     if created and not parallel.under_launcher():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_ADDR", LOOPBACK)
         os.environ["MASTER_PORT"] = str(free_port())
     info = parallel.init_distributed()
     if info.world_size % (tp * pp):
@@ -68,12 +68,6 @@ def finish_ranks(created: bool) -> None:
     parallel.destroy_model_parallel_only()
     if created and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def temp_output_dir(out: str) -> str:

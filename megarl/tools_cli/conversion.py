@@ -22,68 +22,14 @@ from typing import Optional
 
 import torch
 
-from megarl.models import transforms as T
-from megarl.models.registry import GATE_UP, QKV, ModelArgs, ParamMap, param_table, te_name
+from megarl.models.layouts import (full_to_hf, group_by_bytes, hf_shapes, hf_to_full, mcore_key,
+                                   mcore_shapes, safetensors_file_names)
+from megarl.models.registry import ModelArgs, param_table
 from megarl.tools_cli import ToolError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _IGNORED_HF = ("rotary_emb.inv_freq",)
-
-
-# ----------------------------------------------------------------------------- shapes and names
-
-def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor of the architecture -> its shape, from config.json alone."""
-    H, V, F, hd = args.hidden_size, args.vocab_size, args.ffn_hidden_size, args.head_dim
-    q, kv = args.num_heads * hd, args.num_kv_heads * hd
-    by_suffix = {
-        "embed_tokens.weight": (V, H), "lm_head.weight": (V, H), "norm.weight": (H,),
-        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-        "q_proj.weight": (q, H), "k_proj.weight": (kv, H), "v_proj.weight": (kv, H),
-        "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.weight": (H, q),
-        "q_norm.weight": (hd,), "k_norm.weight": (hd,), "gate_proj.weight": (F, H),
-        "up_proj.weight": (F, H), "down_proj.weight": (H, F),
-    }
-    return {name: by_suffix[".".join(name.split(".")[-2:])]
-            for layer, pmap in param_table(args) for name in pmap.names(layer)[1]}
-
-
-def mcore_key(pmap: ParamMap) -> str:
-    """The checkpoint key of a table row (layers stacked, TE-style norm names)."""
-    return te_name(pmap.mcore.replace("{L}.", ""))
-
-
-def mcore_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every model tensor of the Megatron checkpoint -> its global shape."""
-    hf = hf_shapes(args)
-    out = {}
-    for layer, pmap in param_table(args):
-        if layer not in (None, 0):
-            continue
-        names = pmap.names(layer)[1]
-        shape = hf[names[0]]
-        if pmap.kind in (QKV, GATE_UP):
-            shape = (sum(hf[n][0] for n in names), *shape[1:])
-        out[mcore_key(pmap)] = (args.num_layers, *shape) if layer is not None else shape
-    return out
-
-
-def to_mcore(pmap: ParamMap, tensors: list[torch.Tensor], args: ModelArgs) -> torch.Tensor:
-    """HF tensors of one row (one layer) -> the full, unsharded Megatron tensor."""
-    if pmap.kind == QKV:
-        return T.merge_qkv(*tensors, args.num_heads, args.num_kv_heads)
-    if pmap.kind == GATE_UP:
-        return torch.cat(tensors, dim=0)
-    return tensors[0]
-
-
-def to_hf(pmap: ParamMap, full: torch.Tensor, args: ModelArgs) -> list[torch.Tensor]:
-    if pmap.kind == QKV:
-        return list(T.split_qkv(full, args.num_heads, args.num_kv_heads))
-    if pmap.kind == GATE_UP:
-        return [t.contiguous() for t in full.chunk(2, dim=0)]
-    return [full]
 
 
 def _listing(names: list[str], n: int = 6) -> str:
@@ -225,9 +171,6 @@ class Progress:
 
 def _meta_chunks(args: ModelArgs, ps, dtype: torch.dtype) -> list:
     """This rank's GPTModel chunk(s) on the meta device: Megatron's keys and shards, no memory."""
-    from megatron.core import parallel_state as mpu
-    from megatron.core.models.gpt import GPTModel
-
     from megarl.models import builder
 
     config = builder.transformer_config(args, tp=ps.tp, pp=ps.pp)
@@ -235,15 +178,7 @@ def _meta_chunks(args: ModelArgs, ps, dtype: torch.dtype) -> list:
     config.use_cpu_initialization = True  # else Megatron allocates on an explicit CUDA device
     config.params_dtype = dtype
     with torch.device("meta"):
-        model = GPTModel(
-            config=config, transformer_layer_spec=builder.layer_spec(args, use_te=False),
-            vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings,
-            pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
-            parallel_output=True, share_embeddings_and_output_weights=args.tie_word_embeddings,
-            position_embedding_type="rope", rotary_base=int(args.rope_theta),
-            rope_scaling=args.rope_scaling_factor is not None,
-            rope_scaling_factor=args.rope_scaling_factor or 8.0)
-    return [model]
+        return [builder.gpt_model(args, config, use_te=False)]
 
 
 def write_mcore(hf_dir: str, out_dir: str, args: ModelArgs, ps, dtype: torch.dtype) -> None:
@@ -267,7 +202,7 @@ def write_mcore(hf_dir: str, out_dir: str, args: ModelArgs, ps, dtype: torch.dty
         layered = lp.layer is not None
         layer = offsets[0] if layered else None
         if last.get("id") != (key, layer):  # fc1's gate and up halves arrive back to back
-            full = to_mcore(lp.pmap, [ckpt.get(n) for n in lp.pmap.names(layer)[1]], args)
+            full = hf_to_full(lp.pmap, [ckpt.get(n) for n in lp.pmap.names(layer)[1]], args)
             last.update(id=(key, layer), full=full)
         inner_off, inner_size = (offsets[1:], sizes[1:]) if layered else (offsets, sizes)
         piece = last["full"][tuple(slice(o, o + s) for o, s in zip(inner_off, inner_size))]
@@ -284,16 +219,12 @@ def write_mcore(hf_dir: str, out_dir: str, args: ModelArgs, ps, dtype: torch.dty
 def plan_files(args: ModelArgs, dtype: torch.dtype, max_bytes: int) -> list[list[tuple]]:
     """Table rows grouped into output files of at most ``max_bytes`` (a row never splits)."""
     shapes, el = hf_shapes(args), torch.tensor([], dtype=dtype).element_size()
-    files: list[list[tuple]] = [[]]
-    size = 0
-    for layer, pmap in param_table(args):
-        nbytes = sum(el * int(torch.Size(shapes[n]).numel()) for n in pmap.names(layer)[1])
-        if files[-1] and size + nbytes > max_bytes:
-            files.append([])
-            size = 0
-        files[-1].append((layer, pmap))
-        size += nbytes
-    return files
+
+    def nbytes(row: tuple) -> int:
+        layer, pmap = row
+        return sum(el * int(torch.Size(shapes[n]).numel()) for n in pmap.names(layer)[1])
+
+    return group_by_bytes(param_table(args), nbytes, max_bytes)
 
 
 def write_hf(ckpt_dir: str, out_dir: str, args: ModelArgs, dtype: torch.dtype, max_bytes: int) -> None:
@@ -305,8 +236,7 @@ def write_hf(ckpt_dir: str, out_dir: str, args: ModelArgs, dtype: torch.dtype, m
 
     stored = tensor_metadata(ckpt_dir)
     groups = plan_files(args, dtype, max_bytes)
-    names = (["model.safetensors"] if len(groups) == 1 else
-             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    names = safetensors_file_names(len(groups))
     progress = Progress("mcore-to-hf", len(hf_shapes(args)), enabled=True)
     weight_map, total = {}, 0
     for fname, rows in zip(names, groups):
@@ -323,7 +253,7 @@ def write_hf(ckpt_dir: str, out_dir: str, args: ModelArgs, dtype: torch.dtype, m
         tensors = {}
         for i, (layer, pmap) in enumerate(rows):
             full = loaded[i] if layer is None else loaded[i][0]
-            for name, t in zip(pmap.names(layer)[1], to_hf(pmap, full, args)):
+            for name, t in zip(pmap.names(layer)[1], full_to_hf(pmap, full, args)):
                 tensors[name] = t.to(dtype).contiguous()
                 weight_map[name] = fname
                 progress.update(tensors[name].numel() * tensors[name].element_size())

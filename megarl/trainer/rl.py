@@ -73,13 +73,27 @@ def local_share(trajs: list[Trajectory], ps) -> tuple[SequenceBatch, list[float]
 
 
 def evaluate(cfg, servers: list[str]) -> Optional[float]:
+    """Greedy exact-answer accuracy on the first ``rollout.eval_size`` eval prompts (rank 0).
+
+    Runs on this thread's own event loop and client, beside the controller's."""
     if not cfg.data.eval_path:
         return None
-    from megarl.data.tasks import evaluate_accuracy
+    import asyncio
 
-    return evaluate_accuracy(cfg.data.tokenizer_path or cfg.model.hf_path, cfg.data.eval_path,
-                             n=cfg.rollout.eval_size, server_url=servers[0],
-                             max_new_tokens=cfg.rollout.max_new_tokens)
+    from megarl.rollout.client import RolloutClient
+    from megarl.rollout.evaluation import evaluate_samples
+    from megarl.rollout.rewards import arith_exact_match
+
+    tok = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
+    samples = PromptDataset(cfg.data.eval_path, tok).samples[:cfg.rollout.eval_size]
+    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0,
+                              stop_token_ids=[tok.eos_id])
+
+    async def run():
+        async with RolloutClient(servers, cfg.rollout.api_key or None) as client:
+            return await evaluate_samples(client, samples, arith_exact_match, sampling, tok)
+
+    return asyncio.run(run()).accuracy
 
 
 def run_rl(cfg, ps, engine, logger, ckpt) -> None:

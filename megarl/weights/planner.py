@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from megarl.models.registry import GATE_UP, QKV, ModelArgs, ParamMap, param_table
+from megarl.models.layouts import group_by_bytes, hf_shapes
+from megarl.models.registry import ModelArgs, param_table
 
 
 @dataclass(frozen=True)
@@ -44,32 +45,9 @@ def stage_of_layer(layer: int, num_layers: int, pp: int, vpp: Optional[int] = No
     return layer // (num_layers // pp), None
 
 
-def hf_shapes(args: ModelArgs, pmap: ParamMap) -> list[tuple[int, ...]]:
-    """Full HF shapes of one table row's tensors."""
-    h, d = args.hidden_size, args.head_dim
-    q, kv = args.num_heads * d, args.num_kv_heads * d
-    out = []
-    for name in pmap.hf:
-        if pmap.kind == QKV:
-            rows = q if ".q_proj." in name else kv
-            out.append((rows, h) if name.endswith("weight") else (rows,))
-        elif pmap.kind == GATE_UP:
-            out.append((args.ffn_hidden_size, h))
-        elif "embed_tokens" in name or "lm_head" in name:
-            out.append((args.vocab_size, h))
-        elif "o_proj" in name:
-            out.append((h, q))
-        elif "down_proj" in name:
-            out.append((h, args.ffn_hidden_size))
-        elif "q_norm" in name or "k_norm" in name:
-            out.append((d,))
-        else:  # layer norms
-            out.append((h,))
-    return out
-
-
 def plan(args: ModelArgs, pp: int = 1, vpp: Optional[int] = None) -> list[TensorSpec]:
     """Every HF tensor of the model with its serving stage, in the order stages send them."""
+    shapes = hf_shapes(args)
     specs = []
     for layer, pmap in param_table(args):
         if layer is not None:
@@ -79,21 +57,12 @@ def plan(args: ModelArgs, pp: int = 1, vpp: Optional[int] = None) -> list[Tensor
         else:  # final norm, output layer
             stage, vstage = pp - 1, ((vpp - 1) if vpp else None)
         mcore, names = pmap.names(layer)
-        for name, shape in zip(names, hf_shapes(args, pmap)):
-            specs.append(TensorSpec(name, shape, stage, vstage, layer, mcore, pmap.kind, pmap.tp_dim))
+        for name in names:
+            specs.append(TensorSpec(name, shapes[name], stage, vstage, layer, mcore, pmap.kind, pmap.tp_dim))
     return sorted(specs, key=lambda s: (s.stage, s.vp_stage or 0))
 
 
 def bucketize(specs: list[TensorSpec], bucket_bytes: int, dtype: torch.dtype) -> list[list[TensorSpec]]:
     """Consecutive specs grouped so each bucket holds at most ``bucket_bytes`` (a larger tensor
     gets a bucket of its own); buckets never span stages."""
-    buckets: list[list[TensorSpec]] = []
-    size = 0
-    for s in specs:
-        n = s.nbytes(dtype)
-        if not buckets or buckets[-1][-1].stage != s.stage or (buckets[-1] and size + n > bucket_bytes):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(s)
-        size += n
-    return buckets
+    return group_by_bytes(specs, lambda s: s.nbytes(dtype), bucket_bytes, boundary=lambda s: s.stage)

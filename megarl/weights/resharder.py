@@ -15,7 +15,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from megarl.models.hf_io import gather_tp, local_params, shards_to_hf
+from megarl.models.hf_io import gather_tp, local_params
+from megarl.models.layouts import shards_to_hf
 from megarl.weights.planner import TensorSpec, bucketize, plan
 
 

@@ -2,9 +2,10 @@
 stage source ranks (DP=0, TP=0 of each pipeline stage) send anything.
 
 - :class:`DistributedTransport`: a weight-update group per stage source (the source is rank 0,
-  server i is rank 1+i), made through the servers' ``/init_weights_update_group`` and a TCP-store
-  rendezvous; per bucket, announce names/dtypes/shapes over HTTP and broadcast the tensors.
-  NCCL on GPU, gloo on CPU. Groups are created stage by stage, so sources never deadlock.
+  server i is rank 1+i), made through the servers' ``/init_weights_update_group`` and
+  :func:`megarl.net.new_process_group` (the servers join with the same function); per bucket,
+  announce names/dtypes/shapes over HTTP and broadcast the tensors. NCCL on GPU, gloo on CPU.
+  Groups are created stage by stage, so sources never deadlock.
 - :class:`DiskTransport`: HF safetensors written atomically to a shared directory (one
   subdirectory per version), then every server reloads it (clusters with no common network group).
 - :class:`TensorTransport`: each bucket in the body of an HTTP call (small models, tests), as
@@ -14,39 +15,19 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
 
-from megarl.rollout.tensor_wire import WireFormat, tensor_update
+from megarl.net import free_port, new_process_group
 from megarl.rollout.types import DistributedWeightsMeta, DiskWeightsUpdate, WeightsUpdateGroup
 from megarl.rollout.admin import AdminRunner
 from megarl.weights.resharder import Bucket
+from megarl.weights.tensor_wire import WireFormat, tensor_update
 
 
 class PushError(RuntimeError):
     """A push step failed; the message names the step and the server(s)."""
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def new_update_group(addr: str, port: int, rank: int, world: int, name: str, backend: str, timeout_s: float):
-    """A process group outside the trainer's default group, built like SGLang's
-    ``init_custom_process_group``: TCP-store rendezvous, ``PrefixStore(name)``, registered in
-    torch's group table (identity rank map) so collectives accept it."""
-    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
-
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.PrefixStore(name, dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout))
-    pg, _ = _new_process_group_helper(world, rank, [], backend, store, group_name=name, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world)}
-    return pg
 
 
 class DistributedTransport:
@@ -58,13 +39,13 @@ class DistributedTransport:
     def setup(self, stage: int) -> None:
         """Source rank of ``stage``: host a group and have every server join it."""
         self.group_name = f"megarl-weights-pp{stage}"
-        port = _free_port(self.addr)
+        port = free_port(self.addr)
         world = 1 + len(self.admin.addresses)
         spec = WeightsUpdateGroup(self.addr, port, world, self.group_name,
                                   "nccl" if self.backend == "nccl" else "gloo")
         joined = self.admin.submit(lambda c: c.init_weights_update_group(spec))
         try:
-            self.group = new_update_group(self.addr, port, 0, world, self.group_name, spec.backend,
+            self.group = new_process_group(self.addr, port, 0, world, self.group_name, spec.backend,
                                           self.timeout_s)
         except Exception as e:  # noqa: BLE001 - the servers' side says why, if they can
             _finish(joined, self.timeout_s, "init_weights_update_group")
@@ -100,7 +81,7 @@ class DistributedTransport:
 
 class TensorTransport:
     """``wire``: "megarl" (safetensors) for megarl-server, "sglang" for real SGLang (see
-    megarl.rollout.tensor_wire)."""
+    megarl.weights.tensor_wire)."""
 
     def __init__(self, admin: AdminRunner, timeout_s: float, wire: WireFormat = "megarl"):
         self.admin, self.timeout_s, self.wire = admin, timeout_s, wire

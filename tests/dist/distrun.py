@@ -1,18 +1,13 @@
 """Helpers for the torchrun tier: real megatron-core over gloo on CPU, several ranks per test."""
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from megarl.net import free_port  # noqa: F401  (re-exported for the tests)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(script: str, nproc: int, *args, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -4,7 +4,6 @@ subprocesses on free loopback ports (killed at teardown)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,10 @@ sys.path.insert(0, os.path.join(REPO, "tests", "unit"))  # test_rollout_referenc
 
 from test_rollout_reference import make_tiny_model  # noqa: E402
 
+from megarl.net import free_port  # noqa: E402  (tests import it from here)
+
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello rollout",
           "12+34=46", "pack my box with five dozen liquor jugs"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProc:

@@ -28,12 +28,12 @@ import torch.distributed as dist
 from conftest import REPO, ServerProc, free_port, http
 from test_rollout_reference import make_tiny_model, reference_logprobs
 
+from megarl.net import new_process_group
 from megarl.rollout.admin import AdminClient
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.tensor_wire import tensor_update
 from megarl.rollout.types import (DiskWeightsUpdate, DistributedWeightsMeta, ModelRequest, SamplingParams,
                                   WeightsUpdateGroup)
-from megarl.weights.transports import new_update_group
+from megarl.weights.tensor_wire import tensor_update
 
 KEY = "protocol-key"
 TOL = 2e-5  # fp32 server vs float64 reference, over up to ~600 positions
@@ -303,7 +303,7 @@ def test_update_from_distributed_gloo(srv, models):
             port, name = free_port(), f"wug-{srv.kind}"
             spec = WeightsUpdateGroup("127.0.0.1", port, world_size=2, group_name=name, backend="gloo")
             pg, _ = await asyncio.gather(
-                asyncio.to_thread(new_update_group, "127.0.0.1", port, 0, 2, name, "gloo", 60),
+                asyncio.to_thread(new_process_group, "127.0.0.1", port, 0, 2, name, "gloo", 60),
                 a.init_weights_update_group(spec))
             names = sorted(sd)
             meta = DistributedWeightsMeta(names, ["float32"] * len(names), [list(sd[n].shape) for n in names],

@@ -159,7 +159,7 @@ def fake_checkpoint(path, hf_dir, shapes, complete=True, payload=None):
 
 def test_mcore_to_hf_bad_checkpoints(tmp_path, hf, capsys):
     from megarl.models.registry import read_model_args
-    from megarl.tools_cli.conversion import mcore_shapes
+    from megarl.models.layouts import mcore_shapes
 
     out = str(tmp_path / "out")
     back = ["mcore-to-hf", "--out", out, "--ckpt"]

@@ -12,13 +12,10 @@ import torch.distributed as dist
 from conftest import API_KEY, free_port, http
 from test_rollout_reference import make_tiny_model, reference_logprobs
 
+from megarl.net import new_process_group
 from megarl.rollout.admin import AdminClient
 from megarl.rollout.client import AdminError, RolloutClient
-from megarl.rollout.server.weights import (
-    destroy_weight_update_group,
-    encode_named_tensors,
-    init_weight_update_group,
-)
+from megarl.rollout.server.weights import destroy_weight_update_group
 from megarl.rollout.types import (
     DiskWeightsUpdate,
     DistributedWeightsMeta,
@@ -27,6 +24,7 @@ from megarl.rollout.types import (
     TensorWeightsUpdate,
     WeightsUpdateGroup,
 )
+from megarl.weights.tensor_wire import encode_megarl
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +77,7 @@ def test_pause_abort_push_continue_is_a_partial_rollout(tiny_model, new_weights,
     (old_path, sd0), (new_path, sd1) = tiny_model, new_weights
     srv = servers[0]
     push = lambda a: a.update_weights_from_tensor(  # noqa: E731
-        TensorWeightsUpdate([encode_named_tensors(sd1)], weight_version="1"))
+        TensorWeightsUpdate([encode_megarl(sd1)], weight_version="1"))
     resp = run_interrupted(srv.url, push, "abort")
     n = len(resp.output_tokens)
     k = resp.output_versions.count(0)
@@ -120,7 +118,7 @@ def test_update_from_distributed_gloo_two_servers(tiny_model, new_weights, serve
             port = free_port()
             group = WeightsUpdateGroup("127.0.0.1", port, world_size=3, group_name="wug")
             pg, _ = await asyncio.gather(
-                asyncio.to_thread(init_weight_update_group, "127.0.0.1", port, 0, 3, "wug", "gloo", 60),
+                asyncio.to_thread(new_process_group, "127.0.0.1", port, 0, 3, "wug", "gloo", 60),
                 a.init_weights_update_group(group),
             )
             names = sorted(sd1)
@@ -157,20 +155,20 @@ def test_update_from_disk_and_tensor_and_bad_updates(tiny_model, new_weights, se
             await _generate_and_check(c, old_path, sd0, 0)
             await a.update_weights_from_disk(DiskWeightsUpdate(new_path, weight_version="1"))
             await _generate_and_check(c, new_path, sd1, 1)
-            await a.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(sd0)], weight_version="2"))
+            await a.update_weights_from_tensor(TensorWeightsUpdate([encode_megarl(sd0)], weight_version="2"))
             await _generate_and_check(c, old_path, sd0, 2)
             # partial update by tensor: one parameter only
             one = {"model.norm.weight": sd1["model.norm.weight"]}
-            await a.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(one)]))
+            await a.update_weights_from_tensor(TensorWeightsUpdate([encode_megarl(one)]))
             got = await a.get_weights_by_name("model.norm.weight")
             assert torch.allclose(torch.tensor(next(iter(got.values()))), sd1["model.norm.weight"])
-            await a.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(sd0)]))
+            await a.update_weights_from_tensor(TensorWeightsUpdate([encode_megarl(sd0)]))
             # bad updates fail loudly and change nothing
             bad = {"model.norm.weight": torch.zeros(3)}
             with pytest.raises(AdminError, match=srv.url):
-                await a.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors(bad)]))
+                await a.update_weights_from_tensor(TensorWeightsUpdate([encode_megarl(bad)]))
             with pytest.raises(AdminError, match="unknown parameter"):
-                await a.update_weights_from_tensor(TensorWeightsUpdate([encode_named_tensors({"x.weight": torch.zeros(2)})]))
+                await a.update_weights_from_tensor(TensorWeightsUpdate([encode_megarl({"x.weight": torch.zeros(2)})]))
             with pytest.raises(AdminError, match="cannot read"):
                 await a.update_weights_from_disk(DiskWeightsUpdate("/nonexistent/dir"))
             with pytest.raises(AdminError, match="no weight update group"):

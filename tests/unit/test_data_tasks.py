@@ -1,17 +1,15 @@
-"""Addition task: seeded generation, held-out disjointness, make_tiny_model steps (i)-(iii), and
-evaluate_accuracy against a stand-in /generate server."""
+"""Addition task: seeded generation, held-out disjointness, make_tiny_model steps (i)-(iii).
+(Greedy held-out accuracy: tests/unit/test_rollout_evaluation.py.)"""
 import json
 import os
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from megarl.data.datasets import read_jsonl
-from megarl.data.tasks import AdditionTask, evaluate_accuracy, write_addition_corpus
-from megarl.data.tokenizer import load_tokenizer, train_sentencepiece
+from megarl.data.tasks import AdditionTask, write_addition_corpus
+from megarl.data.tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,55 +64,3 @@ def test_make_tiny_model_data_tokenizer_config(tmp_path):
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["tie_word_embeddings"], cfg["torch_dtype"]) == (
         1, 2, False, "float32")
     assert sorted(os.listdir(out / "hf")) == ["config.json", "tokenizer.model"]
-
-
-class _FakeGenerate(BaseHTTPRequestHandler):
-    """Answers "a+b=" correctly when a is even, with "0" otherwise; EOS then junk after it."""
-
-    tok = None
-    requests: list = []
-
-    def log_message(self, *args):
-        pass
-
-    def _reply(self, obj):
-        body = json.dumps(obj).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        self._reply({})
-
-    def do_POST(self):
-        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).requests.append(req)
-        outs = []
-        for ids in req["input_ids"]:
-            a, b = map(int, self.tok.decode(ids).rstrip("=").split("+"))
-            text = str(a + b) if a % 2 == 0 else "0"
-            out_ids = self.tok.encode(text) + [self.tok.eos_id, 4, 4]
-            outs.append({"output_ids": out_ids, "text": text, "meta_info": {"finish_reason": {"type": "stop"}}})
-        self._reply(outs)
-
-
-def test_evaluate_accuracy_through_generate(tmp_path):
-    model_dir = tmp_path / "model"
-    _FakeGenerate.tok = train_sentencepiece(["1+1=2"], str(model_dir), required_chars="0123456789+=")
-    paths = write_addition_corpus(str(tmp_path / "data"), digits=2, n_sft=0, n_rl=0, n_eval=40, seed=0)
-    held = AdditionTask(2, 0).held_out(40)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeGenerate)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        acc = evaluate_accuracy(str(model_dir), paths["eval_prompts"], n=30, server_url=url, batch_size=16)
-    finally:
-        server.shutdown()
-    assert sum(a % 2 == 0 for a, _ in held[:30]) == 15
-    assert acc == pytest.approx(0.5)
-    assert [len(r["input_ids"]) for r in _FakeGenerate.requests] == [16, 14]
-    first = _FakeGenerate.requests[0]
-    assert first["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 8, "stop_token_ids": [2]}
-    assert first["input_ids"][0] == [1, 11, 9, 13, 11, 10, 14]  # bos "86+87="

@@ -1,5 +1,5 @@
-"""Engine (no HTTP): continuous batching gives the same tokens as running alone; pause modes,
-aborts and a failing step behave as documented."""
+"""GenerationEngine (no HTTP): continuous batching gives the same tokens as running alone; pause
+modes, aborts and a failing step behave as documented."""
 
 from __future__ import annotations
 

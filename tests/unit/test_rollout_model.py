@@ -6,12 +6,12 @@ import pytest
 import torch
 from test_rollout_reference import make_tiny_model, reference_logprobs
 
-from megarl.rollout.server.model import CausalLM, KVCache, ModelConfig
+from megarl.rollout.server.model import CausalLM, DecoderConfig, KVCache
 from megarl.rollout.server.weights import read_hf_dir
 
 
 def _load(path, dtype=torch.float32, max_len=256):
-    cfg = ModelConfig.from_dir(str(path))
+    cfg = DecoderConfig.from_dir(str(path))
     m = CausalLM(cfg, dtype, max_len=max_len)
     t = read_hf_dir(str(path))
     assert m.missing(t) == []
@@ -67,7 +67,7 @@ def test_prefill_all_logits_and_bf16(tmp_path):
 
 def test_unsupported_architecture_lists_supported():
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
-        ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
+        DecoderConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
 
 
 def test_weight_update_by_hf_name_writes_fused_views(tmp_path):

@@ -58,3 +58,38 @@ def test_rope_theta_from_transformers5_rope_parameters(tmp_path):
                               "original_max_position_embeddings": 8192}
     args = read_model_args(write_random_hf(str(tmp_path / "b"), cfg))
     assert args.rope_scaling_factor == 8.0 and args.rope_theta == 500000.0
+
+
+def test_layouts_round_trip_every_row_full_and_sharded(tmp_path):
+    """Per table row: HF -> full Megatron -> HF and HF -> TP shards -> HF are identities, and the
+    full tensors have the dist-checkpoint shapes (one layer of a stacked key)."""
+    from megarl.models import layouts as L
+    from megarl.models.random_hf import tiny_config, write_random_hf
+    from megarl.models.registry import param_table
+    from safetensors.torch import load_file
+
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        hf_dir = write_random_hf(str(tmp_path / arch), tiny_config(arch))
+        args, hf = read_model_args(hf_dir), load_file(str(tmp_path / arch / "model.safetensors"))
+        assert {n: tuple(t.shape) for n, t in hf.items()} == L.hf_shapes(args)
+        stacked = L.mcore_shapes(args)
+        for layer, pmap in param_table(args):
+            names = pmap.names(layer)[1]
+            full = L.hf_to_full(pmap, [hf[n] for n in names], args)
+            want = stacked[L.mcore_key(pmap)]
+            assert tuple(full.shape) == (want[1:] if layer is not None else want)
+            assert all(torch.equal(a, hf[n]) for a, n in zip(L.full_to_hf(pmap, full, args), names))
+            shards = [L.hf_to_shard(pmap, [hf[n] for n in names], args, 2, r) for r in range(2)]
+            assert all(torch.equal(a, hf[n]) for a, n in zip(L.shards_to_hf(pmap, shards, args), names))
+
+
+def test_group_by_bytes_caps_and_boundaries():
+    from megarl.models.layouts import group_by_bytes, safetensors_file_names
+
+    items = [("a", 4), ("a", 4), ("a", 9), ("b", 1), ("b", 3), ("b", 4)]
+    groups = group_by_bytes(items, lambda x: x[1], 8, boundary=lambda x: x[0])
+    assert groups == [[("a", 4), ("a", 4)], [("a", 9)], [("b", 1), ("b", 3), ("b", 4)]]
+    assert group_by_bytes(items, lambda x: x[1], 100) == [items]
+    assert safetensors_file_names(1) == ["model.safetensors"]
+    assert safetensors_file_names(2) == ["model-00001-of-00002.safetensors",
+                                         "model-00002-of-00002.safetensors"]

@@ -44,7 +44,7 @@ def main() -> int:
     args = ap.parse_args()
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from megarl.rollout.local import free_port
+    from megarl.net import free_port
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     import transformers
 

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,11 +22,7 @@ import time
 
 import aiohttp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megarl.net import LOOPBACK, free_port, http_url
 
 
 def make_tiny(path: str, vocab: int = 64, hidden: int = 64, layers: int = 2) -> None:
@@ -130,7 +125,7 @@ def main() -> None:
     proc, url = None, args.url
     if url is None:
         port = free_port()
-        url = f"http://127.0.0.1:{port}"
+        url = http_url(LOOPBACK, port)
         cmd = [sys.executable, "-m", "megarl.rollout.server", "--model", model, "--port", str(port),
                "--threads", str(args.threads), "--log-level", "WARNING"]
         t0 = time.perf_counter()

@@ -7,7 +7,8 @@ It exists so that the whole RL loop (partial rollouts, weight pushes over gloo/d
 and is tested on a CPU-only machine with the same client that drives real SGLang servers.
 Modules: `model` (HF Llama/Mistral/Qwen2/Qwen3 forward + KV cache), `sampling` (batched sampler),
 `engine` (continuous batching thread), `protocol` (/generate JSON), `app` + `weight_routes`
-(HTTP endpoints), `weights` (safetensors dirs, tensor payloads, the weight-update group).
+(HTTP endpoints, both built on `state`), `weights` (safetensors dirs, tensor payloads, broadcast
+receive).
 """
 
 from __future__ import annotations
@@ -66,12 +67,12 @@ def build_state(
     seed: Optional[int] = None,
 ):
     """Load config, weights and tokenizer; start the engine thread; return the app state."""
-    from megarl.rollout.server.app import ServerState
-    from megarl.rollout.server.engine import Engine
-    from megarl.rollout.server.model import CausalLM, ModelConfig
+    from megarl.rollout.server.engine import GenerationEngine
+    from megarl.rollout.server.model import CausalLM, DecoderConfig
+    from megarl.rollout.server.state import ServerState
     from megarl.rollout.server.weights import parse_dtype, read_hf_dir
 
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = DecoderConfig.from_dir(model_dir)
     ctx = int(context_length or cfg.max_position_embeddings)
     if cfg.sliding_window and ctx > cfg.sliding_window:
         # No sliding-window attention here: cap the context where full attention is still exact.
@@ -87,6 +88,7 @@ def build_state(
         log.warning("ignoring %d unexpected tensors, e.g. %s", len(unknown), unknown[:3])
     model.load({k: v for k, v in tensors.items() if k not in unknown})
     tok = load_tokenizer_or_none(model_dir)
-    engine = Engine(model, tok, max_running_requests, ctx, max_prefill_tokens, weight_version, seed)
+    engine = GenerationEngine(model, tok, max_running_requests, ctx, max_prefill_tokens, weight_version,
+                              seed)
     engine.start()
     return ServerState(engine, model_dir, tok, model_dir if tok is not None else None, api_key)

@@ -33,6 +33,7 @@ def main(argv=None) -> None:
     import torch
     from aiohttp import web
 
+    from megarl.net import http_url
     from megarl.rollout.server import build_state
     from megarl.rollout.server.app import build_app
 
@@ -48,7 +49,7 @@ def main(argv=None) -> None:
     app = build_app(state)
 
     async def announce(_app):
-        log.info("megarl-server ready on http://%s:%d (model %s, %.1fs)", args.host, args.port,
+        log.info("megarl-server ready on %s (model %s, %.1fs)", http_url(args.host, args.port),
                  args.model, time.perf_counter() - t0)
 
     app.on_startup.append(announce)

@@ -1,10 +1,12 @@
-"""aiohttp application of the CPU rollout server: SGLang 0.5.x endpoints over one `Engine`.
+"""aiohttp application of the CPU rollout server: SGLang 0.5.x endpoints over one
+`GenerationEngine`.
 
 Auth: with an API key, every endpoint except ``/health`` and ``/health_generate`` needs
 ``Authorization: Bearer KEY`` (401 otherwise) - like SGLang, generation is protected too.
 Errors: a malformed request is a 400 ``{"object": "error", "message": ..., "code": 400}`` naming the
 field; an unexpected failure is a 500 with the message; neither stops the server.
-Weight updates run on the engine thread (`Engine.call`), so they land between decode steps.
+Weight updates run on the engine thread (`GenerationEngine.call`), so they land between decode
+steps.
 Weight-update endpoints answer ``{"success": bool, "message": str}`` (HTTP 400 when false).
 """
 
@@ -12,40 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
 
 from aiohttp import web
 
-from megarl.rollout.server.engine import PAUSE_MODES, Engine, Sequence
-from megarl.rollout.server.protocol import BadRequest, build_response, parse_generate
+from megarl.rollout.server import weight_routes
+from megarl.rollout.server.engine import PAUSE_MODES, Sequence
+from megarl.rollout.server.protocol import build_response, parse_generate
 from megarl.rollout.server.sampling import SamplingConfig
+from megarl.rollout.server.state import (BadRequest, ServerState, body_field, error, on_engine, read_body,
+                                         result)
 
 log = logging.getLogger("megarl.server")
 
 OPEN_PATHS = frozenset({"/health", "/health_generate"})
-
-
-@dataclass
-class ServerState:
-    engine: Engine
-    model_path: str
-    tokenizer: Any = None
-    tokenizer_path: Optional[str] = None
-    api_key: Optional[str] = None
-    groups: dict = field(default_factory=dict)  # group_name -> process group
-    started: float = field(default_factory=time.time)
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"object": "error", "message": message, "code": status}, status=status)
-
-
-def _result(ok: bool, message: str = "", **extra) -> web.Response:
-    return web.json_response({"success": ok, "message": message, **extra}, status=200 if ok else 400)
 
 
 @web.middleware
@@ -53,45 +36,18 @@ async def _guard(request: web.Request, handler):
     state: ServerState = request.app["state"]
     if state.api_key and request.path not in OPEN_PATHS:
         if request.headers.get("Authorization", "") != f"Bearer {state.api_key}":
-            return _error(401, "missing or invalid API key (Authorization: Bearer KEY)")
+            return error(401, "missing or invalid API key (Authorization: Bearer KEY)")
     try:
         return await handler(request)
     except web.HTTPException:
         raise
     except BadRequest as e:
-        return _error(400, str(e))
+        return error(400, str(e))
     except asyncio.CancelledError:
         raise
     except Exception as e:  # noqa: BLE001 - keep serving
         log.exception("%s failed", request.path)
-        return _error(500, f"{type(e).__name__}: {e}")
-
-
-async def _body(request: web.Request) -> dict:
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
-
-
-def _field(body: dict, key: str, kind, default=None, required: bool = False):
-    if key not in body or body[key] is None:
-        if required:
-            raise BadRequest(f"{key} is required")
-        return default
-    v = body[key]
-    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-        raise BadRequest(f"{key} must be {getattr(kind, '__name__', kind)}")
-    return v
-
-
-async def _on_engine(state: ServerState, fn):
-    return await asyncio.wrap_future(state.engine.call(fn))
+        return error(500, f"{type(e).__name__}: {e}")
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, seq: Sequence) -> None:
@@ -106,7 +62,7 @@ def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, seq: Sequence
 async def generate(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     eng = state.engine
-    body = await _body(request)
+    body = await read_body(request)
     samples, return_logprob, is_batch = parse_generate(
         body, eng.model.cfg.vocab_size, state.tokenizer, eng.context_length
     )
@@ -189,51 +145,49 @@ async def server_info(request: web.Request) -> web.Response:
 
 # ---- control ------------------------------------------------------------------------------------
 async def flush_cache(request: web.Request) -> web.Response:
-    await _on_engine(request.app["state"], request.app["state"].engine.flush_cache)
+    await on_engine(request.app["state"], request.app["state"].engine.flush_cache)
     return web.Response(text="Cache flushed.\n")
 
 
 async def pause_generation(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    mode = _field(await _body(request), "mode", str, "abort")
+    mode = body_field(await read_body(request), "mode", str, "abort")
     if mode not in PAUSE_MODES:
         raise BadRequest(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
-    n = await _on_engine(state, lambda: state.engine.pause(mode))
-    return _result(True, f"paused ({mode})", num_affected_requests=n)
+    n = await on_engine(state, lambda: state.engine.pause(mode))
+    return result(True, f"paused ({mode})", num_affected_requests=n)
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    await _on_engine(state, state.engine.resume)
-    return _result(True, "continued")
+    await on_engine(state, state.engine.resume)
+    return result(True, "continued")
 
 
 async def abort_request(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    body = await _body(request)
-    rid = _field(body, "rid", str, "")
-    abort_all = _field(body, "abort_all", bool, False)
+    body = await read_body(request)
+    rid = body_field(body, "rid", str, "")
+    abort_all = body_field(body, "abort_all", bool, False)
     if not rid and not abort_all:
         raise BadRequest("rid (or abort_all: true) is required")
-    n = await _on_engine(state, lambda: state.engine.abort(rid, abort_all))
-    return _result(True, f"aborted {n}", num_aborted=n)
+    n = await on_engine(state, lambda: state.engine.abort(rid, abort_all))
+    return result(True, f"aborted {n}", num_aborted=n)
 
 
 async def begin_weight_update(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    await _on_engine(state, lambda: setattr(state.engine, "updating", True))
-    return _result(True, "weight update begun")
+    await on_engine(state, lambda: setattr(state.engine, "updating", True))
+    return result(True, "weight update begun")
 
 
 async def end_weight_update(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    await _on_engine(state, lambda: setattr(state.engine, "updating", False))
-    return _result(True, "weight update ended")
+    await on_engine(state, lambda: setattr(state.engine, "updating", False))
+    return result(True, "weight update ended")
 
 
 def setup_routes(app: web.Application) -> None:
-    from megarl.rollout.server import weight_routes
-
     r = app.router
     r.add_post("/generate", generate)
     r.add_get("/health", health)

@@ -62,7 +62,7 @@ class Sequence:
         return self.prompt + self.out_ids
 
 
-class Engine:
+class GenerationEngine:
     """See module docstring. `start()` launches the thread; all public methods are thread-safe."""
 
     def __init__(

@@ -47,7 +47,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 
 
 @dataclass
-class ModelConfig:
+class DecoderConfig:
     """The fields of an HF config.json that the forward needs."""
 
     architecture: str
@@ -72,7 +72,7 @@ class ModelConfig:
     sliding_window: Optional[int] = None  # attention is exact only up to this many positions
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
+    def from_hf(cls, cfg: dict) -> "DecoderConfig":
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in ARCHITECTURES:
@@ -111,7 +111,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str) -> "ModelConfig":
+    def from_dir(cls, path: str) -> "DecoderConfig":
         with open(os.path.join(path, "config.json")) as f:
             return cls.from_hf(json.load(f))
 
@@ -122,7 +122,7 @@ def _sliding_window(arch: str, cfg: dict) -> Optional[int]:
     return None
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
     """HF default RoPE frequencies, with the 'linear' and 'llama3' scalings."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -158,7 +158,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 class KVCache:
     """Per-layer K/V tensors [slots, kv_heads, capacity, head_dim], grown by doubling."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_slots: int, max_len: int):
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, max_slots: int, max_len: int):
         self.cfg, self.dtype = cfg, dtype
         self.max_slots, self.max_len = max_slots, max_len
         self.slots, self.capacity = 0, 0
@@ -198,7 +198,7 @@ class KVCache:
 class CausalLM:
     """Weights + batched prefill/decode over a `KVCache`. Not thread-safe: one owner thread."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, max_len: int = 4096):
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32, max_len: int = 4096):
         self.cfg, self.dtype = cfg, dtype
         c = cfg
         q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

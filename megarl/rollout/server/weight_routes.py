@@ -21,8 +21,9 @@ import asyncio
 
 from aiohttp import web
 
+from megarl.net import new_process_group
 from megarl.rollout.server import weights as W
-from megarl.rollout.server.app import BadRequest, ServerState, _body, _field, _on_engine, _result
+from megarl.rollout.server.state import BadRequest, ServerState, body_field, on_engine, read_body, result
 
 
 def _version(body: dict):
@@ -51,50 +52,50 @@ async def _update(state: ServerState, tensors: dict, body: dict) -> web.Response
     version = _version(body)
     abort_all = bool(body.get("abort_all_requests", False))
     try:
-        n = await _on_engine(state, _apply(state, tensors, version, abort_all))
+        n = await on_engine(state, _apply(state, tensors, version, abort_all))
     except (KeyError, ValueError) as e:
-        return _result(False, f"weights not loaded: {e}")
-    return _result(True, f"loaded {n} tensors", weight_version=state.engine.weight_version)
+        return result(False, f"weights not loaded: {e}")
+    return result(True, f"loaded {n} tensors", weight_version=state.engine.weight_version)
 
 
 async def init_group(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    body = await _body(request)
-    addr = _field(body, "master_address", str, required=True)
-    port = _field(body, "master_port", int, required=True)
-    rank = _field(body, "rank_offset", int, 1)
-    world = _field(body, "world_size", int, required=True)
-    name = _field(body, "group_name", str, "weight_update_group")
-    backend = _field(body, "backend", str, "gloo")
+    body = await read_body(request)
+    addr = body_field(body, "master_address", str, required=True)
+    port = body_field(body, "master_port", int, required=True)
+    rank = body_field(body, "rank_offset", int, 1)
+    world = body_field(body, "world_size", int, required=True)
+    name = body_field(body, "group_name", str, "weight_update_group")
+    backend = body_field(body, "backend", str, "gloo")
     timeout = float(body.get("timeout", 300))
     if not 0 < rank < world:
         raise BadRequest(f"rank_offset={rank} must be in [1, world_size={world})")
     if name in state.groups:
-        return _result(False, f"group {name!r} already exists; destroy it first")
+        return result(False, f"group {name!r} already exists; destroy it first")
     try:
-        pg = await asyncio.to_thread(W.init_weight_update_group, addr, port, rank, world, name, backend, timeout)
+        pg = await asyncio.to_thread(new_process_group, addr, port, rank, world, name, backend, timeout)
     except Exception as e:  # noqa: BLE001 - rendezvous failures are the caller's to see
-        return _result(False, f"init_weights_update_group failed: {type(e).__name__}: {e}")
+        return result(False, f"init_weights_update_group failed: {type(e).__name__}: {e}")
     state.groups[name] = pg
-    return _result(True, f"joined {name!r} as rank {rank}/{world} ({backend})")
+    return result(True, f"joined {name!r} as rank {rank}/{world} ({backend})")
 
 
 async def destroy_group(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    name = _field(await _body(request), "group_name", str, "weight_update_group")
+    name = body_field(await read_body(request), "group_name", str, "weight_update_group")
     pg = state.groups.pop(name, None)
     if pg is None:
-        return _result(False, f"no group {name!r}")
-    await _on_engine(state, lambda: W.destroy_weight_update_group(pg))
-    return _result(True, f"destroyed {name!r}")
+        return result(False, f"no group {name!r}")
+    await on_engine(state, lambda: W.destroy_weight_update_group(pg))
+    return result(True, f"destroyed {name!r}")
 
 
 async def from_distributed(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    body = await _body(request)
-    names = _field(body, "names", list, required=True)
+    body = await read_body(request)
+    names = body_field(body, "names", list, required=True)
     dtypes = body.get("dtypes", body.get("dtype_names"))
-    shapes = _field(body, "shapes", list, required=True)
+    shapes = body_field(body, "shapes", list, required=True)
     if not isinstance(dtypes, list) or not (len(names) == len(dtypes) == len(shapes)):
         raise BadRequest("names, dtypes and shapes must be lists of equal length")
     try:
@@ -102,28 +103,28 @@ async def from_distributed(request: web.Request) -> web.Response:
             W.parse_dtype(d)
     except ValueError as e:
         raise BadRequest(f"dtypes: {e}") from e
-    name = _field(body, "group_name", str, "weight_update_group")
+    name = body_field(body, "group_name", str, "weight_update_group")
     pg = state.groups.get(name)
     if pg is None:
-        return _result(False, f"no weight update group {name!r}; call /init_weights_update_group")
+        return result(False, f"no weight update group {name!r}; call /init_weights_update_group")
     try:
-        tensors = await _on_engine(state, lambda: W.receive_broadcast(pg, names, dtypes, shapes))
+        tensors = await on_engine(state, lambda: W.receive_broadcast(pg, names, dtypes, shapes))
     except Exception as e:  # noqa: BLE001
-        return _result(False, f"broadcast receive failed: {type(e).__name__}: {e}")
+        return result(False, f"broadcast receive failed: {type(e).__name__}: {e}")
     return await _update(state, tensors, body)
 
 
 async def from_disk(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    body = await _body(request)
-    path = _field(body, "model_path", str, required=True)
+    body = await read_body(request)
+    path = body_field(body, "model_path", str, required=True)
     try:
         tensors = await asyncio.to_thread(W.read_hf_dir, path)
     except (OSError, ValueError) as e:
-        return _result(False, f"cannot read {path}: {e}")
+        return result(False, f"cannot read {path}: {e}")
     missing = state.engine.model.missing(tensors)
     if missing:
-        return _result(False, f"{path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        return result(False, f"{path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     resp = await _update(state, tensors, body)
     if resp.status == 200:
         state.model_path = path
@@ -132,8 +133,8 @@ async def from_disk(request: web.Request) -> web.Response:
 
 async def from_tensor(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    body = await _body(request)
-    entries = _field(body, "serialized_named_tensors", list, required=True)
+    body = await read_body(request)
+    entries = body_field(body, "serialized_named_tensors", list, required=True)
     try:
         tensors = await asyncio.to_thread(W.decode_named_tensors, entries, body.get("load_format"))
     except ValueError as e:
@@ -143,26 +144,26 @@ async def from_tensor(request: web.Request) -> web.Response:
 
 async def get_weights_by_name(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    body = await _body(request)
-    name = _field(body, "name", str, required=True)
-    k = _field(body, "truncate_size", int, 100)
+    body = await read_body(request)
+    name = body_field(body, "name", str, required=True)
+    k = body_field(body, "truncate_size", int, 100)
     model = state.engine.model
     canon = "model.embed_tokens.weight" if name == "lm_head.weight" and model.cfg.tie_word_embeddings else name
     if canon not in model.params:
         raise BadRequest(f"name: unknown parameter {name!r}")
-    t = await _on_engine(state, lambda: model.params[canon][:k].float().clone())
+    t = await on_engine(state, lambda: model.params[canon][:k].float().clone())
     return web.json_response(t.tolist())
 
 
 async def update_weight_version(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    body = await _body(request)
+    body = await read_body(request)
     v = body.get("new_version")
     if not isinstance(v, (str, int)):
         raise BadRequest("new_version must be a string")
     abort_all = bool(body.get("abort_all_requests", False))
-    await _on_engine(state, _apply(state, {}, str(v), abort_all))
-    return _result(True, f"weight_version={v}")
+    await on_engine(state, _apply(state, {}, str(v), abort_all))
+    return result(True, f"weight_version={v}")
 
 
 def setup(r: web.UrlDispatcher) -> None:

@@ -2,16 +2,15 @@
 
 - `read_hf_dir(path)`: ``model.safetensors`` or the shards listed in
   ``model.safetensors.index.json``; HF tensor names, no conversion.
-- `encode_named_tensors` / `decode_named_tensors`: the payload of ``/update_weights_from_tensor``.
-  Each entry of ``serialized_named_tensors`` is base64 text of a safetensors file
-  (``load_format="safetensors_b64"``). Safetensors is a pure data format, so a payload can never
-  execute code; pickled payloads (SGLang's default) are rejected rather than deserialized.
-- `init_weight_update_group`: the process group used by ``/update_weights_from_distributed``.
-  Built the way SGLang's ``init_custom_process_group`` builds it (TCPStore rendezvous at
-  master_address:master_port, ``PrefixStore(group_name)``, a new group through torch's
-  ``_new_process_group_helper``, registered in torch's group table), so one trainer-side helper
-  talks to this server and to a real SGLang server alike. The trainer is rank 0 and broadcasts
-  each announced tensor, in announced order, with ``src=0``.
+- `decode_named_tensors`: the payload of ``/update_weights_from_tensor`` (the trainer encodes it
+  with ``megarl.weights.tensor_wire``). Each entry of ``serialized_named_tensors`` is base64 text
+  of a safetensors file (``load_format="safetensors_b64"``). Safetensors is a pure data format,
+  so a payload can never execute code; pickled payloads (SGLang's default) are rejected rather
+  than deserialized.
+- `receive_broadcast`: one bucket of ``/update_weights_from_distributed`` over the group that
+  ``/init_weights_update_group`` joined with `megarl.net.new_process_group` (built like SGLang's
+  ``init_custom_process_group``, the same function the trainer hosts it with). The trainer is
+  rank 0 and broadcasts each announced tensor, in announced order, with ``src=0``.
 """
 
 from __future__ import annotations
@@ -20,13 +19,12 @@ import base64
 import glob
 import json
 import os
-from datetime import timedelta
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 
-SAFETENSORS_B64 = "safetensors_b64"
+from megarl.rollout.types import SAFETENSORS_B64
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -63,12 +61,6 @@ def read_hf_dir(path: str) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
 
 
-def encode_named_tensors(tensors: dict[str, torch.Tensor]) -> str:
-    """One ``serialized_named_tensors`` entry (base64 safetensors)."""
-    flat = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    return base64.b64encode(save(flat)).decode("ascii")
-
-
 def decode_named_tensors(entries: list, load_format: str | None) -> dict[str, torch.Tensor]:
     if load_format not in (None, SAFETENSORS_B64):
         raise ValueError(f"load_format {load_format!r} not supported; use {SAFETENSORS_B64!r}")
@@ -81,31 +73,6 @@ def decode_named_tensors(entries: list, load_format: str | None) -> dict[str, to
         except Exception as e:  # noqa: BLE001 - report any decode failure as a bad payload
             raise ValueError(f"serialized_named_tensors[{i}] is not base64 safetensors: {e}") from e
     return out
-
-
-def init_weight_update_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    backend: str = "gloo",
-    timeout_s: float = 300.0,
-):
-    """Join (rank > 0) or host (rank 0) a weight-update group; returns the process group."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
-
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout
-    )
-    store = dist.PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(
-        world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
-    )
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
 
 
 def destroy_weight_update_group(pg) -> None:

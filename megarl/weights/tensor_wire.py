@@ -1,5 +1,8 @@
 """Payload encoders for ``/update_weights_from_tensor`` (one ``serialized_named_tensors`` entry).
 
+Trainer side only (the tensor transport); megarl-server decodes with
+``megarl.rollout.server.weights.decode_named_tensors``.
+
 Two wire formats, chosen once per transport:
 
 - ``"megarl"``: base64 safetensors, ``load_format: "safetensors_b64"`` (megarl-server; no code
@@ -20,10 +23,9 @@ from typing import Literal, Optional
 
 import torch
 
-from megarl.rollout.types import TensorWeightsUpdate
+from megarl.rollout.types import SAFETENSORS_B64, TensorWeightsUpdate
 
 WireFormat = Literal["megarl", "sglang"]
-SAFETENSORS_B64 = "safetensors_b64"
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,72 @@
+"""Greedy held-out evaluation (megarl.rollout.evaluation) through the async client against a
+stand-in /generate server: exact-answer accuracy of the addition task, completions cut at EOS."""
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from megarl.data.datasets import PromptDataset
+from megarl.data.tasks import AdditionTask, write_addition_corpus
+from megarl.data.tokenizer import train_sentencepiece
+from megarl.rollout.client import RolloutClient
+from megarl.rollout.evaluation import evaluate_samples
+from megarl.rollout.rewards import arith_exact_match
+from megarl.rollout.types import SamplingParams
+
+
+class _FakeGenerate(BaseHTTPRequestHandler):
+    """Answers "a+b=" correctly when a is even, with "0" otherwise; EOS then junk after it."""
+
+    tok = None
+    requests: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append(req)
+        a, b = map(int, self.tok.decode(req["input_ids"]).rstrip("=").split("+"))
+        text = str(a + b) if a % 2 == 0 else "0"
+        out_ids = self.tok.encode(text) + [self.tok.eos_id, 4, 4]
+        body = json.dumps({"output_ids": out_ids, "text": text, "meta_info": {
+            "finish_reason": {"type": "stop"}, "weight_version": "0",
+            "output_token_logprobs": [[0.0, t, None] for t in out_ids]}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_greedy_accuracy_through_generate(tmp_path):
+    tok = _FakeGenerate.tok = train_sentencepiece(["1+1=2"], str(tmp_path / "model"),
+                                                  required_chars="0123456789+=")
+    paths = write_addition_corpus(str(tmp_path / "data"), digits=2, n_sft=0, n_rl=0, n_eval=40, seed=0)
+    held = AdditionTask(2, 0).held_out(40)
+    samples = PromptDataset(paths["eval_prompts"], tok).samples[:30]
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=[tok.eos_id])
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeGenerate)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    async def run():
+        async with RolloutClient([f"http://127.0.0.1:{server.server_address[1]}"]) as client:
+            return await evaluate_samples(client, samples, arith_exact_match, sampling, tok)
+
+    try:
+        result = asyncio.run(run())
+    finally:
+        server.shutdown()
+    assert sum(a % 2 == 0 for a, _ in held[:30]) == 15
+    assert (result.n, result.accuracy, result.mean_reward) == (30, pytest.approx(0.5), pytest.approx(0.5))
+    assert len(_FakeGenerate.requests) == 30  # one greedy request per sample
+    assert all(r["sampling_params"]["temperature"] == 0.0 and r["sampling_params"]["max_new_tokens"] == 8
+               and r["sampling_params"]["stop_token_ids"] == [2] for r in _FakeGenerate.requests)
+    assert [1, 11, 9, 13, 11, 10, 14] in [r["input_ids"] for r in _FakeGenerate.requests]  # bos "86+87="
+
+
+def test_empty_sample_list_is_an_error():
+    with pytest.raises(ValueError, match="at least one"):
+        asyncio.run(evaluate_samples(None, [], arith_exact_match, SamplingParams(), None))
