@@ -151,10 +151,12 @@ class _WandbSink:
 
 
 class _ConsoleSink:
-    def __init__(self, keys: list[str] | None, max_keys: int = 8):
-        self._keys, self._max_keys = keys, max_keys
+    def __init__(self, keys: list[str] | None, max_keys: int = 8, interval: int = 1):
+        self._keys, self._max_keys, self._interval = keys, max_keys, interval
 
     def write(self, metrics: dict[str, float], step: int) -> None:
+        if step % self._interval and step != 1:
+            return  # logging.log_interval: the console line every N steps (files get every step)
         keys = self._keys if self._keys is not None else list(metrics)[: self._max_keys]
         parts = [f"{k} {metrics[k]:.4g}" for k in keys if k in metrics]
         print(" | ".join([f"step {step}"] + parts), flush=True)
@@ -168,7 +170,8 @@ class MetricsLogger:
 
     Always `RUN_DIR/metrics.jsonl` (one flushed line per step: step, time, metrics); tensorboard
     under RUN_DIR/tensorboard when `tensorboard=True` and it imports; wandb when `wandb_project` is
-    set and wandb imports; a console line with `console_keys` (default: the first 8 metrics).
+    set and wandb imports; a console line with `console_keys` (default: the first 8 metrics) every
+    `console_interval` steps (and at step 1).
     A sink that cannot start is reported once and skipped; the run never fails for a logger.
     """
 
@@ -182,6 +185,7 @@ class MetricsLogger:
         config: dict | None = None,
         console: bool = True,
         console_keys: list[str] | None = None,
+        console_interval: int = 1,
         enabled: bool | None = None,
     ):
         self.run_dir = run_dir
@@ -201,7 +205,7 @@ class MetricsLogger:
             except ImportError as e:
                 print(f"[metrics] {name} logging off: {e}", file=sys.stderr, flush=True)
         if console:
-            self.sinks.append(_ConsoleSink(console_keys))
+            self.sinks.append(_ConsoleSink(console_keys, interval=console_interval))
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.enabled:

@@ -16,6 +16,13 @@ from megarl import compat, parallel
 from megarl.config import ConfigError, load_config, save_config
 
 
+CONSOLE_KEYS = {
+    "sft": ["loss", "grad_norm", "lr", "step_time"],
+    "grpo": ["reward", "eval_accuracy", "loss", "staleness_max", "trainer_idle_ratio",
+             "rollout_idle_ratio", "step_time"],
+}
+
+
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -68,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = CheckpointManager(cfg, ps, engine)
     logger = MetricsLogger(cfg.train.run_dir, tensorboard=cfg.logging.tensorboard,
                            wandb_project=cfg.logging.wandb_project or None,
-                           console_keys=["loss", "grad_norm", "lr", "step_time"])
+                           console_keys=CONSOLE_KEYS[cfg.train.algorithm],
+                           console_interval=cfg.logging.log_interval)
     if cfg.train.algorithm == "sft":
         run_sft(cfg, ps, engine, logger, ckpt)
     else:

@@ -58,6 +58,7 @@ class RolloutClient(HttpClient):
         dead_after: int = 3,
         health_interval: float = 1.0,
         max_idle_aborts: int = 16,
+        timeline=None,
     ):
         super().__init__(addresses, api_key, connect_timeout)
         self.version_fn = version_fn
@@ -70,6 +71,11 @@ class RolloutClient(HttpClient):
         self._active: dict[str, tuple[Server, str]] = {}  # rid -> (server, segment rid)
         self._rr = 0
         self.stats: collections.Counter = collections.Counter()  # segments, retries, resubmits, ...
+        self.timeline = timeline  # optional span recorder (megarl.timeline.Timeline)
+        self._inflight = self._atomic_inflight = 0
+        self._busy_since, self._busy_total = 0.0, 0.0
+        self._drained: Optional[asyncio.Event] = None
+        self._drain_atomic_only = False
 
     # ---- the gate ----------------------------------------------------------------------------------
     def _gate(self) -> asyncio.Event:
@@ -136,7 +142,8 @@ class RolloutClient(HttpClient):
         return min(order, key=lambda s: s.inflight)
 
     # ---- generation ----------------------------------------------------------------------------------
-    async def _segment(self, payload: dict, prefer: Optional[Server], rid: str) -> tuple[Server, dict]:
+    async def _segment(self, payload: dict, prefer: Optional[Server], rid: str,
+                       atomic: bool = False) -> tuple[Server, dict]:
         attempt, avoid = 0, None
         while True:
             srv = self._pick(prefer, avoid)
@@ -148,9 +155,14 @@ class RolloutClient(HttpClient):
                 continue
             srv.inflight += 1
             self._active[rid] = (srv, payload["rid"])
+            self._busy(+1, atomic)
+            t0 = time.time()
             try:
                 res = await self._call(srv, "POST", "/generate", payload, self.request_timeout)
                 self._mark_ok(srv)
+                if self.timeline is not None:
+                    n = len(res.get("output_ids") or []) if isinstance(res, dict) else 0
+                    self.timeline.record("generate", t0, time.time(), lane=srv.address, tokens=n)
                 return srv, res
             except Transient as e:
                 self._mark_failed(srv, str(e))
@@ -162,6 +174,37 @@ class RolloutClient(HttpClient):
                 await asyncio.sleep(self._backoff(attempt - 1))
             finally:
                 srv.inflight -= 1
+                self._busy(-1, atomic)
+
+    def _busy(self, delta: int, atomic: bool) -> None:
+        """Tracks segments in flight: busy time (some segment on some server) for the rollout
+        idle ratio, and the atomic ones `drain` waits for."""
+        now = time.perf_counter()
+        if self._inflight == 0 and delta > 0:
+            self._busy_since = now
+        self._inflight += delta
+        self._atomic_inflight += delta if atomic else 0
+        if self._inflight == 0:
+            self._busy_total += now - self._busy_since
+        left = self._atomic_inflight if self._drain_atomic_only else self._inflight
+        if self._drained is not None and left == 0:
+            self._drained.set()
+
+    def busy_seconds(self) -> float:
+        """Wall seconds during which at least one segment was being generated."""
+        open_s = time.perf_counter() - self._busy_since if self._inflight else 0.0
+        return self._busy_total + open_s
+
+    async def drain(self, atomic_only: bool = False) -> None:
+        """Waits until no segment is in flight (``atomic_only``: no segment of a request marked
+        ``metadata["atomic"]``, e.g. evaluation). Call with the gate held, or new segments start."""
+        def done() -> bool:
+            return (self._atomic_inflight if atomic_only else self._inflight) == 0
+
+        while not done():
+            self._drained, self._drain_atomic_only = asyncio.Event(), atomic_only
+            await self._drained.wait()
+        self._drained = None
 
     def _to_version(self, v: Any) -> int:
         try:
@@ -217,11 +260,12 @@ class RolloutClient(HttpClient):
                     "return_logprob": True,
                     "rid": f"{req.rid}#{resp.num_segments}",
                 }
-                srv, res = await self._segment(payload, prefer, req.rid)
+                srv, res = await self._segment(payload, prefer, req.rid, bool(req.metadata.get("atomic")))
                 prefer, resp.server = srv, srv.address
                 resp.num_segments += 1
                 self.stats["segments"] += 1
                 ids, lps, vers, finish = self._parse(res)
+                self.stats["tokens"] += len(ids)
                 resp.output_tokens += ids
                 resp.output_logprobs += lps
                 resp.output_versions += vers

@@ -1,17 +1,25 @@
 """The rollout controller: runs on global rank 0 in a background thread with its own event loop.
 
-    prompts (ResumableSampler over PromptDataset)
+    prompts: re-issued first (`pending`, restored from a checkpoint), then ResumableSampler
         |  n = staleness.try_start()          (bounded off-policyness + max concurrency)
         v
     executor: asyncio tasks  workflow.arun_episode(client, prompt)  ---> rollout servers
-        |  group of Trajectory  (rejected: failed, or all-equal rewards under dynamic sampling)
+        |  group of Trajectory, or rejected: filtered (named filter) / failed (after retries)
         v
     buffer (FIFO of groups) --------> trainer thread: next_batch(n_groups)  (blocks)
                                          |
-    RolloutCluster (trainer side) <------+   weight push: hold() closes the client's gate so
-      version: the staleness clock           aborted requests wait; on_version(v) widens the
-                                             staleness window; release() lets them resume as
-                                             partial rollouts under the new version.
+    RolloutCluster (trainer side) <------+   weight push: hold() closes the client's gate (and,
+      version: the staleness clock           without partial rollouts, waits for in-flight
+                                             requests to finish under the old weights);
+                                             on_version(v) widens the staleness window;
+                                             release() lets aborted requests resume as partial
+                                             rollouts under the new version.
+
+Every prompt the controller draws ends as exactly one of: trained (handed to the trainer),
+filtered (counted per filter) or failed (the workflow raised ``max_retries + 1`` times; recorded
+with its error). Until then it is *pending*: running, buffered or waiting to be re-issued. A
+checkpoint stores the pending prompt indices, so a restarted run re-issues exactly the prompts
+that were not trained yet - none twice, none lost.
 
 The trainer thread only talks to the controller through these thread-safe methods; every call
 into the event loop goes through ``run_coroutine_threadsafe`` with a deadline. The policy version
@@ -21,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from megarl.data.datasets import PromptDataset, ResumableSampler
@@ -34,19 +44,33 @@ from megarl.rollout.types import Trajectory
 log = logging.getLogger("megarl.controller")
 
 
+@dataclass
+class Group:
+    """One finished episode: the samples of one prompt (draw = which draw of the prompt stream)."""
+
+    draw: int
+    prompt_index: int
+    trajectories: list[Trajectory]
+
+
 class RolloutController:
     def __init__(self, dataset: PromptDataset, workflow, servers: list[str], versions: VersionProvider,
-                 *, batch_groups: int, max_staleness: int, max_concurrent: int, seed: int = 0,
+                 *, batch_groups: int, max_staleness: float, max_concurrent: int, seed: int = 0,
                  api_key: Optional[str] = None, dynamic_sampling: bool = False,
-                 client_kwargs: Optional[dict] = None):
+                 partial_rollout: bool = True, max_retries: int = 2, failed_log: Optional[str] = None,
+                 timeline=None, client_kwargs: Optional[dict] = None):
         self.dataset, self.workflow, self.versions = dataset, workflow, versions
         self.sampler = ResumableSampler(len(dataset), seed=seed)
         self.staleness = StalenessManager(batch_groups, max_staleness, max_concurrent, versions)
-        self.dynamic_sampling = dynamic_sampling
+        self.dynamic_sampling, self.partial_rollout = dynamic_sampling, partial_rollout
+        self.max_retries, self.failed_log, self.timeline = max_retries, failed_log, timeline
         self._servers, self._api_key, self._client_kwargs = servers, api_key, client_kwargs or {}
         self._episode = 0
-        self._consumed = 0
-        self._buffer: collections.deque[list[Trajectory]] = collections.deque()
+        self._draws = 0  # prompts drawn from the sampler so far: draw d is epoch d // n, slot d % n
+        # (draw, prompt index) pairs to (re-)issue before new ones; restored from a checkpoint
+        self._pending: collections.deque[tuple[int, int]] = collections.deque()
+        self._running: dict[int, tuple[int, int]] = {}  # episode id -> (draw, prompt index)
+        self._buffer: collections.deque[Group] = collections.deque()
         self._ready = threading.Condition()
         self._errors: collections.deque[str] = collections.deque(maxlen=5)
         self._loop = asyncio.new_event_loop()
@@ -54,17 +78,21 @@ class RolloutController:
         self._wake: Optional[asyncio.Event] = None
         self._stopping = False
         self.client: Optional[RolloutClient] = None
-        self.counters = collections.Counter()
+        self.counters = collections.Counter()  # trained, filtered/<name>, failed, retries
+        self.trained_groups = 0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        # Buffered and running episodes of a previous run are gone; the count restarts from what
+        # was trained (their prompts are in _pending and will be issued again).
+        self.staleness.rebase(self.trained_groups)
         self._thread = threading.Thread(target=self._loop.run_forever, name="megarl-controller", daemon=True)
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
 
     async def _start(self) -> None:
         self.client = RolloutClient(self._servers, self._api_key, version_fn=self.versions.get_version,
-                                    **self._client_kwargs)
+                                    timeline=self.timeline, **self._client_kwargs)
         self._wake = asyncio.Event()
         self._task = asyncio.ensure_future(self._executor())
 
@@ -88,44 +116,81 @@ class RolloutController:
             self._thread = None
 
     # ------------------------------------------------------------------ executor
+    def _next_prompt(self) -> tuple[int, int]:
+        if self._pending:
+            return self._pending.popleft()
+        self._draws += 1
+        return self._draws - 1, self.sampler.next_index()
+
     async def _executor(self) -> None:
         while not self._stopping:
             for _ in range(self.staleness.try_start(self.staleness.max_concurrent)):
-                sample = self.dataset[self.sampler.next_index()]
                 self._episode += 1
-                asyncio.ensure_future(self._run_episode(sample, self._episode))
+                draw, index = self._next_prompt()
+                self._running[self._episode] = (draw, index)
+                asyncio.ensure_future(self._run_episode(draw, index, self._episode))
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=0.5)
             except asyncio.TimeoutError:
                 pass
 
-    async def _run_episode(self, sample, episode_id: int) -> None:
+    async def _run_episode(self, draw: int, index: int, episode_id: int) -> None:
         state = EpisodeState.REJECTED
         try:
-            group = await self.workflow.arun_episode(self.client, sample)
-            for t in group:
-                t.group_id = episode_id
-            if self.dynamic_sampling and len({t.reward for t in group}) == 1:
-                self.counters["filtered"] += 1
+            group = await self._attempts(index)
+            if group is None:
+                pass  # filtered or failed: counted where decided
+            elif self.dynamic_sampling and len({t.reward for t in group}) == 1:
+                self.counters["filtered/dynamic_sampling"] += 1
             else:
+                for t in group:
+                    t.group_id = episode_id
+                    t.info["prompt_index"], t.info["draw"] = index, draw
                 state = EpisodeState.ACCEPTED
                 with self._ready:
-                    self._buffer.append(group)
+                    self._buffer.append(Group(draw, index, group))
                     self._ready.notify_all()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - one bad episode must not stop the executor
-            self.counters["failed"] += 1
-            self._errors.append(f"{type(e).__name__}: {e}")
-            log.warning("episode %d failed: %s", episode_id, e)
         finally:
+            self._running.pop(episode_id, None)
             self.staleness.finish(state)
             self._wake.set()
 
+    async def _attempts(self, index: int) -> Optional[list[Trajectory]]:
+        """The workflow on one prompt, retried when it raises (a transient server or reward
+        error must not lose the prompt); None when filtered or failed for good."""
+        sample = self.dataset[index]
+        for attempt in range(self.max_retries + 1):
+            try:
+                group = await self.workflow.arun_episode(self.client, sample)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - one bad episode must not stop the executor
+                error = f"{type(e).__name__}: {e}"
+                self._errors.append(error)
+                if attempt < self.max_retries:
+                    self.counters["retries"] += 1
+                    log.warning("prompt %d attempt %d failed (retrying): %s", index, attempt + 1, error)
+                    continue
+                self._record_failure(index, error)
+                return None
+            if group is None:  # the workflow's own filter
+                self.counters["filtered/workflow"] += 1
+            return group
+        return None
+
+    def _record_failure(self, index: int, error: str) -> None:
+        self.counters["failed"] += 1
+        log.warning("prompt %d failed after %d attempts: %s", index, self.max_retries + 1, error)
+        if self.failed_log:
+            with open(self.failed_log, "a") as f:
+                f.write(json.dumps({"prompt_index": index, "attempts": self.max_retries + 1,
+                                    "error": error, "version": self.versions.get_version()}) + "\n")
+
     # ------------------------------------------------------------------ trainer-thread API
     def next_batch(self, n_groups: int, timeout_s: float = 600.0) -> list[Trajectory]:
-        """The oldest ``n_groups`` finished groups, flattened; blocks until they exist."""
+        """The oldest ``n_groups`` finished groups, flattened; blocks until they exist. The
+        prompts of the returned groups count as trained from here on."""
         deadline = time.monotonic() + timeout_s
         with self._ready:
             while len(self._buffer) < n_groups:
@@ -135,17 +200,25 @@ class RolloutController:
                                        f"{timeout_s:.0f} s; recent errors: {list(self._errors)}")
                 self._ready.wait(timeout=min(left, 1.0))
             groups = [self._buffer.popleft() for _ in range(n_groups)]
-        self._consumed += n_groups
-        return [t for g in groups for t in g]
+            self.trained_groups += n_groups
+        return [t for g in groups for t in g.trajectories]
 
-    def _call(self, coro_fn, timeout_s: float = 120.0):
+    def _call(self, coro_fn, timeout_s: float = 600.0):
         return asyncio.run_coroutine_threadsafe(coro_fn(), self._loop).result(timeout=timeout_s)
 
     # ------------------------------------------------------------------ ClusterListener
     def hold(self) -> None:
-        """Closes the client's gate before the servers pause: no segment is sent meanwhile."""
-        if self._thread is not None:
-            self._call(self._async(lambda: self.client.hold()))
+        """Before the servers pause: close the client's gate; without partial rollouts also wait
+        until every in-flight request finished under the old weights (evaluation requests are
+        always let finish: they report one version)."""
+        if self._thread is None:
+            return
+
+        async def hold():
+            self.client.hold()
+            await self.client.drain(atomic_only=self.partial_rollout)
+
+        self._call(hold)
 
     def release(self) -> None:
         if self._thread is not None:
@@ -164,22 +237,41 @@ class RolloutController:
 
     def stats(self) -> dict:
         s = self.staleness.stats()
-        return {"rollout/running": s.running, "rollout/buffered": len(self._buffer),
-                "rollout/accepted": s.accepted, "rollout/rejected": s.rejected,
-                "rollout/filtered": self.counters["filtered"], "rollout/failed": self.counters["failed"]}
+        out = {"rollout/running": s.running, "rollout/buffered": len(self._buffer),
+               "rollout/accepted": s.accepted, "rollout/rejected": s.rejected,
+               "rollout/failed": self.counters["failed"], "rollout/retries": self.counters["retries"],
+               "rollout/filtered": sum(v for k, v in self.counters.items() if k.startswith("filtered/"))}
+        out.update({f"rollout/{k}": v for k, v in self.counters.items() if k.startswith("filtered/")})
+        if self.client is not None:
+            out["rollout/busy_s"] = self.client.busy_seconds()
+        return out
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict:
-        """Sampler position of the consumed prompts and the counters the staleness bound uses.
-        Buffered and running episodes are not saved: on resume they are generated again."""
-        sampler = self.sampler.state_dict()
-        in_flight = self._episode - self._consumed
-        pos = sampler["epoch"] * sampler["n"] + sampler["position"] - in_flight
-        return {"sampler": {**sampler, "epoch": pos // sampler["n"], "position": pos % sampler["n"]},
-                "staleness": {"accepted": self._consumed, "rejected": 0},
-                "episodes": self._consumed}
+        """Exactly-once bookkeeping: the sampler position (next fresh prompt) and every prompt
+        drawn but not trained yet (waiting, running in start order, buffered in FIFO order)."""
+        def snapshot() -> dict:
+            with self._ready:
+                buffered = [(g.draw, g.prompt_index) for g in self._buffer]
+            running = [self._running[e] for e in sorted(self._running)]
+            pending = sorted(list(self._pending) + running + buffered)  # by draw: the stream's order
+            return {"sampler": self.sampler.state_dict(), "draws": self._draws,
+                    "pending": [list(p) for p in pending],
+                    "trained_groups": self.trained_groups, "episodes": self._episode,
+                    "counters": dict(self.counters)}
+
+        if self._thread is None:
+            return snapshot()
+
+        async def on_loop():  # the executor mutates the sampler and _running on the loop thread
+            return snapshot()
+
+        return self._call(on_loop, 60)
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
-        self.staleness.load_state_dict(state["staleness"])
-        self._episode = self._consumed = int(state["episodes"])
+        self._pending = collections.deque((int(d), int(i)) for d, i in state["pending"])
+        self._draws = int(state["draws"])
+        self.trained_groups = int(state["trained_groups"])
+        self._episode = int(state["episodes"])
+        self.counters = collections.Counter(state.get("counters", {}))

@@ -1,23 +1,29 @@
 """Staleness control and backpressure for asynchronous rollouts (AReaL's bounded off-policyness).
 
 A unit of work is one *episode* (one prompt's group of samples). The trainer consumes
-``batch_size`` episodes per step and then bumps the policy version. An episode submitted while the
-trainer is at version v must be consumed by version v + max_staleness at the latest, so the number
-of episodes ever submitted must stay within
+``batch_size`` episodes per policy version (one push; with verl's trigger_parameter_sync_step = k,
+k training steps' worth). An episode submitted while the trainer is at version v must be consumed
+by version v + max_staleness at the latest, so the number of episodes ever submitted must stay
+within
 
-    accepted + running  <=  (max_staleness + v + 1) * batch_size
+    accepted + running  <=  floor((max_staleness + v + 1) * batch_size)
 
 and at most ``max_concurrent`` run at once. Hence the number of episodes that may start now:
 
     capacity = min(max_concurrent - running,
-                   (max_staleness + v + 1) * batch_size - (accepted + running))
+                   floor((max_staleness + v + 1) * batch_size) - (accepted + running))
 
-``max_staleness = 0`` is synchronous RL: the next batch starts only after the weights it needs
-exist. Rejected episodes (filtered out, failed) free their slot without counting as accepted.
+``max_staleness = 0`` is on-policy RL: the next batch starts only after the weights it needs
+exist. A fractional max_staleness is verl's staleness_threshold: at most that fraction of a
+version's samples is generated ahead (stale by one version). Rejected episodes (filtered out,
+failed) free their slot without counting as accepted. After a restart the buffered and running
+episodes are gone, so ``rebase(consumed)`` restarts the count from what was trained (AReaL's
+recovery: accepted = version x batch_size when pushes align with checkpoints).
 """
 from __future__ import annotations
 
 import enum
+import math
 import threading
 from dataclasses import dataclass
 from typing import Protocol
@@ -45,7 +51,7 @@ class StalenessStats:
 class StalenessManager:
     """Thread-safe counters; the executor asks :meth:`capacity` before starting episodes."""
 
-    def __init__(self, batch_size: int, max_staleness: int, max_concurrent: int,
+    def __init__(self, batch_size: int, max_staleness: float, max_concurrent: int,
                  versions: VersionProvider):
         if batch_size < 1 or max_staleness < 0 or max_concurrent < 1:
             raise ValueError("staleness: batch_size >= 1, max_staleness >= 0, max_concurrent >= 1")
@@ -57,7 +63,8 @@ class StalenessManager:
     def _capacity(self) -> int:
         running, accepted = self._count[EpisodeState.RUNNING], self._count[EpisodeState.ACCEPTED]
         v = self.versions.get_version()
-        by_staleness = (self.max_staleness + v + 1) * self.batch_size - (accepted + running)
+        # floor of a float product: +1e-9 keeps e.g. (0.5 + 1) * 4 = 6 from rounding down to 5
+        by_staleness = math.floor((self.max_staleness + v + 1) * self.batch_size + 1e-9) - (accepted + running)
         return max(0, min(self.max_concurrent - running, by_staleness))
 
     def capacity(self) -> int:
@@ -92,6 +99,13 @@ class StalenessManager:
         with self._lock:
             return {"accepted": self._count[EpisodeState.ACCEPTED],
                     "rejected": self._count[EpisodeState.REJECTED]}
+
+    def rebase(self, accepted: int) -> None:
+        """A fresh start from a checkpoint: ``accepted`` episodes were trained, none runs."""
+        with self._lock:
+            self._count[EpisodeState.ACCEPTED] = int(accepted)
+            self._count[EpisodeState.REJECTED] = 0
+            self._count[EpisodeState.RUNNING] = 0
 
     def load_state_dict(self, state: dict) -> None:
         with self._lock:

@@ -1,21 +1,28 @@
 """The asynchronous RL loop (GRPO family) on all trainer ranks.
 
-    rank 0: controller thread generates groups ahead (bounded by rollout.max_staleness)
+    rank 0: controller thread generates groups ahead (bounded by the staleness window)
     every step, all ranks:
         groups   <- controller.next_batch()              (rank 0; broadcast to all ranks)
         share    <- token-balanced DP split
         share    <- actor.with_advantages(share, ...)    (step-level group baselines)
         metrics  <- actor.ppo_update(share)              (prox recompute, PPO epochs, mini-batches)
-        pusher.push(): pause rollouts -> push weights -> cluster.version + 1 -> resume; in-flight
-        samples continue as partial rollouts under the new version
+        every train.trigger_parameter_sync_step steps: pusher.push(): pause rollouts -> push
+        weights -> cluster.version + 1 -> resume (in-flight samples continue as partial
+        rollouts, or finished under the old weights first without rollout.partial_rollout)
+
+The four modes of seed 003 are config alone (docs/async.md):
+    on-policy           max_staleness 0, trigger 1
+    stream off-policy   max_staleness 0, trigger k       (k steps per push, one version)
+    async, stale        max_staleness > 0 or staleness_threshold > 0, partial_rollout false
+    async, partial      the same with partial_rollout true (the default)
 
 The `RolloutCluster` (every rank) owns the policy version; the controller (rank 0) subscribes to
-it, so the push pauses and resumes generation exactly once.
+it, so a push pauses and resumes generation exactly once.
 """
 from __future__ import annotations
 
 import contextlib
-import statistics
+import os
 from typing import Optional
 
 import torch.distributed as dist
@@ -30,8 +37,10 @@ from megarl.rollout.local import LocalCluster
 from megarl.rollout.rewards import load_reward_fn
 from megarl.rollout.types import SamplingParams, Trajectory
 from megarl.rollout.workflow import load_workflow_class
+from megarl.timeline import Timeline
 from megarl.trainer.actor import Actor
 from megarl.trainer.batch import SequenceBatch
+from megarl.trainer.rollout_stats import StepTimer, batch_metrics, dump_generations
 from megarl.weights.push import WeightPusher
 
 
@@ -41,25 +50,25 @@ def _broadcast(obj, src: int = 0):
     return box[0]
 
 
-def build_controller(cfg, cluster: RolloutCluster) -> RolloutController:
+def groups_per_step(cfg) -> int:
+    return cfg.train.step_batch_size // cfg.rollout.group_size
+
+
+def build_controller(cfg, cluster: RolloutCluster, timeline=None) -> RolloutController:
     r = cfg.rollout
     tok = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
     dataset = PromptDataset(cfg.data.train_path, tok, prompt_key=cfg.data.prompt_key)
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              stop_token_ids=[tok.eos_id])
+                              stop_token_ids=[tok.eos_id], ignore_eos=r.ignore_eos)
     workflow = load_workflow_class(r.workflow)(tok, load_reward_fn(r.reward_fn), sampling, r.group_size)
+    # the staleness clock ticks once per push, which covers trigger_parameter_sync_step steps
+    per_version = groups_per_step(cfg) * cfg.train.trigger_parameter_sync_step
     return RolloutController(
-        dataset, workflow, cluster.addresses, cluster, batch_groups=cfg.train.global_batch_size // r.group_size,
-        max_staleness=r.max_staleness, max_concurrent=r.max_concurrent, seed=cfg.train.seed,
-        api_key=r.api_key or None, dynamic_sampling=cfg.algo.dynamic_sampling)
-
-
-def rollout_metrics(trajs: list[Trajectory], version: int) -> dict:
-    lens = [t.response_len for t in trajs]
-    stale = [version - t.min_version for t in trajs]
-    return {"reward": statistics.fmean(t.reward for t in trajs), "response_len": statistics.fmean(lens),
-            "staleness_mean": statistics.fmean(stale), "staleness_max": max(stale),
-            "partial_frac": statistics.fmean(t.info.get("segments", 1) > 1 for t in trajs)}
+        dataset, workflow, cluster.addresses, cluster, batch_groups=per_version,
+        max_staleness=r.staleness, max_concurrent=r.max_concurrent, seed=cfg.train.seed,
+        api_key=r.api_key or None, dynamic_sampling=cfg.algo.dynamic_sampling,
+        partial_rollout=r.partial_rollout, max_retries=r.max_retries,
+        failed_log=os.path.join(cfg.train.run_dir, "failed_prompts.jsonl"), timeline=timeline)
 
 
 def local_share(trajs: list[Trajectory], ps) -> tuple[SequenceBatch, list[float], list[int]]:
@@ -97,43 +106,60 @@ def evaluate(cfg, servers: list[str]) -> Optional[float]:
 
 
 def run_rl(cfg, ps, engine, logger, ckpt) -> None:
-    r = cfg.rollout
+    r, t = cfg.rollout, cfg.train
     with contextlib.ExitStack() as stack:
         servers = list(r.servers)
         if not servers and ps.rank == 0:
             servers = stack.enter_context(LocalCluster(
-                cfg.model.hf_path, r.local_servers, f"{cfg.train.run_dir}/servers",
+                cfg.model.hf_path, r.local_servers, f"{t.run_dir}/servers",
                 extra=["--threads", r.server_threads]))
         cluster = RolloutCluster.from_config(cfg, _broadcast(servers), driver=ps.rank == 0)
         stack.callback(cluster.close)
+        timeline = Timeline(f"{t.run_dir}/timeline/rank{ps.rank}.jsonl" if cfg.logging.timeline and
+                            ps.rank == 0 else None)
+        stack.callback(timeline.close)
         actor = Actor.build(cfg, ps, engine)
         pusher = WeightPusher(cfg, engine, cluster)
         stack.callback(pusher.close)
-        controller = build_controller(cfg, cluster) if ps.rank == 0 else None
+        controller = build_controller(cfg, cluster, timeline) if ps.rank == 0 else None
         if controller is not None:
             ckpt.register("controller", controller)
         start = ckpt.resume()
         cluster.version = ckpt.policy_version  # the checkpoint records the version it was saved at
+        actor.updates = start  # one PPO update per step: the mini-batch shuffle continues where it was
         pusher.push(bump=False)  # servers hold exactly the trainer's weights before any rollout
         if controller is not None:
             cluster.subscribe(controller)  # after the first push: nothing to pause before
             controller.start()
             stack.callback(controller.stop)
-        groups = cfg.train.global_batch_size // r.group_size
-        for step in progress(range(start + 1, cfg.train.steps + 1), desc="grpo", total=cfg.train.steps - start):
-            trajs = _broadcast(controller.next_batch(groups) if controller else None)
+        timer = StepTimer(timeline)
+        for step in progress(range(start + 1, t.steps + 1), desc="grpo", total=t.steps - start):
+            last = step == t.steps
+            with timer.phase("wait"):
+                trajs = _broadcast(controller.next_batch(groups_per_step(cfg)) if controller else None)
             batch, rewards, group_ids = local_share(trajs, ps)
-            batch = actor.with_advantages(batch, rewards, group_ids)
-            metrics = actor.ppo_update(batch, version=cluster.version)
-            metrics.update(rollout_metrics(trajs, cluster.version))
-            metrics.update(pusher.push().as_dict())
-            if controller is not None:
-                metrics.update(controller.stats())
-            if r.eval_interval and step % r.eval_interval == 0 or step == cfg.train.steps:
-                acc = evaluate(cfg, cluster.addresses) if ps.rank == 0 else None
+            with timer.phase("update"):
+                batch = actor.with_advantages(batch, rewards, group_ids)
+                metrics = actor.ppo_update(batch, version=cluster.version)
+            metrics.update(batch_metrics(trajs, cluster.version))
+            if cfg.logging.dump_generations and ps.rank == 0:
+                dump_generations(f"{t.run_dir}/generations.jsonl", step, cluster.version, trajs)
+            if step % t.trigger_parameter_sync_step == 0 or last:
+                with timer.phase("push"):
+                    metrics.update(pusher.push().as_dict())
+            metrics["policy_version"] = cluster.version
+            if r.eval_interval and step % r.eval_interval == 0 or last:
+                with timer.phase("eval"):
+                    acc = evaluate(cfg, cluster.addresses) if ps.rank == 0 else None
                 if acc is not None:
                     metrics["eval_accuracy"] = acc
+            if controller is not None:
+                metrics.update(controller.stats())
+            metrics.update(timer.finish(
+                metrics, controller.client.busy_seconds() if controller else None,
+                controller.client.stats["tokens"] if controller else None,
+                trained_tokens=sum(len(x.input_ids) for x in trajs)))
             logger.log(metrics, step)
-            ckpt.maybe_save(step, last=step == cfg.train.steps, policy_version=cluster.version)
-            maybe_export_hf(cfg, engine, step, last=step == cfg.train.steps)
-        print0(f"[grpo] done: {cfg.train.steps} steps, policy version {cluster.version}")
+            ckpt.maybe_save(step, last=last, policy_version=cluster.version)
+            maybe_export_hf(cfg, engine, step, last=last)
+        print0(f"[grpo] done: {t.steps} steps, policy version {cluster.version}")

@@ -119,7 +119,7 @@ def test_dynamic_sampling_filters_equal_reward_groups_and_timeout_reports():
         for t in batch:
             groups.setdefault(t.group_id, []).append(t.reward)
         assert all(len(set(r)) == 2 for r in groups.values())
-        assert c.counters["filtered"] >= 1
+        assert c.counters["filtered/dynamic_sampling"] >= 1
         with pytest.raises(TimeoutError, match="groups after"):
             c.next_batch(100, timeout_s=0.5)
     finally:

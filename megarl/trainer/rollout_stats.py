@@ -1,0 +1,96 @@
+"""What users tune an async run with: per-step rollout metrics, idle ratios and generation dumps.
+
+    staleness of a sample  = trainer version - oldest version among its generated tokens
+    partial sample         = its generated tokens span more than one version (version_span > 1)
+    trainer idle ratio     = time the trainer waited for a batch / step wall time
+    rollout idle ratio     = 1 - time some segment was generating / step wall time
+
+High trainer idle: rollout is the bottleneck (more servers, more staleness); high rollout idle:
+training is (more trainer ranks, fewer servers). Both are in metrics.jsonl every step.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import statistics
+import time
+from typing import Optional
+
+from megarl.rollout.types import Trajectory
+
+
+def batch_metrics(trajs: list[Trajectory], version: int) -> dict:
+    """Reward, lengths, staleness (mean/max/histogram) and partial-rollout shape of one batch."""
+    stale = [version - t.min_version for t in trajs]
+    spans = [t.version_span for t in trajs]
+    out = {"reward": statistics.fmean(t.reward for t in trajs),
+           "response_len": statistics.fmean(t.response_len for t in trajs),
+           "staleness_mean": statistics.fmean(stale), "staleness_max": max(stale),
+           "partial_frac": statistics.fmean(s > 1 for s in spans), "max_partial_span": max(spans),
+           "stale_samples": sum(s > 0 for s in stale)}
+    for k, n in sorted(collections.Counter(stale).items()):
+        out[f"staleness_hist/{k}"] = n
+    return out
+
+
+class StepTimer:
+    """Per-step phase times (``with timer.phase("push"):``) plus the idle ratios. One per run;
+    ``finish()`` returns the step's metrics and starts the next step's clock."""
+
+    def __init__(self, timeline=None):
+        self.timeline = timeline
+        self.t0 = time.perf_counter()
+        self.phases: dict[str, float] = collections.defaultdict(float)
+        self.busy0: Optional[float] = None
+        self.generated0 = 0
+        self.stale_total = 0
+
+    def phase(self, name: str):
+        timer = self
+
+        class _Phase:
+            def __enter__(self):
+                self.start, self.wall = time.perf_counter(), time.time()
+
+            def __exit__(self, *exc):
+                timer.phases[name] += time.perf_counter() - self.start
+                if timer.timeline is not None:
+                    timer.timeline.record(name, self.wall, time.time())
+
+        return _Phase()
+
+    def finish(self, batch: dict, busy_s: Optional[float], generated_tokens: Optional[int],
+               trained_tokens: int) -> dict:
+        now = time.perf_counter()
+        wall = max(now - self.t0, 1e-9)
+        out = {f"time/{k}": v for k, v in self.phases.items()}
+        out["step_time"] = wall
+        out["trainer_idle_ratio"] = self.phases.get("wait", 0.0) / wall
+        self.stale_total += int(batch.get("stale_samples", 0))
+        out["stale_samples_total"] = self.stale_total
+        out["throughput/train_tokens_per_s"] = trained_tokens / max(self.phases.get("update", wall), 1e-9)
+        if busy_s is not None:  # rank 0 only: the rollout client lives there
+            if self.busy0 is not None:
+                out["rollout_idle_ratio"] = max(0.0, 1.0 - (busy_s - self.busy0) / wall)
+            self.busy0 = busy_s
+        if generated_tokens is not None:
+            out["throughput/rollout_tokens_per_s"] = (generated_tokens - self.generated0) / wall
+            self.generated0 = generated_tokens
+        self.t0, self.phases = now, collections.defaultdict(float)
+        return out
+
+
+def dump_generations(path: str, step: int, version: int, trajs: list[Trajectory]) -> None:
+    """Appends one JSON line per sample: prompt index, group, completion, reward, generated
+    token versions and the behaviour logprobs (``logging.dump_generations``)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        for t in trajs:
+            gen = [i for i, m in enumerate(t.loss_mask) if m]
+            f.write(json.dumps({
+                "step": step, "version": version, "prompt_index": t.info.get("prompt_index"),
+                "draw": t.info.get("draw"),
+                "group_id": t.group_id, "completion": t.info.get("completion"), "reward": t.reward,
+                "response_ids": [t.input_ids[i] for i in gen], "versions": [t.versions[i] for i in gen],
+                "behave_logp": [t.behave_logp[i] for i in gen]}) + "\n")
