@@ -59,7 +59,8 @@ def build_controller(cfg, cluster: RolloutCluster, timeline=None) -> RolloutCont
     tok = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
     dataset = PromptDataset(cfg.data.train_path, tok, prompt_key=cfg.data.prompt_key)
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              stop_token_ids=[tok.eos_id], ignore_eos=r.ignore_eos)
+                              stop_token_ids=None if r.ignore_eos else [tok.eos_id],  # a stop id stops even with ignore_eos
+                              ignore_eos=r.ignore_eos)
     workflow = load_workflow_class(r.workflow)(tok, load_reward_fn(r.reward_fn), sampling, r.group_size)
     # the staleness clock ticks once per push, which covers trigger_parameter_sync_step steps
     per_version = groups_per_step(cfg) * cfg.train.trigger_parameter_sync_step
