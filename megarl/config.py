@@ -124,7 +124,8 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     algorithm: str = "sft"
-    """sft (supervised fine-tuning) or grpo (asynchronous RL; advantage per algo.advantage)."""
+    """sft (supervised fine-tuning) or rl (asynchronous RL: the estimator is algo.advantage, e.g.
+    grpo, rloo, reinforce_pp, gae). "grpo" is read as rl (older recipes)."""
     steps: int = 100
     """Optimizer steps to run (RL: one step per global batch)."""
     global_batch_size: int = 32
@@ -149,7 +150,7 @@ class TrainConfig:
     push, so staleness is counted in pushes of trigger_parameter_sync_step x batch samples."""
 
     def validate(self) -> None:
-        _choice("train.algorithm", self.algorithm, ("sft", "grpo"))
+        _choice("train.algorithm", self.algorithm, ("sft", "rl", "grpo"))
         for name in ("steps", "global_batch_size", "micro_batch_tokens", "max_seq_len", "ppo_epochs",
                      "trigger_parameter_sync_step"):
             _positive(f"train.{name}", getattr(self, name))
@@ -160,6 +161,10 @@ class TrainConfig:
         if self.require_batches and not self.ppo_mini_batch_size:
             raise ConfigError("train.require_batches: needs train.ppo_mini_batch_size > 0 "
                               "(a step takes require_batches x ppo_mini_batch_size sequences)")
+
+    @property
+    def is_rl(self) -> bool:
+        return self.algorithm != "sft"
 
     @property
     def step_batch_size(self) -> int:
@@ -270,9 +275,13 @@ class RolloutConfig:
     workflow: str = "megarl.rollout.workflow:SingleTurnWorkflow"
     """Workflow class import path (arun_episode(client, sample) -> list[Trajectory])."""
     eval_interval: int = 0
-    """Greedy accuracy on data.eval_path every N steps (0 = only at the end, if eval_path is set)."""
+    """Evaluate on data.eval_path every N steps (0 = only at the end, if eval_path is set): greedy
+    pass@1 with rollout.reward_fn, run beside training and reported with the version it measured."""
     eval_size: int = 500
     """Held-out prompts per evaluation."""
+    eval_k: int = 0
+    """Also sample k completions per eval prompt (at rollout.temperature) and report their mean
+    reward (eval/mean_reward_at_k); 0 = greedy pass@1 only."""
 
     def validate(self) -> None:
         for i, s in enumerate(self.servers):
@@ -291,6 +300,8 @@ class RolloutConfig:
                               "see docs/async.md")
         if self.max_retries < 0:
             raise ConfigError(f"rollout.max_retries: must be >= 0, got {self.max_retries}")
+        if self.eval_k < 0:
+            raise ConfigError(f"rollout.eval_k: must be >= 0, got {self.eval_k}")
 
     @property
     def staleness(self) -> float:
@@ -381,7 +392,10 @@ class Config:
             except ValueError as e:  # sections from megarl.algo raise plain ValueError
                 raise ConfigError(str(e)) from None
         validate_against_model(self)
-        if self.train.algorithm == "grpo":
+        if self.train.is_rl:
+            if self.algo.overlong_buffer_len > self.rollout.max_new_tokens:
+                raise ConfigError(f"algo.overlong_buffer_len: {self.algo.overlong_buffer_len} is longer than "
+                                  f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
             name = "train.require_batches" if self.train.require_batches else "train.global_batch_size"
             if self.train.step_batch_size % self.rollout.group_size:
                 raise ConfigError(f"{name}: a step of {self.train.step_batch_size} sequences is not whole "

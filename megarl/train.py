@@ -18,7 +18,7 @@ from megarl.config import ConfigError, load_config, save_config
 
 CONSOLE_KEYS = {
     "sft": ["loss", "grad_norm", "lr", "step_time"],
-    "grpo": ["reward", "eval_accuracy", "loss", "staleness_max", "trainer_idle_ratio",
+    "rl": ["reward", "eval_accuracy", "loss", "staleness_max", "trainer_idle_ratio",
              "rollout_idle_ratio", "step_time"],
 }
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = CheckpointManager(cfg, ps, engine)
     logger = MetricsLogger(cfg.train.run_dir, tensorboard=cfg.logging.tensorboard,
                            wandb_project=cfg.logging.wandb_project or None,
-                           console_keys=CONSOLE_KEYS[cfg.train.algorithm],
+                           console_keys=CONSOLE_KEYS["rl" if cfg.train.is_rl else "sft"],
                            console_interval=cfg.logging.log_interval)
     if cfg.train.algorithm == "sft":
         run_sft(cfg, ps, engine, logger, ckpt)

@@ -53,6 +53,7 @@ class CheckpointManager:
         self.cfg, self.ps, self.engine = cfg, ps, engine
         self.save_dir = cfg.checkpoint.save_dir or os.path.join(cfg.train.run_dir, "checkpoints")
         self.state: dict = {}
+        self.extra_engines: dict = {}  # name -> engine saved in <checkpoint>/<name>/ (the critic)
         self.policy_version = 0
         self.loaded_from: Optional[str] = None
         self.fault_hook: Optional[Callable[[str, int], None]] = None
@@ -63,6 +64,14 @@ class CheckpointManager:
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"checkpoint: {name!r} needs state_dict() and load_state_dict()")
         self.state[name] = obj
+
+    def add_engine(self, name: str, engine) -> None:
+        """A second trained model (the GAE critic): its weights, optimizer and LR schedule go to
+        the sub-directory ``name`` of every checkpoint, a dist-checkpoint of its own (so its
+        tensor keys never collide with the policy's)."""
+        if name in self.extra_engines or name in ("rng",):
+            raise ValueError(f"checkpoint: engine {name!r} is already registered")
+        self.extra_engines[name] = engine
 
     # ------------------------------------------------------------------ resume
     def resume(self) -> int:
@@ -88,14 +97,13 @@ class CheckpointManager:
                 f"{path}: saved with parallel.distributed_optimizer={str(not want).lower()}; "
                 f"resume with the same setting")
         check_safe(path)
-        engine = self.engine
-        mcore.prime_optimizer_state(engine.optimizer)  # before the template: it needs the tensors
-        sharded = mcore.training_sharded_state_dict(engine.chunks, engine.optimizer, is_loading=True)
-        state = mcore.load_sharded(sharded, path)
-        mcore.load_modules(engine.chunks, state, path)
-        mcore.load_optimizer(engine.optimizer, state["optimizer"])
-        self._load_scheduler(meta["scheduler"])
-        engine.step = int(meta["engine_step"])
+        self._load_engine(self.engine, path, meta["scheduler"], meta["engine_step"])
+        for name, extra in self.extra_engines.items():
+            saved = meta.get("engines", {}).get(name)
+            if saved is None:
+                raise CheckpointError(f"{path}: holds no {name!r} model; resume with the same algorithm")
+            check_safe(os.path.join(path, name))
+            self._load_engine(extra, os.path.join(path, name), saved["scheduler"], saved["engine_step"])
         self.policy_version = int(meta["policy_version"])
         if meta["layout"] == self._layout():
             load_rng(os.path.join(path, "rng", f"rank_{self.ps.rank:05d}.safetensors"))
@@ -112,9 +120,17 @@ class CheckpointManager:
             print(f"[checkpoint] resumed from {path} (step {meta['step']})", flush=True)
         return int(meta["step"])
 
-    def _load_scheduler(self, saved: dict) -> None:
+    def _load_engine(self, engine, path: str, scheduler: dict, engine_step: int) -> None:
+        mcore.prime_optimizer_state(engine.optimizer)  # before the template: it needs the tensors
+        sharded = mcore.training_sharded_state_dict(engine.chunks, engine.optimizer, is_loading=True)
+        state = mcore.load_sharded(sharded, path)
+        mcore.load_modules(engine.chunks, state, path)
+        mcore.load_optimizer(engine.optimizer, state["optimizer"])
+        self._load_scheduler(engine.scheduler, scheduler)
+        engine.step = int(engine_step)
+
+    def _load_scheduler(self, sched, saved: dict) -> None:
         """The config's schedule wins (a run may be extended); the position comes from the file."""
-        sched = self.engine.scheduler
         changed = sorted(k for k, v in sched.state_dict().items()
                          if k != "num_steps" and saved.get(k) != v)
         if changed and self.ps.rank == 0:
@@ -144,9 +160,13 @@ class CheckpointManager:
         if self.ps.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
+            for name in self.extra_engines:
+                os.makedirs(os.path.join(tmp, name))
         dist.barrier()  # the temp dir exists (and is empty) before any rank writes into it
-        mcore.save_sharded(mcore.training_sharded_state_dict(
-            self.engine.chunks, self.engine.optimizer, is_loading=False), tmp)
+        for directory, engine in [(tmp, self.engine)] + [
+                (os.path.join(tmp, n), e) for n, e in self.extra_engines.items()]:
+            mcore.save_sharded(mcore.training_sharded_state_dict(
+                engine.chunks, engine.optimizer, is_loading=False), directory)
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         save_rng(os.path.join(tmp, "rng", f"rank_{self.ps.rank:05d}.safetensors"))
         self._stage("written", step)
@@ -205,6 +225,8 @@ class CheckpointManager:
                 "distributed_optimizer": bool(self.cfg.parallel.distributed_optimizer),
                 "dtype": self.cfg.model.dtype, "scheduler": self.engine.scheduler.state_dict(),
                 "state": {name: obj.state_dict() for name, obj in self.state.items()},
+                "engines": {name: {"engine_step": e.step, "scheduler": e.scheduler.state_dict()}
+                            for name, e in self.extra_engines.items()},
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
             return json.dumps(meta, indent=1)

@@ -203,6 +203,14 @@ class RolloutController:
             self.trained_groups += n_groups
         return [t for g in groups for t in g.trajectories]
 
+    def submit(self, fn):
+        """Runs coroutine ``fn(client)`` on the controller's loop (with its client, beside the
+        training rollouts); returns a concurrent future. For work such as evaluation."""
+        async def run():
+            return await fn(self.client)
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop)
+
     def _call(self, coro_fn, timeout_s: float = 600.0):
         return asyncio.run_coroutine_threadsafe(coro_fn(), self._loop).result(timeout=timeout_s)
 

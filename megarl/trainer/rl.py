@@ -25,6 +25,7 @@ import contextlib
 import os
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from megarl.checkpoint import maybe_export_hf
@@ -33,12 +34,16 @@ from megarl.data.tokenizer import load_tokenizer
 from megarl.metrics import print0, progress
 from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController
+from megarl.rollout.evaluation import PeriodicEval
 from megarl.rollout.local import LocalCluster
 from megarl.rollout.rewards import load_reward_fn
 from megarl.rollout.types import SamplingParams, Trajectory
 from megarl.rollout.workflow import load_workflow_class
 from megarl.timeline import Timeline
+from megarl.algo.advantages import AdvantageEstimator
+from megarl.algo.filters import overlong_penalty
 from megarl.trainer.actor import Actor
+from megarl.trainer.critic import Critic
 from megarl.trainer.batch import SequenceBatch
 from megarl.trainer.rollout_stats import StepTimer, batch_metrics, dump_generations
 from megarl.weights.push import WeightPusher
@@ -82,28 +87,46 @@ def local_share(trajs: list[Trajectory], ps) -> tuple[SequenceBatch, list[float]
     return batch, [t.reward for t in sel], [t.group_id for t in sel]
 
 
-def evaluate(cfg, servers: list[str]) -> Optional[float]:
-    """Greedy exact-answer accuracy on the first ``rollout.eval_size`` eval prompts (rank 0).
-
-    Runs on this thread's own event loop and client, beside the controller's."""
+def build_eval(cfg) -> Optional[PeriodicEval]:
+    """Held-out evaluation with the configured reward function and dataset fields (rank 0)."""
     if not cfg.data.eval_path:
         return None
-    import asyncio
-
-    from megarl.rollout.client import RolloutClient
-    from megarl.rollout.evaluation import evaluate_samples
-    from megarl.rollout.rewards import arith_exact_match
-
+    r = cfg.rollout
     tok = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
-    samples = PromptDataset(cfg.data.eval_path, tok).samples[:cfg.rollout.eval_size]
-    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0,
+    samples = PromptDataset(cfg.data.eval_path, tok, prompt_key=cfg.data.prompt_key).samples[:r.eval_size]
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               stop_token_ids=[tok.eos_id])
+    return PeriodicEval(samples, load_reward_fn(r.reward_fn), sampling, tok, k=r.eval_k)
 
-    async def run():
-        async with RolloutClient(servers, cfg.rollout.api_key or None) as client:
-            return await evaluate_samples(client, samples, arith_exact_match, sampling, tok)
 
-    return asyncio.run(run()).accuracy
+def shape_rewards(trajs: list[Trajectory], spec, max_new_tokens: int) -> dict:
+    """DAPO overlong shaping (algo.overlong_*) added to each sample's outcome reward, in place
+    and identically on every rank (all ranks hold the broadcast batch)."""
+    if not spec.overlong_buffer_len:
+        return {}
+    lengths = torch.tensor([t.response_len for t in trajs])
+    penalty = overlong_penalty(lengths, max_new_tokens, spec.overlong_buffer_len,
+                               spec.overlong_penalty_factor)
+    for t, p in zip(trajs, penalty.tolist()):
+        t.info["reward_raw"] = t.reward
+        t.reward += p
+    return {"overlong_penalty_mean": float(penalty.mean()), "overlong_frac": float((penalty < 0).float().mean())}
+
+
+def train_step(actor: Actor, critic: Optional[Critic], batch, rewards, group_ids, version: int) -> dict:
+    """Advantages, then the critic's value update (GAE) and the policy update; during
+    critic.warmup_steps only the critic learns."""
+    if critic is not None:
+        batch.fields["values"] = critic.values(batch)  # V_old: the step-start values
+    batch = actor.with_advantages(batch, rewards, group_ids)
+    metrics = {}
+    if critic is not None:
+        metrics.update({f"critic/{k}": v for k, v in critic.update(batch).items()})
+        if critic.updates <= actor.cfg.critic.warmup_steps:  # this update was a warm-up one
+            metrics["critic/warmup"] = 1.0
+            return metrics
+    metrics.update(actor.ppo_update(batch, version=version))
+    return metrics
 
 
 def run_rl(cfg, ps, engine, logger, ckpt) -> None:
@@ -120,6 +143,9 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
                             ps.rank == 0 else None)
         stack.callback(timeline.close)
         actor = Actor.build(cfg, ps, engine)
+        critic = Critic.build(cfg, ps) if actor.spec.advantage.estimator == AdvantageEstimator.GAE else None
+        if critic is not None:
+            ckpt.add_engine("critic", critic.engine)
         pusher = WeightPusher(cfg, engine, cluster)
         stack.callback(pusher.close)
         controller = build_controller(cfg, cluster, timeline) if ps.rank == 0 else None
@@ -128,20 +154,24 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
         start = ckpt.resume()
         cluster.version = ckpt.policy_version  # the checkpoint records the version it was saved at
         actor.updates = start  # one PPO update per step: the mini-batch shuffle continues where it was
+        if critic is not None:
+            critic.updates = start  # and so does the critic's (and its warm-up count)
         pusher.push(bump=False)  # servers hold exactly the trainer's weights before any rollout
         if controller is not None:
             cluster.subscribe(controller)  # after the first push: nothing to pause before
             controller.start()
             stack.callback(controller.stop)
         timer = StepTimer(timeline)
+        evaluator = build_eval(cfg) if controller is not None else None
         for step in progress(range(start + 1, t.steps + 1), desc="grpo", total=t.steps - start):
             last = step == t.steps
             with timer.phase("wait"):
                 trajs = _broadcast(controller.next_batch(groups_per_step(cfg)) if controller else None)
+            shaping = shape_rewards(trajs, actor.spec, r.max_new_tokens)
             batch, rewards, group_ids = local_share(trajs, ps)
             with timer.phase("update"):
-                batch = actor.with_advantages(batch, rewards, group_ids)
-                metrics = actor.ppo_update(batch, version=cluster.version)
+                metrics = train_step(actor, critic, batch, rewards, group_ids, cluster.version)
+            metrics.update(shaping)
             metrics.update(batch_metrics(trajs, cluster.version))
             if cfg.logging.dump_generations and ps.rank == 0:
                 dump_generations(f"{t.run_dir}/generations.jsonl", step, cluster.version, trajs)
@@ -149,11 +179,11 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
                 with timer.phase("push"):
                     metrics.update(pusher.push().as_dict())
             metrics["policy_version"] = cluster.version
-            if r.eval_interval and step % r.eval_interval == 0 or last:
-                with timer.phase("eval"):
-                    acc = evaluate(cfg, cluster.addresses) if ps.rank == 0 else None
-                if acc is not None:
-                    metrics["eval_accuracy"] = acc
+            if evaluator is not None:
+                if r.eval_interval and step % r.eval_interval == 0 or last:
+                    evaluator.submit(controller, step, cluster.version)  # runs beside training
+                with timer.phase("eval"):  # only the last step waits for its evaluation
+                    metrics.update(evaluator.poll(wait=last))
             if controller is not None:
                 metrics.update(controller.stats())
             metrics.update(timer.finish(

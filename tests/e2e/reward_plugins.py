@@ -4,3 +4,11 @@
 def starts_with_one(prompt: str, completion: str, meta: dict) -> float:
     """1 when the completion starts with the digit 1: easy to learn, so RL must raise it fast."""
     return 1.0 if completion.strip().startswith("1") else 0.0
+
+
+def exact_match_plus_one(prompt: str, completion: str, meta: dict) -> float:
+    """1 + the demo's exact-match reward: the offset gives a fresh value head a large error to
+    learn away (a critic test), while the advantages stay the demo's."""
+    from megarl.rollout.rewards import arith_exact_match
+
+    return 1.0 + arith_exact_match(prompt, completion, meta)

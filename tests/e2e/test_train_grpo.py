@@ -32,7 +32,11 @@ def test_grpo_steps(tmp_path, layout):
         assert r["optimizer_steps"] == 1
     # step 1 trains on rollouts of the very weights it starts from: no training-inference gap
     assert rows[0]["logp_gap"] <= 1e-5 and rows[0]["staleness_max"] == 0
-    assert "eval_accuracy" in rows[1] and "eval_accuracy" in rows[3]
+    # evaluations run beside training and are reported with the version they measured: the one
+    # started at step 2 lands at step 2 or 3, the last step waits for its own
+    evals = [r for r in rows if "eval_accuracy" in r]
+    assert [r["eval/step"] for r in evals] == [2, 4] and evals[-1] is rows[3]
+    assert evals[0]["eval/version"] == 2 and evals[1]["eval/version"] == 4
     assert 0.0 <= rows[3]["eval_accuracy"] <= 1.0
     assert "policy version 4" in proc.stdout + proc.stderr
     files = set(os.listdir(run / "model"))  # PP=2 writes one file per stage plus the index
