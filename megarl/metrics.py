@@ -1,4 +1,4 @@
-"""The one metrics path: merge `Stat`s (masked sums with explicit counts), reduce once per step, log.
+"""The one metrics path: merge `Stat`s (masked sums with explicit counts), reduce once, log.
 
     tracker.add_stats(out.stats)                 # dict[str, megarl.algo.Stat] from a loss function
     tracker.add("loss", loss_sum, n_tokens)      # a masked mean with its explicit denominator
@@ -35,7 +35,9 @@ def _to_float(x: Any) -> float:
 
 
 def _scalar(x: Any) -> torch.Tensor:
-    return x.detach().reshape(()) if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
+    if isinstance(x, torch.Tensor):
+        return x.detach().reshape(())
+    return torch.tensor(float(x), dtype=torch.float64)
 
 
 def get_rank() -> int:
@@ -67,6 +69,9 @@ def reduce_stats(stats: dict[str, Stat], group=None, device="cpu") -> dict[str, 
             return torch.stack([x.to(device=device, dtype=torch.float64) for x in xs])
 
         sums = by_kind[Reduce.SUM]
+        # Layout [SUM values by name..., counts of all names by name...]: identical on every
+        # rank only because the names are (the invariant above); float64 keeps sums of
+        # float32 token stats exact enough over many ranks.
         if names:  # SUM values and every count travel together
             t = packed([values[n] for n in sums] + [counts[n] for n in names])
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)

@@ -100,6 +100,7 @@ def step_advantages(cfg: AdvantageConfig, batch: TensorBatch,
 
 def dp_counts(n_local: int, ps) -> list[int]:
     """Every DP rank's local sequence count (all-gather over the DP group)."""
+    # On ps.device because NCCL cannot gather CPU tensors; float64 holds any count exactly.
     mine = torch.tensor([n_local], dtype=torch.float64, device=ps.device)
     if ps.dp == 1:
         return [n_local]
@@ -118,7 +119,9 @@ def gather_step(local: dict[str, torch.Tensor], ps) -> tuple[dict[str, torch.Ten
     if ps.dp == 1:
         return dict(local), 0
     parts: list = [None] * ps.dp
+    # CPU tensors pickle without a device, so every rank can load every part.
     dist.all_gather_object(parts, {k: v.cpu() for k, v in local.items()}, group=ps.dp_group)
+    # Parts arrive in DP-rank order, so this rank's rows are [offset, offset + B_r).
     offset = sum(len(p["rewards"]) for p in parts[: ps.dp_rank])
     return {k: cat_padded([p[k] for p in parts]) for k in local}, offset
 
@@ -131,6 +134,7 @@ def minibatch_loss_weights(mini: TensorBatch, spec: AlgoSpec, ps,
     den = step_denominators(mask).as_tensor().to(ps.device)
     if ps.dp > 1:
         dist.all_reduce(den, group=ps.dp_group)
+    # W stays on the CPU with the batch; make_microbatches moves it with the other fields.
     return token_weights(mask, spec.loss_agg, StepDenominators.from_tensor(den.cpu()), norm_len)
 
 
@@ -142,6 +146,7 @@ def step_norm_len(full: TensorBatch, spec: AlgoSpec, ps) -> Optional[int]:
     if spec.loss_agg_norm_len is not None:
         return spec.loss_agg_norm_len
     per_row = full["loss_mask"].to(torch.float64).sum(dim=-1)
+    # The appended 0 keeps max() defined on a rank without samples (it still joins the MAX).
     t = torch.cat([per_row, per_row.new_zeros(1)]).max().reshape(1).to(ps.device)
     if ps.dp > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.dp_group)
@@ -211,6 +216,7 @@ class Actor:
         if self.spec.kl_in_reward and self.spec.kl_coef > 0:
             if "ref_logp" not in batch.fields:
                 batch = batch.with_fields(ref_logp=self.ref_logp(batch))
+            # k_t of the sampling policy vs pi_ref: the shaped reward is fixed for the whole update.
             local["kl"] = kl_penalty(batch["behave_logp"], batch["ref_logp"], batch["loss_mask"],
                                      self.spec.kl_estimator)
         step, offset = gather_step(local, self.ps)
@@ -236,6 +242,7 @@ class Actor:
             raise ValueError(f"Actor.ppo_update: batch lacks field(s) {missing}")
         acc = StatsTracker()
         full = self._step_inputs(batch, acc)
+        # Same on every DP rank (from the gathered counts): all ranks step the optimizer together.
         n_mini = num_minibatches(dp_counts(len(batch), self.ps), cfg.train.ppo_mini_batch_size)
         clock = _Clock(0, max(1, n_mini * cfg.train.ppo_epochs),
                        float(self.version if version is None else version))
@@ -246,6 +253,7 @@ class Actor:
             seed = shuffle_seed(cfg.train.seed, self.updates, epoch)
             for idx in minibatch_indices(len(full), n_mini, seed):
                 mini = full.select(idx)
+                # W before the micro-batch split: the gradient must not depend on the budget.
                 mini = mini.with_fields(
                     loss_weight=minibatch_loss_weights(mini, spec, self.ps, norm_len))
                 out = self.engine.train_batch(mini, partial(self._loss_fn, clock, acc),
@@ -259,6 +267,7 @@ class Actor:
             loss=mean_or_zero(losses), grad_norm=mean_or_zero(grad_norms),
             grad_norm_max=max(grad_norms, default=0.0), lr=lr, n_minibatches=float(n_mini),
             optimizer_steps=float(clock.k), update_time=time.perf_counter() - t0)
+        # K optimizer steps together move the policy by exactly one version (loglinear clock).
         self.version = int(clock.prox_version) + 1
         self.updates += 1
         return metrics
@@ -267,6 +276,7 @@ class Actor:
         """The batch plus ref_logp (KL loss) and prox_logp (recompute / metrics), both computed
         once per step on the step-start weights; the entropy metric comes free with prox."""
         spec = self.spec
+        # with_advantages may have computed ref_logp already (kl_in_reward): never twice.
         if self.ref is not None and spec.kl_loss_coef > 0 and "ref_logp" not in batch.fields:
             batch = batch.with_fields(ref_logp=self.ref_logp(batch))
         train_entropy = spec.entropy_coef > 0
@@ -283,7 +293,7 @@ class Actor:
         spec = self.spec
         m, behave, w = mb["loss_mask"], mb["behave_logp"], mb["loss_weight"]
         stats: dict[str, Stat] = {}
-        prox = mb.fields.get("prox_logp")
+        prox = mb.fields.get("prox_logp")  # absent under loglinear or for a prox-free loss
         if spec.prox_logp_mode != ProxLogpMode.RECOMPUTE:
             approx = loglinear_prox_logp(logp, behave, mb["versions"], clock.prox_version,
                                          clock.theta_version, m)

@@ -152,6 +152,7 @@ class TensorBatch:
     def select(self, indices: Sequence[int] | torch.Tensor) -> "TensorBatch":
         """Rows `indices` (in that order), padding trimmed to the longest selected row."""
         idx = torch.as_tensor(indices, dtype=torch.long)
+        # Advanced indexing copies: the new batch never aliases rows of this one.
         lengths = self.lengths[idx]
         s = int(lengths.max()) if len(idx) else 0
         return TensorBatch(self.tokens[idx, :s], lengths,
@@ -182,6 +183,7 @@ def make_microbatches(batch: TensorBatch, max_tokens: int, device) -> list[Micro
     micro-batch of its own), each trimmed to its longest row; deterministic, so every TP/PP peer
     builds the same ones."""
     out = []
+    # The packer plans over B lengths (Python ints), never over tokens.
     for idx in pack_microbatches(batch.lengths.tolist(), max_tokens):
         sub = batch.select(idx)
         b, s = sub.tokens.shape

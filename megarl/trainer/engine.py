@@ -144,20 +144,21 @@ class Engine:
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def compute_logp(self, batch: TensorBatch, with_entropy: bool = False) -> LogpResult:
-        """Per-token logprobs (and entropies) of this DP rank's samples, [B, S] on every PP stage."""
+        """Per-token logprobs (and entropies) of this DP rank's samples, [B, S], on every PP
+        stage."""
         for c in self.chunks:
-            c.eval()
+            c.eval()  # dropout off: a recomputed logprob must be a function of the weights only
         names = ["logp", "entropy"] if with_entropy else ["logp"]
         # Filled in place by the last stage's loss_func; zeros elsewhere until the broadcast.
         out = {n: torch.zeros(len(batch), batch.seq_len, dtype=torch.float32) for n in names}
-        if len(batch) == 0:
+        if len(batch) == 0:  # schedules need a micro-batch; TP/PP peers hold the same empty batch
             return LogpResult(out["logp"], out.get("entropy"))
         mbs = make_microbatches(batch, self.cfg.train.micro_batch_tokens, self.ps.device)
 
         def loss_func(mb, logits):
             logp, ent = self._logits_to_logp(logits, mb, with_entropy)
             valid = mb.valid.bool()
-            s = mb.tokens.shape[1]
+            s = mb.tokens.shape[1]  # each row of the batch is written by exactly one micro-batch
             for name, t in (("logp", logp), ("entropy", ent)):
                 if t is not None:  # padding positions hold garbage: keep the batch zero-padded
                     out[name][mb.indices, :s] = torch.where(valid, t, 0.0).float().cpu()
@@ -177,11 +178,11 @@ class Engine:
         t0 = time.perf_counter()
         for c in self.chunks:
             c.train()
-            c.zero_grad_buffer()
+            c.zero_grad_buffer()  # DDP accumulates over micro-batches: every step starts at 0
         self.optimizer.zero_grad()
         mbs = make_microbatches(batch, self.cfg.train.micro_batch_tokens, self.ps.device)
         step_tokens = batch["loss_mask"].sum(dtype=torch.float64).reshape(1).to(self.ps.device)
-        dist.all_reduce(step_tokens, group=self.ps.dp_group)
+        dist.all_reduce(step_tokens, group=self.ps.dp_group)  # one denominator on every DP rank
         for mb in mbs:
             # >= 1 so a step without loss tokens gives zero loss and gradient, not NaN
             mb.step_tokens = max(float(step_tokens.item()), 1.0)
@@ -195,6 +196,7 @@ class Engine:
             # token share (summing to 1 over the step), the reduced "loss" is their plain sum.
             share = num.detach().to(torch.float64) / mb.step_tokens
             tracker.add_stats({**stats, "loss": Stat(loss.detach().float(), share)})
+            # Megatron divides the summed gradient by the summed `num` (= step_tokens): undo it.
             return loss * mb.step_tokens, num.to(torch.int), {}
 
         self._run(mbs, loss_func, forward_only=False)
