@@ -206,9 +206,11 @@ class Actor:
         missing; gae: a `values` field). `rewards` / `group_ids` replace the batch's sample
         fields of those names when given. Returns the batch plus `advantages` and `returns`
         (and `ref_logp` if computed)."""
-        if rewards is not None or group_ids is not None:
-            batch = batch.with_sample_fields(**{k: v for k, v in (("rewards", rewards),
-                                                ("group_ids", group_ids)) if v is not None})
+        given = {"rewards": rewards, "group_ids": group_ids}
+        batch = batch.with_sample_fields(**{k: v for k, v in given.items() if v is not None})
+        missing = [n for n in ("loss_mask", "rewards", "group_ids") if n not in batch]
+        if missing:
+            raise ValueError(f"Actor.with_advantages: batch lacks field(s) {missing}")
         local = {"loss_mask": batch["loss_mask"], "rewards": batch["rewards"],
                  "group_ids": batch["group_ids"]}
         if "values" in batch.fields:

@@ -1,6 +1,7 @@
 """Pure parts of the actor and critic: mini-batch planning, step-level advantages, the loss
 function's composition and the loglinear clock, the clipped value loss."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -89,6 +90,27 @@ def test_step_advantages_gae_by_hand():
     # t=2: delta = 1 - 0.2 = 0.8; t=1: delta = 0.2 - 0.5 = -0.3, A = -0.3 + 0.8 = 0.5
     assert rows(out, "advantages")[0] == pytest.approx([0, 0.5, 0.8])
     assert rows(out, "returns")[0] == pytest.approx([0, 1.0, 1.0])
+
+
+def test_with_advantages_kl_in_reward_one_rank():
+    """DP = 1: the gathered step is this batch; ref_logp comes from the reference engine and the
+    KL (k1 of behave vs ref) is folded into the drgrpo score before the group baseline."""
+    cfg = Config()
+    cfg.algo.advantage, cfg.algo.kl_in_reward, cfg.algo.kl_coef = "drgrpo", True, 0.5
+    cfg.algo.kl_estimator = "k1"
+    ref = torch.tensor([[0.0, -1.2, -1.2, 0.0], [0.0, 0.0, -1.0, 0.0],
+                        [0.0, -1.0, -1.0, -1.0], [0.0, -1.0, 0.0, 0.0]])
+    ref_engine = SimpleNamespace(compute_logp=lambda b: SimpleNamespace(logp=ref[:, :b.seq_len]))
+    actor = Actor(cfg, SimpleNamespace(dp=1, dp_rank=0), engine=None, ref=ref_engine)
+    behave = [[0.0, -1.0, -1.0], [0.0, 0.0, -1.0], [0.0, -1.0, -1.0, -1.0], [0.0, -1.0]]
+    out = actor.with_advantages(step(behave_logp=behave))
+    # k1 = behave - ref = 0.2 on both loss tokens of row 0: score 1 - 0.5 * 0.4 = 0.8 vs 0.0
+    assert rows(out, "advantages")[0] == pytest.approx([0, 0.4, 0.4])
+    assert rows(out, "advantages")[1] == pytest.approx([0, 0, -0.4])
+    assert torch.equal(out["ref_logp"], ref)
+    with pytest.raises(ValueError, match="group_ids"):
+        actor.with_advantages(TensorBatch.from_lists([[1]], {"loss_mask": [[1]]},
+                                                     {"rewards": [1.0]}))
 
 
 # ----------------------------------------------------------------------------- the loss function
