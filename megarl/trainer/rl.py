@@ -31,7 +31,7 @@ from megarl.rollout.rewards import load_reward_fn
 from megarl.rollout.types import SamplingParams, Trajectory
 from megarl.rollout.workflow import load_workflow_class
 from megarl.trainer.actor import Actor
-from megarl.trainer.batch import SequenceBatch
+from megarl.trainer.batch import TensorBatch
 from megarl.weights.push import WeightPusher
 
 
@@ -62,14 +62,12 @@ def rollout_metrics(trajs: list[Trajectory], version: int) -> dict:
             "partial_frac": statistics.fmean(t.info.get("segments", 1) > 1 for t in trajs)}
 
 
-def local_share(trajs: list[Trajectory], ps) -> tuple[SequenceBatch, list[float], list[int]]:
+def local_share(trajs: list[Trajectory], ps) -> tuple:
+    """(this DP rank's TensorBatch, its rewards [B], its group_ids [B]); the batch also carries
+    both as sample fields."""
     mine = balance_across_ranks([len(t.input_ids) for t in trajs], ps.dp)[ps.dp_rank]
-    sel = [trajs[i] for i in mine]
-    batch = SequenceBatch([t.input_ids for t in sel], {
-        "loss_mask": [[float(m) for m in t.loss_mask] for t in sel],
-        "behave_logp": [t.behave_logp for t in sel],
-        "versions": [[float(v) for v in t.versions] for t in sel]})
-    return batch, [t.reward for t in sel], [t.group_id for t in sel]
+    batch = TensorBatch.from_trajectories([trajs[i] for i in mine])
+    return batch, batch["rewards"], batch["group_ids"]
 
 
 def evaluate(cfg, servers: list[str]) -> Optional[float]:
