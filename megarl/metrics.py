@@ -1,12 +1,15 @@
-"""The one metrics path: accumulate (sum, count) pairs, reduce them over DP once per step, log.
+"""The one metrics path: merge `Stat`s (masked sums with explicit counts), reduce once, log.
 
+    tracker.add_stats(out.stats)                 # dict[str, megarl.algo.Stat] from a loss function
     tracker.add("loss", loss_sum, n_tokens)      # a masked mean with its explicit denominator
     tracker.add_scalar("grad_norm", gn)          # a plain value: sum = value, count = 1
-    stats = tracker.reduce(dp_group)             # ONE all_reduce; name -> sum_all / count_all
+    stats = tracker.reduce(ps)                   # over DP on the last PP stage, then to every rank
     logger.log(stats, step)                      # jsonl (always), tensorboard, wandb, console
 
-Means are global: sum over all DP ranks and calls divided by the summed count, so ranks with more
-tokens weigh more (never a mean of per-rank means). Also `print0` and a dependency-free `progress`.
+Means are global: sums over all DP ranks and calls divided by the summed count, so ranks with more
+tokens weigh more (never a mean of per-rank means); `Reduce.MAX` stats take the max. The engine,
+the actor and the critic all reduce through `StatsTracker`. Also `print0` and a dependency-free
+`progress`.
 """
 from __future__ import annotations
 
@@ -17,16 +20,24 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["StatsTracker", "MetricsLogger", "print0", "get_rank", "progress"]
+from megarl.algo.stats import Reduce, Stat, merge_stats
+
+__all__ = ["StatsTracker", "reduce_stats", "MetricsLogger", "print0", "get_rank", "progress"]
 
 
 def _to_float(x: Any) -> float:
     return float(x.detach().item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _scalar(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach().reshape(())
+    return torch.tensor(float(x), dtype=torch.float64)
 
 
 def get_rank() -> int:
@@ -42,22 +53,58 @@ def print0(*args: Any, **kwargs: Any) -> None:
         print(*args, **kwargs, flush=True)
 
 
-class StatsTracker:
-    """Thread-safe accumulator of named (sum, count) pairs.
+def reduce_stats(stats: dict[str, Stat], group=None, device="cpu") -> dict[str, float]:
+    """name -> `Stat.result()` after summing (SUM values, all counts) and max-ing (MAX values) over
+    `group`: ONE packed all-reduce per reduction kind present, none for a group of one.
 
-    Invariant for `reduce` over a group: every rank of the group has added the same set of names
-    (in any order, any number of times, count 0 allowed), since the packed tensor is laid out by
-    sorted name.
+    Invariant: every rank of `group` holds the same names with the same reduction kinds (any
+    values, count 0 allowed), since the packed tensors are laid out by sorted name.
+    """
+    names = sorted(stats)
+    by_kind = {kind: [n for n in names if stats[n].reduce == kind] for kind in Reduce}
+    values = {n: stats[n].value for n in names}
+    counts = {n: stats[n].count for n in names}
+    if group is not None and dist.get_world_size(group) > 1:
+        def packed(xs):
+            return torch.stack([x.to(device=device, dtype=torch.float64) for x in xs])
+
+        sums = by_kind[Reduce.SUM]
+        # Layout [SUM values by name..., counts of all names by name...]: identical on every
+        # rank only because the names are (the invariant above); float64 keeps sums of
+        # float32 token stats exact enough over many ranks.
+        if names:  # SUM values and every count travel together
+            t = packed([values[n] for n in sums] + [counts[n] for n in names])
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+            values.update(zip(sums, t[: len(sums)].cpu()))
+            counts.update(zip(names, t[len(sums):].cpu()))
+        if by_kind[Reduce.MAX]:
+            t = packed([values[n] for n in by_kind[Reduce.MAX]])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            values.update(zip(by_kind[Reduce.MAX], t.cpu()))
+    return {n: Stat(values[n], counts[n], stats[n].reduce).result() for n in names}
+
+
+class StatsTracker:
+    """Thread-safe accumulator of named `Stat`s (merged over micro-batches, mini-batches, calls),
+    reduced by `reduce` once per step; then it is empty.
+
+    Invariant for `reduce` over DP: every DP rank of the last pipeline stage has added the same
+    names with the same reduction kinds (in any order, any number of times, count 0 allowed).
     """
 
     def __init__(self) -> None:
-        self._sums: dict[str, float] = {}
-        self._counts: dict[str, float] = {}
+        self._stats: dict[str, Stat] = {}
         self._prefix: list[str] = []
         self._lock = threading.Lock()
 
     def _name(self, name: str) -> str:
         return "/".join(self._prefix + [name])
+
+    @property
+    def stats(self) -> dict[str, Stat]:
+        """The merged, not yet reduced stats (a copy)."""
+        with self._lock:
+            return dict(self._stats)
 
     @contextlib.contextmanager
     def scope(self, prefix: str) -> Iterator["StatsTracker"]:
@@ -68,12 +115,15 @@ class StatsTracker:
         finally:
             self._prefix.pop()
 
+    def add_stats(self, stats: dict[str, Stat]) -> None:
+        """Merge a loss function's stats (SUM stats add, MAX stats max)."""
+        named = {self._name(k): v for k, v in stats.items()}
+        with self._lock:
+            self._stats = merge_stats(self._stats, named)
+
     def add(self, name: str, value_sum: Any, count: Any) -> None:
         """Add a sum and the number of items it sums (e.g. masked token sum and mask.sum())."""
-        key, s, c = self._name(name), _to_float(value_sum), _to_float(count)
-        with self._lock:
-            self._sums[key] = self._sums.get(key, 0.0) + s
-            self._counts[key] = self._counts.get(key, 0.0) + c
+        self.add_stats({name: Stat(_scalar(value_sum), _scalar(count).to(torch.float64))})
 
     def add_scalar(self, name: str, value: Any) -> None:
         """A single observation (count 1); its reduced value is the mean over calls and ranks."""
@@ -81,29 +131,25 @@ class StatsTracker:
 
     def add_masked(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
         """sum(values * mask) over sum(mask)."""
-        mask = mask.to(values.dtype)
-        self.add(name, (values * mask).sum(), mask.sum())
+        self.add_stats({name: Stat.masked_mean(values, mask)})
 
-    def reduce(self, group: "dist.ProcessGroup | None" = None) -> dict[str, float]:
-        """name -> sum / count, summed over `group` by ONE all_reduce; then the tracker is empty.
+    def reduce(self, ps: Optional[Any] = None) -> dict[str, float]:
+        """name -> reduced result on EVERY rank; the tracker is emptied.
 
-        No communication when `group` is None or has one rank. Names whose total count is 0 are
-        left out of the result.
+        `ps` (a `megarl.parallel.ParallelState`; None: this process alone) says where: only the
+        last pipeline stage runs loss functions, so it reduces over its DP group (`reduce_stats`)
+        and broadcasts the dict over the pipeline group.
         """
         with self._lock:
-            names = sorted(self._sums)
-            sums = [self._sums[n] for n in names]
-            counts = [self._counts[n] for n in names]
-            self._sums, self._counts = {}, {}
-        if group is not None and dist.get_world_size(group) > 1:
-            device = "cpu"
-            if dist.get_backend(group) == "nccl":
-                device = torch.device("cuda", torch.cuda.current_device())
-            packed = torch.tensor(sums + counts, dtype=torch.float64, device=device)
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-            values = packed.tolist()
-            sums, counts = values[: len(names)], values[len(names):]
-        return {n: s / c for n, s, c in zip(names, sums, counts) if c != 0}
+            stats, self._stats = self._stats, {}
+        if ps is None:
+            return reduce_stats(stats)
+        box: list = [None]
+        if ps.is_last_stage:
+            box = [reduce_stats(stats, ps.dp_group if ps.dp > 1 else None, ps.device)]
+        if ps.pp > 1:
+            dist.broadcast_object_list(box, src=ps.last_stage_rank, group=ps.pp_group)
+        return box[0]
 
 
 class _JsonlSink:

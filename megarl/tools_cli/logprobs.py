@@ -108,7 +108,7 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
 
     from megarl.checkpoint import load_model_weights
     from megarl.config import load_config
-    from megarl.trainer.batch import SequenceBatch
+    from megarl.trainer.batch import TensorBatch, per_sample
     from megarl.trainer.engine import Engine
 
     cfg = load_config(None, [f"model.hf_path={source.path}",
@@ -124,8 +124,9 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
         for lo in range(0, len(rows), a.batch_size):
             chunk = list(range(lo, min(lo + a.batch_size, len(rows))))
             mine = [i for i in chunk if i % ps.dp == ps.dp_rank]
-            result = engine.compute_logp(SequenceBatch([rows[i]["input_ids"] for i in mine])) if mine else None
-            share = ({i: lp.tolist() for i, lp in zip(mine, result.logp)}
+            batch = TensorBatch.from_lists([rows[i]["input_ids"] for i in mine])
+            logp = per_sample(engine.compute_logp(batch).logp, batch.lengths) if mine else []
+            share = ({i: lp.tolist() for i, lp in zip(mine, logp)}
                      if mine and ps.tp_rank == 0 and ps.pp_rank == 0 else {})
             gathered = [None] * ps.world_size if ps.rank == 0 else None
             dist.gather_object(share, gathered, dst=0)

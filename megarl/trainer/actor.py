@@ -1,11 +1,12 @@
 """The PPO actor: one RL step's policy update on top of the loss-agnostic engine.
 
     actor = Actor.build(cfg, ps, engine)            # + a frozen reference when algo.kl_coef > 0
-    batch = actor.with_advantages(batch, rewards, group_id)  # or step_advantages() pre-split
-    metrics = actor.ppo_update(batch)               # prox recompute, epochs x mini-batches
+    batch = TensorBatch.from_trajectories(share)    # this DP rank's samples, built once
+    batch = actor.with_advantages(batch)            # or step_advantages() before the DP split
+    metrics = actor.ppo_update(batch, version)      # prox recompute, epochs x mini-batches
 
-`ppo_update` takes this DP rank's share of a step (fields loss_mask, behave_logp, advantages,
-versions; optional ref_logp) and runs
+`ppo_update` takes this DP rank's share of a step as a `TensorBatch` (fields loss_mask,
+behave_logp, advantages, versions; optional ref_logp) and runs
 
     prox_logp  <- engine.compute_logp(batch)       (algo.prox_logp_mode: recompute | metrics;
                                                     loglinear interpolates inside the loss)
@@ -32,35 +33,20 @@ import math
 import time
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megarl.algo import (AdvantageConfig, AlgoSpec, ProxLogpMode, Reduce, Stat, aggregate,
+from megarl.algo import (AdvantageConfig, AlgoSpec, ProxLogpMode, Stat, aggregate,
                          compute_advantages, entropy_loss, kl_loss, kl_penalty,
-                         loglinear_prox_logp, merge_stats, policy_loss, prox_approx_stats,
-                         step_denominators, token_weights)
+                         loglinear_prox_logp, policy_loss, prox_approx_stats, step_denominators,
+                         token_weights)
 from megarl.algo.aggregation import LossAgg, StepDenominators
-from megarl.trainer.batch import MicroBatch, SequenceBatch
+from megarl.metrics import StatsTracker
+from megarl.trainer.batch import MicroBatch, TensorBatch, cat_padded
 
 # ----------------------------------------------------------------------------- pure helpers
-
-
-def pad_rows(rows: Sequence[Sequence[float]], dtype=torch.float32) -> torch.Tensor:
-    """Token-aligned per-sample lists -> a right-zero-padded [B, S] tensor."""
-    s = max((len(r) for r in rows), default=0)
-    out = torch.zeros(len(rows), s, dtype=dtype)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
-    return out
-
-
-def unpad_rows(t: torch.Tensor, lengths: Sequence[int]) -> list[list[float]]:
-    """[B, S] -> per-sample lists of the given lengths (inverse of `pad_rows`)."""
-    t = t.detach().cpu()
-    return [t[i, :n].tolist() for i, n in enumerate(lengths)]
 
 
 def num_minibatches(local_counts: Sequence[int], mini_batch_size: int) -> int:
@@ -98,28 +84,15 @@ def shuffle_seed(seed: int, update: int, epoch: int) -> int:
     return (seed * 1_000_003 + update * 1_009 + epoch) % (2 ** 63)
 
 
-@dataclass
-class StepAdvantages:
-    """Per-sample token lists: advantages and returns (value targets / broadcast scores)."""
-
-    advantages: list[list[float]]
-    returns: list[list[float]]
-
-
-def step_advantages(cfg: AdvantageConfig, loss_mask: Sequence[Sequence[float]],
-                    rewards: Sequence[float], group_id: Sequence[int],
-                    values: Optional[Sequence[Sequence[float]]] = None,
-                    kl: Optional[Sequence[Sequence[float]]] = None) -> StepAdvantages:
-    """`megarl.algo.compute_advantages` on a WHOLE step given as per-sample lists (every group
-    complete; call before the DP split, or on the all-gathered step). `values` are the critic's
-    V_t for gae, `kl` the per-token KL estimate to fold into the reward (algo.kl_in_reward)."""
-    mask = pad_rows(loss_mask)
-    out = compute_advantages(
-        cfg, torch.as_tensor(list(rewards), dtype=torch.float64), mask, list(group_id),
-        values=pad_rows(values) if values is not None else None,
-        kl=pad_rows(kl) if kl is not None else None)
-    lengths = [len(m) for m in loss_mask]
-    return StepAdvantages(unpad_rows(out.advantages, lengths), unpad_rows(out.returns, lengths))
+def step_advantages(cfg: AdvantageConfig, batch: TensorBatch,
+                    kl: Optional[torch.Tensor] = None) -> TensorBatch:
+    """`megarl.algo.compute_advantages` on a WHOLE step (every group complete: call it before the
+    DP split, or use `Actor.with_advantages`). Reads loss_mask, the sample fields rewards and
+    group_ids, and `values` (the critic's V_t) for gae; `kl` [B, S] is the per-token KL estimate
+    to fold into the reward (algo.kl_in_reward). Returns the batch plus `advantages`, `returns`."""
+    out = compute_advantages(cfg, batch["rewards"], batch["loss_mask"], batch["group_ids"],
+                             values=batch.fields.get("values"), kl=kl)
+    return batch.with_fields(advantages=out.advantages, returns=out.returns)
 
 
 # ----------------------------------------------------------------------------- DP collectives
@@ -127,6 +100,7 @@ def step_advantages(cfg: AdvantageConfig, loss_mask: Sequence[Sequence[float]],
 
 def dp_counts(n_local: int, ps) -> list[int]:
     """Every DP rank's local sequence count (all-gather over the DP group)."""
+    # On ps.device because NCCL cannot gather CPU tensors; float64 holds any count exactly.
     mine = torch.tensor([n_local], dtype=torch.float64, device=ps.device)
     if ps.dp == 1:
         return [n_local]
@@ -135,71 +109,48 @@ def dp_counts(n_local: int, ps) -> list[int]:
     return [int(p.item()) for p in parts]
 
 
-def minibatch_loss_weights(mini: SequenceBatch, spec: AlgoSpec, ps,
-                           norm_len: Optional[int]) -> list[list[float]]:
-    """Aggregation weights W (`algo.loss_agg`) whose denominators are those of the whole
+def gather_step(local: dict[str, torch.Tensor], ps) -> tuple[dict[str, torch.Tensor], int]:
+    """Every DP rank's named tensors ([B_r, S_r] or [B_r]) concatenated in rank order (columns
+    zero-padded to the longest) and the row offset of this rank's share.
+
+    One `all_gather_object` of the dict rather than padded `all_gather`s: it carries mixed dtypes
+    (float32 tokens, float64 rewards, int64 group ids) and per-rank shapes in one collective,
+    bitwise, with no shape exchange; the payload is a few numbers per token, once per step."""
+    if ps.dp == 1:
+        return dict(local), 0
+    parts: list = [None] * ps.dp
+    # CPU tensors pickle without a device, so every rank can load every part.
+    dist.all_gather_object(parts, {k: v.cpu() for k, v in local.items()}, group=ps.dp_group)
+    # Parts arrive in DP-rank order, so this rank's rows are [offset, offset + B_r).
+    offset = sum(len(p["rewards"]) for p in parts[: ps.dp_rank])
+    return {k: cat_padded([p[k] for p in parts]) for k in local}, offset
+
+
+def minibatch_loss_weights(mini: TensorBatch, spec: AlgoSpec, ps,
+                           norm_len: Optional[int]) -> torch.Tensor:
+    """Aggregation weights W [B, S] (`algo.loss_agg`) whose denominators are those of the whole
     mini-batch: one SUM all-reduce of (N_tok, N_seq) over the DP group."""
-    mask = pad_rows(mini.fields["loss_mask"])
+    mask = mini["loss_mask"]
     den = step_denominators(mask).as_tensor().to(ps.device)
     if ps.dp > 1:
         dist.all_reduce(den, group=ps.dp_group)
-    w = token_weights(mask, spec.loss_agg, StepDenominators.from_tensor(den.cpu()), norm_len)
-    return unpad_rows(w, mini.lengths)
+    # W stays on the CPU with the batch; make_microbatches moves it with the other fields.
+    return token_weights(mask, spec.loss_agg, StepDenominators.from_tensor(den.cpu()), norm_len)
 
 
-def step_norm_len(full: SequenceBatch, spec: AlgoSpec, ps) -> Optional[int]:
+def step_norm_len(full: TensorBatch, spec: AlgoSpec, ps) -> Optional[int]:
     """C of seq_mean_token_sum_norm: algo.loss_agg_norm_len, else the longest response of the
     step (max loss tokens of one sequence over all DP ranks); None for other modes."""
     if spec.loss_agg != LossAgg.SEQ_MEAN_TOKEN_SUM_NORM:
         return None
     if spec.loss_agg_norm_len is not None:
         return spec.loss_agg_norm_len
-    longest = max((sum(m) for m in full.fields["loss_mask"]), default=0.0)
-    t = torch.tensor([float(longest)], dtype=torch.float64, device=ps.device)
+    per_row = full["loss_mask"].to(torch.float64).sum(dim=-1)
+    # The appended 0 keeps max() defined on a rank without samples (it still joins the MAX).
+    t = torch.cat([per_row, per_row.new_zeros(1)]).max().reshape(1).to(ps.device)
     if ps.dp > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.dp_group)
     return max(1, int(t.item()))
-
-
-# ----------------------------------------------------------------------------- metrics
-
-
-class StatAccumulator:
-    """`Stat`s merged over micro-batches and mini-batches, reduced over DP once per update.
-
-    Only the last pipeline stage runs loss functions, so it reduces (SUM and MAX over its DP
-    group) and broadcasts the result over the pipeline group; every rank returns the same dict.
-    """
-
-    def __init__(self):
-        self.stats: dict[str, Stat] = {}
-
-    def add(self, stats: dict[str, Stat]) -> None:
-        self.stats = merge_stats(self.stats, stats)
-
-    def reduce(self, ps) -> dict[str, float]:
-        obj: list = [None]
-        if ps.is_last_stage:
-            names = sorted(self.stats)
-            sums = [n for n in names if self.stats[n].reduce == Reduce.SUM]
-            maxes = [n for n in names if self.stats[n].reduce == Reduce.MAX]
-            packed = torch.tensor([float(self.stats[n].value) for n in sums]
-                                  + [float(self.stats[n].count) for n in names],
-                                  dtype=torch.float64, device=ps.device)
-            top = torch.tensor([float(self.stats[n].value) for n in maxes] or [0.0],
-                               dtype=torch.float64, device=ps.device)
-            if ps.dp > 1:
-                dist.all_reduce(packed, group=ps.dp_group)
-                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.dp_group)
-            values = dict(zip(sums, packed[: len(sums)].tolist()))
-            values.update(zip(maxes, top.tolist()))
-            counts = dict(zip(names, packed[len(sums):].tolist()))
-            obj = [{n: Stat(torch.tensor(values[n]), torch.tensor(counts[n]),
-                            self.stats[n].reduce).result() for n in names}]
-        if ps.pp > 1:
-            dist.broadcast_object_list(obj, src=ps.last_stage_rank, group=ps.pp_group)
-        self.stats = {}
-        return obj[0]
 
 
 # ----------------------------------------------------------------------------- the actor
@@ -219,15 +170,14 @@ class _Clock:
 
 
 class Actor:
-    """Policy update of one RL step (module docstring). Holds the trainable engine, an optional
-    frozen reference engine, and the policy version clock used by loglinear prox."""
+    """Policy update of one RL step (module docstring). Holds the trainable engine and an optional
+    frozen reference engine. The policy version is not kept here: the caller passes the one its
+    `RolloutCluster` holds (the loglinear prox clock starts from it)."""
 
     def __init__(self, cfg, ps, engine, ref=None, spec: Optional[AlgoSpec] = None):
         self.cfg, self.ps, self.engine, self.ref = cfg, ps, engine, ref
         self.spec = spec or cfg.algo.build()
-        self.version = 0
-        """Policy version of the trainer weights (advanced by one per `ppo_update`)."""
-        self.updates = 0
+        self.updates = 0  # PPO updates so far: seeds the mini-batch shuffle (restored on resume)
 
     @classmethod
     def build(cls, cfg, ps, engine=None) -> "Actor":
@@ -240,43 +190,46 @@ class Actor:
         return cls(cfg, ps, engine, ref, spec)
 
     # ------------------------------------------------------------------ per-step inputs
-    def ref_logp(self, batch: SequenceBatch) -> list[list[float]]:
-        """log pi_ref of this rank's samples (forward-only on the frozen reference)."""
+    def ref_logp(self, batch: TensorBatch) -> torch.Tensor:
+        """log pi_ref [B, S] of this rank's samples (forward-only on the frozen reference)."""
         if self.ref is None:
             raise ValueError("Actor.ref_logp: no reference model (algo.kl_coef is 0)")
-        return [t.tolist() for t in self.ref.compute_logp(batch).logp]
+        return self.ref.compute_logp(batch).logp
 
-    def with_advantages(self, batch: SequenceBatch, rewards: Sequence[float],
-                        group_id: Sequence[int]) -> SequenceBatch:
-        """DP-collective advantages for this rank's share: all-gathers the step over the DP
-        group, runs `step_advantages` on the whole step (groups complete, step-level whitening)
-        and keeps this rank's rows. Use it when the advantage needs per-rank model outputs
-        (algo.kl_in_reward: ref_logp, computed here if missing; gae: a `values` field).
-        Returns a new batch with `advantages` and `returns` fields (and `ref_logp` if computed)."""
-        fields = dict(batch.fields)
-        kl = None
+    def with_advantages(self, batch: TensorBatch) -> TensorBatch:
+        """DP-collective advantages for this rank's share: gathers the step's named advantage
+        inputs over the DP group (`gather_step`), runs `compute_advantages` on the whole step
+        (groups complete, step-level whitening) and keeps this rank's rows. Use it when the
+        advantage needs per-rank model outputs (algo.kl_in_reward: ref_logp, computed here if
+        missing; gae: a `values` field); the batch carries `rewards` and `group_ids` as
+        per-sample fields. Returns the batch plus `advantages` and `returns` (and `ref_logp` if
+        computed)."""
+        missing = [n for n in ("loss_mask", "rewards", "group_ids") if n not in batch]
+        if missing:
+            raise ValueError(f"Actor.with_advantages: batch lacks field(s) {missing}")
+        local = {"loss_mask": batch["loss_mask"], "rewards": batch["rewards"],
+                 "group_ids": batch["group_ids"]}
+        if "values" in batch.fields:
+            local["values"] = batch["values"]
         if self.spec.kl_in_reward and self.spec.kl_coef > 0:
-            if "ref_logp" not in fields:
-                fields["ref_logp"] = self.ref_logp(batch)
-            mask = pad_rows(fields["loss_mask"])
-            k = kl_penalty(pad_rows(fields["behave_logp"]), pad_rows(fields["ref_logp"]), mask,
-                           self.spec.kl_estimator)
-            kl = unpad_rows(k, batch.lengths)
-        local = (fields["loss_mask"], list(rewards), list(group_id), fields.get("values"), kl)
-        parts: list = [None] * self.ps.dp
-        dist.all_gather_object(parts, local, group=self.ps.dp_group)
-        offset = sum(len(p[0]) for p in parts[: self.ps.dp_rank])
-        cat = [list(chain.from_iterable(p[i] for p in parts)) if parts[0][i] is not None
-               else None for i in range(5)]
-        out = step_advantages(self.spec.advantage, cat[0], cat[1], cat[2], cat[3], cat[4])
-        rows = slice(offset, offset + len(batch))
-        fields["advantages"], fields["returns"] = out.advantages[rows], out.returns[rows]
-        return SequenceBatch(batch.input_ids, fields)
+            if "ref_logp" not in batch.fields:
+                batch = batch.with_fields(ref_logp=self.ref_logp(batch))
+            # k_t of the sampling policy vs pi_ref: the shaped reward is fixed for the whole update.
+            local["kl"] = kl_penalty(batch["behave_logp"], batch["ref_logp"], batch["loss_mask"],
+                                     self.spec.kl_estimator)
+        step, offset = gather_step(local, self.ps)
+        out = compute_advantages(self.spec.advantage, step["rewards"], step["loss_mask"],
+                                 step["group_ids"], values=step.get("values"), kl=step.get("kl"))
+        # Extra columns (another rank's longer rows) are masked out: trim back to this batch.
+        mine = slice(offset, offset + len(batch))
+        s = batch.seq_len
+        return batch.with_fields(advantages=out.advantages[mine, :s].contiguous(),
+                                 returns=out.returns[mine, :s].contiguous())
 
     # ------------------------------------------------------------------ the update
-    def ppo_update(self, batch: SequenceBatch, version: Optional[int] = None) -> dict[str, float]:
+    def ppo_update(self, batch: TensorBatch, version: int) -> dict[str, float]:
         """One RL step on this DP rank's share (module docstring). `version` = the policy version
-        of the current weights (default: the actor's own counter). Collective over all ranks."""
+        of the current weights (the cluster's). Collective over all ranks."""
         t0 = time.perf_counter()
         spec, cfg = self.spec, self.cfg
         mode = spec.prox_logp_mode
@@ -285,31 +238,23 @@ class Actor:
         missing = [n for n in need if n not in batch.fields]
         if missing:
             raise ValueError(f"Actor.ppo_update: batch lacks field(s) {missing}")
-        fields = dict(batch.fields)
-        acc = StatAccumulator()
-        if self.ref is not None and spec.kl_loss_coef > 0 and "ref_logp" not in fields:
-            fields["ref_logp"] = self.ref_logp(batch)
-        train_entropy = spec.entropy_coef > 0
-        if mode != ProxLogpMode.LOGLINEAR and spec.policy_loss.needs_prox_logp:
-            res = self.engine.compute_logp(batch, with_entropy=not train_entropy)
-            fields["prox_logp"] = [t.tolist() for t in res.logp]
-            if res.entropy is not None:  # the entropy metric without paying for it in backward
-                acc.add({"entropy": Stat.masked_mean(pad_rows([t.tolist() for t in res.entropy]),
-                                                     pad_rows(fields["loss_mask"]))})
-        full = SequenceBatch(batch.input_ids, fields)
-
+        acc = StatsTracker()
+        full = self._step_inputs(batch, acc)
+        # Same on every DP rank (from the gathered counts): all ranks step the optimizer together.
         n_mini = num_minibatches(dp_counts(len(batch), self.ps), cfg.train.ppo_mini_batch_size)
-        clock = _Clock(0, max(1, n_mini * cfg.train.ppo_epochs),
-                       float(self.version if version is None else version))
+        clock = _Clock(0, max(1, n_mini * cfg.train.ppo_epochs), float(version))
+        # Collective (MAX over DP): every rank must call it, hence before the loop.
         norm_len = step_norm_len(full, spec, self.ps) if n_mini else None
         losses, grad_norms, lr = [], [], 0.0
         for epoch in range(cfg.train.ppo_epochs if n_mini else 0):
             seed = shuffle_seed(cfg.train.seed, self.updates, epoch)
             for idx in minibatch_indices(len(full), n_mini, seed):
                 mini = full.select(idx)
-                mini.fields["loss_weight"] = minibatch_loss_weights(mini, spec, self.ps, norm_len)
+                # W before the micro-batch split: the gradient must not depend on the budget.
+                mini = mini.with_fields(
+                    loss_weight=minibatch_loss_weights(mini, spec, self.ps, norm_len))
                 out = self.engine.train_batch(mini, partial(self._loss_fn, clock, acc),
-                                              with_entropy=train_entropy)
+                                              with_entropy=spec.entropy_coef > 0)
                 losses.append(out["loss"])
                 grad_norms.append(out["grad_norm"])
                 lr = out["lr"]
@@ -319,17 +264,32 @@ class Actor:
             loss=mean_or_zero(losses), grad_norm=mean_or_zero(grad_norms),
             grad_norm_max=max(grad_norms, default=0.0), lr=lr, n_minibatches=float(n_mini),
             optimizer_steps=float(clock.k), update_time=time.perf_counter() - t0)
-        self.version = int(clock.prox_version) + 1
+        # K optimizer steps together move the policy by exactly one version (loglinear clock).
         self.updates += 1
         return metrics
 
-    def _loss_fn(self, clock: _Clock, acc: StatAccumulator, logp: torch.Tensor,
+    def _step_inputs(self, batch: TensorBatch, acc: StatsTracker) -> TensorBatch:
+        """The batch plus ref_logp (KL loss) and prox_logp (recompute / metrics), both computed
+        once per step on the step-start weights; the entropy metric comes free with prox."""
+        spec = self.spec
+        # with_advantages may have computed ref_logp already (kl_in_reward): never twice.
+        if self.ref is not None and spec.kl_loss_coef > 0 and "ref_logp" not in batch.fields:
+            batch = batch.with_fields(ref_logp=self.ref_logp(batch))
+        train_entropy = spec.entropy_coef > 0
+        if spec.prox_logp_mode != ProxLogpMode.LOGLINEAR and spec.policy_loss.needs_prox_logp:
+            res = self.engine.compute_logp(batch, with_entropy=not train_entropy)
+            batch = batch.with_fields(prox_logp=res.logp)
+            if res.entropy is not None:  # the entropy metric without paying for it in backward
+                acc.add_stats({"entropy": Stat.masked_mean(res.entropy, batch["loss_mask"])})
+        return batch
+
+    def _loss_fn(self, clock: _Clock, acc: StatsTracker, logp: torch.Tensor,
                  entropy: Optional[torch.Tensor], mb: MicroBatch):
         """Per micro-batch: sum_it W_it (policy + entropy + KL terms); stats go to `acc`."""
         spec = self.spec
         m, behave, w = mb["loss_mask"], mb["behave_logp"], mb["loss_weight"]
         stats: dict[str, Stat] = {}
-        prox = mb.fields.get("prox_logp")
+        prox = mb.fields.get("prox_logp")  # absent under loglinear or for a prox-free loss
         if spec.prox_logp_mode != ProxLogpMode.RECOMPUTE:
             approx = loglinear_prox_logp(logp, behave, mb["versions"], clock.prox_version,
                                          clock.theta_version, m)
@@ -355,7 +315,7 @@ class Actor:
             gap = (logp.detach() - behave).abs()
             stats["logp_gap"] = Stat.masked_mean(gap, m)
             stats["logp_gap_max"] = Stat.masked_max(gap, m)
-        acc.add(stats)
+        acc.add_stats(stats)
         return loss, {}
 
 

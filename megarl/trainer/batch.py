@@ -1,44 +1,163 @@
-"""Token batches for the engine: variable-length samples -> padded, token-budget micro-batches.
+"""Token batches for the engine: one padded-tensor batch per step, sliced into micro-batches.
 
-A :class:`SequenceBatch` is this DP rank's share of a step: ``input_ids`` per sample plus
-token-aligned float fields (``loss_mask``, ``behave_logp``, ``advantages``, ...). Micro-batches
-are right-padded (padding carries loss_mask 0, so causal attention needs no mask).
+A :class:`TensorBatch` is this DP rank's share of a step, built ONCE from per-sample lists
+(`from_lists`) or rollout trajectories (`from_trajectories`) and then only indexed:
+
+    tokens         [B, S] long     right-padded with 0
+    lengths        [B]    long     real tokens per row
+    fields[name]   [B, S] float32  token-aligned, 0 past the row's length (loss_mask, behave_logp,
+                                   versions, advantages, returns, prox_logp, ref_logp, values, ...)
+    sample_fields  [B]             one value per sample (rewards float64, group_ids long, ...)
+
+Padding carries loss_mask 0 and sits after the real tokens, so causal attention needs no mask and
+every masked sum ignores it. `make_microbatches` cuts token-budget micro-batches by indexing rows
+of these tensors (no per-token Python). `per_sample` gives per-row views for tools that write
+variable-length lists (megarl-logprobs, test workers).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from megarl.data.datasets import pack_microbatches
 
+def valid_mask(lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[B, seq_len] bool, True on the first lengths[i] positions of row i."""
+    return torch.arange(seq_len, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+
+
+def pad_sequences(rows: Sequence[Sequence[float]], dtype=torch.float32,
+                  seq_len: Optional[int] = None) -> torch.Tensor:
+    """Variable-length rows -> a right-zero-padded [B, S] tensor (S = longest row unless given),
+    filled by one boolean-mask assignment of the concatenated rows."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    s = int(lengths.max()) if len(rows) and seq_len is None else (seq_len or 0)
+    out = torch.zeros(len(rows), s, dtype=dtype)
+    # A row-major boolean assignment visits row 0's real positions first, then row 1's, ...:
+    # exactly the order of the concatenated rows.
+    out[valid_mask(lengths, s)] = torch.tensor(list(chain.from_iterable(rows)), dtype=dtype)
+    return out
+
+
+def per_sample(t: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> list[torch.Tensor]:
+    """[B, S] -> B views of the real positions (row i: t[i, :lengths[i]])."""
+    lens = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
+    return [t[i, :n] for i, n in enumerate(lens)]
+
+
+def cat_padded(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenates [B_i, S_i] tensors along rows, zero-padding columns to the largest S_i
+    ([B_i] tensors are simply concatenated)."""
+    if parts[0].dim() == 1:
+        return torch.cat(list(parts))
+    s = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, s - p.shape[1])) for p in parts])
+
+
+def _sample_tensor(values: Any) -> torch.Tensor:
+    """Per-sample values -> [B]: ints stay int64, anything else becomes float64 (a reward of 0.1
+    must reach the advantage estimator as the same double it was in Python)."""
+    if isinstance(values, torch.Tensor):
+        return values
+    values = list(values)
+    exact_int = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+    return torch.tensor(values, dtype=torch.long if exact_int and values else torch.float64)
+
 
 @dataclass
-class SequenceBatch:
-    input_ids: list[list[int]]
-    fields: dict[str, list[list[float]]] = field(default_factory=dict)
-    """Token-aligned per-sample lists (same length as the sample's input_ids)."""
+class TensorBatch:
+    """Padded-tensor batch (module docstring). Immutable by convention: `with_fields`,
+    `with_sample_fields` and `select` return new batches sharing the untouched tensors."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    sample_fields: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
-        for name, values in self.fields.items():
-            if len(values) != len(self.input_ids):
-                raise ValueError(f"batch field {name!r}: {len(values)} samples, "
-                                 f"expected {len(self.input_ids)}")
-            for i, (v, ids) in enumerate(zip(values, self.input_ids)):
-                if len(v) != len(ids):
-                    raise ValueError(f"batch field {name!r}: sample {i} has {len(v)} entries "
-                                     f"for {len(ids)} tokens")
+        b = self.tokens.shape[0]
+        if self.tokens.dim() != 2 or self.lengths.shape != (b,):
+            raise ValueError(f"batch: tokens {tuple(self.tokens.shape)} must be [B, S] and "
+                             f"lengths {tuple(self.lengths.shape)} [B]")
+        for name, t in self.fields.items():
+            if t.shape != self.tokens.shape:
+                raise ValueError(f"batch field {name!r}: shape {tuple(t.shape)}, expected "
+                                 f"{tuple(self.tokens.shape)}")
+        for name, t in self.sample_fields.items():
+            if t.shape != (b,):
+                raise ValueError(f"batch sample field {name!r}: shape {tuple(t.shape)}, "
+                                 f"expected ({b},)")
+            if name in self.fields:
+                raise ValueError(f"batch: {name!r} is both a token and a sample field")
 
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_lists(cls, input_ids: Sequence[Sequence[int]],
+                   fields: Optional[Mapping[str, Sequence[Sequence[float]]]] = None,
+                   sample_fields: Optional[Mapping[str, Iterable]] = None) -> "TensorBatch":
+        """Per-sample token lists (+ token-aligned float lists, + per-sample values)."""
+        lengths = torch.tensor([len(x) for x in input_ids], dtype=torch.long)
+        for name, rows in (fields or {}).items():
+            bad = [i for i, (r, n) in enumerate(zip(rows, lengths.tolist())) if len(r) != n]
+            if len(rows) != len(input_ids) or bad:
+                raise ValueError(f"batch field {name!r}: not token-aligned with input_ids "
+                                 f"({len(rows)} samples for {len(input_ids)}; rows {bad[:5]})")
+        return cls(pad_sequences(input_ids, torch.long), lengths,
+                   {k: pad_sequences(v) for k, v in (fields or {}).items()},
+                   {k: _sample_tensor(v) for k, v in (sample_fields or {}).items()})
+
+    @classmethod
+    def from_trajectories(cls, trajs: Sequence[Any]) -> "TensorBatch":
+        """Rollout trajectories (duck-typed `megarl.rollout.types.Trajectory`: input_ids,
+        loss_mask, behave_logp, versions lists, reward, group_id) -> fields loss_mask,
+        behave_logp, versions and sample fields rewards, group_ids."""
+        return cls.from_lists(
+            [t.input_ids for t in trajs],
+            {"loss_mask": [t.loss_mask for t in trajs],
+             "behave_logp": [t.behave_logp for t in trajs],
+             "versions": [t.versions for t in trajs]},
+            {"rewards": torch.tensor([float(t.reward) for t in trajs], dtype=torch.float64),
+             "group_ids": torch.tensor([int(t.group_id) for t in trajs], dtype=torch.long)})
+
+    # ------------------------------------------------------------------ access
     def __len__(self) -> int:
-        return len(self.input_ids)
+        return self.tokens.shape[0]
 
     @property
-    def lengths(self) -> list[int]:
-        return [len(x) for x in self.input_ids]
+    def seq_len(self) -> int:
+        return self.tokens.shape[1]
 
-    def select(self, indices: list[int]) -> "SequenceBatch":
-        return SequenceBatch([self.input_ids[i] for i in indices],
-                             {k: [v[i] for i in indices] for k, v in self.fields.items()})
+    def __contains__(self, name: str) -> bool:
+        return name in self.fields or name in self.sample_fields
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.fields:
+            return self.fields[name]
+        return self.sample_fields[name]
+
+    def with_fields(self, **fields: torch.Tensor) -> "TensorBatch":
+        """A new batch with these [B, S] token fields added or replaced."""
+        return TensorBatch(self.tokens, self.lengths, {**self.fields, **fields},
+                           dict(self.sample_fields))
+
+    def with_sample_fields(self, **sample_fields: Any) -> "TensorBatch":
+        """A new batch with these [B] per-sample fields added or replaced."""
+        new = {k: _sample_tensor(v) for k, v in sample_fields.items()}
+        return TensorBatch(self.tokens, self.lengths, dict(self.fields),
+                           {**self.sample_fields, **new})
+
+    def select(self, indices: Sequence[int] | torch.Tensor) -> "TensorBatch":
+        """Rows `indices` (in that order), padding trimmed to the longest selected row."""
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        # Advanced indexing copies: the new batch never aliases rows of this one.
+        lengths = self.lengths[idx]
+        s = int(lengths.max()) if len(idx) else 0
+        return TensorBatch(self.tokens[idx, :s], lengths,
+                           {k: v[idx, :s] for k, v in self.fields.items()},
+                           {k: v[idx] for k, v in self.sample_fields.items()})
 
 
 @dataclass
@@ -46,8 +165,8 @@ class MicroBatch:
     tokens: torch.Tensor  # [b, s] long, right-padded with 0
     position_ids: torch.Tensor  # [b, s]
     fields: dict[str, torch.Tensor]  # [b, s] float32, zero-padded
-    lengths: list[int]
-    indices: list[int]  # positions in the SequenceBatch
+    lengths: torch.Tensor  # [b] long, on the device of `tokens`
+    indices: torch.Tensor  # [b] long (CPU): rows of the TensorBatch
     step_tokens: float = 1.0  # loss_mask tokens in the whole step (all micro-batches, all DP)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -56,25 +175,21 @@ class MicroBatch:
     @property
     def valid(self) -> torch.Tensor:
         """[b, s] 1.0 on real (non-padding) positions."""
-        s = self.tokens.shape[1]
-        return (torch.arange(s).unsqueeze(0) < torch.tensor(self.lengths).unsqueeze(1)).float()
+        return valid_mask(self.lengths, self.tokens.shape[1]).float()
 
 
-def make_microbatches(batch: SequenceBatch, max_tokens: int, device) -> list[MicroBatch]:
-    """Packs samples into micro-batches of at most ``max_tokens`` padded tokens (a longer sample
-    gets a micro-batch of its own); deterministic, so every TP/PP peer builds the same ones."""
+def make_microbatches(batch: TensorBatch, max_tokens: int, device) -> list[MicroBatch]:
+    """Packs rows into micro-batches of at most ``max_tokens`` padded tokens (a longer row gets a
+    micro-batch of its own), each trimmed to its longest row; deterministic, so every TP/PP peer
+    builds the same ones."""
     out = []
-    for idx in pack_microbatches(batch.lengths, max_tokens):
-        lens = [len(batch.input_ids[i]) for i in idx]
-        s = max(lens)
-        tokens = torch.zeros(len(idx), s, dtype=torch.long)
-        fields = {k: torch.zeros(len(idx), s, dtype=torch.float32) for k in batch.fields}
-        for row, i in enumerate(idx):
-            n = lens[row]
-            tokens[row, :n] = torch.tensor(batch.input_ids[i], dtype=torch.long)
-            for k, v in batch.fields.items():
-                fields[k][row, :n] = torch.tensor(v[i], dtype=torch.float32)
-        pos = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(len(idx), s).contiguous()
-        out.append(MicroBatch(tokens.to(device), pos.to(device),
-                              {k: v.to(device) for k, v in fields.items()}, lens, list(idx)))
+    # The packer plans over B lengths (Python ints), never over tokens.
+    for idx in pack_microbatches(batch.lengths.tolist(), max_tokens):
+        sub = batch.select(idx)
+        b, s = sub.tokens.shape
+        # Positions restart at 0 in every row: each row is one sequence (no packing).
+        pos = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous()
+        out.append(MicroBatch(sub.tokens.to(device), pos.to(device),
+                              {k: v.to(device) for k, v in sub.fields.items()},
+                              sub.lengths.to(device), torch.as_tensor(idx, dtype=torch.long)))
     return out

@@ -2,10 +2,10 @@
 value head, trained by the same engine machinery as the actor.
 
     critic = Critic.build(cfg, ps)                  # critic.hf_path, else model.hf_path
-    batch.fields["values"] = critic.values(batch)   # V_t at the step start (old values)
-    batch = actor.with_advantages(batch, rewards, group_id)   # gae -> advantages + returns
+    batch = batch.with_fields(values=critic.values(batch))   # V_t at the step start (old values)
+    batch = actor.with_advantages(batch)            # gae -> advantages + returns
     metrics = critic.update(batch)                  # clipped value loss, epochs x mini-batches
-    if not critic.warming_up: actor.ppo_update(batch)
+    if not critic.warming_up: actor.ppo_update(batch, version)
 
 The value head is a plain replicated Linear(hidden, 1): on the last pipeline stage the hidden
 states (after the final norm) are complete and identical on every TP rank (no sequence
@@ -35,10 +35,11 @@ import torch
 
 from megarl import compat
 from megarl.algo import Stat, aggregate
-from megarl.trainer.actor import (StatAccumulator, dp_counts, minibatch_indices,
-                                  mean_or_zero, minibatch_loss_weights, num_minibatches,
-                                  shuffle_seed, step_norm_len)
-from megarl.trainer.batch import MicroBatch, SequenceBatch
+from megarl.metrics import StatsTracker
+from megarl.trainer.actor import (dp_counts, mean_or_zero, minibatch_indices,
+                                  minibatch_loss_weights, num_minibatches, shuffle_seed,
+                                  step_norm_len)
+from megarl.trainer.batch import MicroBatch, TensorBatch
 from megarl.trainer.engine import Engine
 
 
@@ -129,11 +130,11 @@ class Critic:
         """True for the first critic.warmup_steps updates: the actor should not update yet."""
         return self.updates < self.cfg.critic.warmup_steps
 
-    def values(self, batch: SequenceBatch) -> list[list[float]]:
-        """V_t of this rank's samples (forward-only; on every PP stage)."""
-        return [t.tolist() for t in self.engine.compute_logp(batch).logp]
+    def values(self, batch: TensorBatch) -> torch.Tensor:
+        """V_t [B, S] of this rank's samples (forward-only; on every PP stage)."""
+        return self.engine.compute_logp(batch).logp
 
-    def update(self, batch: SequenceBatch) -> dict[str, float]:
+    def update(self, batch: TensorBatch) -> dict[str, float]:
         """Epochs x mini-batches of the value loss (fields loss_mask, values = V_old, returns);
         the same mini-batch plan as the actor. Collective over all ranks."""
         t0 = time.perf_counter()
@@ -143,14 +144,14 @@ class Critic:
         train = self.cfg.train
         n_mini = num_minibatches(dp_counts(len(batch), self.ps), train.ppo_mini_batch_size)
         norm_len = step_norm_len(batch, self.spec, self.ps) if n_mini else None
-        acc, losses, grad_norms = StatAccumulator(), [], []
+        acc, losses, grad_norms = StatsTracker(), [], []
         for epoch in range(train.ppo_epochs if n_mini else 0):
             # a different stream from the actor's shuffle (same seed would couple them)
             seed = shuffle_seed(train.seed + 1, self.updates, epoch)
             for idx in minibatch_indices(len(batch), n_mini, seed):
                 mini = batch.select(idx)
-                mini.fields["loss_weight"] = minibatch_loss_weights(mini, self.spec, self.ps,
-                                                                    norm_len)
+                mini = mini.with_fields(
+                    loss_weight=minibatch_loss_weights(mini, self.spec, self.ps, norm_len))
                 out = self.engine.train_batch(mini, partial(self._loss_fn, acc))
                 losses.append(out["loss"])
                 grad_norms.append(out["grad_norm"])
@@ -160,9 +161,9 @@ class Critic:
         self.updates += 1
         return metrics
 
-    def _loss_fn(self, acc: StatAccumulator, values: torch.Tensor, entropy, mb: MicroBatch):
+    def _loss_fn(self, acc: StatsTracker, values: torch.Tensor, entropy, mb: MicroBatch):
         m = mb["loss_mask"]
         per_token, stats = value_loss(values, mb["values"], mb["returns"], m,
                                       self.cfg.critic.value_clip)
-        acc.add(stats)
+        acc.add_stats(stats)
         return aggregate(per_token, mb["loss_weight"]), {}

@@ -1,20 +1,22 @@
 """The loss-agnostic Megatron training engine.
 
     engine = Engine.build(cfg, ps)                  # GPTModel chunks + DDP + optimizer + LR sched
-    logp = engine.compute_logp(batch)               # forward-only, per-token logprobs
+    logp = engine.compute_logp(batch).logp          # forward-only, per-token logprobs [B, S]
     metrics = engine.train_batch(batch, loss_fn)    # forward+backward over micro-batches + step
 
-Both run through Megatron's ``get_forward_backward_func`` (no pipeline, 1F1B or interleaved),
-one token-budget micro-batch at a time. Losses are normalised per token at step level:
+Both take a `TensorBatch` (this DP rank's share) and run through Megatron's
+``get_forward_backward_func`` (no pipeline, 1F1B or interleaved), one token-budget micro-batch at
+a time. Losses are normalised per token at step level:
 
-    loss_fn(logp, entropy, mb) -> (loss, metrics)
+    loss_fn(logp, entropy, mb) -> (loss, stats)
 
 returns ``loss`` = this micro-batch's contribution to the step loss (its per-token terms already
 divided by step-level denominators, e.g. ``mb.step_tokens`` = loss-mask tokens over all micro-
 batches and DP ranks). The engine hands Megatron ``loss * step_tokens`` with the micro-batch's
 token count; Megatron (``calculate_per_token_loss``) sums gradients over DP and divides by the
 step's total token count, so the gradient is exactly d(sum of contributions)/d(theta) however the
-step is split. ``metrics`` maps name -> (sum, count) and is reduced over micro-batches and DP.
+step is split. ``stats`` maps name -> `megarl.algo.Stat`, reduced over micro-batches and DP by the
+one `megarl.metrics.StatsTracker`.
 """
 from __future__ import annotations
 
@@ -26,21 +28,26 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megarl.algo.stats import Stat
 from megarl.config import Config
+from megarl.metrics import StatsTracker
 from megarl.models import builder, hf_io
 from megarl.models.registry import ModelArgs, read_model_args
 from megarl.parallel import ParallelState
-from megarl.trainer.batch import MicroBatch, SequenceBatch, make_microbatches
+from megarl.trainer.batch import MicroBatch, TensorBatch, make_microbatches
 from megarl.trainer.logits import shift_logprobs
 
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], MicroBatch],
-                  tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]]
+                  tuple[torch.Tensor, dict[str, Stat]]]
 
 
 @dataclass
 class LogpResult:
-    logp: list[torch.Tensor]  # per sample, [len], entry 0 = 0.0
-    entropy: Optional[list[torch.Tensor]] = None
+    """Padded like the batch: [B, S] float32, entry 0 of each row = 0.0, 0.0 past its length
+    (`megarl.trainer.batch.per_sample` gives per-row views)."""
+
+    logp: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
 
 
 class Engine:
@@ -121,6 +128,7 @@ class Engine:
             out = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
             return out, partial(loss_func, mb)
 
+        # Interleaved schedules pull from one iterator per model chunk; all see the same list.
         its = [iter(mbs) for _ in self.chunks] if len(self.chunks) > 1 else iter(mbs)
         max_len = max(m.tokens.shape[1] for m in mbs)
         return get_forward_backward_func()(
@@ -135,86 +143,71 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
-    def compute_logp(self, batch: SequenceBatch, with_entropy: bool = False) -> LogpResult:
-        """Per-token logprobs (and entropies) of this DP rank's samples, on every PP stage."""
+    def compute_logp(self, batch: TensorBatch, with_entropy: bool = False) -> LogpResult:
+        """Per-token logprobs (and entropies) of this DP rank's samples, [B, S], on every PP
+        stage."""
         for c in self.chunks:
-            c.eval()
+            c.eval()  # dropout off: a recomputed logprob must be a function of the weights only
+        names = ["logp", "entropy"] if with_entropy else ["logp"]
+        # Filled in place by the last stage's loss_func; zeros elsewhere until the broadcast.
+        out = {n: torch.zeros(len(batch), batch.seq_len, dtype=torch.float32) for n in names}
+        if len(batch) == 0:  # schedules need a micro-batch; TP/PP peers hold the same empty batch
+            return LogpResult(out["logp"], out.get("entropy"))
         mbs = make_microbatches(batch, self.cfg.train.micro_batch_tokens, self.ps.device)
 
         def loss_func(mb, logits):
             logp, ent = self._logits_to_logp(logits, mb, with_entropy)
-            out = {"logp": logp.cpu()}
-            if ent is not None:
-                out["entropy"] = ent.cpu()
-            return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), out
+            valid = mb.valid.bool()
+            s = mb.tokens.shape[1]  # each row of the batch is written by exactly one micro-batch
+            for name, t in (("logp", logp), ("entropy", ent)):
+                if t is not None:  # padding positions hold garbage: keep the batch zero-padded
+                    out[name][mb.indices, :s] = torch.where(valid, t, 0.0).float().cpu()
+            return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
 
-        store = self._run(mbs, loss_func, forward_only=True)
-        names = ["logp", "entropy"] if with_entropy else ["logp"]
-        flat = {}
-        for name in names:
-            per_sample: list = [None] * len(batch)
-            if self.ps.is_last_stage:
-                for mb, out in zip(mbs, store):
-                    for row, i in enumerate(mb.indices):
-                        per_sample[i] = out[name][row, : mb.lengths[row]]
-                flat[name] = torch.cat(per_sample).float()
-            else:
-                flat[name] = torch.empty(sum(batch.lengths), dtype=torch.float32)
-            if self.ps.pp > 1:
-                buf = flat[name].to(self.ps.device)
+        self._run(mbs, loss_func, forward_only=True)
+        if self.ps.pp > 1:  # only the last stage has logits; every stage returns the result
+            for name in names:
+                buf = out[name].to(self.ps.device)
                 dist.broadcast(buf, src=self.ps.last_stage_rank, group=self.ps.pp_group)
-                flat[name] = buf.cpu()
-        result = {n: list(torch.split(flat[n], batch.lengths)) for n in names}
-        return LogpResult(result["logp"], result.get("entropy"))
+                out[name] = buf.cpu()
+        return LogpResult(out["logp"], out.get("entropy"))
 
-    def train_batch(self, batch: SequenceBatch, loss_fn: LossFn, with_entropy: bool = False) -> dict:
-        """One optimizer step over ``batch`` (this DP rank's share). Returns reduced metrics."""
+    def train_batch(self, batch: TensorBatch, loss_fn: LossFn, with_entropy: bool = False) -> dict:
+        """One optimizer step over ``batch`` (this DP rank's share). Returns reduced metrics:
+        ``loss`` (the step loss = sum of contributions), the loss_fn's stats, grad_norm, lr, ..."""
         t0 = time.perf_counter()
         for c in self.chunks:
             c.train()
-            c.zero_grad_buffer()
+            c.zero_grad_buffer()  # DDP accumulates over micro-batches: every step starts at 0
         self.optimizer.zero_grad()
         mbs = make_microbatches(batch, self.cfg.train.micro_batch_tokens, self.ps.device)
-        local_tokens = sum(float(sum(m)) for m in batch.fields["loss_mask"])
-        step_tokens = torch.tensor([local_tokens], dtype=torch.float64, device=self.ps.device)
-        dist.all_reduce(step_tokens, group=self.ps.dp_group)
+        step_tokens = batch["loss_mask"].sum(dtype=torch.float64).reshape(1).to(self.ps.device)
+        dist.all_reduce(step_tokens, group=self.ps.dp_group)  # one denominator on every DP rank
         for mb in mbs:
+            # >= 1 so a step without loss tokens gives zero loss and gradient, not NaN
             mb.step_tokens = max(float(step_tokens.item()), 1.0)
+        tracker = StatsTracker()
 
         def loss_func(mb, logits):
             logp, ent = self._logits_to_logp(logits, mb, with_entropy)
-            loss, metrics = loss_fn(logp, ent, mb)
-            num = mb["loss_mask"].sum().to(torch.int)
-            packed = {k: torch.stack([s.detach().float().reshape(()), c.detach().float().reshape(())])
-                      for k, (s, c) in metrics.items()}
-            packed["loss"] = torch.stack([loss.detach().float().reshape(()), torch.tensor(1.0)])
-            return loss * mb.step_tokens, num, packed
+            loss, stats = loss_fn(logp, ent, mb)
+            num = mb["loss_mask"].sum()
+            # The contributions are already step-normalised: with count = this micro-batch's
+            # token share (summing to 1 over the step), the reduced "loss" is their plain sum.
+            share = num.detach().to(torch.float64) / mb.step_tokens
+            tracker.add_stats({**stats, "loss": Stat(loss.detach().float(), share)})
+            # Megatron divides the summed gradient by the summed `num` (= step_tokens): undo it.
+            return loss * mb.step_tokens, num.to(torch.int), {}
 
-        store = self._run(mbs, loss_func, forward_only=False)
+        self._run(mbs, loss_func, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(increment=1)
         self.step += 1
-        metrics = self._reduce_metrics(store)
+        metrics = tracker.reduce(self.ps)
         metrics.update(grad_norm=float(grad_norm or 0.0), lr=lr, tokens=float(step_tokens.item()),
                        step_time=time.perf_counter() - t0, update_ok=float(bool(ok)))
         return metrics
-
-    def _reduce_metrics(self, store: list) -> dict:
-        """Sums (sum, count) pairs over micro-batches and DP; every rank gets the result."""
-        obj = [None]
-        if self.ps.is_last_stage:
-            names = sorted(store[0])
-            sums = torch.stack([sum(out[n] for out in store) for n in names]).to(torch.float64)
-            dist.all_reduce(sums, group=self.ps.dp_group)
-            result = {}
-            for n, (s, c) in zip(names, sums.tolist()):
-                # the loss contributions are already step-normalised: sum, don't average
-                result[n] = s if n == "loss" else (s / c if c else 0.0)
-            obj = [result]
-        if self.ps.pp > 1:
-            dist.broadcast_object_list(obj, src=self.ps.last_stage_rank, group=self.ps.pp_group)
-        return obj[0]
 
     # ------------------------------------------------------------------ weights
     def export_hf(self, out_dir: str, dtype: Optional[torch.dtype] = None) -> None:

@@ -4,7 +4,7 @@
     every step, all ranks:
         groups   <- controller.next_batch()              (rank 0; broadcast to all ranks)
         share    <- token-balanced DP split
-        share    <- actor.with_advantages(share, ...)    (step-level group baselines)
+        share    <- actor.with_advantages(share)         (step-level group baselines)
         metrics  <- actor.ppo_update(share)              (prox recompute, PPO epochs, mini-batches)
         every train.trigger_parameter_sync_step steps: pusher.push(): pause rollouts -> push
         weights -> cluster.version + 1 -> resume (in-flight samples continue as partial
@@ -43,8 +43,8 @@ from megarl.timeline import Timeline
 from megarl.algo.advantages import AdvantageEstimator
 from megarl.algo.filters import overlong_penalty
 from megarl.trainer.actor import Actor
+from megarl.trainer.batch import TensorBatch
 from megarl.trainer.critic import Critic
-from megarl.trainer.batch import SequenceBatch
 from megarl.trainer.rollout_stats import StepTimer, batch_metrics, dump_generations
 from megarl.weights.push import WeightPusher
 
@@ -77,14 +77,11 @@ def build_controller(cfg, cluster: RolloutCluster, timeline=None) -> RolloutCont
         failed_log=os.path.join(cfg.train.run_dir, "failed_prompts.jsonl"), timeline=timeline)
 
 
-def local_share(trajs: list[Trajectory], ps) -> tuple[SequenceBatch, list[float], list[int]]:
+def local_share(trajs: list[Trajectory], ps) -> TensorBatch:
+    """This DP rank's token-balanced share of the step as one padded batch (rewards and
+    group_ids ride along as per-sample fields)."""
     mine = balance_across_ranks([len(t.input_ids) for t in trajs], ps.dp)[ps.dp_rank]
-    sel = [trajs[i] for i in mine]
-    batch = SequenceBatch([t.input_ids for t in sel], {
-        "loss_mask": [[float(m) for m in t.loss_mask] for t in sel],
-        "behave_logp": [t.behave_logp for t in sel],
-        "versions": [[float(v) for v in t.versions] for t in sel]})
-    return batch, [t.reward for t in sel], [t.group_id for t in sel]
+    return TensorBatch.from_trajectories([trajs[i] for i in mine])
 
 
 def build_eval(cfg) -> Optional[PeriodicEval]:
@@ -113,12 +110,12 @@ def shape_rewards(trajs: list[Trajectory], spec, max_new_tokens: int) -> dict:
     return {"overlong_penalty_mean": float(penalty.mean()), "overlong_frac": float((penalty < 0).float().mean())}
 
 
-def train_step(actor: Actor, critic: Optional[Critic], batch, rewards, group_ids, version: int) -> dict:
+def train_step(actor: Actor, critic: Optional[Critic], batch: TensorBatch, version: int) -> dict:
     """Advantages, then the critic's value update (GAE) and the policy update; during
     critic.warmup_steps only the critic learns."""
     if critic is not None:
-        batch.fields["values"] = critic.values(batch)  # V_old: the step-start values
-    batch = actor.with_advantages(batch, rewards, group_ids)
+        batch = batch.with_fields(values=critic.values(batch))  # V_old: the step-start values
+    batch = actor.with_advantages(batch)
     metrics = {}
     if critic is not None:
         metrics.update({f"critic/{k}": v for k, v in critic.update(batch).items()})
@@ -168,9 +165,9 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
             with timer.phase("wait"):
                 trajs = _broadcast(controller.next_batch(groups_per_step(cfg)) if controller else None)
             shaping = shape_rewards(trajs, actor.spec, r.max_new_tokens)
-            batch, rewards, group_ids = local_share(trajs, ps)
+            batch = local_share(trajs, ps)
             with timer.phase("update"):
-                metrics = train_step(actor, critic, batch, rewards, group_ids, cluster.version)
+                metrics = train_step(actor, critic, batch, cluster.version)
             metrics.update(shaping)
             metrics.update(batch_metrics(trajs, cluster.version))
             if cfg.logging.dump_generations and ps.rank == 0:

@@ -3,16 +3,17 @@ from __future__ import annotations
 
 import torch
 
+from megarl.algo.stats import Stat
 from megarl.data.datasets import ResumableSampler, SFTDataset, balance_across_ranks
 from megarl.data.tokenizer import load_tokenizer
-from megarl.trainer.batch import MicroBatch, SequenceBatch
+from megarl.trainer.batch import MicroBatch, TensorBatch
 
 
 def sft_loss(logp: torch.Tensor, entropy, mb: MicroBatch):
     """loss = sum_{tokens in step} -log pi_theta(y_t) * mask_t / (mask tokens in the whole step)."""
     mask = mb["loss_mask"]
     nll = -(logp * mask).sum()
-    return nll / mb.step_tokens, {"nll": (nll, mask.sum())}
+    return nll / mb.step_tokens, {"nll": Stat(nll.detach(), mask.sum().detach())}
 
 
 class SFTData:
@@ -26,11 +27,11 @@ class SFTData:
         self.sampler = ResumableSampler(len(self.dataset), seed=cfg.train.seed)
         self.batch_size, self.ps = cfg.train.global_batch_size, ps
 
-    def next_batch(self) -> SequenceBatch:
+    def next_batch(self) -> TensorBatch:
         samples = [self.dataset[i] for i in self.sampler.next_batch(self.batch_size)]
         share = balance_across_ranks([len(s["input_ids"]) for s in samples], self.ps.dp)[self.ps.dp_rank]
-        return SequenceBatch([samples[i]["input_ids"] for i in share],
-                             {"loss_mask": [[float(m) for m in samples[i]["loss_mask"]] for i in share]})
+        return TensorBatch.from_lists([samples[i]["input_ids"] for i in share],
+                                      {"loss_mask": [samples[i]["loss_mask"] for i in share]})
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict()}

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megarl import compat, parallel
 from megarl.config import load_config
 from megarl.trainer.actor import Actor, step_advantages
-from megarl.trainer.batch import SequenceBatch
+from megarl.trainer.batch import TensorBatch, pad_sequences, per_sample
 from megarl.trainer.critic import Critic
 
 VERSION = 3
@@ -71,19 +71,23 @@ def run_actor(hf_dir, tp, pp, mbt, mini, step, extra=()):
     ps = parallel.init_model_parallel(tp, pp, seed=1234)
     actor = Actor.build(cfg, ps)
     mine = [i for i in range(len(ids)) if i % ps.dp == ps.dp_rank]
-    local = SequenceBatch([ids[i] for i in mine], {"loss_mask": [mask[i] for i in mine]})
+    step_batch = TensorBatch.from_lists(ids, {"loss_mask": mask, "versions": versions},
+                                        {"rewards": rewards, "group_ids": gids})
+    local = step_batch.select(mine)
     true = actor.engine.compute_logp(local).logp
-    behave = [[(x + e) * m for x, e, m in zip(t.tolist(), noise[i], mask[i])]
-              for t, i in zip(true, mine)]
-    full_adv = step_advantages(actor.spec.advantage, mask, rewards, gids).advantages
-    local.fields.update(behave_logp=behave, versions=[versions[i] for i in mine])
+    # in float64, rounded once to the float32 field (as the per-sample lists used to be)
+    noise64 = pad_sequences([noise[i] for i in mine], torch.float64)
+    behave = ((true.double() + noise64) * local["loss_mask"].double()).float()
+    full_adv = step_advantages(actor.spec.advantage, step_batch)["advantages"]
+    local = local.with_fields(behave_logp=behave)
     # the DP-collective helper gives this rank's rows of the whole-step advantages
-    local = actor.with_advantages(local, [rewards[i] for i in mine], [gids[i] for i in mine])
-    adv_ok = all(local.fields["advantages"][r] == full_adv[i] for r, i in enumerate(mine))
+    local = actor.with_advantages(local)
+    adv_ok = torch.equal(local["advantages"], full_adv[mine, :local.seq_len])
     metrics = actor.ppo_update(local, version=VERSION)
     after = actor.engine.compute_logp(local).logp
-    rows = gather_rows(mine, {"before": [t.tolist() for t in true],
-                              "after": [t.tolist() for t in after]}, len(ids))
+    rows = gather_rows(mine, {"before": [t.tolist() for t in per_sample(true, local.lengths)],
+                              "after": [t.tolist() for t in per_sample(after, local.lengths)]},
+                       len(ids))
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, adv_ok)
     parallel.destroy_model_parallel_only()
@@ -98,16 +102,17 @@ def run_critic(hf_dir, tp, pp, mbt, step):
     ps = parallel.init_model_parallel(tp, pp, seed=1234)
     critic = Critic.build(cfg, ps)
     mine = [i for i in range(len(ids)) if i % ps.dp == ps.dp_rank]
-    local = SequenceBatch([ids[i] for i in mine], {"loss_mask": [mask[i] for i in mine]})
-    local.fields["values"] = critic.values(local)
+    local = TensorBatch.from_lists(ids, {"loss_mask": mask},
+                                   {"rewards": rewards, "group_ids": gids}).select(mine)
+    local = local.with_fields(values=critic.values(local))
     # GAE over the whole step from every rank's values (no engine needed for advantages)
-    local = Actor(cfg, ps, engine=None).with_advantages(
-        local, [rewards[i] for i in mine], [gids[i] for i in mine])
+    local = Actor(cfg, ps, engine=None).with_advantages(local)
     m1 = critic.update(local)
     mid = critic.values(local)
-    m2 = critic.update(SequenceBatch(local.input_ids, {**local.fields, "values": mid}))
-    rows = gather_rows(mine, {"values": local.fields["values"], "values_after": mid,
-                              "advantages": local.fields["advantages"]}, len(ids))
+    m2 = critic.update(local.with_fields(values=mid))
+    rows = gather_rows(mine, {k: [t.tolist() for t in per_sample(v, local.lengths)]
+                              for k, v in (("values", local["values"]), ("values_after", mid),
+                                           ("advantages", local["advantages"]))}, len(ids))
     parallel.destroy_model_parallel_only()
     return {**rows, "metrics": m1, "metrics2": m2}
 

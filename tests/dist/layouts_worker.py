@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megarl import compat, parallel
 from megarl.config import load_config
-from megarl.trainer.batch import SequenceBatch
+from megarl.trainer.batch import TensorBatch, per_sample
 from megarl.trainer.engine import Engine
 from megarl.trainer.sft import sft_loss
 
@@ -22,7 +22,7 @@ def make_batch(n=8, vocab=128, seed=0):
         prompt = rng.randint(2, length - 2)
         ids.append([rng.randrange(vocab) for _ in range(length)])
         mask.append([0.0] * prompt + [1.0] * (length - prompt))
-    return SequenceBatch(ids, {"loss_mask": mask})
+    return TensorBatch.from_lists(ids, {"loss_mask": mask})
 
 
 def run_layout(hf_dir, tp, pp, mbt, dist_opt, batch):
@@ -33,9 +33,9 @@ def run_layout(hf_dir, tp, pp, mbt, dist_opt, batch):
     engine = Engine.build(cfg, ps)
     mine = [i for i in range(len(batch)) if i % ps.dp == ps.dp_rank]
     local = batch.select(mine)
-    before = engine.compute_logp(local).logp
+    before = per_sample(engine.compute_logp(local).logp, local.lengths)
     metrics = engine.train_batch(local, sft_loss)
-    after = engine.compute_logp(local).logp
+    after = per_sample(engine.compute_logp(local).logp, local.lengths)
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, {i: (b.tolist(), a.tolist()) for i, b, a in zip(mine, before, after)})
     merged = {}

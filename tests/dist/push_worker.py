@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from megarl import compat, parallel
 from megarl.config import load_config
-from megarl.trainer.batch import SequenceBatch
+from megarl.trainer.batch import TensorBatch
 from megarl.trainer.engine import Engine
 from megarl.rollout.cluster import RolloutCluster
 from megarl.weights.push import WeightPusher
@@ -52,7 +52,7 @@ def server_vs_trainer(engine, server):
                 out["meta_info"].get("weight_version"))]
     dist.broadcast_object_list(seq, src=0)
     ids, server_lp, version = seq[0]
-    mine = engine.compute_logp(SequenceBatch([ids])).logp[0][5:]
+    mine = engine.compute_logp(TensorBatch.from_lists([ids])).logp[0, 5:]
     return float((mine - torch.tensor(server_lp)).abs().max()), version
 
 

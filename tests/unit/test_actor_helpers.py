@@ -1,17 +1,17 @@
 """Pure parts of the actor and critic: mini-batch planning, step-level advantages, the loss
-function's composition and the loglinear clock, metric reduction, the clipped value loss."""
+function's composition and the loglinear clock, the clipped value loss."""
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megarl.algo import AdvantageConfig, AdvantageEstimator, Stat
+from megarl.algo import AdvantageConfig, AdvantageEstimator
 from megarl.config import Config
-from megarl.trainer.actor import (Actor, StatAccumulator, _Clock, minibatch_indices,
-                                  num_minibatches, pad_rows, shuffle_seed, step_advantages,
-                                  unpad_rows)
-from megarl.trainer.batch import MicroBatch
+from megarl.metrics import StatsTracker
+from megarl.trainer.actor import (Actor, _Clock, minibatch_indices, num_minibatches,
+                                  shuffle_seed, step_advantages)
+from megarl.trainer.batch import MicroBatch, TensorBatch, per_sample
 from megarl.trainer.critic import value_loss
 
 
@@ -46,13 +46,6 @@ def test_shuffle_seed_differs_per_epoch_and_update():
     assert len(seeds) == 9
 
 
-def test_pad_unpad_roundtrip():
-    rows = [[1.0, 2.0, 3.0], [4.0]]
-    t = pad_rows(rows)
-    assert t.tolist() == [[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]]
-    assert unpad_rows(t, [3, 1]) == rows
-
-
 # ----------------------------------------------------------------------------- advantages
 
 MASK = [[0, 1, 1], [0, 0, 1], [0, 1, 1, 1], [0, 1]]
@@ -60,32 +53,64 @@ REWARDS = [1.0, 0.0, 2.0, 2.0]
 GROUPS = [7, 7, 9, 9]
 
 
+def step(mask=MASK, rewards=REWARDS, groups=GROUPS, **fields):
+    return TensorBatch.from_lists([[5] * len(m) for m in mask], {"loss_mask": mask, **fields},
+                                  {"rewards": rewards, "group_ids": groups})
+
+
+def rows(batch, name):
+    return [t.tolist() for t in per_sample(batch[name], batch.lengths)]
+
+
 def test_step_advantages_grpo_by_hand():
-    out = step_advantages(AdvantageConfig(), MASK, REWARDS, GROUPS)
+    out = step_advantages(AdvantageConfig(), step())
     # group 7: mean 0.5, unbiased std sqrt(0.5); group 9: equal rewards -> 0
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
     expected = [[0, a, a], [0, 0, -a], [0, 0, 0, 0], [0, 0]]
-    for got, exp in zip(out.advantages, expected):
+    for got, exp in zip(rows(out, "advantages"), expected):
         assert got == pytest.approx(exp, abs=1e-6)
-    assert [len(r) for r in out.advantages] == [3, 3, 4, 2]
-    assert out.returns == [[0, 1, 1], [0, 0, 0], [0, 2, 2, 2], [0, 2]]
+    assert [len(r) for r in rows(out, "advantages")] == [3, 3, 4, 2]
+    assert rows(out, "returns") == [[0, 1, 1], [0, 0, 0], [0, 2, 2, 2], [0, 2]]
+    assert out["advantages"][3, 2:].tolist() == [0, 0]  # padding stays 0
 
 
 def test_step_advantages_drgrpo_with_kl_in_reward():
     cfg = AdvantageConfig(estimator=AdvantageEstimator.DRGRPO, kl_coef=0.5)
     kl = [[9.0, 0.2, 0.2], [9.0, 9.0, 0.0], [0, 0, 0, 0], [0, 0]]  # off-mask entries ignored
-    out = step_advantages(cfg, MASK, REWARDS, GROUPS, kl=kl)
+    batch = step(kl=kl)
+    out = step_advantages(cfg, batch, kl=batch["kl"])
     # scores: 1 - 0.5 * 0.4 = 0.8 and 0.0; group mean 0.4
-    assert out.advantages[0] == pytest.approx([0, 0.4, 0.4])
-    assert out.advantages[1] == pytest.approx([0, 0, -0.4])
+    assert rows(out, "advantages")[0] == pytest.approx([0, 0.4, 0.4])
+    assert rows(out, "advantages")[1] == pytest.approx([0, 0, -0.4])
 
 
 def test_step_advantages_gae_by_hand():
     cfg = AdvantageConfig(estimator=AdvantageEstimator.GAE, norm_adv_by_std=False)
-    out = step_advantages(cfg, [[0, 1, 1]], [1.0], [0], values=[[0.0, 0.5, 0.2]])
+    out = step_advantages(cfg, step([[0, 1, 1]], [1.0], [0], values=[[0.0, 0.5, 0.2]]))
     # t=2: delta = 1 - 0.2 = 0.8; t=1: delta = 0.2 - 0.5 = -0.3, A = -0.3 + 0.8 = 0.5
-    assert out.advantages[0] == pytest.approx([0, 0.5, 0.8])
-    assert out.returns[0] == pytest.approx([0, 1.0, 1.0])
+    assert rows(out, "advantages")[0] == pytest.approx([0, 0.5, 0.8])
+    assert rows(out, "returns")[0] == pytest.approx([0, 1.0, 1.0])
+
+
+def test_with_advantages_kl_in_reward_one_rank():
+    """DP = 1: the gathered step is this batch; ref_logp comes from the reference engine and the
+    KL (k1 of behave vs ref) is folded into the drgrpo score before the group baseline."""
+    cfg = Config()
+    cfg.algo.advantage, cfg.algo.kl_in_reward, cfg.algo.kl_coef = "drgrpo", True, 0.5
+    cfg.algo.kl_estimator = "k1"
+    ref = torch.tensor([[0.0, -1.2, -1.2, 0.0], [0.0, 0.0, -1.0, 0.0],
+                        [0.0, -1.0, -1.0, -1.0], [0.0, -1.0, 0.0, 0.0]])
+    ref_engine = SimpleNamespace(compute_logp=lambda b: SimpleNamespace(logp=ref[:, :b.seq_len]))
+    actor = Actor(cfg, SimpleNamespace(dp=1, dp_rank=0), engine=None, ref=ref_engine)
+    behave = [[0.0, -1.0, -1.0], [0.0, 0.0, -1.0], [0.0, -1.0, -1.0, -1.0], [0.0, -1.0]]
+    out = actor.with_advantages(step(behave_logp=behave))
+    # k1 = behave - ref = 0.2 on both loss tokens of row 0: score 1 - 0.5 * 0.4 = 0.8 vs 0.0
+    assert rows(out, "advantages")[0] == pytest.approx([0, 0.4, 0.4])
+    assert rows(out, "advantages")[1] == pytest.approx([0, 0, -0.4])
+    assert torch.equal(out["ref_logp"], ref)
+    with pytest.raises(ValueError, match="group_ids"):
+        actor.with_advantages(TensorBatch.from_lists([[1]], {"loss_mask": [[1]]},
+                                                     {"rewards": [1.0]}))
 
 
 # ----------------------------------------------------------------------------- the loss function
@@ -93,7 +118,7 @@ def test_step_advantages_gae_by_hand():
 def micro_batch(fields, step_tokens):
     b, s = fields["loss_mask"].shape
     return MicroBatch(torch.zeros(b, s, dtype=torch.long), torch.zeros(b, s, dtype=torch.long),
-                      fields, [s] * b, list(range(b)), step_tokens)
+                      fields, torch.full((b,), s), torch.arange(b), step_tokens)
 
 
 def test_loss_fn_composes_policy_entropy_and_kl():
@@ -107,7 +132,7 @@ def test_loss_fn_composes_policy_entropy_and_kl():
               "prox_logp": logp.detach().clone(), "ref_logp": logp.detach().clone(),
               "advantages": torch.tensor([[0.0, 2.0, -1.0]]), "loss_weight": w}
     entropy = torch.tensor([[0.0, 3.0, 1.0]])
-    acc = StatAccumulator()
+    acc = StatsTracker()
     loss, extra = actor._loss_fn(_Clock(), acc, logp, entropy, micro_batch(fields, 4.0))
     assert extra == {}
     # pi_theta = pi_prox = pi_behave = pi_ref: per-token -A - 0.1 H + 0, weighted by W
@@ -131,7 +156,7 @@ def test_loss_fn_loglinear_clock():
     behave = torch.tensor([[0.0, -1.6, -1.3]])
     fields = {"loss_mask": mask, "behave_logp": behave, "advantages": torch.ones(1, 3),
               "versions": torch.tensor([[-1.0, 2.0, 3.0]]), "loss_weight": mask / 2}
-    acc = StatAccumulator()
+    acc = StatsTracker()
     # optimizer step 1 of 2 from version 3: v_theta = 3.5; token 1 (v=2): alpha = 1 / 1.5;
     # token 2 (v=3): alpha = 0 -> pi_prox = pi_behave, behaviour weight 1
     actor._loss_fn(_Clock(k=1, total=2, prox_version=3.0), acc, logp, None,
@@ -140,17 +165,6 @@ def test_loss_fn_loglinear_clock():
     assert acc.stats["behave_weight"].result() == pytest.approx((w1 + 1.0) / 2, rel=1e-6)
     assert acc.stats["behave_weight_max"].result() == pytest.approx(w1, rel=1e-6)
     assert "logp_gap" not in acc.stats  # only the first optimizer step reports the gap
-
-
-def test_stat_accumulator_reduces_sum_and_max_without_dp():
-    ps = SimpleNamespace(is_last_stage=True, dp=1, pp=1, device=torch.device("cpu"))
-    acc = StatAccumulator()
-    acc.add({"a": Stat(torch.tensor(3.0), torch.tensor(2.0)),
-             "m": Stat.masked_max(torch.tensor([1.0, 5.0]), torch.tensor([1.0, 0.0]))})
-    acc.add({"a": Stat(torch.tensor(1.0), torch.tensor(2.0)),
-             "m": Stat.masked_max(torch.tensor([2.0]), torch.tensor([1.0]))})
-    assert acc.reduce(ps) == {"a": 1.0, "m": 2.0}
-    assert acc.stats == {}
 
 
 # ----------------------------------------------------------------------------- critic

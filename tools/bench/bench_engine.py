@@ -51,7 +51,7 @@ def main() -> int:
     from megarl import compat, parallel
     from megarl.config import load_config
     from megarl.models.random_hf import tiny_config, write_random_hf
-    from megarl.trainer.batch import SequenceBatch
+    from megarl.trainer.batch import TensorBatch
     from megarl.trainer.engine import Engine
     from megarl.trainer.sft import sft_loss
 
@@ -63,7 +63,8 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     tokens = args.batch * args.seq
-    batch = SequenceBatch(ids.tolist(), {"loss_mask": [[1.0] * args.seq] * args.batch})
+    batch = TensorBatch(ids, torch.full((args.batch,), args.seq),
+                        {"loss_mask": torch.ones(args.batch, args.seq)})
 
     parallel.init_distributed()
     cfg = load_config(None, [f"model.hf_path={hf}", "data.train_path=x", "optim.lr=1e-5",
