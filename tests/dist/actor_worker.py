@@ -92,7 +92,7 @@ def run_actor(hf_dir, tp, pp, mbt, mini, step, extra=()):
     dist.all_gather_object(flags, adv_ok)
     parallel.destroy_model_parallel_only()
     return {"logp": rows["before"], "logp_after": rows["after"], "metrics": metrics,
-            "adv_ok": all(flags), "version_after": actor.version}
+            "adv_ok": all(flags), "updates": actor.updates}
 
 
 def run_critic(hf_dir, tp, pp, mbt, step):
