@@ -19,11 +19,12 @@ setup(
         "aiohttp>=3.9",  # rollout client and the CPU rollout server
     ],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.45", "matplotlib"],
+        "test": ["pytest>=7", "transformers>=4.45", "matplotlib", "tensorboard", "wandb"],
         "sglang": ["sglang>=0.5"],
         "gpu": ["transformer-engine[pytorch]", "apex"],
         "mpi": ["mpi4py"],
         "plot": ["matplotlib"],
+        "log": ["tensorboard", "wandb"],  # logging.tensorboard / logging.wandb_project
     },
     entry_points={
         "console_scripts": [

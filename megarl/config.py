@@ -331,8 +331,9 @@ class WeightSyncConfig:
     """Shared directory for the disk transport; empty = <run_dir>/weights."""
     keep_versions: int = 2
     """Versions kept in disk_dir."""
-    verify: bool = False
-    """After a push, compare per-tensor checksums against the servers (slow; for debugging)."""
+    verify_interval: int = 0
+    """Every N pushes read every tensor back from the servers and compare it element by element
+    with what was pushed; a mismatch stops the run naming the server and tensor (0 = off)."""
     tensor_format: str = "megarl"
     """Tensor-transport payload: megarl (safetensors, megarl-server) or sglang (real SGLang)."""
 
@@ -343,6 +344,8 @@ class WeightSyncConfig:
         _choice("weights.pause_mode", self.pause_mode, ("abort", "retract", "in_place"))
         _positive("weights.bucket_mb", self.bucket_mb)
         _positive("weights.keep_versions", self.keep_versions)
+        if self.verify_interval < 0:
+            raise ConfigError(f"weights.verify_interval: must be >= 0, got {self.verify_interval}")
         if self.timeout_s <= 0:
             raise ConfigError(f"weights.timeout_s: must be > 0, got {self.timeout_s}")
 

@@ -47,6 +47,7 @@ from megarl.trainer.batch import TensorBatch
 from megarl.trainer.critic import Critic
 from megarl.trainer.rollout_stats import StepTimer, batch_metrics, dump_generations
 from megarl.weights.push import WeightPusher
+from megarl.weights.transports import PushError
 
 
 def _broadcast(obj, src: int = 0):
@@ -126,6 +127,15 @@ def train_step(actor: Actor, critic: Optional[Critic], batch: TensorBatch, versi
     return metrics
 
 
+def verify_push(pusher: WeightPusher) -> int:
+    """weights.verify_interval: the servers must hold exactly the pushed tensors."""
+    bad = sorted(pusher.verify())
+    if bad:
+        raise PushError(f"weights.verify_interval: {len(bad)} tensor(s) differ on the servers after "
+                        f"version {pusher.version}: {', '.join(bad[:5])}")
+    return 0
+
+
 def run_rl(cfg, ps, engine, logger, ckpt) -> None:
     r, t = cfg.rollout, cfg.train
     with contextlib.ExitStack() as stack:
@@ -175,6 +185,9 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
             if step % t.trigger_parameter_sync_step == 0 or last:
                 with timer.phase("push"):
                     metrics.update(pusher.push().as_dict())
+                if cfg.weights.verify_interval and cluster.version % cfg.weights.verify_interval == 0:
+                    with timer.phase("verify"):
+                        metrics["push/verify_mismatches"] = verify_push(pusher)
             metrics["policy_version"] = cluster.version
             if evaluator is not None:
                 if r.eval_interval and step % r.eval_interval == 0 or last:

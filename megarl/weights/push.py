@@ -186,17 +186,25 @@ class WeightPusher:
         self._agree(err)
 
     def verify(self) -> dict[str, bool]:
-        """Opt-in check that the servers hold what the trainer holds: for every HF tensor, the
-        first 64 rows the server reports equal the trainer's. Collective; result on rank 0."""
+        """Checks that the servers hold exactly what the trainer holds: every HF tensor is read
+        back whole (``/get_weights_by_name``, which real SGLang serves too) and compared element
+        by element with the serving-dtype tensor that was pushed. Collective (the stage gathers
+        run on every rank; only the stage sources ask the servers); returns {"addr:name": False}
+        for each mismatch, on every rank. Costs a full read-back: run it every
+        ``weights.verify_interval`` pushes."""
         mismatches: list[str] = []
         for stage in range(self.ps.pp):
             if self.ps.pp_rank == stage:
                 for bucket in self.resharder.iter_buckets():
+                    if self.admin is None:
+                        continue  # a TP peer: it gathered with the source, which compares
                     for name, t in zip(bucket.names, bucket.tensors):
-                        got = self.admin.call(lambda c: c.get_weights_by_name(name, 64), self.timeout_s)
-                        want = t[:64].float()
+                        got = self.admin.call(lambda c: c.get_weights_by_name(name, t.numel()),
+                                              self.timeout_s)
+                        want = t.float().reshape(-1)
                         for addr, values in got.items():
-                            if not torch.equal(torch.tensor(values, dtype=torch.float32), want):
+                            have = torch.tensor(values, dtype=torch.float32).reshape(-1)
+                            if not torch.equal(have, want):
                                 mismatches.append(f"{addr}:{name}")
             dist.barrier()
         out: list = [None] * dist.get_world_size()

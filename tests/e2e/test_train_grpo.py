@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from metric_sinks import tensorboard_scalars, wandb_history
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,8 +20,9 @@ def test_grpo_steps(tmp_path, layout):
            f"data.eval_path={REPO}/examples/tiny/data/eval_prompts.jsonl",
            f"train.run_dir={run}", f"checkpoint.hf_export_dir={run}/model", "train.steps=4",
            "rollout.eval_interval=2", "rollout.eval_size=50", "rollout.max_staleness=1", *layout]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    sinks = ["logging.tensorboard=true", "logging.wandb_project=megarl-test"] if not layout else []
+    proc = subprocess.run(cmd + sinks, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+                          env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -39,6 +41,14 @@ def test_grpo_steps(tmp_path, layout):
     assert evals[0]["eval/version"] == 2 and evals[1]["eval/version"] == 4
     assert 0.0 <= rows[3]["eval_accuracy"] <= 1.0
     assert "policy version 4" in proc.stdout + proc.stderr
+    if sinks:  # TensorBoard and W&B (offline) hold the same per-step metrics as metrics.jsonl
+        tb = tensorboard_scalars(str(run / "tensorboard"))
+        wb = wandb_history(str(run))
+        for key in ("reward", "staleness_max", "trainer_idle_ratio", "time/update", "push/total_s"):
+            assert [s for s, _ in tb[key]] == [1, 2, 3, 4], key
+            assert [v for _, v in tb[key]] == pytest.approx([r[key] for r in rows], rel=1e-6), key
+            assert [w[key] for w in wb] == pytest.approx([r[key] for r in rows], rel=1e-6), key
+        assert [w["_step"] for w in wb] == [1, 2, 3, 4]
     files = set(os.listdir(run / "model"))  # PP=2 writes one file per stage plus the index
     assert "model.safetensors" in files or "model.safetensors.index.json" in files
 
