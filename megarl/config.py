@@ -145,6 +145,9 @@ class TrainConfig:
     require_batches: int = 0
     """RL (verl fully-async): a step takes require_batches x ppo_mini_batch_size sequences (whole
     groups); 0 = global_batch_size. Setting it replaces global_batch_size."""
+    max_nonfinite_steps: int = 3
+    """An update whose gradient norm is NaN/inf is skipped (weights untouched, counted as
+    skipped_updates); this many steps in a row with one stop the run with an error."""
     trigger_parameter_sync_step: int = 1
     """RL (verl fully-async): training steps per weight push; the policy version advances once per
     push, so staleness is counted in pushes of trigger_parameter_sync_step x batch samples."""
@@ -152,7 +155,7 @@ class TrainConfig:
     def validate(self) -> None:
         _choice("train.algorithm", self.algorithm, ("sft", "rl", "grpo"))
         for name in ("steps", "global_batch_size", "micro_batch_tokens", "max_seq_len", "ppo_epochs",
-                     "trigger_parameter_sync_step"):
+                     "trigger_parameter_sync_step", "max_nonfinite_steps"):
             _positive(f"train.{name}", getattr(self, name))
         if self.ppo_mini_batch_size < 0:
             raise ConfigError(f"train.ppo_mini_batch_size: must be >= 0, got {self.ppo_mini_batch_size}")
@@ -265,6 +268,9 @@ class RolloutConfig:
     partial_rollout: bool = True
     """At a weight push, true: in-flight requests are interrupted and continue under the new
     weights (one sample may span versions); false: they finish under the old weights first."""
+    min_live_servers: int = 1
+    """A server that dies or hangs is dropped (restarted when megarl-train started it, re-admitted
+    when its /health answers again) and training goes on; below this many the run stops."""
     max_retries: int = 2
     """Re-runs of an episode whose workflow raised; then its prompt is recorded as failed
     (<run_dir>/failed_prompts.jsonl)."""
@@ -288,7 +294,7 @@ class RolloutConfig:
             if not s.startswith(("http://", "https://")) and ":" not in s:
                 raise ConfigError(f"rollout.servers[{i}]: expected host:port or a URL, got {s!r}")
         for name in ("local_servers", "server_threads", "group_size", "max_new_tokens", "max_concurrent",
-                     "eval_size"):
+                     "eval_size", "min_live_servers"):
             _positive(f"rollout.{name}", getattr(self, name))
         if self.max_staleness < 0:
             raise ConfigError(f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")

@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable, Optional
 
 from megarl.rollout.http import (AdminError, HttpClient, RolloutError, Server, ServerRequestError,
-                                 Transient, backoff_delay)
+                                 Transient, backoff_delay, normalize_address)
 from megarl.rollout.types import ModelRequest, ModelResponse, SamplingParams
 
 __all__ = ["RolloutClient", "RolloutError", "ServerRequestError", "AdminError"]
@@ -106,6 +106,8 @@ class RolloutClient(HttpClient):
         srv.failures = 0
 
     def _mark_failed(self, srv: Server, reason: str) -> None:
+        if srv.removed:
+            return  # the cluster's owner already dropped it; nothing to probe
         srv.failures += 1
         if srv.alive and srv.failures >= self.dead_after:
             srv.alive = False
@@ -157,8 +159,17 @@ class RolloutClient(HttpClient):
             self._active[rid] = (srv, payload["rid"])
             self._busy(+1, atomic)
             t0 = time.time()
+            call = asyncio.ensure_future(self._call(srv, "POST", "/generate", payload, self.request_timeout))
+            srv.calls.add(call)
             try:
-                res = await self._call(srv, "POST", "/generate", payload, self.request_timeout)
+                try:
+                    res = await call
+                except asyncio.CancelledError:
+                    # remove_server() cancelled the call, not our caller: retry elsewhere with the
+                    # tokens so far (whatever the dead server produced in this segment is lost)
+                    if srv.removed and not asyncio.current_task().cancelling():
+                        raise Transient(f"{srv.address} was removed from the rollout cluster") from None
+                    raise
                 self._mark_ok(srv)
                 if self.timeline is not None:
                     n = len(res.get("output_ids") or []) if isinstance(res, dict) else 0
@@ -173,8 +184,27 @@ class RolloutClient(HttpClient):
                 prefer, avoid = None, srv
                 await asyncio.sleep(self._backoff(attempt - 1))
             finally:
+                srv.calls.discard(call)
                 srv.inflight -= 1
                 self._busy(-1, atomic)
+
+    # ---- the server set (owned by RolloutCluster; call on the client's loop) -------------------
+    def remove_server(self, address: str) -> None:
+        """Stop using ``address``: its in-flight segments are cancelled and resubmitted (prompt +
+        tokens so far) to the other servers; it is never probed or picked again."""
+        for srv in [s for s in self.servers if s.address == normalize_address(address)]:
+            srv.removed, srv.alive = True, False
+            self.servers.remove(srv)
+            if srv.probe is not None:
+                srv.probe.cancel()
+            for call in list(srv.calls):
+                call.cancel()
+
+    def add_server(self, address: str) -> None:
+        """A server that holds the current weights (RolloutCluster pushed them) joins."""
+        address = normalize_address(address)
+        if all(s.address != address for s in self.servers):
+            self.servers.append(Server(address, len(self.servers)))
 
     def _busy(self, delta: int, atomic: bool) -> None:
         """Tracks segments in flight: busy time (some segment on some server) for the rollout

@@ -20,7 +20,9 @@ abort wait instead of racing the update), then one ``/pause_generation`` and one
 from __future__ import annotations
 
 import logging
-from typing import Optional, Protocol
+import threading
+import time
+from typing import Callable, Optional, Protocol
 
 from megarl.rollout.admin import AdminRunner
 from megarl.rollout.http import AdminError, normalize_address
@@ -38,11 +40,30 @@ class ClusterListener(Protocol):
 
     def on_version(self, version: int) -> None: ...  # the servers now hold this version
 
+    def on_server_removed(self, address: str) -> None: ...  # resubmit its requests elsewhere
+
+    def on_server_added(self, address: str) -> None: ...  # it holds the current weights
+
+
+class ClusterError(RuntimeError):
+    """Too few rollout servers left to go on (rollout.min_live_servers)."""
+
 
 class RolloutCluster:
     def __init__(self, addresses: list[str], *, driver: bool, api_key: Optional[str] = None,
-                 timeout_s: float = 60.0, pause_mode: PauseMode = "abort", version: int = 0):
+                 timeout_s: float = 60.0, pause_mode: PauseMode = "abort", version: int = 0,
+                 min_live_servers: int = 1, health_timeout_s: float = 3.0):
         self.addresses = [normalize_address(a) for a in addresses]
+        self.min_live_servers, self.health_timeout_s = min_live_servers, health_timeout_s
+        self.dead: list[str] = []  # dropped servers, polled for re-admission (driver)
+        # restart(address) -> bool: relaunch a server this job started (LocalCluster); None:
+        # servers are external and come back on their own
+        self.restart: Optional[Callable[[str], bool]] = None
+        self.poll_interval_s = 1.0
+        self._lock = threading.Lock()
+        self._ready: set[str] = set()
+        self._poller: Optional[threading.Thread] = None
+        self._closed = False
         self.driver, self.api_key, self.timeout_s, self.pause_mode = driver, api_key, timeout_s, pause_mode
         self.version = int(version)
         self.listeners: list[ClusterListener] = []
@@ -56,7 +77,8 @@ class RolloutCluster:
     def from_config(cls, cfg, addresses: list[str], driver: bool) -> "RolloutCluster":
         """From ``rollout.api_key``, ``weights.timeout_s`` and ``weights.pause_mode``."""
         return cls(addresses, driver=driver, api_key=cfg.rollout.api_key or None,
-                   timeout_s=cfg.weights.timeout_s, pause_mode=cfg.weights.pause_mode)
+                   timeout_s=cfg.weights.timeout_s, pause_mode=cfg.weights.pause_mode,
+                   min_live_servers=cfg.rollout.min_live_servers)
 
     # ------------------------------------------------------------------ the version
     def get_version(self) -> int:
@@ -74,18 +96,70 @@ class RolloutCluster:
 
     # ------------------------------------------------------------------ the server set
     def add_server(self, address: str) -> None:
-        """A (re)joining server; the caller pushes the current weights to it before it gets
-        work (see `WeightPusher.add_server`)."""
+        """A (re)joining server enters the weight-update set; the caller pushes the current
+        weights to it, then calls `admitted` so it gets work (see `WeightPusher.add_server`)."""
         address = normalize_address(address)
         if address not in self.addresses:
             self.addresses.append(address)
             self._reconnect()
 
     def remove_server(self, address: str) -> None:
+        """Drops a dead or hung server (every rank, in the same order): no more work, no more
+        weights; the driver polls it (and restarts it when it is ours) for re-admission."""
         address = normalize_address(address)
         if address in self.addresses:
             self.addresses.remove(address)
+            self.dead.append(address)
             self._reconnect()
+            for listener in self.listeners:
+                listener.on_server_removed(address)
+            log.warning("rollout server %s dropped (%d left)", address, len(self.addresses))
+            if self.driver and self.restart is not None:
+                self.restart(address)
+        if len(self.addresses) < self.min_live_servers:
+            raise ClusterError(f"rollout.min_live_servers: {len(self.addresses)} server(s) left "
+                               f"(< {self.min_live_servers}); dead: {', '.join(self.dead)}")
+
+    def admitted(self, address: str) -> None:
+        """After the pusher gave a (re)joining server the current weights: it gets work."""
+        address = normalize_address(address)
+        if address in self.dead:
+            self.dead.remove(address)
+        for listener in self.listeners:
+            listener.on_server_added(address)
+
+    # ------------------------------------------------------------------ health (driver)
+    def unhealthy(self) -> list[str]:
+        """Servers whose /health does not answer 200 within health_timeout_s (dead or hung)."""
+        return [a for a, ok in self._health(self.addresses).items() if not ok]
+
+    def ready_to_rejoin(self) -> list[str]:
+        """Dropped servers that answered /health since the last call (restarted by us or by their
+        owner). Never blocks: a background thread polls the dead servers (a hung one would
+        otherwise stall every step for its health timeout)."""
+        with self._lock:
+            ready, self._ready = [a for a in self._ready if a in self.dead], set()
+        if self.dead and (self._poller is None or not self._poller.is_alive()):
+            self._poller = threading.Thread(target=self._poll_dead, name="megarl-health", daemon=True)
+            self._poller.start()
+        return ready
+
+    def _poll_dead(self) -> None:
+        while self.dead and not self._closed:
+            for address, ok in self._health(list(self.dead)).items():
+                if ok:
+                    with self._lock:
+                        self._ready.add(address)
+            time.sleep(self.poll_interval_s)
+
+    def _health(self, addresses: list[str]) -> dict[str, bool]:
+        if not addresses:
+            return {}
+        probe = AdminRunner(addresses, self.api_key, self.health_timeout_s)
+        try:
+            return probe.call(lambda c: c.health())
+        finally:
+            probe.close()
 
     def _reconnect(self) -> None:
         if self.driver:
@@ -135,6 +209,7 @@ class RolloutCluster:
         self.version = int(state["version"])
 
     def close(self) -> None:
+        self._closed = True
         if self.admin is not None:
             self.admin.close()
             self.admin = None

@@ -232,6 +232,19 @@ class RolloutController:
         if self._thread is not None:
             self._call(self._async(lambda: self.client.release()))
 
+    def on_server_removed(self, address: str) -> None:
+        """Its in-flight requests go to the other servers with the tokens generated so far."""
+        if self._thread is not None:
+            self._call(self._async(lambda: self.client.remove_server(address)))
+        else:
+            self._servers = [a for a in self._servers if a.rstrip("/") != address.rstrip("/")]
+
+    def on_server_added(self, address: str) -> None:
+        if self._thread is not None:
+            self._call(self._async(lambda: self.client.add_server(address)))
+        elif address not in self._servers:
+            self._servers.append(address)
+
     def on_version(self, version: int) -> None:
         """The staleness window moved: wake the executor so more episodes may start."""
         if self._thread is not None:

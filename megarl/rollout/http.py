@@ -53,7 +53,9 @@ class Server:
     inflight: int = 0
     failures: int = 0
     alive: bool = True
+    removed: bool = False  # dropped by the server set's owner (RolloutCluster): never picked again
     probe: Optional[asyncio.Task] = field(default=None, repr=False)
+    calls: set = field(default_factory=set, repr=False)  # in-flight /generate calls (tasks)
 
 
 class HttpClient:

@@ -2,10 +2,14 @@
 
 The one local launcher of megarl-server: used when ``rollout.servers`` is empty (the embedded CPU
 demo), by make_tiny_model's evaluation, and by tests and benchmarks. The servers die with the
-trainer (killed on exit, and on SIGTERM through the parent's cleanup).
+trainer: killed on exit, and - on Linux - by the kernel when the trainer dies any other way
+(SIGKILL included: ``megarl-server --die-with-parent``). A server that dies during a run is relaunched on
+its own port by `LocalCluster.restart` (the RolloutCluster re-admits it once it answers /health
+and has been given the current weights). ``<log_dir>/servers.json`` lists the live processes.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,16 +18,16 @@ import urllib.request
 
 from megarl.net import LOOPBACK, free_port, http_url
 
-
-def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0
-                 ) -> tuple[str, subprocess.Popen]:
-    """Starts ``megarl-server`` on a free loopback port and waits for ``/health``."""
-    port = free_port()
+def spawn_server(model_dir: str, log_path: str, port: int, extra=()) -> subprocess.Popen:
+    """Starts ``megarl-server`` on ``port`` (loopback) and returns at once."""
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
-                             "--port", str(port), *map(str, extra)], stdout=log, stderr=subprocess.STDOUT)
-    url = http_url(LOOPBACK, port)
+    log = open(log_path, "a")
+    return subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
+                             "--port", str(port), "--die-with-parent", *map(str, extra)], stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s: float = 60.0) -> None:
     deadline = time.time() + ready_timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -31,11 +35,21 @@ def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float
                                f"{open(log_path).read()[-1500:]}")
         try:
             urllib.request.urlopen(url + "/health", timeout=1)
-            return url, proc
+            return
         except OSError:
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"megarl-server not ready in {ready_timeout_s:.0f} s (log {log_path})")
+
+
+def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0
+                 ) -> tuple[str, subprocess.Popen]:
+    """Starts ``megarl-server`` on a free loopback port and waits for ``/health``."""
+    port = free_port()
+    proc = spawn_server(model_dir, log_path, port, extra)
+    url = http_url(LOOPBACK, port)
+    wait_ready(url, proc, log_path, ready_timeout_s)
+    return url, proc
 
 
 class LocalCluster:
@@ -45,22 +59,50 @@ class LocalCluster:
         self.model_dir, self.n, self.log_dir, self.extra = model_dir, n, log_dir, extra
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
+        self.restarts = 0
 
     def __enter__(self) -> list[str]:
         try:
             for i in range(self.n):
-                url, proc = start_server(self.model_dir, os.path.join(self.log_dir, f"server{i}.log"),
-                                         self.extra)
+                url, proc = start_server(self.model_dir, self._log(i), self.extra)
                 self.urls.append(url)
                 self.procs.append(proc)
         except BaseException:
             self.close()
             raise
+        self._write_index()
         return self.urls
+
+    def _log(self, i: int) -> str:
+        return os.path.join(self.log_dir, f"server{i}.log")
+
+    def _write_index(self) -> None:
+        rows = [{"url": u, "pid": p.pid} for u, p in zip(self.urls, self.procs)]
+        tmp = os.path.join(self.log_dir, "servers.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(rows, f)
+        os.replace(tmp, os.path.join(self.log_dir, "servers.json"))
+
+    def restart(self, url: str) -> bool:
+        """Relaunches the server of ``url`` on the same port (its old process is killed if it
+        is still there, e.g. hung); returns at once - readiness is polled by the caller."""
+        if url not in self.urls:
+            return False
+        i = self.urls.index(url)
+        old = self.procs[i]
+        if old.poll() is None:
+            old.kill()
+            old.wait(timeout=10)
+        port = int(url.rsplit(":", 1)[1])
+        self.procs[i] = spawn_server(self.model_dir, self._log(i), port, self.extra)
+        self.restarts += 1
+        self._write_index()
+        return True
 
     def close(self) -> None:
         for p in self.procs:
-            p.kill()
+            if p.poll() is None:
+                p.kill()
             p.wait(timeout=10)
         self.procs.clear()
 

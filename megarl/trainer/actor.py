@@ -245,7 +245,7 @@ class Actor:
         clock = _Clock(0, max(1, n_mini * cfg.train.ppo_epochs), float(version))
         # Collective (MAX over DP): every rank must call it, hence before the loop.
         norm_len = step_norm_len(full, spec, self.ps) if n_mini else None
-        losses, grad_norms, lr = [], [], 0.0
+        losses, grad_norms, lr, skipped = [], [], 0.0, 0
         for epoch in range(cfg.train.ppo_epochs if n_mini else 0):
             seed = shuffle_seed(cfg.train.seed, self.updates, epoch)
             for idx in minibatch_indices(len(full), n_mini, seed):
@@ -257,13 +257,15 @@ class Actor:
                                               with_entropy=spec.entropy_coef > 0)
                 losses.append(out["loss"])
                 grad_norms.append(out["grad_norm"])
+                skipped += 1 - int(out["update_ok"])  # NaN/inf gradient: the engine skipped it
                 lr = out["lr"]
                 clock.k += 1
         metrics = acc.reduce(self.ps)
         metrics.update(
             loss=mean_or_zero(losses), grad_norm=mean_or_zero(grad_norms),
             grad_norm_max=max(grad_norms, default=0.0), lr=lr, n_minibatches=float(n_mini),
-            optimizer_steps=float(clock.k), update_time=time.perf_counter() - t0)
+            optimizer_steps=float(clock.k), skipped_updates=float(skipped),
+            update_time=time.perf_counter() - t0)
         # K optimizer steps together move the policy by exactly one version (loglinear clock).
         self.updates += 1
         return metrics

@@ -20,6 +20,7 @@ one `megarl.metrics.StatsTracker`.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -200,14 +201,36 @@ class Engine:
             return loss * mb.step_tokens, num.to(torch.int), {}
 
         self._run(mbs, loss_func, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm = self._optimizer_step()
         lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step(increment=1)
-        self.step += 1
+        if ok:  # a skipped update does not advance the LR schedule either
+            self.scheduler.step(increment=1)
+            self.step += 1
         metrics = tracker.reduce(self.ps)
-        metrics.update(grad_norm=float(grad_norm or 0.0), lr=lr, tokens=float(step_tokens.item()),
+        metrics.update(grad_norm=grad_norm, lr=lr, tokens=float(step_tokens.item()),
                        step_time=time.perf_counter() - t0, update_ok=float(bool(ok)))
         return metrics
+
+    def _optimizer_step(self) -> tuple[bool, float]:
+        """Megatron's optimizer step, except that a NaN/inf gradient norm skips the update (the
+        FP32 optimizer would otherwise clip by a NaN and write NaN into every weight). The norm
+        is the same on every rank (DDP reduced the grads; the norm is reduced over the model-
+        parallel ranks), so all ranks skip together. Returns (updated, grad norm)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        opt = self.optimizer
+        if opt.prepare_grads():  # mixed precision: the loss scaler found inf/nan
+            return False, float("nan")
+        grad_norm = float(opt.get_grad_norm())
+        if not math.isfinite(grad_norm):
+            return False, grad_norm
+        clip = self.cfg.optim.clip_grad
+        for part in getattr(opt, "chained_optimizers", [opt]):
+            params = part.get_parameters()
+            if clip > 0.0 and params:
+                clip_grad_by_total_norm_fp32(
+                    params, clip, grad_norm, part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        return bool(opt.step_with_ready_grads()), grad_norm
 
     # ------------------------------------------------------------------ weights
     def export_hf(self, out_dir: str, dtype: Optional[torch.dtype] = None) -> None:

@@ -139,12 +139,14 @@ def verify_push(pusher: WeightPusher) -> int:
 def run_rl(cfg, ps, engine, logger, ckpt) -> None:
     r, t = cfg.rollout, cfg.train
     with contextlib.ExitStack() as stack:
-        servers = list(r.servers)
+        servers, local = list(r.servers), None
         if not servers and ps.rank == 0:
-            servers = stack.enter_context(LocalCluster(
-                cfg.model.hf_path, r.local_servers, f"{t.run_dir}/servers",
-                extra=["--threads", r.server_threads]))
+            local = LocalCluster(cfg.model.hf_path, r.local_servers, f"{t.run_dir}/servers",
+                                 extra=["--threads", r.server_threads])
+            servers = stack.enter_context(local)
         cluster = RolloutCluster.from_config(cfg, _broadcast(servers), driver=ps.rank == 0)
+        if local is not None:
+            cluster.restart = local.restart  # a local server that dies is relaunched on its port
         stack.callback(cluster.close)
         timeline = Timeline(f"{t.run_dir}/timeline/rank{ps.rank}.jsonl" if cfg.logging.timeline and
                             ps.rank == 0 else None)
@@ -169,16 +171,28 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
             controller.start()
             stack.callback(controller.stop)
         timer = StepTimer(timeline)
+        bad_steps = 0  # consecutive steps with a skipped (non-finite) update
         evaluator = build_eval(cfg) if controller is not None else None
         for step in progress(range(start + 1, t.steps + 1), desc="grpo", total=t.steps - start):
             last = step == t.steps
             with timer.phase("wait"):
-                trajs = _broadcast(controller.next_batch(groups_per_step(cfg)) if controller else None)
+                # one broadcast: the batch, and the dropped servers that answer /health again
+                trajs, rejoin = _broadcast((controller.next_batch(groups_per_step(cfg)),
+                                            cluster.ready_to_rejoin()) if controller else None)
+            for address in rejoin:  # current weights first, then work
+                with timer.phase("rejoin"):
+                    pusher.add_server(address)
             shaping = shape_rewards(trajs, actor.spec, r.max_new_tokens)
             batch = local_share(trajs, ps)
             with timer.phase("update"):
                 metrics = train_step(actor, critic, batch, cluster.version)
             metrics.update(shaping)
+            bad_steps = bad_steps + 1 if metrics.get("skipped_updates", 0) > 0 else 0
+            if bad_steps >= t.max_nonfinite_steps:
+                raise FloatingPointError(
+                    f"train.max_nonfinite_steps: {bad_steps} steps in a row had a NaN/inf gradient "
+                    f"(last grad_norm {metrics.get('grad_norm')}, loss {metrics.get('loss')}); "
+                    "updates were skipped, weights are the last good ones")
             metrics.update(batch_metrics(trajs, cluster.version))
             if cfg.logging.dump_generations and ps.rank == 0:
                 dump_generations(f"{t.run_dir}/generations.jsonl", step, cluster.version, trajs)
@@ -194,6 +208,10 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
                     evaluator.submit(controller, step, cluster.version)  # runs beside training
                 with timer.phase("eval"):  # only the last step waits for its evaluation
                     metrics.update(evaluator.poll(wait=last))
+            metrics.update({"rollout/live_servers": len(cluster.addresses),
+                            "rollout/dead_servers": len(cluster.dead)})
+            if local is not None:
+                metrics["rollout/restarts"] = local.restarts
             if controller is not None:
                 metrics.update(controller.stats())
             metrics.update(timer.finish(

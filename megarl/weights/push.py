@@ -73,21 +73,37 @@ class WeightPusher:
         self._ready = False
 
     def add_server(self, address: str) -> "PushMetrics":
-        """A server that joins later gets the current weights before it receives work: the
-        cluster admits it, the update groups are rebuilt to include it and the current version
-        is pushed again (the other servers pause meanwhile). Collective; the caller hands the
-        server rollouts only after this returns."""
+        """A server that (re)joins gets the current weights before it receives work: the update
+        groups are rebuilt to include it, the current version is pushed again (the other
+        servers pause meanwhile), and only then does the cluster hand it rollouts. Collective."""
         self.close()
         self.cluster.add_server(address)
         self._connect()
-        return self.push(bump=False)
+        metrics = self.push(bump=False)
+        if address in self.cluster.addresses:  # the push may have dropped it again
+            self.cluster.admitted(address)
+        return metrics
+
+    def _recover(self, error: PushError) -> None:
+        """After a failed push: the driver health-checks the servers; every rank drops the same
+        dead or hung ones (rebuilding the update groups without them), or re-raises when all
+        answer (the failure was not a server's). Collective."""
+        dead = [self.cluster.unhealthy() if self.cluster.driver else None]
+        dist.broadcast_object_list(dead, src=0)
+        if not dead[0]:
+            raise error
+        print(f"[weights] push failed ({error}); dropping {', '.join(dead[0])} and retrying", flush=True)
+        self.close()
+        for address in dead[0]:
+            self.cluster.remove_server(address)  # raises when fewer than min_live_servers remain
+        self._connect()
 
     def _agree(self, error: Optional[BaseException]) -> None:
         """Every rank learns whether any rank failed (no rank is left waiting in a barrier)."""
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.ps.device)
         dist.all_reduce(flag)
-        if error is not None:
-            raise error
+        if error is not None:  # always a PushError, so every rank takes the same recovery path
+            raise error if isinstance(error, PushError) else PushError(f"{type(error).__name__}: {error}") from error
         if int(flag.item()):
             raise PushError("weight push failed on another rank (see its log)")
 
@@ -103,6 +119,15 @@ class WeightPusher:
         self._ready = True
 
     def push(self, bump: bool = True) -> PushMetrics:
+        """`push_once`, retried on the remaining servers when some died or hung (`_recover`);
+        training goes on while ``rollout.min_live_servers`` are left."""
+        while True:
+            try:
+                return self.push_once(bump)
+            except PushError as e:
+                self._recover(e)
+
+    def push_once(self, bump: bool = True) -> PushMetrics:
         """Push the current weights as version ``cluster.version + 1`` (``bump=False``: re-push
         the current version, e.g. to a server that joined late). The protocol, run once:
 

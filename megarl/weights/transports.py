@@ -72,7 +72,8 @@ class DistributedTransport:
     def close(self) -> None:
         if self.group is not None:
             try:
-                self.admin.call(lambda c: c.destroy_weights_update_group(self.group_name), 10)
+                # short: after a failure the group may include a dead or hung server
+                self.admin.call(lambda c: c.destroy_weights_update_group(self.group_name), 5)
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
             dist.destroy_process_group(self.group)

@@ -1,0 +1,180 @@
+"""Rollout servers that die or hang during a real run (real trainer, real megarl-servers):
+
+- a local server SIGKILLed mid-generation is dropped, restarted on its port, given the current
+  weights and re-admitted; the run completes every step and no prompt is lost;
+- an external server killed in the middle of a weight push (a forwarding proxy kills it when the
+  push's begin_weight_update reaches it) is dropped, comes back (restarted by its owner, here the
+  test) and is re-admitted by health polling;
+- an external server SIGSTOPped (hung) fails the push within the deadline and training goes on.
+"""
+import asyncio
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+from aiohttp import ClientSession, web
+
+from conftest import ServerProc
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = f"{REPO}/examples/tiny/model"
+
+
+def train_cmd(run, *extra) -> list[str]:
+    return [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
+            f"model.hf_path={MODEL}", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
+            "data.eval_path=", f"train.run_dir={run}", "checkpoint.hf_export_dir=",
+            "train.global_batch_size=32", "rollout.group_size=4", "logging.dump_generations=true",
+            *extra]
+
+
+def rows_of(run) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(cond, what: str, proc, timeout: float = 300.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert proc.poll() is None, f"trainer exited while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def model_version(url: str):
+    try:
+        with urllib.request.urlopen(url + "/model_info", timeout=2) as r:
+            return json.loads(r.read())["weight_version"]
+    except OSError:
+        return None
+
+
+def assert_every_draw_trained_once(run, steps: int, groups: int) -> None:
+    draws = collections.defaultdict(set)
+    for line in (run / "generations.jsonl").read_text().splitlines():
+        g = json.loads(line)
+        draws[g["draw"]].add(g["step"])
+    assert len(draws) == steps * groups and all(len(s) == 1 for s in draws.values())
+    assert not (run / "failed_prompts.jsonl").exists()
+
+
+def test_killed_local_server_is_restarted_with_current_weights(tmp_path):
+    run = tmp_path / "run"
+    # 30 steps: a relaunched server needs 2-4 s to load before it can rejoin
+    proc = subprocess.Popen(train_cmd(run, "train.steps=30", "rollout.local_servers=2"),
+                            cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err", "w"))
+    try:
+        wait_for(lambda: len(rows_of(run)) >= 2, "step 2", proc)
+        before = json.loads((run / "servers" / "servers.json").read_text())
+        victim = before[0]
+        os.kill(victim["pid"], signal.SIGKILL)  # mid-generation: staleness 1 keeps them busy
+        killed_at = len(rows_of(run))
+        # restarted on its own port by the trainer, then pushed the current weights
+        after = wait_for(lambda: [s for s in json.loads((run / "servers" / "servers.json").read_text())
+                                  if s["url"] == victim["url"] and s["pid"] != victim["pid"]],
+                         "the restart", proc)
+        version = wait_for(lambda: (v := model_version(victim["url"])) not in (None, "0") and v,
+                           "current weights on the restarted server", proc)
+        assert int(version) >= killed_at and after[0]["pid"] != victim["pid"]
+        assert proc.wait(timeout=600) == 0, (tmp_path / "err").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = rows_of(run)
+    assert [r["step"] for r in rows] == list(range(1, 31))  # every step completed
+    assert max(r["rollout/dead_servers"] for r in rows) == 1
+    assert rows[-1]["rollout/live_servers"] == 2 and rows[-1]["rollout/restarts"] == 1
+    assert all(r["staleness_max"] <= 1 for r in rows)
+    assert_every_draw_trained_once(run, 30, 8)
+
+
+class KillingProxy:
+    """Forwards to ``target`` and SIGKILLs the server process when the ``kill_at``-th
+    /begin_weight_update arrives (so the server dies inside a weight push)."""
+
+    def __init__(self, target: ServerProc, kill_at: int):
+        self.target, self.kill_at, self.begins = target, kill_at, 0
+        self.killed = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        threading.Thread(target=self._serve, args=(ready,), daemon=True).start()
+        assert ready.wait(30)
+
+    def _serve(self, ready) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def forward(request: web.Request) -> web.Response:
+            if request.path == "/begin_weight_update":
+                self.begins += 1
+                if self.begins == self.kill_at:
+                    self.target.kill()
+                    self.killed.set()
+            try:
+                async with self.session.request(request.method, self.target.url + request.path_qs,
+                                                data=await request.read(), headers=request.headers) as r:
+                    return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+            except OSError:
+                return web.Response(status=502, text="upstream down")
+
+        async def start():
+            self.session = ClientSession()
+            app = web.Application(client_max_size=2**30)
+            app.router.add_route("*", "/{tail:.*}", forward)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            ready.set()
+
+        self.loop.run_until_complete(start())
+        self.loop.run_forever()
+
+
+def test_server_killed_mid_push_rejoins_and_hung_server_is_dropped(tmp_path):
+    a, b, c = (ServerProc(MODEL).wait_ready() for _ in range(3))
+    proxy = KillingProxy(a, kill_at=3)  # the initial push, step 1's, then step 2's push kills it
+    run = tmp_path / "run"
+    cmd = train_cmd(run, "train.steps=40", "weights.timeout_s=5",
+                    f"rollout.servers=[{proxy.url},{b.url},{c.url}]")
+    proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err", "w"))
+    try:
+        assert proxy.killed.wait(300), (tmp_path / "err").read_text()[-3000:]
+        time.sleep(1.0)
+        restarted = subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", MODEL,
+                                      "--port", str(a.port), "--log-level", "WARNING"])
+        wait_for(lambda: any(r.get("rollout/live_servers") == 3 and r["step"] > 2 for r in rows_of(run)),
+                 "the killed server to rejoin", proc)
+        # re-admitted = given the trainer's current weights first (its version is no longer "0")
+        assert model_version(a.url) not in (None, "0")
+        hung_at = len(rows_of(run))
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        assert proc.wait(timeout=600) == 0, (tmp_path / "err").read_text()[-3000:]
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+        for s in (b, c):
+            s.stop()
+        restarted.kill()
+    rows = rows_of(run)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    # the proxied server (A) dropped at the push that killed it, then back with the weights
+    assert min(r["rollout/live_servers"] for r in rows[:hung_at]) == 2
+    # the hung server (B): its push failed within the deadlines and the run went on without it
+    after = rows[hung_at:]
+    assert after[-1]["rollout/live_servers"] == 2 and after[-1]["rollout/dead_servers"] == 1
+    # bounded: pause deadline + health check + group teardown + the re-push, never a hang
+    assert max(r["time/push"] for r in after) < 4 * 5
+    assert_every_draw_trained_once(run, 40, 8)
