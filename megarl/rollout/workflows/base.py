@@ -105,7 +105,8 @@ def load_workflow(path: str, ctx: WorkflowContext, args: Optional[dict] = None) 
 
 
 def check_episode(sample: PromptSample, result: Any, vocab_size: Optional[int] = None) -> list[str]:
-    """Contract violations of one `arun_episode` result (empty = it conforms)."""
+    """Contract violations of one `arun_episode` result (empty = it conforms). `vocab_size` is the
+    model's (possibly padded) vocabulary: a sampling server may return any id below it."""
     if result is None:
         return []
     if not isinstance(result, list) or not result:
