@@ -1,5 +1,5 @@
 """Built-in verifiers against tables: the math answer checker (extraction + numeric and symbolic
-equivalence, 45 answer forms) and the Countdown reward; plus the safe evaluator's refusals."""
+equivalence, 53 answer forms) and the Countdown reward; plus the safe evaluator's refusals."""
 import pytest
 
 from megarl.compat import HAVE_SYMPY
