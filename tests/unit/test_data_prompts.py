@@ -156,3 +156,18 @@ def test_sampler_follows_the_shuffle_switch(tmp_path):
     assert PromptDataset(str(path), shuffle=False).make_sampler(seed=3).next_batch(7) == [0, 1, 2, 3, 4, 0, 1]
     shuffled = PromptDataset(str(path)).make_sampler(seed=3).next_batch(5)
     assert sorted(shuffled) == [0, 1, 2, 3, 4] and shuffled != [0, 1, 2, 3, 4]
+
+
+def test_rendering_matches_transformers_apply_chat_template(model_dir):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ours = load_chat_template("", model_dir)
+    tools = [{"type": "function", "function": {"name": "calc", "description": "d", "parameters": {"type": "object"}}}]
+    chats = [[{"role": "user", "content": "hi"}],
+             [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+              {"role": "tool", "content": "4"}, {"role": "tool", "content": "5"}, {"role": "user", "content": "x"}]]
+    for chat in chats:
+        for t in (None, tools):
+            for gen in (True, False):
+                assert ours.render(chat, gen, tools=t) == hf.apply_chat_template(
+                    chat, tokenize=False, add_generation_prompt=gen, tools=t)
