@@ -170,3 +170,17 @@ def test_http_reward_unreachable_and_bad_args():
     run(main())
     with pytest.raises(ValueError, match="expected http"):
         HttpReward("scorer:8000")
+
+
+def test_a_hung_sync_reward_does_not_keep_the_process_alive():
+    """The reward threads are daemons: after a timeout the run can still exit (a thread pool's
+    workers would be joined at exit and hang it forever)."""
+    import subprocess
+    import sys
+
+    code = ("import asyncio, threading\n"
+            "from megarl.rollout.rewards import RewardCaller\n"
+            "hang = lambda p, c, m: threading.Event().wait()\n"
+            "print(asyncio.run(RewardCaller(hang, timeout_s=0.2, on_error_value=-1.0)('p', 'c', {})))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "-1.0", proc.stderr

@@ -12,18 +12,20 @@ instantiated once with ``reward.args`` (e.g. `HttpReward(url=...)`), and the ins
 callable. Sync functions may be called from worker threads, so they must be thread-safe.
 
 Workflows never call the plugin directly: `RewardCaller` awaits coroutine functions, runs sync
-ones in a thread pool (the event loop never blocks on reward code), applies ``reward.timeout_s``
+ones on daemon threads (the event loop never blocks on reward code), applies ``reward.timeout_s``
 and maps failures to ``reward.on_error_value`` (or raises `RewardError`, failing the episode).
-A timed-out sync function cannot be interrupted: its thread runs on until it returns.
+A timed-out sync function cannot be interrupted: its thread runs on until it returns (it is a
+daemon thread, so it never keeps the process alive).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import importlib
 import inspect
 import math
+import queue
+import threading
 from typing import Any, Optional, Protocol
 
 __all__ = ["RewardFn", "RewardError", "RewardCaller", "load_reward_fn", "is_async_callable"]
@@ -84,11 +86,54 @@ def load_reward_fn(path: str, args: Optional[dict] = None) -> RewardFn:
     return obj
 
 
+def _settle(fut: asyncio.Future, ok: bool, value) -> None:
+    if not fut.done():  # a timed-out caller has cancelled it already
+        fut.set_result(value) if ok else fut.set_exception(value)
+
+
+class _DaemonThreads:
+    """A fixed set of daemon worker threads for sync reward functions. Unlike a
+    ThreadPoolExecutor (whose threads are joined at interpreter exit), a function that never
+    returns cannot keep the process alive after the run ends."""
+
+    def __init__(self, n: int, name: str):
+        self.n, self.name = n, name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, fn, *args) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if len(self._threads) < self.n:
+            t = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        self._queue.put((loop, fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            loop, fut, fn, args = item
+            try:
+                value, ok = fn(*args), True
+            except BaseException as e:  # noqa: BLE001 - delivered to the awaiting caller
+                value, ok = e, False
+            try:
+                loop.call_soon_threadsafe(_settle, fut, ok, value)
+            except RuntimeError:  # the caller's loop is closed: nobody is waiting
+                pass
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        self._threads = []
+
+
 class RewardCaller:
     """``await caller(prompt, completion, meta) -> float`` around any reward callable.
 
     Chosen once at construction: coroutine functions are awaited on the caller's loop, plain
-    functions run in a private thread pool. Every call gets `timeout_s` (0 = none). A raise, a
+    functions run on `max_threads` private daemon threads. Every call gets `timeout_s` (0 = none). A raise, a
     timeout or a non-finite / non-numeric result returns `on_error_value` when it is set and
     raises `RewardError` otherwise; `stats()` counts calls, errors and timeouts.
     """
@@ -97,16 +142,13 @@ class RewardCaller:
                  max_threads: int = 8):
         self.fn, self.timeout_s, self.on_error_value = fn, timeout_s, on_error_value
         self.is_async = is_async_callable(fn)
-        self._max_threads = max_threads
-        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._threads = _DaemonThreads(max_threads, "megarl-reward")
         self.counts: collections.Counter = collections.Counter()
 
     def _run(self, prompt: str, completion: str, meta: dict):
         if self.is_async:
             return self.fn(prompt, completion, meta)
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(self._max_threads, thread_name_prefix="megarl-reward")
-        return asyncio.get_running_loop().run_in_executor(self._pool, self.fn, prompt, completion, meta)
+        return self._threads.submit(self.fn, prompt, completion, meta)
 
     async def __call__(self, prompt: str, completion: str, meta: dict) -> float:
         self.counts["calls"] += 1
@@ -144,6 +186,4 @@ class RewardCaller:
         close = getattr(self.fn, "aclose", None)
         if close is not None:
             await close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self._threads.shutdown()
