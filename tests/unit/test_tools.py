@@ -90,3 +90,14 @@ def test_run_tool_call_maps_failures_to_text():
     assert cut == ("'aba... [4 characters cut]", True)
     with pytest.raises(ValueError, match="two tools are named 'calculator'"):
         build_tools(["calculator", "calculator"])
+
+
+def test_python_tool_from_a_background_thread_loop():
+    """The controller's event loop runs in a background thread; subprocesses must work there."""
+    import threading
+
+    out = []
+    t = threading.Thread(target=lambda: out.append(run(PythonTool()(code="import math\nmath.factorial(5)"))))
+    t.start()
+    t.join(120)
+    assert out == ["120"]
