@@ -19,7 +19,9 @@ setup(
         "aiohttp>=3.9",  # rollout client and the CPU rollout server
     ],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.45", "matplotlib"],
+        "test": ["pytest>=7", "transformers>=4.45", "matplotlib", "pyarrow", "jinja2", "sympy"],
+        # Parquet prompt files, chat templates, symbolic math answers (megarl.compat.require)
+        "data": ["pyarrow", "jinja2", "sympy"],
         "sglang": ["sglang>=0.5"],
         "gpu": ["transformer-engine[pytorch]", "apex"],
         "mpi": ["mpi4py"],

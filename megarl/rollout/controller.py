@@ -40,7 +40,8 @@ class RolloutController:
                  api_key: Optional[str] = None, dynamic_sampling: bool = False,
                  client_kwargs: Optional[dict] = None):
         self.dataset, self.workflow, self.versions = dataset, workflow, versions
-        self.sampler = ResumableSampler(len(dataset), seed=seed)
+        self.sampler = (dataset.make_sampler(seed) if hasattr(dataset, "make_sampler")  # honours data.shuffle
+                        else ResumableSampler(len(dataset), seed=seed))
         self.staleness = StalenessManager(batch_groups, max_staleness, max_concurrent, versions)
         self.dynamic_sampling = dynamic_sampling
         self._servers, self._api_key, self._client_kwargs = servers, api_key, client_kwargs or {}
@@ -104,9 +105,9 @@ class RolloutController:
         state = EpisodeState.REJECTED
         try:
             group = await self.workflow.arun_episode(self.client, sample)
-            for t in group:
+            for t in group or ():  # None: the workflow rejected the sample
                 t.group_id = episode_id
-            if self.dynamic_sampling and len({t.reward for t in group}) == 1:
+            if group is None or (self.dynamic_sampling and len({t.reward for t in group}) == 1):
                 self.counters["filtered"] += 1
             else:
                 state = EpisodeState.ACCEPTED

@@ -20,7 +20,7 @@ from typing import Sequence
 from megarl.data.datasets import PromptSample
 from megarl.rollout.rewards import RewardFn
 from megarl.rollout.types import ModelRequest, SamplingParams
-from megarl.rollout.workflow import completion_text
+from megarl.rollout.workflows.base import completion_text
 
 
 @dataclass(frozen=True)

@@ -21,15 +21,16 @@ from typing import Optional
 import torch.distributed as dist
 
 from megarl.checkpoint import maybe_export_hf
+from megarl.data.chat import load_chat_template
 from megarl.data.datasets import PromptDataset, balance_across_ranks
 from megarl.data.tokenizer import load_tokenizer
 from megarl.metrics import print0, progress
 from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController
 from megarl.rollout.local import LocalCluster
-from megarl.rollout.rewards import load_reward_fn
+from megarl.rollout.rewards import RewardCaller, load_reward_fn
 from megarl.rollout.types import SamplingParams, Trajectory
-from megarl.rollout.workflow import load_workflow_class
+from megarl.rollout.workflows import WorkflowContext, load_workflow
 from megarl.trainer.actor import Actor
 from megarl.trainer.batch import TensorBatch
 from megarl.weights.push import WeightPusher
@@ -42,12 +43,17 @@ def _broadcast(obj, src: int = 0):
 
 
 def build_controller(cfg, cluster: RolloutCluster) -> RolloutController:
-    r = cfg.rollout
-    tok = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
-    dataset = PromptDataset(cfg.data.train_path, tok, prompt_key=cfg.data.prompt_key)
+    r, d = cfg.rollout, cfg.data
+    tok_path = d.tokenizer_path or cfg.model.hf_path
+    tok, template = load_tokenizer(tok_path), load_chat_template(d.chat_template, tok_path)
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               stop_token_ids=[tok.eos_id])
-    workflow = load_workflow_class(r.workflow)(tok, load_reward_fn(r.reward_fn), sampling, r.group_size)
+    reward = RewardCaller(load_reward_fn(r.reward_fn, cfg.reward.args), cfg.reward.timeout_s, cfg.reward.on_error_value)
+    workflow = load_workflow(r.workflow, WorkflowContext(tok, reward, sampling, r.group_size, template,
+                                                         cfg.train.max_seq_len), r.workflow_args)
+    dataset = PromptDataset(d.train_path, tok, prompt_key=d.prompt_key, answer_key=d.answer_key or None,
+                            chat_template=template, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+                            tools=getattr(workflow, "tool_schemas", None), shuffle=d.shuffle)
     return RolloutController(
         dataset, workflow, cluster.addresses, cluster, batch_groups=cfg.train.global_batch_size // r.group_size,
         max_staleness=r.max_staleness, max_concurrent=r.max_concurrent, seed=cfg.train.seed,

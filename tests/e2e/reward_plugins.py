@@ -4,3 +4,8 @@
 def starts_with_one(prompt: str, completion: str, meta: dict) -> float:
     """1 when the completion starts with the digit 1: easy to learn, so RL must raise it fast."""
     return 1.0 if completion.strip().startswith("1") else 0.0
+
+
+async def length_reward(prompt: str, completion: str, meta: dict) -> float:
+    """An async reward (awaited by RewardCaller): the completion's length in characters."""
+    return float(len(completion))
