@@ -8,9 +8,10 @@ loopback. Two rules cover every address megarl advertises:
   peer that will connect back (a UDP ``connect`` sends no packet). Whoever we reach over a route
   can reach us back at that route's source address on ordinary networks, and it is loopback
   exactly when the peer is on this host.
-- :func:`serving_host` (servers that rank 0 starts itself): loopback when the job's rendezvous
-  address is loopback (every rank is then on this host), else the rendezvous address itself:
-  every rank already reached rank 0 there when the process group formed.
+- :func:`serving_host` (servers that rank 0 starts itself): the job's rendezvous address. Rank 0
+  hosts the rendezvous (or, under torchrun, its node's agent does), so that address is one of
+  rank 0's host's own, and every rank already reached it when the process group formed. It is
+  loopback exactly when the whole job runs on one host.
 """
 from __future__ import annotations
 
@@ -63,6 +64,4 @@ def serving_host(master_addr: Optional[str] = None) -> str:
     $MASTER_ADDR, the launcher's rendezvous address (torchrun, srun via launch/, mpirun via
     launch/mpi.sh, or parallel.init_distributed set it)."""
     master = master_addr if master_addr is not None else os.environ.get("MASTER_ADDR", "127.0.0.1")
-    if is_loopback(master):
-        return "127.0.0.1"
     return resolve(master)

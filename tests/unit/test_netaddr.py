@@ -24,7 +24,7 @@ def test_advertised_address():
 def test_serving_host(monkeypatch):
     assert serving_host("127.0.0.1") == "127.0.0.1" and serving_host("localhost") == "127.0.0.1"
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.5")
-    assert serving_host() == "127.0.0.1"
+    assert serving_host() == "127.0.0.5"  # e.g. a fake node's own loopback address
     try:  # this host's address on its default route, if it has one
         here = local_address_towards("192.0.2.1")
     except OSError:

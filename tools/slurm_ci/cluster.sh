@@ -78,6 +78,7 @@ esac
 
 [ "$(id -u)" = 0 ] || { echo "$0: must run as root (munged runs as user munge)" >&2; exit 1; }
 mkdir -p "$BASE"/{etc,run,log,state/ctld}
+chmod o+x "$BASE"  # munged runs as user munge and must reach its directory (mktemp -d gives 0700)
 
 # ------------------------------------------------------------------ packages
 PKGS=(slurmctld slurmd slurm-client munge libpmix-dev)  # libpmix.so: srun --mpi=pmix
