@@ -57,7 +57,7 @@ def test_sbatch_runs_the_demo_across_a_rollout_node_and_a_trainer_node(slurm, tm
          "--log-dir", f"{run}/logs", "--python", slurm.env["PYTHON"]],
         capture_output=True, text=True, env=clean_env(), cwd=str(tmp_path), check=True).stdout.splitlines()
     assert f"trainer: {ran}" in dry
-    assert ran.startswith(f"srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=n2 --label ")
+    assert ran.startswith("srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=n2 --label ")
     assert f"--export=ALL,MASTER_ADDR=127.0.0.3,MASTER_PORT={port} " in ran
 
     trainer = (run / "logs" / "trainer.log").read_text().splitlines()
