@@ -33,6 +33,7 @@ setup(
             "megarl-convert=megarl.tools_cli.convert:main",
             "megarl-logprobs=megarl.tools_cli.logprobs:main",
             "megarl-server=megarl.rollout.server.__main__:main",
+            "megarl-launch=megarl.launch_plan:main",
         ]
     },
 )

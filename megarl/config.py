@@ -308,8 +308,10 @@ class WeightSyncConfig:
     """How servers pause for a push: abort (partial rollouts resume), retract or in_place."""
     timeout_s: float = 120.0
     """Deadline of every step of a push (HTTP calls and broadcasts)."""
-    master_address: str = "127.0.0.1"
-    """Address the servers use to reach this job's source ranks (distributed transport)."""
+    master_address: str = "auto"
+    """Address the servers use to reach this job's pipeline-stage source ranks (distributed
+    transport); auto = each source rank's own address on its route to the servers (never another
+    node's loopback), or a fixed address/hostname for single-node jobs with unusual routing."""
     disk_dir: str = ""
     """Shared directory for the disk transport; empty = <run_dir>/weights."""
     keep_versions: int = 2
@@ -352,6 +354,47 @@ class CriticConfig:
 
 
 @dataclass
+class LaunchConfig:
+    server: str = "auto"
+    """Server program the launcher (megarl-launch, launch/slurm.sbatch) starts on rollout nodes:
+    auto (sglang on GPU nodes, megarl on CPU nodes), sglang (python -m sglang.launch_server) or
+    megarl (megarl-server)."""
+    server_tp: int = 1
+    """GPUs per rollout server for tensor parallelism (SGLang --tp-size)."""
+    server_dp: int = 1
+    """Data-parallel replicas inside one SGLang server (--dp-size); GPUs per server = tp * dp."""
+    servers_per_node: int = 0
+    """Servers per rollout node; 0 = the node's GPUs // (server_tp * server_dp), 1 on CPU nodes."""
+    server_port: int = 30000
+    """Port of a node's first server; the node's further servers take the next ports."""
+    server_args: list[str] = field(default_factory=list)
+    """Extra flags appended to every server command (e.g. ["--mem-fraction-static", "0.8"])."""
+    health_timeout_s: float = 900.0
+    """How long the launcher waits for every server's /health before it gives up."""
+    router: bool = False
+    """Also start SGLang's router (sglang-router) in front of the servers on the first rollout
+    node, for generation clients; weight pushes still go to every server directly."""
+    router_port: int = 30100
+    """Port of the router."""
+    router_policy: str = "cache_aware"
+    """Router load-balancing policy: cache_aware, round_robin, random or power_of_two."""
+
+    def validate(self) -> None:
+        _choice("launch.server", self.server, ("auto", "sglang", "megarl"))
+        _choice("launch.router_policy", self.router_policy,
+                ("cache_aware", "round_robin", "random", "power_of_two"))
+        for name in ("server_tp", "server_dp", "server_port", "router_port"):
+            _positive(f"launch.{name}", getattr(self, name))
+        if self.servers_per_node < 0:
+            raise ConfigError(f"launch.servers_per_node: must be >= 0, got {self.servers_per_node}")
+        if self.health_timeout_s <= 0:
+            raise ConfigError(f"launch.health_timeout_s: must be > 0, got {self.health_timeout_s}")
+        if self.router and self.server == "megarl":
+            raise ConfigError("launch.router: SGLang's router fronts SGLang servers; "
+                              "set launch.server to sglang (or auto on GPU nodes)")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -365,6 +408,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

@@ -1,8 +1,11 @@
-"""A local rollout cluster: megarl CPU servers as child processes on free loopback ports.
+"""A local rollout cluster: megarl CPU servers as child processes on free ports of one host.
 
 The one local launcher of megarl-server: used when ``rollout.servers`` is empty (the embedded CPU
-demo), by make_tiny_model's evaluation, and by tests and benchmarks. The servers die with the
-trainer (killed on exit, and on SIGTERM through the parent's cleanup).
+demo), by make_tiny_model's evaluation, and by tests and benchmarks. The servers bind to loopback,
+or to the address every rank reached rank 0 by when the job spans nodes
+(megarl.net.serving_host). They belong to the trainer: stop signals sent to the whole process
+tree are ignored by them, they are killed when the trainer leaves the cluster's context, and the
+kernel kills them if the trainer dies (megarl.signals.owned_child_setup).
 """
 from __future__ import annotations
 
@@ -12,18 +15,20 @@ import sys
 import time
 import urllib.request
 
-from megarl.net import LOOPBACK, free_port, http_url
+from megarl.net import free_port, http_url
+from megarl.signals import owned_child_setup
 
 
-def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0
-                 ) -> tuple[str, subprocess.Popen]:
-    """Starts ``megarl-server`` on a free loopback port and waits for ``/health``."""
-    port = free_port()
+def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0,
+                 host: str = "127.0.0.1") -> tuple[str, subprocess.Popen]:
+    """Starts ``megarl-server`` on a free port of ``host`` and waits for ``/health``."""
+    port = free_port(host)
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
-                             "--port", str(port), *map(str, extra)], stdout=log, stderr=subprocess.STDOUT)
-    url = http_url(LOOPBACK, port)
+                             "--host", host, "--port", str(port), *map(str, extra)],
+                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=owned_child_setup)
+    url = http_url(host, port)
     deadline = time.time() + ready_timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -41,8 +46,8 @@ def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float
 class LocalCluster:
     """``with LocalCluster(model_dir, n=2, log_dir=...) as urls: ...``"""
 
-    def __init__(self, model_dir: str, n: int, log_dir: str, extra=()):
-        self.model_dir, self.n, self.log_dir, self.extra = model_dir, n, log_dir, extra
+    def __init__(self, model_dir: str, n: int, log_dir: str, extra=(), host: str = "127.0.0.1"):
+        self.model_dir, self.n, self.log_dir, self.extra, self.host = model_dir, n, log_dir, extra, host
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
 
@@ -50,7 +55,7 @@ class LocalCluster:
         try:
             for i in range(self.n):
                 url, proc = start_server(self.model_dir, os.path.join(self.log_dir, f"server{i}.log"),
-                                         self.extra)
+                                         self.extra, host=self.host)
                 self.urls.append(url)
                 self.procs.append(proc)
         except BaseException:

@@ -26,6 +26,7 @@ from megarl.data.datasets import PromptDataset, balance_across_ranks
 from megarl.data.tokenizer import load_tokenizer
 from megarl.metrics import print0, progress
 from megarl.rollout.cluster import RolloutCluster
+from megarl.net import serving_host
 from megarl.rollout.controller import RolloutController
 from megarl.rollout.local import LocalCluster
 from megarl.rollout.rewards import RewardCaller, load_reward_fn
@@ -100,14 +101,14 @@ def evaluate(cfg, servers: list[str]) -> Optional[float]:
     return asyncio.run(run()).accuracy
 
 
-def run_rl(cfg, ps, engine, logger, ckpt) -> None:
+def run_rl(cfg, ps, engine, logger, ckpt, stop=None) -> None:
     r = cfg.rollout
     with contextlib.ExitStack() as stack:
         servers = list(r.servers)
         if not servers and ps.rank == 0:
             servers = stack.enter_context(LocalCluster(
                 cfg.model.hf_path, r.local_servers, f"{cfg.train.run_dir}/servers",
-                extra=["--threads", r.server_threads]))
+                extra=["--threads", r.server_threads], host=serving_host()))
         cluster = RolloutCluster.from_config(cfg, _broadcast(servers), driver=ps.rank == 0)
         stack.callback(cluster.close)
         actor = Actor.build(cfg, ps, engine)
@@ -138,6 +139,10 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
                 if acc is not None:
                     metrics["eval_accuracy"] = acc
             logger.log(metrics, step)
+            # megarl.signals: same condition on every rank (the all-reduce runs on all or none)
+            if stop is not None and step < cfg.train.steps and stop.should_stop():
+                ckpt.save(step, policy_version=cluster.version)  # the next start resumes here
+                break
             ckpt.maybe_save(step, last=step == cfg.train.steps, policy_version=cluster.version)
             maybe_export_hf(cfg, engine, step, last=step == cfg.train.steps)
         print0(f"[grpo] done: {cfg.train.steps} steps, policy version {cluster.version}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 
@@ -53,8 +54,11 @@ def main(argv=None) -> None:
                  args.model, time.perf_counter() - t0)
 
     app.on_startup.append(announce)
+    # A server started with SIGTERM ignored (by a trainer or launcher that owns its lifetime, see
+    # megarl.signals) keeps it ignored instead of letting aiohttp exit on it.
+    keep_ignored = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2.0,
-                handler_cancellation=True)
+                handler_cancellation=True, handle_signals=not keep_ignored)
 
 
 if __name__ == "__main__":
