@@ -19,7 +19,10 @@ setup(
         "aiohttp>=3.9",  # rollout client and the CPU rollout server
     ],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.45", "matplotlib", "tensorboard", "wandb"],
+        "test": ["pytest>=7", "transformers>=4.45", "matplotlib", "tensorboard", "wandb", "pyarrow",
+                 "jinja2", "sympy"],
+        # Parquet prompt files, chat templates, symbolic math answers (megarl.compat.require)
+        "data": ["pyarrow", "jinja2", "sympy"],
         "sglang": ["sglang>=0.5"],
         "gpu": ["transformer-engine[pytorch]", "apex"],
         "mpi": ["mpi4py"],
@@ -32,6 +35,7 @@ setup(
             "megarl-convert=megarl.tools_cli.convert:main",
             "megarl-logprobs=megarl.tools_cli.logprobs:main",
             "megarl-server=megarl.rollout.server.__main__:main",
+            "megarl-launch=megarl.launch_plan:main",
         ]
     },
 )

@@ -5,6 +5,8 @@ megarl decides here, once, which implementation of each optional piece is used:
 * Transformer Engine present *and* CUDA available -> TE layer spec; otherwise the local spec.
 * apex is optional (megatron-core falls back to torch optimizers without it).
 * sglang is optional (the rollout extra); the CPU rollout server needs nothing from it.
+* pyarrow (Parquet prompt files), jinja2 (chat templates) and sympy (symbolic math answers) are
+  the `data` extra, imported where used through :func:`require` (sympy is skipped when absent).
 
 megatron-core assumes CUDA in many small places (``device="cuda"``, ``Tensor.cuda()``,
 ``torch.cuda.*`` RNG calls, a ``'torch.cuda.FloatTensor'`` assertion in grad clipping). On
@@ -133,3 +135,20 @@ def quiet_megatron_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
     warnings.filterwarnings("ignore", category=FutureWarning, module="megatron")
+
+
+# ----------------------------------------------------------------------------- data/reward extras
+# Pure-Python extras (`pip install "megarl[data]"`): imported where used, through `require`, so a
+# missing one fails with the feature and the install line instead of a bare ImportError.
+HAVE_PYARROW = importlib.util.find_spec("pyarrow") is not None
+HAVE_JINJA2 = importlib.util.find_spec("jinja2") is not None
+HAVE_SYMPY = importlib.util.find_spec("sympy") is not None
+
+
+def require(module: str, purpose: str, extra: str = "data"):
+    """Import an optional module or raise ImportError naming the feature and the install line."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"{purpose} needs the optional package {module.split('.')[0]!r}: "
+                          f"pip install \"megarl[{extra}]\" (or pip install {module.split('.')[0]})") from e

@@ -180,19 +180,36 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     train_path: str = ""
-    """JSONL: SFT lines {prompt, response}; RL lines {prompt, answer, ...}."""
+    """JSONL or Parquet (.parquet): SFT records {prompt, response}; RL records {prompt, answer, ...},
+    where an RL prompt may be a chat [{role, content}, ...]."""
     eval_path: str = ""
     """Optional held-out JSONL, same format."""
     prompt_key: str = "prompt"
-    """Key of the prompt text in each JSONL line."""
+    """Key of the prompt (text, or chat messages for RL) in each record; dotted for nested fields."""
     response_key: str = "response"
     """Key of the response text (SFT)."""
+    answer_key: str = "answer"
+    """RL: key of the reference answer, copied to meta["answer"] for the reward; dotted for nested
+    fields (e.g. reward_model.ground_truth); empty = no answer required."""
     tokenizer_path: str = ""
     """Tokenizer directory or file; empty = model.hf_path."""
+    chat_template: str = ""
+    """RL chat prompts: Jinja chat template as a file path or inline text; empty = the model's own
+    (chat_template in tokenizer_config.json or chat_template.jinja)."""
+    max_prompt_length: int = 0
+    """RL: longest prompt in tokens (after the chat template); 0 = no limit. See data.truncation."""
+    truncation: str = "filter"
+    """RL prompts over data.max_prompt_length: filter (drop), error (fail at load), left (keep the
+    last tokens), right (keep the first tokens) or middle (keep both ends). Counted in data/* metrics."""
+    shuffle: bool = True
+    """RL: shuffle the prompt order each epoch (seeded by train.seed); false = file order."""
 
     def validate(self) -> None:
         if not self.train_path:
             raise ConfigError("data.train_path: required")
+        if self.max_prompt_length < 0:
+            raise ConfigError(f"data.max_prompt_length: must be >= 0, got {self.max_prompt_length}")
+        _choice("data.truncation", self.truncation, ("filter", "error", "left", "right", "middle"))
 
 
 @dataclass
@@ -277,9 +294,15 @@ class RolloutConfig:
     max_concurrent: int = 64
     """Episodes (prompt groups) generating at once."""
     reward_fn: str = "megarl.rollout.rewards:arith_exact_match"
-    """Reward function import path: fn(prompt, completion, meta) -> float."""
+    """Reward import path: fn(prompt, completion, meta) -> float, sync or async; or a class built
+    once with reward.args (e.g. megarl.rollout.rewards:HttpReward)."""
     workflow: str = "megarl.rollout.workflow:SingleTurnWorkflow"
-    """Workflow class import path (arun_episode(client, sample) -> list[Trajectory])."""
+    """Workflow class import path, built as cls(ctx, **workflow_args); arun_episode(client,
+    sample) -> list[Trajectory] or None (sample rejected). Shipped: megarl.rollout.workflows:
+    SingleTurnWorkflow, MultiTurnWorkflow, ToolCallingWorkflow."""
+    workflow_args: dict[str, Any] = field(default_factory=dict)
+    """The workflow's own options, passed as keyword arguments (e.g. {max_turns: 4, tools:
+    [calculator, python]}); see docs/tasks.md."""
     eval_interval: int = 0
     """Evaluate on data.eval_path every N steps (0 = only at the end, if eval_path is set): greedy
     pass@1 with rollout.reward_fn, run beside training and reported with the version it measured."""
@@ -317,6 +340,27 @@ class RolloutConfig:
             raise ConfigError(f"rollout.temperature: must be > 0 for RL sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.workflow_args, dict):
+            raise ConfigError(f"rollout.workflow_args: expected a mapping, got {self.workflow_args!r}")
+
+
+@dataclass
+class RewardConfig:
+    timeout_s: float = 60.0
+    """Deadline of one reward call (a batch for batched rewards); 0 = none. A sync function that
+    overruns keeps its worker thread until it returns."""
+    on_error_value: Optional[float] = None
+    """Reward used when the reward function raises or times out (counted in reward/errors,
+    reward/timeouts); null = the episode fails instead."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments when rollout.reward_fn names a class, e.g. {url: http://host:port/score,
+    max_batch: 32, max_wait_ms: 20} for HttpReward."""
+
+    def validate(self) -> None:
+        if self.timeout_s < 0:
+            raise ConfigError(f"reward.timeout_s: must be >= 0, got {self.timeout_s}")
+        if not isinstance(self.args, dict):
+            raise ConfigError(f"reward.args: expected a mapping, got {self.args!r}")
 
 
 @dataclass
@@ -331,8 +375,10 @@ class WeightSyncConfig:
     """How servers pause for a push: abort (partial rollouts resume), retract or in_place."""
     timeout_s: float = 120.0
     """Deadline of every step of a push (HTTP calls and broadcasts)."""
-    master_address: str = "127.0.0.1"
-    """Address the servers use to reach this job's source ranks (distributed transport)."""
+    master_address: str = "auto"
+    """Address the servers use to reach this job's pipeline-stage source ranks (distributed
+    transport); auto = each source rank's own address on its route to the servers (never another
+    node's loopback), or a fixed address/hostname for single-node jobs with unusual routing."""
     disk_dir: str = ""
     """Shared directory for the disk transport; empty = <run_dir>/weights."""
     keep_versions: int = 2
@@ -378,6 +424,47 @@ class CriticConfig:
 
 
 @dataclass
+class LaunchConfig:
+    server: str = "auto"
+    """Server program the launcher (megarl-launch, launch/slurm.sbatch) starts on rollout nodes:
+    auto (sglang on GPU nodes, megarl on CPU nodes), sglang (python -m sglang.launch_server) or
+    megarl (megarl-server)."""
+    server_tp: int = 1
+    """GPUs per rollout server for tensor parallelism (SGLang --tp-size)."""
+    server_dp: int = 1
+    """Data-parallel replicas inside one SGLang server (--dp-size); GPUs per server = tp * dp."""
+    servers_per_node: int = 0
+    """Servers per rollout node; 0 = the node's GPUs // (server_tp * server_dp), 1 on CPU nodes."""
+    server_port: int = 30000
+    """Port of a node's first server; the node's further servers take the next ports."""
+    server_args: list[str] = field(default_factory=list)
+    """Extra flags appended to every server command (e.g. ["--mem-fraction-static", "0.8"])."""
+    health_timeout_s: float = 900.0
+    """How long the launcher waits for every server's /health before it gives up."""
+    router: bool = False
+    """Also start SGLang's router (sglang-router) in front of the servers on the first rollout
+    node, for generation clients; weight pushes still go to every server directly."""
+    router_port: int = 30100
+    """Port of the router."""
+    router_policy: str = "cache_aware"
+    """Router load-balancing policy: cache_aware, round_robin, random or power_of_two."""
+
+    def validate(self) -> None:
+        _choice("launch.server", self.server, ("auto", "sglang", "megarl"))
+        _choice("launch.router_policy", self.router_policy,
+                ("cache_aware", "round_robin", "random", "power_of_two"))
+        for name in ("server_tp", "server_dp", "server_port", "router_port"):
+            _positive(f"launch.{name}", getattr(self, name))
+        if self.servers_per_node < 0:
+            raise ConfigError(f"launch.servers_per_node: must be >= 0, got {self.servers_per_node}")
+        if self.health_timeout_s <= 0:
+            raise ConfigError(f"launch.health_timeout_s: must be > 0, got {self.health_timeout_s}")
+        if self.router and self.server == "megarl":
+            raise ConfigError("launch.router: SGLang's router fronts SGLang servers; "
+                              "set launch.server to sglang (or auto on GPU nodes)")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -389,7 +476,9 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

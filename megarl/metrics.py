@@ -153,15 +153,49 @@ class StatsTracker:
 
 
 class _JsonlSink:
+    """One row per step, in step order, across restarts: a run that resumes from a checkpoint
+    older than its last logged step (after a crash or a hard kill) logs those steps again, and
+    the first such write drops the old rows from that step on, so no step appears twice."""
+
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        rows = self._rows()
+        self._last = rows[-1][0] if rows else None
         self._f = open(path, "a", encoding="utf-8")
+        if self._f.tell() != sum(len(line.encode()) for _, line in rows):
+            self._rewind((self._last or 0) + 1)  # drop a torn line before appending after it
+
+    def _rows(self) -> list[tuple[int, str]]:
+        """(step, line) of every complete row; a torn last line (killed mid-write) is skipped."""
+        if not os.path.exists(self.path):
+            return []
+        rows = []
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rows.append((int(json.loads(line)["step"]), line if line.endswith("\n") else line + "\n"))
+                except (ValueError, KeyError, TypeError):
+                    continue
+        return rows
+
+    def _rewind(self, step: int) -> None:
+        self._f.close()
+        keep = [line for s, line in self._rows() if s < step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+        os.replace(tmp, self.path)
+        self._f = open(self.path, "a", encoding="utf-8")
 
     def write(self, metrics: dict[str, float], step: int) -> None:
+        if self._last is not None and step <= self._last:
+            self._rewind(step)
         row = {"step": step, "time": round(time.time(), 3)}
         row.update({k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()})
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
+        self._last = step
 
     def close(self) -> None:
         self._f.close()

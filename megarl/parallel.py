@@ -4,7 +4,8 @@ Rank discovery order (first match wins): torchrun (RANK/WORLD_SIZE/LOCAL_RANK), 
 (OMPI_COMM_WORLD_*), PMIx (PMIX_RANK, size from SLURM_NTASKS or mpi4py), PMI (PMI_RANK/PMI_SIZE),
 SLURM (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID). MPI comes before SLURM because under
 ``mpirun`` inside a one-node sbatch job every rank sees SLURM_PROCID=0. The master address comes
-from MASTER_ADDR, else the first host of SLURM_JOB_NODELIST, else 127.0.0.1.
+from MASTER_ADDR, else the first host of the step's node list (SLURM_STEP_NODELIST: a trainer
+step may run on a subset of the job's nodes), else of SLURM_JOB_NODELIST, else 127.0.0.1.
 
 The result is a :class:`ParallelState` object passed to whoever needs groups or ranks; nothing
 below this module reads Megatron's global getters.
@@ -75,10 +76,11 @@ def discover_ranks(env: Optional[dict] = None) -> RankInfo:
         rank, world, local, source = 0, 1, 0, "single"
     if world is None:
         raise RuntimeError(f"parallel: launcher '{source}' gave a rank but no world size")
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     if "MASTER_ADDR" in env:
         addr = env["MASTER_ADDR"]
-    elif env.get("SLURM_JOB_NODELIST"):
-        addr = expand_nodelist(env["SLURM_JOB_NODELIST"])[0]
+    elif nodelist:
+        addr = expand_nodelist(nodelist)[0]
     else:
         addr = LOOPBACK
     port = geti("MASTER_PORT", 29500)
@@ -92,14 +94,37 @@ def under_launcher(env: Optional[dict] = None) -> bool:
 
 def relaunch(nproc: int, module: str, argv: list[str]) -> int:
     """Re-executes ``python -m module argv`` under torchrun with ``nproc`` local ranks on a free
-    loopback port, so a user never has to know the launcher; returns its exit code."""
+    loopback port, so a user never has to know the launcher; returns its exit code.
+
+    torchrun runs in its own session and this process forwards SIGINT/SIGTERM/SIGUSR1 to the
+    workers only: a worker that gets one finishes its step, saves and exits 0 (megarl.signals),
+    whereas torchrun itself would answer by re-signalling and then killing its workers."""
+    import signal
     import subprocess
     import sys
+
+    import psutil
+
+    from megarl.signals import STOP_SIGNALS, owned_child_setup
 
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", LOOPBACK, "--master_port", str(port), "-m", module, *argv]
-    return subprocess.call(cmd)
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=owned_child_setup)
+
+    def forward(signum, _frame):
+        try:
+            for worker in psutil.Process(proc.pid).children():
+                worker.send_signal(signum)
+        except psutil.Error:
+            pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _mpi4py_world_size() -> Optional[int]:

@@ -6,7 +6,8 @@
              push weights -> log -> maybe save / export}
 
 Run it directly and it starts its own ranks (torchrun on loopback) when the config needs more
-than one; under torchrun, srun or mpirun it joins the job it is in.
+than one; under torchrun, srun or mpirun it joins the job it is in. SIGUSR1/SIGTERM/SIGINT make
+every rank finish its step, save a checkpoint and exit 0 (megarl.signals); the next start resumes.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 
 from megarl import compat, parallel
 from megarl.config import ConfigError, load_config, save_config
+from megarl.signals import StopRequest, clear_stop_marker, write_stop_marker
 
 
 CONSOLE_KEYS = {
@@ -30,7 +32,7 @@ def parse_args(argv: list[str]) -> tuple[str, list[str]]:
     return argv[0], argv[1:]
 
 
-def run_sft(cfg, ps, engine, logger, ckpt) -> None:
+def run_sft(cfg, ps, engine, logger, ckpt, stop: StopRequest) -> None:
     from megarl.checkpoint import maybe_export_hf
     from megarl.metrics import progress
     from megarl.trainer.sft import SFTData, sft_loss
@@ -41,6 +43,10 @@ def run_sft(cfg, ps, engine, logger, ckpt) -> None:
     for step in progress(range(start + 1, cfg.train.steps + 1), desc="sft", total=cfg.train.steps - start):
         metrics = engine.train_batch(data.next_batch(), sft_loss)
         logger.log(metrics, step)
+        # same condition on every rank, so should_stop's all-reduce runs on all ranks or none
+        if step < cfg.train.steps and stop.should_stop():
+            ckpt.save(step)
+            break
         ckpt.maybe_save(step, last=step == cfg.train.steps)
         maybe_export_hf(cfg, engine, step, last=step == cfg.train.steps)
 
@@ -55,13 +61,20 @@ def main(argv: list[str] | None = None) -> int:
     nproc = cfg.parallel.world_size or cfg.parallel.tp * cfg.parallel.pp
     if nproc > 1 and not parallel.under_launcher():
         return parallel.relaunch(nproc, "megarl.train", [path, *overrides])
+    with StopRequest() as stop:  # before the slow setup, so an early signal is not lost
+        return train(cfg, stop)
 
+
+def train(cfg, stop: StopRequest) -> int:
     compat.quiet_megatron_warnings()
     from megarl.checkpoint import CheckpointManager
     from megarl.metrics import MetricsLogger
     from megarl.trainer.engine import Engine
 
     info = parallel.init_distributed(cfg.parallel.backend)
+    if info.rank == 0:
+        print(f"[megarl] {info.world_size} rank(s) from {info.source}, rendezvous "
+              f"{info.master_addr}:{info.master_port}", flush=True)
     try:
         from megarl.config import check_world_size
         check_world_size(cfg, info.world_size)
@@ -71,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ps = parallel.init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.model.seed)
     if ps.rank == 0:
         save_config(cfg, cfg.train.run_dir)
+        clear_stop_marker(cfg.train.run_dir)
     engine = Engine.build(cfg, ps)
     ckpt = CheckpointManager(cfg, ps, engine)
     logger = MetricsLogger(cfg.train.run_dir, tensorboard=cfg.logging.tensorboard,
@@ -78,11 +92,14 @@ def main(argv: list[str] | None = None) -> int:
                            console_keys=CONSOLE_KEYS["rl" if cfg.train.is_rl else "sft"],
                            console_interval=cfg.logging.log_interval)
     if cfg.train.algorithm == "sft":
-        run_sft(cfg, ps, engine, logger, ckpt)
+        run_sft(cfg, ps, engine, logger, ckpt, stop)
     else:
         from megarl.trainer.rl import run_rl
-        run_rl(cfg, ps, engine, logger, ckpt)
+        run_rl(cfg, ps, engine, logger, ckpt, stop=stop)
     logger.close()
+    if stop.stopped and ps.rank == 0:
+        print(f"[megarl] stopped by {stop.received}; checkpoint saved, rerun to resume", flush=True)
+        write_stop_marker(cfg.train.run_dir, stop.received)
     parallel.destroy()
     return 0
 

@@ -1,22 +1,20 @@
-"""Datasets, a resumable sampler, and token-budget batching.
+"""Datasets and token-budget batching (prompt datasets live in `megarl.data.prompts`).
 
-- `SFTDataset`: JSONL {"prompt", "response"} -> {"input_ids", "loss_mask"} (loss on the response
-  and its EOS only).
-- `PromptDataset`: JSONL {"prompt", "answer", ...} -> `PromptSample` for RL; every field but the
-  prompt lands in `meta`, which is what reward functions receive.
-- `ResumableSampler`: an endless, epoch-shuffled index stream whose `state_dict()` (seed, epoch,
-  position) resumes exactly where a checkpoint left it.
+- `SFTDataset`: JSONL/Parquet {"prompt", "response"} -> {"input_ids", "loss_mask"} (loss on the
+  response and its EOS only).
+- `PromptDataset` / `PromptSample` (re-exported from `prompts`): RL prompts for the workflows.
+- `ResumableSampler` (re-exported from `sampler`): an endless, epoch-shuffled index stream whose
+  `state_dict()` (seed, epoch, position) resumes exactly where a checkpoint left it.
 - `pack_microbatches` / `balance_across_ranks`: split a batch by token counts, deterministically.
 """
 from __future__ import annotations
 
 import heapq
-import json
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Sequence
 
-import numpy as np
-
+from megarl.data.prompts import PromptDataset, PromptSample
+from megarl.data.readers import read_jsonl, read_records
+from megarl.data.sampler import ResumableSampler
 from megarl.data.tokenizer import Tokenizer
 
 __all__ = [
@@ -30,28 +28,8 @@ __all__ = [
 ]
 
 
-def read_jsonl(path: str, required_keys: Sequence[str] = ()) -> list[tuple[int, dict]]:
-    """(line number, record) for each non-blank line; bad JSON or a missing key names file:line."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            missing = [k for k in required_keys if k not in row]
-            if missing:
-                raise KeyError(f"{path}:{lineno}: missing key(s) {missing}; has {sorted(row)}")
-            rows.append((lineno, row))
-    return rows
-
-
 class SFTDataset:
-    """Supervised pairs, tokenized eagerly (the whole file is validated before training starts).
+    """Supervised pairs (JSONL or Parquet), tokenized eagerly (the whole file is validated before training starts).
 
     Sample i is `{"input_ids": [bos?] + prompt + response + [eos], "loss_mask": 0 on bos/prompt,
     1 on response and eos}`. Prompt and response are encoded separately so the boundary is exact.
@@ -71,7 +49,7 @@ class SFTDataset:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
         self.path = path
         self.samples: list[dict[str, list[int]]] = []
-        for _, row in read_jsonl(path, (prompt_key, response_key)):
+        for _, row in read_records(path, (prompt_key, response_key)):
             prompt = tokenizer.encode(str(row[prompt_key]), add_bos=add_bos)
             response = tokenizer.encode(str(row[response_key])) + [tokenizer.eos_id]
             ids = (prompt + response)[:max_seq_len]
@@ -87,94 +65,6 @@ class SFTDataset:
     @property
     def lengths(self) -> list[int]:
         return [len(s["input_ids"]) for s in self.samples]
-
-
-@dataclass
-class PromptSample:
-    """One RL prompt. `meta` holds every JSONL field except the prompt (so `meta["answer"]`)."""
-
-    index: int
-    prompt: str
-    meta: dict[str, Any] = field(default_factory=dict)
-    prompt_ids: list[int] | None = None
-
-    @property
-    def answer(self) -> Any:
-        return self.meta.get("answer")
-
-
-class PromptDataset:
-    """RL prompts from JSONL. With a tokenizer, `prompt_ids` is filled (BOS prepended if it exists)."""
-
-    def __init__(
-        self,
-        path: str,
-        tokenizer: Tokenizer | None = None,
-        prompt_key: str = "prompt",
-        answer_key: str | None = "answer",
-        add_bos: bool = True,
-    ):
-        self.path = path
-        required = (prompt_key,) + ((answer_key,) if answer_key else ())
-        self.samples: list[PromptSample] = []
-        for _, row in read_jsonl(path, required):
-            prompt = str(row[prompt_key])
-            meta = {k: v for k, v in row.items() if k != prompt_key}
-            if answer_key and answer_key != "answer":
-                meta["answer"] = row[answer_key]
-            ids = tokenizer.encode(prompt, add_bos=add_bos) if tokenizer is not None else None
-            self.samples.append(PromptSample(len(self.samples), prompt, meta, ids))
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int) -> PromptSample:
-        return self.samples[i]
-
-
-class ResumableSampler:
-    """Endless stream of indices in [0, n): a fresh permutation each epoch, fixed by (seed, epoch).
-
-    The state is three integers, so a restored sampler yields exactly the indices the original
-    would have yielded next. Not thread-safe: one owner (the controller) draws from it.
-    """
-
-    def __init__(self, n: int, seed: int = 0, shuffle: bool = True):
-        if n < 1:
-            raise ValueError(f"cannot sample from an empty dataset (n={n})")
-        self.n, self.seed, self.shuffle = n, seed, shuffle
-        self.epoch, self.position = 0, 0
-        self._order = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.n)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
-
-    def next_index(self) -> int:
-        if self.position == self.n:
-            self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._permutation(self.epoch)
-        idx = int(self._order[self.position])
-        self.position += 1
-        return idx
-
-    def next_batch(self, batch_size: int) -> list[int]:
-        """The next `batch_size` indices; a batch may straddle an epoch boundary."""
-        return [self.next_index() for _ in range(batch_size)]
-
-    def __iter__(self) -> Iterator[int]:
-        while True:
-            yield self.next_index()
-
-    def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed, "epoch": self.epoch, "position": self.position, "n": self.n}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if int(state["n"]) != self.n:
-            raise ValueError(f"sampler state is for a dataset of {state['n']} samples, not {self.n}")
-        self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
-        self._order = self._permutation(self.epoch)
 
 
 def _cost(bin_lengths: list[int], padded: bool) -> int:

@@ -4,6 +4,8 @@
 - `megarl.rollout.client`: `RolloutClient` (load balancing, retries, partial-rollout resubmission,
   trainer-side admin calls for pause / weight updates).
 - `megarl.rollout.server`: `megarl-server`, a CPU SGLang-compatible server for tests and demos.
+- `megarl.rollout.workflows`, `.tools`, `.rewards`: what turns a prompt into scored trajectories
+  (docs/tasks.md).
 
 Importing this package stays cheap: the client (aiohttp) is imported on first use.
 """

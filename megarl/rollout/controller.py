@@ -60,7 +60,8 @@ class RolloutController:
                  partial_rollout: bool = True, max_retries: int = 2, failed_log: Optional[str] = None,
                  timeline=None, client_kwargs: Optional[dict] = None):
         self.dataset, self.workflow, self.versions = dataset, workflow, versions
-        self.sampler = ResumableSampler(len(dataset), seed=seed)
+        self.sampler = (dataset.make_sampler(seed) if hasattr(dataset, "make_sampler")  # honours data.shuffle
+                        else ResumableSampler(len(dataset), seed=seed))
         self.staleness = StalenessManager(batch_groups, max_staleness, max_concurrent, versions)
         self.dynamic_sampling, self.partial_rollout = dynamic_sampling, partial_rollout
         self.max_retries, self.failed_log, self.timeline = max_retries, failed_log, timeline
@@ -106,6 +107,9 @@ class RolloutController:
             self._task.cancel()
             for t in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
                 t.cancel()
+            reward = getattr(getattr(self.workflow, "ctx", None), "reward", None)
+            if reward is not None:
+                await reward.aclose()  # an HTTP reward's session, the reward threads
             await self.client.close()
 
         try:
@@ -265,6 +269,10 @@ class RolloutController:
         out.update({f"rollout/{k}": v for k, v in self.counters.items() if k.startswith("filtered/")})
         if self.client is not None:
             out["rollout/busy_s"] = self.client.busy_seconds()
+        out.update({f"data/{k}": v for k, v in getattr(self.dataset, "stats", {}).items()})
+        reward = getattr(getattr(self.workflow, "ctx", None), "reward", None)
+        if reward is not None:  # a user workflow need not carry the system's context
+            out.update(reward.stats())
         return out
 
     # ------------------------------------------------------------------ checkpoint state

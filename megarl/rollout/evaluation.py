@@ -19,8 +19,9 @@ from typing import Optional, Sequence
 
 from megarl.data.datasets import PromptSample
 from megarl.rollout.rewards import RewardFn
+from megarl.rollout.rewards.base import RewardCaller
 from megarl.rollout.types import ModelRequest, SamplingParams
-from megarl.rollout.workflow import completion_text
+from megarl.rollout.workflows.base import completion_text
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,9 @@ async def evaluate_samples(client, samples: Sequence[PromptSample], reward_fn: R
         reqs += [(s, ModelRequest(list(s.prompt_ids), seeded, metadata=dict(atomic))) for s in samples]
     responses = await asyncio.gather(*(client.agenerate(r) for _, r in reqs))
     texts = [completion_text(tokenizer, r.output_tokens) for r in responses]
-    # the reward contract allows blocking code: score off the event loop
-    rewards = await asyncio.to_thread(
-        lambda: [float(reward_fn(s.prompt, t, s.meta)) for (s, _), t in zip(reqs, texts)])
+    # sync rewards run on the caller's threads (the contract allows blocking code), async ones here
+    caller = reward_fn if isinstance(reward_fn, RewardCaller) else RewardCaller(reward_fn)
+    rewards = await asyncio.gather(*(caller(s.prompt, t, s.meta) for (s, _), t in zip(reqs, texts)))
     n = len(samples)
     greedy_rewards, sampled = rewards[:n], rewards[n:]
     versions = tuple(sorted({v for r in responses for v in r.output_versions}))

@@ -1,11 +1,13 @@
-"""A local rollout cluster: megarl CPU servers as child processes on free loopback ports.
+"""A local rollout cluster: megarl CPU servers as child processes on free ports of one host.
 
 The one local launcher of megarl-server: used when ``rollout.servers`` is empty (the embedded CPU
-demo), by make_tiny_model's evaluation, and by tests and benchmarks. The servers die with the
-trainer: killed on exit, and - on Linux - by the kernel when the trainer dies any other way
-(SIGKILL included: ``megarl-server --die-with-parent``). A server that dies during a run is relaunched on
-its own port by `LocalCluster.restart` (the RolloutCluster re-admits it once it answers /health
-and has been given the current weights). ``<log_dir>/servers.json`` lists the live processes.
+demo), by make_tiny_model's evaluation, and by tests and benchmarks. The servers bind to loopback,
+or to the address every rank reached rank 0 by when the job spans nodes (megarl.net.serving_host).
+They belong to the trainer: stop signals sent to the whole process tree are ignored by them, they
+are killed when the trainer leaves the cluster's context, and the kernel kills them if the trainer
+dies, SIGKILL included (megarl.signals.owned_child_setup). A server that dies during a run is
+relaunched on its own port by `LocalCluster.restart` (the RolloutCluster re-admits it once it
+answers /health and has been given the current weights). ``<log_dir>/servers.json`` lists them.
 """
 from __future__ import annotations
 
@@ -17,14 +19,16 @@ import time
 import urllib.request
 
 from megarl.net import LOOPBACK, free_port, http_url
+from megarl.signals import owned_child_setup
 
-def spawn_server(model_dir: str, log_path: str, port: int, extra=()) -> subprocess.Popen:
-    """Starts ``megarl-server`` on ``port`` (loopback) and returns at once."""
+def spawn_server(model_dir: str, log_path: str, port: int, extra=(), host: str = LOOPBACK
+                 ) -> subprocess.Popen:
+    """Starts ``megarl-server`` on ``host:port`` and returns at once."""
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     log = open(log_path, "a")
     return subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
-                             "--port", str(port), "--die-with-parent", *map(str, extra)], stdout=log,
-                            stderr=subprocess.STDOUT)
+                             "--host", host, "--port", str(port), *map(str, extra)], stdout=log,
+                            stderr=subprocess.STDOUT, preexec_fn=owned_child_setup)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s: float = 60.0) -> None:
@@ -42,12 +46,12 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s:
     raise RuntimeError(f"megarl-server not ready in {ready_timeout_s:.0f} s (log {log_path})")
 
 
-def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0
-                 ) -> tuple[str, subprocess.Popen]:
-    """Starts ``megarl-server`` on a free loopback port and waits for ``/health``."""
-    port = free_port()
-    proc = spawn_server(model_dir, log_path, port, extra)
-    url = http_url(LOOPBACK, port)
+def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0,
+                 host: str = LOOPBACK) -> tuple[str, subprocess.Popen]:
+    """Starts ``megarl-server`` on a free port of ``host`` and waits for ``/health``."""
+    port = free_port(host)
+    proc = spawn_server(model_dir, log_path, port, extra, host)
+    url = http_url(host, port)
     wait_ready(url, proc, log_path, ready_timeout_s)
     return url, proc
 
@@ -55,8 +59,8 @@ def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float
 class LocalCluster:
     """``with LocalCluster(model_dir, n=2, log_dir=...) as urls: ...``"""
 
-    def __init__(self, model_dir: str, n: int, log_dir: str, extra=()):
-        self.model_dir, self.n, self.log_dir, self.extra = model_dir, n, log_dir, extra
+    def __init__(self, model_dir: str, n: int, log_dir: str, extra=(), host: str = "127.0.0.1"):
+        self.model_dir, self.n, self.log_dir, self.extra, self.host = model_dir, n, log_dir, extra, host
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.restarts = 0
@@ -64,7 +68,7 @@ class LocalCluster:
     def __enter__(self) -> list[str]:
         try:
             for i in range(self.n):
-                url, proc = start_server(self.model_dir, self._log(i), self.extra)
+                url, proc = start_server(self.model_dir, self._log(i), self.extra, host=self.host)
                 self.urls.append(url)
                 self.procs.append(proc)
         except BaseException:
@@ -94,7 +98,7 @@ class LocalCluster:
             old.kill()
             old.wait(timeout=10)
         port = int(url.rsplit(":", 1)[1])
-        self.procs[i] = spawn_server(self.model_dir, self._log(i), port, self.extra)
+        self.procs[i] = spawn_server(self.model_dir, self._log(i), port, self.extra, self.host)
         self.restarts += 1
         self._write_index()
         return True

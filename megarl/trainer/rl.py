@@ -22,26 +22,29 @@ it, so a push pauses and resumes generation exactly once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from megarl.algo.advantages import AdvantageEstimator
+from megarl.algo.filters import overlong_penalty
 from megarl.checkpoint import maybe_export_hf
+from megarl.data.chat import load_chat_template
 from megarl.data.datasets import PromptDataset, balance_across_ranks
 from megarl.data.tokenizer import load_tokenizer
 from megarl.metrics import print0, progress
+from megarl.net import serving_host
 from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController
 from megarl.rollout.evaluation import PeriodicEval
 from megarl.rollout.local import LocalCluster
-from megarl.rollout.rewards import load_reward_fn
+from megarl.rollout.rewards import RewardCaller, load_reward_fn
 from megarl.rollout.types import SamplingParams, Trajectory
-from megarl.rollout.workflow import load_workflow_class
+from megarl.rollout.workflows import WorkflowContext, load_workflow
 from megarl.timeline import Timeline
-from megarl.algo.advantages import AdvantageEstimator
-from megarl.algo.filters import overlong_penalty
 from megarl.trainer.actor import Actor
 from megarl.trainer.batch import TensorBatch
 from megarl.trainer.critic import Critic
@@ -60,14 +63,32 @@ def groups_per_step(cfg) -> int:
     return cfg.train.step_batch_size // cfg.rollout.group_size
 
 
-def build_controller(cfg, cluster: RolloutCluster, timeline=None) -> RolloutController:
-    r = cfg.rollout
-    tok = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
-    dataset = PromptDataset(cfg.data.train_path, tok, prompt_key=cfg.data.prompt_key)
+def task_parts(cfg):
+    """(tokenizer, chat template, reward caller, sampling params) shared by training rollouts
+    and evaluation: the same reward function and dataset fields for both."""
+    r, d = cfg.rollout, cfg.data
+    tok_path = d.tokenizer_path or cfg.model.hf_path
+    tok, template = load_tokenizer(tok_path), load_chat_template(d.chat_template, tok_path)
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               stop_token_ids=None if r.ignore_eos else [tok.eos_id],  # a stop id stops even with ignore_eos
                               ignore_eos=r.ignore_eos)
-    workflow = load_workflow_class(r.workflow)(tok, load_reward_fn(r.reward_fn), sampling, r.group_size)
+    reward = RewardCaller(load_reward_fn(r.reward_fn, cfg.reward.args), cfg.reward.timeout_s, cfg.reward.on_error_value)
+    return tok, template, reward, sampling
+
+
+def prompt_dataset(cfg, path: str, tok, template, tools=None) -> PromptDataset:
+    d = cfg.data
+    return PromptDataset(path, tok, prompt_key=d.prompt_key, answer_key=d.answer_key or None,
+                         chat_template=template, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+                         tools=tools, shuffle=d.shuffle)
+
+
+def build_controller(cfg, cluster: RolloutCluster, timeline=None) -> RolloutController:
+    r = cfg.rollout
+    tok, template, reward, sampling = task_parts(cfg)
+    workflow = load_workflow(r.workflow, WorkflowContext(tok, reward, sampling, r.group_size, template,
+                                                         cfg.train.max_seq_len), r.workflow_args)
+    dataset = prompt_dataset(cfg, cfg.data.train_path, tok, template, getattr(workflow, "tool_schemas", None))
     # the staleness clock ticks once per push, which covers trigger_parameter_sync_step steps
     per_version = groups_per_step(cfg) * cfg.train.trigger_parameter_sync_step
     return RolloutController(
@@ -89,12 +110,11 @@ def build_eval(cfg) -> Optional[PeriodicEval]:
     """Held-out evaluation with the configured reward function and dataset fields (rank 0)."""
     if not cfg.data.eval_path:
         return None
-    r = cfg.rollout
-    tok = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
-    samples = PromptDataset(cfg.data.eval_path, tok, prompt_key=cfg.data.prompt_key).samples[:r.eval_size]
-    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              stop_token_ids=[tok.eos_id])
-    return PeriodicEval(samples, load_reward_fn(r.reward_fn), sampling, tok, k=r.eval_k)
+    tok, template, reward, sampling = task_parts(cfg)
+    samples = prompt_dataset(cfg, cfg.data.eval_path, tok, template).samples[:cfg.rollout.eval_size]
+    if cfg.rollout.ignore_eos:  # evaluation answers stop at EOS whatever the training rollouts do
+        sampling = dataclasses.replace(sampling, ignore_eos=False, stop_token_ids=[tok.eos_id])
+    return PeriodicEval(samples, reward, sampling, tok, k=cfg.rollout.eval_k)
 
 
 def shape_rewards(trajs: list[Trajectory], spec, max_new_tokens: int) -> dict:
@@ -136,13 +156,13 @@ def verify_push(pusher: WeightPusher) -> int:
     return 0
 
 
-def run_rl(cfg, ps, engine, logger, ckpt) -> None:
+def run_rl(cfg, ps, engine, logger, ckpt, stop=None) -> None:
     r, t = cfg.rollout, cfg.train
     with contextlib.ExitStack() as stack:
         servers, local = list(r.servers), None
         if not servers and ps.rank == 0:
             local = LocalCluster(cfg.model.hf_path, r.local_servers, f"{t.run_dir}/servers",
-                                 extra=["--threads", r.server_threads])
+                                 extra=["--threads", r.server_threads], host=serving_host())
             servers = stack.enter_context(local)
         cluster = RolloutCluster.from_config(cfg, _broadcast(servers), driver=ps.rank == 0)
         if local is not None:
@@ -219,6 +239,10 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
                 controller.client.stats["tokens"] if controller else None,
                 trained_tokens=sum(len(x.input_ids) for x in trajs)))
             logger.log(metrics, step)
+            # megarl.signals: same condition on every rank (the all-reduce runs on all or none)
+            if stop is not None and not last and stop.should_stop():
+                ckpt.save(step, policy_version=cluster.version)  # the next start resumes here
+                break
             ckpt.maybe_save(step, last=last, policy_version=cluster.version)
             maybe_export_hf(cfg, engine, step, last=last)
-        print0(f"[grpo] done: {t.steps} steps, policy version {cluster.version}")
+        print0(f"[grpo] done: {step} of {t.steps} steps, policy version {cluster.version}")

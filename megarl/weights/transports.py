@@ -20,6 +20,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megarl.net import free_port, new_process_group
+from megarl.net import advertised_address, url_host
 from megarl.rollout.types import DistributedWeightsMeta, DiskWeightsUpdate, WeightsUpdateGroup
 from megarl.rollout.admin import AdminRunner
 from megarl.weights.resharder import Bucket
@@ -37,20 +38,24 @@ class DistributedTransport:
         self.group_name = ""
 
     def setup(self, stage: int) -> None:
-        """Source rank of ``stage``: host a group and have every server join it."""
+        """Source rank of ``stage``: host a group and have every server join it. Stages may sit on
+        different nodes, so each source advertises its own address (weights.master_address, or
+        for "auto" the address its route to the servers leaves from) and a free port of it."""
         self.group_name = f"megarl-weights-pp{stage}"
-        port = free_port(self.addr)
+        addr = advertised_address(self.addr, url_host(self.admin.addresses[0]))
+        port = free_port(addr)
         world = 1 + len(self.admin.addresses)
-        spec = WeightsUpdateGroup(self.addr, port, world, self.group_name,
+        spec = WeightsUpdateGroup(addr, port, world, self.group_name,
                                   "nccl" if self.backend == "nccl" else "gloo")
         joined = self.admin.submit(lambda c: c.init_weights_update_group(spec))
         try:
-            self.group = new_process_group(self.addr, port, 0, world, self.group_name, spec.backend,
+            self.group = new_process_group(addr, port, 0, world, self.group_name, spec.backend,
                                           self.timeout_s)
         except Exception as e:  # noqa: BLE001 - the servers' side says why, if they can
             _finish(joined, self.timeout_s, "init_weights_update_group")
-            raise PushError(f"init_weights_update_group: rendezvous at {self.addr}:{port} failed: {e}") from e
+            raise PushError(f"init_weights_update_group: rendezvous at {addr}:{port} failed: {e}") from e
         _finish(joined, self.timeout_s, "init_weights_update_group")
+        print(f"[weights] stage {stage}: weight-update group {self.group_name} at {addr}:{port}", flush=True)
 
     def send(self, bucket: Bucket, version: str) -> None:
         meta = DistributedWeightsMeta(bucket.names, bucket.dtypes, bucket.shapes, self.group_name,

@@ -12,3 +12,8 @@ def exact_match_plus_one(prompt: str, completion: str, meta: dict) -> float:
     from megarl.rollout.rewards import arith_exact_match
 
     return 1.0 + arith_exact_match(prompt, completion, meta)
+
+
+async def length_reward(prompt: str, completion: str, meta: dict) -> float:
+    """An async reward (awaited by RewardCaller): the completion's length in characters."""
+    return float(len(completion))

@@ -61,3 +61,10 @@ def test_cpu_decisions(tmp_path):
     cfg = builder.transformer_config(args, tp=2, pp=2)
     assert cfg.use_cpu_initialization and cfg.variable_seq_lengths and cfg.calculate_per_token_loss
     assert cfg.num_query_groups == 2 and cfg.kv_channels == 16 and cfg.normalization == "RMSNorm"
+
+
+def test_master_from_the_step_nodelist():
+    # a trainer step on a subset of the job's nodes (rollout nodes first): its own first node
+    r = discover_ranks({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-3]",
+                        "SLURM_STEP_NODELIST": "n[2-3]"})
+    assert r.master_addr == "n2"

@@ -1,4 +1,6 @@
-"""Reward plugin contract: fn(prompt, completion, meta) -> float, loaded by "module:function"."""
+"""Reward plugin contract: fn(prompt, completion, meta) -> float (sync or async), loaded by
+"module:function" (a class is built with reward.args)."""
+import asyncio
 import sys
 
 import pytest
@@ -24,6 +26,13 @@ class Scorer:
 
 scorer = Scorer()
 not_callable = 3
+
+class Scaled:
+    def __init__(self, scale):
+        self.scale = scale
+
+    async def __call__(self, prompt, completion, meta):
+        return self.scale * len(completion)
 '''
 
 
@@ -42,6 +51,9 @@ def test_loads_valid_plugins(plugin):
     assert load_reward_fn(f"{plugin}:with_default")("p", "c", {}) == 2.0
     assert load_reward_fn(f"{plugin}:scorer")("p", "c", {}) == 0.5
     assert load_reward_fn("megarl.rollout.rewards:arith_exact_match") is arith_exact_match
+    assert load_reward_fn(f"{plugin}:coro").__name__ == "coro"  # async functions are allowed
+    built = load_reward_fn(f"{plugin}:Scaled", {"scale": 2.0})
+    assert built.scale == 2.0 and asyncio.run(built("p", "abc", {})) == 6.0
 
 
 @pytest.mark.parametrize("path,exc,msg", [
@@ -52,11 +64,13 @@ def test_loads_valid_plugins(plugin):
     ("my_rewards:missing", ImportError, r"'my_rewards:missing': 'my_rewards' has no attribute 'missing'"),
     ("my_rewards:not_callable", TypeError, r"'my_rewards:not_callable' is a int, not a callable"),
     ("my_rewards:two_args", TypeError, r"'my_rewards:two_args' cannot be called as fn\(prompt, completion, meta\)"),
-    ("my_rewards:coro", TypeError, r"'my_rewards:coro' is async"),
+    ("my_rewards:Scaled", TypeError, r"reward class 'my_rewards:Scaled' cannot be built from reward.args \{\}"),
 ])
 def test_load_errors_name_the_path(plugin, path, exc, msg):
     with pytest.raises(exc, match=msg):
         load_reward_fn(path)
+    with pytest.raises(TypeError, match=r"reward.args \['scale'\] given but 'my_rewards:good' is not a class"):
+        load_reward_fn("my_rewards:good", {"scale": 1})
 
 
 @pytest.mark.parametrize("completion,reward", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 
@@ -22,33 +23,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight-version", default="0", help="initial weight_version")
     p.add_argument("--seed", type=int, default=None, help="seed for requests without a seed")
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--die-with-parent", action="store_true",
-                   help="exit when the launching process dies, even by SIGKILL (Linux; used by "
-                        "megarl-train's local servers so none is orphaned)")
     return p.parse_args(argv)
-
-
-def die_with_parent() -> None:
-    """PR_SET_PDEATHSIG: the kernel sends SIGKILL when the parent exits. Set from the child
-    itself after exec (no preexec_fn in a threaded parent); a parent that already died before
-    this point is caught by the ppid check."""
-    import ctypes
-    import os
-    import signal
-
-    parent = os.getppid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
-        return  # not Linux
-    if os.getppid() != parent:
-        sys.exit(0)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.die_with_parent:
-        die_with_parent()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("megarl.server")
     t0 = time.perf_counter()
@@ -75,8 +54,11 @@ def main(argv=None) -> None:
                  args.model, time.perf_counter() - t0)
 
     app.on_startup.append(announce)
+    # A server started with SIGTERM ignored (by a trainer or launcher that owns its lifetime, see
+    # megarl.signals) keeps it ignored instead of letting aiohttp exit on it.
+    keep_ignored = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2.0,
-                handler_cancellation=True)
+                handler_cancellation=True, handle_signals=not keep_ignored)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,371 @@
+"""megarl-launch: what every node and rank of an allocation runs, planned without starting anything.
+
+    megarl-launch --dry-run configs/recipe.yaml [a.b=c ...] --trainer-nodes gpu[01-04] \\
+        --rollout-nodes gpu[05-08] --gpus-per-node 8 [--launcher srun|torchrun|mpirun]
+
+The planner is pure (no process, no network): from the config (parallel.tp/pp, launch.*,
+weights.dtype, rollout.server_threads) and an :class:`Allocation` it derives
+
+- rollout servers: per rollout node ``servers_per_node`` servers on consecutive ports from
+  launch.server_port, each on its own GPUs (CUDA_VISIBLE_DEVICES), as SGLang or megarl-server
+  commands bound to the node's address; optionally SGLang's router on the first rollout node;
+- trainer ranks: world = trainer nodes x ranks per node, DP = world / (TP*PP); rank r runs on
+  trainer node r // ranks_per_node (block placement: what srun, torchrun and mpirun do) and has
+  Megatron's default coordinates (order tp-cp-ep-dp-pp, TP fastest): r = tp + TP*(dp + DP*pp).
+  The rank with tp = dp = 0 of each pipeline stage is that stage's weight source;
+- the trainer launch: one srun or mpirun for all trainer nodes, or one torchrun per node, with
+  MASTER_ADDR = the first trainer node's address, and rollout.servers=[...] appended.
+
+launch/slurm.sbatch executes what ``--emit servers`` and ``--emit trainer`` print, so a dry run
+shows exactly the commands a job runs. ``--get KEY[,KEY]`` prints resolved config values.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+LAUNCHERS = ("srun", "torchrun", "mpirun")
+
+
+class PlanError(ValueError):
+    """The allocation cannot run the config; the message says which number does not fit."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    trainer_nodes: tuple[str, ...]
+    rollout_nodes: tuple[str, ...] = ()
+    gpus_per_node: int = 0
+    """GPUs of each trainer node; 0 = CPU nodes."""
+    rollout_gpus_per_node: Optional[int] = None
+    """GPUs of each rollout node; default gpus_per_node."""
+    tasks_per_node: int = 0
+    """Trainer ranks per node; 0 = one per GPU (GPU nodes) or TP*PP spread over the nodes (CPU)."""
+    node_addrs: tuple[tuple[str, str], ...] = ()
+    """(node, address) pairs where a node name does not resolve (e.g. SLURM's NodeAddr)."""
+    master_port: int = 29500
+    launcher: str = "srun"
+    log_dir: str = ""
+    """srun only: trainer output to <log_dir>/trainer.log (appended across requeues)."""
+    python: str = "python"
+
+    def addr(self, node: str) -> str:
+        return dict(self.node_addrs).get(node, node)
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    node: str
+    index: int
+    host: str
+    port: int
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def command(self) -> str:
+        return " ".join([f"{k}={shlex.quote(v)}" for k, v in self.env] + [shlex.join(self.argv)])
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    node: str
+    node_index: int
+    local_rank: int
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def roles(self) -> list[str]:
+        out = ["controller"] if self.rank == 0 else []
+        if self.tp == 0 and self.dp == 0:
+            out.append(f"weights source of stage {self.pp}")
+        return out
+
+
+@dataclass
+class Plan:
+    alloc: Allocation
+    tp: int
+    pp: int
+    dp: int
+    ranks_per_node: int
+    master_addr: str
+    server_kind: str
+    servers: list[ServerSpec]
+    router: Optional[ServerSpec]
+    ranks: list[RankSpec]
+    launches: list[tuple[Optional[str], tuple[str, ...]]] = field(default_factory=list)
+    """(node or None for "from the batch host", argv) per trainer launch command."""
+
+    @property
+    def world(self) -> int:
+        return len(self.ranks)
+
+
+def rank_coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
+    """(tp_rank, pp_rank, dp_rank) of a global rank in Megatron's default order tp-cp-ep-dp-pp."""
+    assert 0 <= rank < tp * pp * dp, (rank, tp, pp, dp)
+    return rank % tp, rank // (tp * dp), rank // tp % dp
+
+
+# ----------------------------------------------------------------------------- planning
+
+def serving_dtype(cfg) -> str:
+    return cfg.model.dtype if cfg.weights.dtype == "auto" else cfg.weights.dtype
+
+
+def plan_servers(cfg, alloc: Allocation) -> tuple[str, list[ServerSpec]]:
+    """(server kind, servers) for the rollout nodes."""
+    L = cfg.launch
+    gpus = alloc.gpus_per_node if alloc.rollout_gpus_per_node is None else alloc.rollout_gpus_per_node
+    kind = L.server if L.server != "auto" else ("sglang" if gpus > 0 else "megarl")
+    per_server = L.server_tp * L.server_dp if kind == "sglang" else 0
+    if per_server and gpus:
+        n = L.servers_per_node or gpus // per_server
+        if n < 1 or n * per_server > gpus:
+            raise PlanError(f"launch.servers_per_node: {n} servers x {per_server} GPUs (server_tp * "
+                            f"server_dp) do not fit a rollout node's {gpus} GPUs")
+    else:
+        n = L.servers_per_node or 1
+    servers = []
+    for node in alloc.rollout_nodes:
+        host = alloc.addr(node)
+        for i in range(n):
+            port = L.server_port + i
+            env: tuple = ()
+            if kind == "sglang":
+                argv = [alloc.python, "-m", "sglang.launch_server", "--model-path", cfg.model.hf_path,
+                        "--host", host, "--port", str(port), "--tp-size", str(L.server_tp)]
+                if L.server_dp > 1:
+                    argv += ["--dp-size", str(L.server_dp)]
+                argv += ["--dtype", serving_dtype(cfg)]
+                if gpus:
+                    env = (("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in range(i * per_server,
+                                                                                    (i + 1) * per_server))),)
+            else:
+                argv = [alloc.python, "-m", "megarl.rollout.server", "--model", cfg.model.hf_path,
+                        "--host", host, "--port", str(port), "--dtype", serving_dtype(cfg),
+                        "--threads", str(cfg.rollout.server_threads)]
+            servers.append(ServerSpec(node, i, host, port, tuple(argv + list(L.server_args)), env))
+    return kind, servers
+
+
+def plan_router(cfg, alloc: Allocation, servers: list[ServerSpec]) -> Optional[ServerSpec]:
+    L = cfg.launch
+    if not L.router or not servers:
+        return None
+    node = alloc.rollout_nodes[0]
+    host = alloc.addr(node)
+    argv = [alloc.python, "-m", "sglang_router.launch_router", "--worker-urls", *[s.url for s in servers],
+            "--host", host, "--port", str(L.router_port), "--policy", L.router_policy]
+    return ServerSpec(node, 0, host, L.router_port, tuple(argv))
+
+
+def plan_ranks(cfg, alloc: Allocation) -> tuple[int, list[RankSpec]]:
+    """(ranks per node, ranks) with their Megatron coordinates."""
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    nodes = alloc.trainer_nodes
+    if not nodes:
+        raise PlanError("allocation: no trainer nodes")
+    per_node = alloc.tasks_per_node or alloc.gpus_per_node
+    if not per_node:  # CPU nodes, nothing said: the smallest world that fits TP*PP
+        per_node = max(1, -(-(cfg.parallel.world_size or tp * pp) // len(nodes)))
+    world = per_node * len(nodes)
+    if world % (tp * pp):
+        raise PlanError(f"allocation: {len(nodes)} trainer nodes x {per_node} ranks = {world} ranks is "
+                        f"not divisible by parallel.tp * parallel.pp = {tp * pp}")
+    if cfg.parallel.world_size and cfg.parallel.world_size != world:
+        raise PlanError(f"parallel.world_size: {cfg.parallel.world_size}, but the allocation gives "
+                        f"{world} trainer ranks")
+    dp = world // (tp * pp)
+    ranks = []
+    for r in range(world):
+        t, p, d = rank_coords(r, tp, pp, dp)
+        ranks.append(RankSpec(r, nodes[r // per_node], r // per_node, r % per_node, t, p, d))
+    return per_node, ranks
+
+
+def trainer_argv(alloc: Allocation, config_path: str, overrides: list[str],
+                 servers: list[ServerSpec]) -> list[str]:
+    argv = [alloc.python, "-m", "megarl.train", config_path, *overrides]
+    if servers:
+        argv.append("rollout.servers=[" + ",".join(s.url for s in servers) + "]")
+    return argv
+
+
+def plan_launches(alloc: Allocation, per_node: int, master: str, argv: list[str]
+                  ) -> list[tuple[Optional[str], tuple[str, ...]]]:
+    nodes, port = alloc.trainer_nodes, alloc.master_port
+    if alloc.launcher == "srun":
+        # --ntasks too: inside a batch job srun would take the job's SLURM_NTASKS as its default
+        cmd = ["srun", f"--nodes={len(nodes)}", f"--ntasks={per_node * len(nodes)}",
+               f"--ntasks-per-node={per_node}",
+               f"--nodelist={','.join(nodes)}", "--label", "--kill-on-bad-exit=1"]
+        if alloc.log_dir:
+            cmd += [f"--output={alloc.log_dir}/trainer.log", "--open-mode=append"]
+        cmd += [f"--export=ALL,MASTER_ADDR={master},MASTER_PORT={port}", *argv]
+        return [(None, tuple(cmd))]
+    if alloc.launcher == "mpirun":
+        hosts = ",".join(f"{alloc.addr(n)}:{per_node}" for n in nodes)
+        cmd = ["mpirun", "-np", str(per_node * len(nodes)), "--host", hosts,
+               "-x", f"MASTER_ADDR={master}", "-x", f"MASTER_PORT={port}", "-x", "PATH", "-x", "PYTHONPATH",
+               *argv]
+        return [(None, tuple(cmd))]
+    out = []
+    for i, node in enumerate(nodes):
+        cmd = [alloc.python, "-m", "torch.distributed.run", f"--nnodes={len(nodes)}", f"--node-rank={i}",
+               f"--nproc-per-node={per_node}", f"--master-addr={master}", f"--master-port={port}",
+               "-m", "megarl.train", *argv[3:]]
+        out.append((node, tuple(cmd)))
+    return out
+
+
+def make_plan(cfg, config_path: str, overrides: list[str], alloc: Allocation) -> Plan:
+    if alloc.launcher not in LAUNCHERS:
+        raise PlanError(f"--launcher: one of {', '.join(LAUNCHERS)}; got {alloc.launcher!r}")
+    if alloc.rollout_nodes and cfg.rollout.servers:
+        raise PlanError("rollout.servers: set by the launcher from the rollout nodes; leave it empty "
+                        "or give no rollout nodes")
+    kind, servers = plan_servers(cfg, alloc)
+    per_node, ranks = plan_ranks(cfg, alloc)
+    master = alloc.addr(alloc.trainer_nodes[0])
+    plan = Plan(alloc, cfg.parallel.tp, cfg.parallel.pp, len(ranks) // (cfg.parallel.tp * cfg.parallel.pp),
+                per_node, master, kind, servers, plan_router(cfg, alloc, servers), ranks)
+    plan.launches = plan_launches(alloc, per_node, master, trainer_argv(alloc, config_path, overrides, servers))
+    return plan
+
+
+# ----------------------------------------------------------------------------- output
+
+def rank_env(plan: Plan, r: RankSpec) -> str:
+    w, a = plan.world, plan.alloc
+    if a.launcher == "srun":
+        pairs = [("SLURM_PROCID", r.rank), ("SLURM_LOCALID", r.local_rank), ("SLURM_NODEID", r.node_index),
+                 ("SLURM_NTASKS", w)]
+    elif a.launcher == "mpirun":
+        pairs = [("OMPI_COMM_WORLD_RANK", r.rank), ("OMPI_COMM_WORLD_LOCAL_RANK", r.local_rank),
+                 ("OMPI_COMM_WORLD_SIZE", w)]
+    else:
+        pairs = [("RANK", r.rank), ("LOCAL_RANK", r.local_rank), ("WORLD_SIZE", w)]
+    pairs += [("MASTER_ADDR", plan.master_addr), ("MASTER_PORT", a.master_port)]
+    return " ".join(f"{k}={v}" for k, v in pairs)
+
+
+def render(plan: Plan) -> list[str]:
+    """The dry run: a summary, every server, every trainer launch, every rank."""
+    a = plan.alloc
+    lines = [f"# trainer: {len(a.trainer_nodes)} node(s) x {plan.ranks_per_node} ranks = {plan.world} ranks "
+             f"(tp={plan.tp} pp={plan.pp} dp={plan.dp}), {a.launcher}, rendezvous "
+             f"{plan.master_addr}:{a.master_port}"]
+    if plan.servers:
+        per = len(plan.servers) // len(a.rollout_nodes)
+        lines.append(f"# rollout: {len(a.rollout_nodes)} node(s) x {per} servers = {len(plan.servers)} "
+                     f"{plan.server_kind} servers")
+    else:
+        lines.append("# rollout: no rollout nodes (rollout.servers from the config, or servers started "
+                     "by rank 0)")
+    for s in plan.servers:
+        lines.append(f"server {s.node} #{s.index} {s.url}: {s.command}")
+    if plan.router is not None:
+        lines.append(f"router {plan.router.node} {plan.router.url}: {plan.router.command}")
+    for node, argv in plan.launches:
+        lines.append(f"trainer{' ' + node if node else ''}: {shlex.join(argv)}")
+    for r in plan.ranks:
+        roles = f" [{', '.join(r.roles)}]" if r.roles else ""
+        lines.append(f"rank {r.rank} {r.node} local {r.local_rank} tp {r.tp} pp {r.pp} dp {r.dp}{roles}: "
+                     f"{rank_env(plan, r)}")
+    return lines
+
+
+def emit(plan: Plan, what: str) -> list[str]:
+    """Machine-readable lines for launch/slurm.sbatch: ``servers`` -> NODE<TAB>URL<TAB>COMMAND
+    (the router last, as node "router:<node>"); ``trainer`` -> [NODE<TAB>]COMMAND."""
+    if what == "servers":
+        out = [f"{s.node}\t{s.url}\t{s.command}" for s in plan.servers]
+        if plan.router is not None:
+            out.append(f"router:{plan.router.node}\t{plan.router.url}\t{plan.router.command}")
+        return out
+    return [(f"{node}\t" if node else "") + shlex.join(argv) for node, argv in plan.launches]
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megarl-launch", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--dry-run", action="store_true", help="print the plan for the allocation")
+    mode.add_argument("--emit", choices=("servers", "trainer"), help="machine-readable plan lines")
+    mode.add_argument("--get", metavar="KEY[,KEY]", help="print resolved config values, one per line "
+                      "(e.g. train.run_dir,launch.health_timeout_s)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="a.b=c config overrides")
+    p.add_argument("--trainer-nodes", default="", help="SLURM hostlist, e.g. gpu[01-04]")
+    p.add_argument("--rollout-nodes", default="", help="SLURM hostlist of rollout nodes (may be empty)")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per trainer node (0 = CPU)")
+    p.add_argument("--rollout-gpus-per-node", type=int, default=None, help="default --gpus-per-node")
+    p.add_argument("--tasks-per-node", type=int, default=0, help="trainer ranks per node (default: GPUs)")
+    p.add_argument("--node-addr", action="append", default=[], metavar="NODE=ADDR",
+                   help="address of a node whose name does not resolve (repeatable)")
+    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--launcher", default="srun", choices=LAUNCHERS)
+    p.add_argument("--log-dir", default="", help="srun: trainer log directory")
+    p.add_argument("--python", default="python", help="interpreter name in the commands")
+    return p.parse_intermixed_args(argv)
+
+
+def allocation_from_args(args: argparse.Namespace) -> Allocation:
+    from megarl.parallel import expand_nodelist
+
+    addrs = []
+    for item in args.node_addr:
+        node, sep, addr = item.partition("=")
+        if not sep or not node or not addr:
+            raise PlanError(f"--node-addr: expected NODE=ADDR, got {item!r}")
+        addrs.append((node, addr))
+    return Allocation(
+        trainer_nodes=tuple(expand_nodelist(args.trainer_nodes)) if args.trainer_nodes else (),
+        rollout_nodes=tuple(expand_nodelist(args.rollout_nodes)) if args.rollout_nodes else (),
+        gpus_per_node=args.gpus_per_node, rollout_gpus_per_node=args.rollout_gpus_per_node,
+        tasks_per_node=args.tasks_per_node, node_addrs=tuple(addrs), master_port=args.master_port,
+        launcher=args.launcher, log_dir=args.log_dir, python=args.python)
+
+
+def get_value(cfg, key: str):
+    node = cfg
+    for part in key.split("."):
+        if not hasattr(node, part):
+            raise PlanError(f"--get: {key}: no field {part!r}")
+        node = getattr(node, part)
+    return node
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from megarl.config import ConfigError, load_config
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.get:
+            print("\n".join(str(get_value(cfg, key)) for key in args.get.split(",")))
+            return 0
+        plan = make_plan(cfg, args.config, args.overrides, allocation_from_args(args))
+    except (ConfigError, PlanError) as e:
+        print(f"megarl-launch: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(render(plan) if args.dry_run else emit(plan, args.emit)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Reward functions: the plugin contract and loader (`base`), the awaitable `RewardCaller`
+workflows use, and the built-in verifiers - exact match (`text`), math answers (`math_answer`),
+Countdown (`countdown`) and a reward served over HTTP (`http`). Import paths such as
+``megarl.rollout.rewards:math_reward`` resolve here.
+"""
+from megarl.rollout.rewards.base import RewardCaller, RewardError, RewardFn, is_async_callable, load_reward_fn
+from megarl.rollout.rewards.countdown import check_countdown, countdown_reward, extract_equation
+from megarl.rollout.rewards.http import HttpReward, HttpRewardError
+from megarl.rollout.rewards.math_answer import (answers_match, extract_answer, extract_boxed, last_number,
+                                                math_reward, parse_number)
+from megarl.rollout.rewards.text import arith_exact_match, first_word
+
+__all__ = [
+    "HttpReward",
+    "HttpRewardError",
+    "RewardCaller",
+    "RewardError",
+    "RewardFn",
+    "answers_match",
+    "arith_exact_match",
+    "check_countdown",
+    "countdown_reward",
+    "extract_answer",
+    "extract_boxed",
+    "extract_equation",
+    "first_word",
+    "is_async_callable",
+    "last_number",
+    "load_reward_fn",
+    "math_reward",
+    "parse_number",
+]

@@ -1,0 +1,189 @@
+"""The reward plugin contract, its loader by import path, and the awaitable wrapper workflows use.
+
+Contract: a reward is a callable
+
+    fn(prompt: str, completion: str, meta: dict) -> float          (plain function), or
+    async fn(prompt: str, completion: str, meta: dict) -> float    (coroutine function)
+
+where `prompt` and `completion` are decoded text (completion without the prompt) and `meta` is the
+prompt record's `meta` (every dataset field but the prompt, e.g. `meta["answer"]`). Configs name
+it by import path, "package.module:function" (``rollout.reward_fn``); a path naming a class is
+instantiated once with ``reward.args`` (e.g. `HttpReward(url=...)`), and the instance is the
+callable. Sync functions may be called from worker threads, so they must be thread-safe.
+
+Workflows never call the plugin directly: `RewardCaller` awaits coroutine functions, runs sync
+ones on daemon threads (the event loop never blocks on reward code), applies ``reward.timeout_s``
+and maps failures to ``reward.on_error_value`` (or raises `RewardError`, failing the episode).
+A timed-out sync function cannot be interrupted: its thread runs on until it returns (it is a
+daemon thread, so it never keeps the process alive).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import importlib
+import inspect
+import math
+import queue
+import threading
+from typing import Any, Optional, Protocol
+
+__all__ = ["RewardFn", "RewardError", "RewardCaller", "load_reward_fn", "is_async_callable"]
+
+
+class RewardFn(Protocol):
+    def __call__(self, prompt: str, completion: str, meta: dict[str, Any]) -> float: ...
+
+
+class RewardError(RuntimeError):
+    """A reward function raised, returned a non-number, or ran past its deadline."""
+
+
+def is_async_callable(fn) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _resolve(path: str) -> Any:
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward function path {path!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # an import-time error in user code is a config problem too
+        raise ImportError(f"cannot import module {module_name!r} of reward function {path!r}: {e}") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ImportError(f"reward function {path!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_reward_fn(path: str, args: Optional[dict] = None) -> RewardFn:
+    """Resolve "module.sub:function" (or ":Class", built with `args`) to a reward callable.
+
+    Raises ValueError (malformed path), ImportError (module or attribute missing) or TypeError
+    (not callable, incompatible signature, args for a function); every message names `path`.
+    """
+    obj = _resolve(path)
+    if inspect.isclass(obj):
+        try:
+            obj = obj(**(args or {}))
+        except TypeError as e:
+            raise TypeError(f"reward class {path!r} cannot be built from reward.args {args or {}}: {e}") from e
+    elif args:
+        raise TypeError(f"reward.args {sorted(args)} given but {path!r} is not a class")
+    if not callable(obj):
+        raise TypeError(f"reward function {path!r} is a {type(obj).__name__}, not a callable")
+    try:
+        inspect.signature(obj).bind("prompt", "completion", {})
+    except TypeError as e:
+        raise TypeError(
+            f"reward function {path!r} cannot be called as fn(prompt, completion, meta): {e}"
+        ) from e
+    except ValueError:
+        pass  # builtins without an inspectable signature: trust them
+    return obj
+
+
+def _settle(fut: asyncio.Future, ok: bool, value) -> None:
+    if not fut.done():  # a timed-out caller has cancelled it already
+        fut.set_result(value) if ok else fut.set_exception(value)
+
+
+class _DaemonThreads:
+    """A fixed set of daemon worker threads for sync reward functions. Unlike a
+    ThreadPoolExecutor (whose threads are joined at interpreter exit), a function that never
+    returns cannot keep the process alive after the run ends."""
+
+    def __init__(self, n: int, name: str):
+        self.n, self.name = n, name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, fn, *args) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if len(self._threads) < self.n:
+            t = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        self._queue.put((loop, fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            loop, fut, fn, args = item
+            try:
+                value, ok = fn(*args), True
+            except BaseException as e:  # noqa: BLE001 - delivered to the awaiting caller
+                value, ok = e, False
+            try:
+                loop.call_soon_threadsafe(_settle, fut, ok, value)
+            except RuntimeError:  # the caller's loop is closed: nobody is waiting
+                pass
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        self._threads = []
+
+
+class RewardCaller:
+    """``await caller(prompt, completion, meta) -> float`` around any reward callable.
+
+    Chosen once at construction: coroutine functions are awaited on the caller's loop, plain
+    functions run on `max_threads` private daemon threads. Every call gets `timeout_s` (0 = none). A raise, a
+    timeout or a non-finite / non-numeric result returns `on_error_value` when it is set and
+    raises `RewardError` otherwise; `stats()` counts calls, errors and timeouts.
+    """
+
+    def __init__(self, fn: RewardFn, timeout_s: float = 0.0, on_error_value: Optional[float] = None,
+                 max_threads: int = 8):
+        self.fn, self.timeout_s, self.on_error_value = fn, timeout_s, on_error_value
+        self.is_async = is_async_callable(fn)
+        self._threads = _DaemonThreads(max_threads, "megarl-reward")
+        self.counts: collections.Counter = collections.Counter()
+
+    def _run(self, prompt: str, completion: str, meta: dict):
+        if self.is_async:
+            return self.fn(prompt, completion, meta)
+        return self._threads.submit(self.fn, prompt, completion, meta)
+
+    async def __call__(self, prompt: str, completion: str, meta: dict) -> float:
+        self.counts["calls"] += 1
+        try:
+            call = self._run(prompt, completion, meta)
+            value = await (asyncio.wait_for(call, self.timeout_s) if self.timeout_s > 0 else call)
+            reward = float(value)
+            if not math.isfinite(reward):
+                raise ValueError(f"non-finite reward {reward}")
+            return reward
+        except asyncio.CancelledError:
+            raise
+        except asyncio.TimeoutError:
+            self.counts["timeouts"] += 1
+            return self._failed(f"reward timed out after {self.timeout_s} s")
+        except Exception as e:  # noqa: BLE001 - user code: any failure is mapped the same way
+            self.counts["errors"] += 1
+            return self._failed(f"reward failed: {type(e).__name__}: {e}")
+
+    def _failed(self, message: str) -> float:
+        if self.on_error_value is None:
+            raise RewardError(message)
+        return float(self.on_error_value)
+
+    async def many(self, prompt: str, completions: list[str], meta: dict) -> list[float]:
+        """Scores of several completions of one prompt, concurrently."""
+        return list(await asyncio.gather(*(self(prompt, c, meta) for c in completions)))
+
+    def stats(self) -> dict[str, int]:
+        return {"reward/calls": self.counts["calls"], "reward/errors": self.counts["errors"],
+                "reward/timeouts": self.counts["timeouts"]}
+
+    async def aclose(self) -> None:
+        """Close the plugin (e.g. HttpReward's session) and the thread pool."""
+        close = getattr(self.fn, "aclose", None)
+        if close is not None:
+            await close()
+        self._threads.shutdown()

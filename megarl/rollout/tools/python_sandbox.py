@@ -1,0 +1,123 @@
+"""The python tool: run a short model-written snippet in a resource-limited child process.
+
+    {"name": "python", "arguments": {"code": "import math\\nmath.comb(10, 3)"}}  ->  "120"
+
+The reply is the snippet's printed output followed by the value of its last expression (like a
+REPL), or ``error: <Type>: <message>``. Each call is a fresh interpreter
+(``python -I -S -X utf8 sandbox_runner.py``: isolated mode, no site-packages, empty environment,
+an empty temporary working directory, its own session) with these limits:
+
+    wall clock   `timeout_s` (default 5 s): the whole process group is killed
+    CPU          `cpu_s` (default 2 s, RLIMIT_CPU: SIGXCPU, SIGKILL a second later)
+    memory       `memory_mb` (default 256 MiB of address space, RLIMIT_AS: MemoryError)
+    files        no writes (RLIMIT_FSIZE 0 and the audit hook), reads only from the stdlib
+    processes    no fork/exec/spawn/subprocess (audit hook; RLIMIT_NPROC 0 for non-root users)
+    network      no sockets (audit hook refuses socket creation and imports of socket/ssl/...)
+    output       `max_output_chars` (default 2000) of stdout, and of the result, are kept
+
+The child-side details are in `sandbox_runner.py`. This is a guard against accidents and
+casual misuse by generated code, not a security boundary against a determined attacker (it
+shares the kernel, the user and the file system with the trainer): run untrusted workloads in a
+container or VM without network.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+
+__all__ = ["PythonTool", "RUNNER"]
+
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runner.py")
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+async def _read_capped(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, bool]:
+    """(up to `limit` bytes until EOF, whether more was written)."""
+    chunks, size = [], 0
+    while True:
+        chunk = await stream.read(65536)
+        if not chunk:
+            return b"".join(chunks), False
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return b"".join(chunks)[:limit], True
+
+
+class PythonTool:
+    name = "python"
+    description = ("Run a short Python snippet (standard library only; no files, network or processes). "
+                   "Returns what it prints and the value of its last expression.")
+    parameters = {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}
+
+    def __init__(self, timeout_s: float = 5.0, cpu_s: int = 2, memory_mb: int = 256,
+                 max_output_chars: int = 2000, python: str = sys.executable):
+        if timeout_s <= 0 or cpu_s < 1 or memory_mb < 32 or max_output_chars < 1:
+            raise ValueError("python tool: need timeout_s > 0, cpu_s >= 1, memory_mb >= 32, max_output_chars >= 1")
+        self.timeout_s, self.cpu_s, self.memory_mb = timeout_s, cpu_s, memory_mb
+        self.max_output_chars, self.python = max_output_chars, python
+
+    async def __call__(self, code: str) -> str:
+        report = await self.run(str(code))
+        if not report["ok"]:
+            return f"{report['stdout']}error: {report['error']}" if report["stdout"] else f"error: {report['error']}"
+        parts = [p for p in (report["stdout"].rstrip("\n"), report["result"]) if p]
+        return "\n".join(parts)
+
+    async def run(self, code: str) -> dict:
+        """The runner's report {"ok", "stdout", "result", "error"} (limits turned into errors)."""
+        payload = json.dumps({"code": code, "cpu_s": self.cpu_s, "memory_mb": self.memory_mb,
+                              "max_output_chars": self.max_output_chars}).encode()
+        with tempfile.TemporaryDirectory(prefix="megarl-sandbox-") as cwd:
+            proc = await asyncio.create_subprocess_exec(
+                self.python, "-I", "-S", "-X", "utf8", RUNNER, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, cwd=cwd, env={},
+                start_new_session=True)
+            try:
+                proc.stdin.write(payload)
+                await proc.stdin.drain()
+                proc.stdin.close()
+                out, flooded = await asyncio.wait_for(
+                    _read_capped(proc.stdout, 8 * self.max_output_chars + 65536), self.timeout_s)
+                if not flooded:
+                    await asyncio.wait_for(proc.wait(), self.timeout_s)
+            except asyncio.TimeoutError:
+                return self._error(f"timed out after {self.timeout_s} s (wall clock)")
+            except (BrokenPipeError, ConnectionResetError):
+                out, flooded = b"", False
+            finally:
+                _kill_group(proc)
+                await proc.wait()
+        if flooded:
+            return self._error("output limit exceeded")
+        return self._report(out, proc.returncode)
+
+    def _report(self, out: bytes, returncode: int) -> dict:
+        lines = out.decode("utf-8", "replace").strip().splitlines()
+        if lines:
+            try:
+                report = json.loads(lines[-1])
+                if isinstance(report, dict) and {"ok", "stdout", "result", "error"} <= set(report):
+                    return report
+            except ValueError:
+                pass
+        if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+            return self._error(f"killed: CPU time limit ({self.cpu_s} s) or memory limit exceeded")
+        if returncode == -signal.SIGXFSZ:
+            return self._error("file size limit exceeded (writing files is not allowed)")
+        return self._error(f"the sandbox exited with code {returncode} and no report")
+
+    @staticmethod
+    def _error(message: str) -> dict:
+        return {"ok": False, "stdout": "", "result": None, "error": message}
