@@ -34,11 +34,13 @@ class AdminClient(HttpClient):
         """``path`` on every server (but ``skip``) concurrently; {address: reply}, or AdminError
         naming each server that failed (also a 200 reply saying ``success: false``)."""
         tmo = timeout or self.timeout
+        # skip: servers the caller knows are hung, so one of them cannot stall every later call
         targets = [s for s in self.servers if s.address not in skip]
 
         async def one(s: Server):
             return await self._call(s, method, path, bodies[s.address] if bodies else body, tmo)
 
+        # all at once, each with its own deadline: a push pauses N servers in one round trip
         results = await asyncio.gather(*(one(s) for s in targets), return_exceptions=True)
         out, failures = {}, {}
         for s, r in zip(targets, results):
@@ -77,7 +79,7 @@ class AdminClient(HttpClient):
     async def init_weights_update_group(self, group: WeightsUpdateGroup,
                                         rank_offsets: Optional[list[int]] = None) -> dict:
         """Every server joins; server i gets rank_offsets[i] (default 1 + i; the trainer is 0)."""
-        offs = rank_offsets or [1 + s.index for s in self.servers]
+        offs = rank_offsets or [1 + s.index for s in self.servers]  # rank 0 is the trainer's source
         bodies = {s.address: {**group.to_json(), "rank_offset": o} for s, o in zip(self.servers, offs)}
         return await self._admin("/init_weights_update_group", bodies=bodies, timeout=self.weight_timeout)
 

@@ -131,10 +131,11 @@ class RolloutClient(HttpClient):
             log.warning("rollout server %s re-admitted", srv.address)
 
     def _pick(self, prefer: Optional[Server], avoid: Optional[Server] = None) -> Optional[Server]:
+        # a continuing request goes back to its server: its prefix is still in that server's cache
         if prefer is not None and prefer.alive and prefer is not avoid:
             return prefer
         live = [s for s in self.servers if s.alive]
-        if len(live) > 1 and avoid in live:
+        if len(live) > 1 and avoid in live:  # a retry goes elsewhere unless nothing else is left
             live.remove(avoid)
         if not live:
             return None
@@ -237,6 +238,7 @@ class RolloutClient(HttpClient):
         self._drained = None
 
     def _to_version(self, v: Any) -> int:
+        # SGLang's default version string is "default": such tokens belong to the current policy
         try:
             return int(v)
         except (TypeError, ValueError):
@@ -260,6 +262,8 @@ class RolloutClient(HttpClient):
         given = meta.get("weight_versions")
         fallback = self._to_version(meta.get("weight_version"))
         if isinstance(given, list) and given and all(isinstance(s, dict) for s in given):
+            # spans may not cover every token (SGLang reports one span per weight flip): the
+            # uncovered ones were produced under the segment's final version
             vers = [fallback] * n
             for span in given:
                 v = self._to_version(span.get("version"))
@@ -284,6 +288,8 @@ class RolloutClient(HttpClient):
                     resp.stop_reason = "length"
                     break
                 await self._gate().wait()
+                # a resubmission is prompt + every token so far: the new segment continues the
+                # sample, and its tokens are stamped with the version the server now holds
                 payload = {
                     "input_ids": resp.input_tokens + resp.output_tokens,
                     "sampling_params": sp.to_json(max_new_tokens=remaining),
@@ -309,6 +315,8 @@ class RolloutClient(HttpClient):
                 if req.rid in self._cancelled:
                     resp.stop_reason = "abort"
                     break
+                # aborts that bring no token mean the server keeps pausing before this request
+                # runs; give up after max_idle_aborts instead of spinning through every push
                 idle_aborts = 0 if ids else idle_aborts + 1
                 if idle_aborts > self.max_idle_aborts:
                     log.warning("%s: %d aborts in a row without progress (%s)", req.rid, idle_aborts, finish)

@@ -25,7 +25,7 @@ def spawn_server(model_dir: str, log_path: str, port: int, extra=(), host: str =
                  ) -> subprocess.Popen:
     """Starts ``megarl-server`` on ``host:port`` and returns at once."""
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    log = open(log_path, "a")
+    log = open(log_path, "a")  # append: a restarted server keeps its predecessor's log
     return subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
                              "--host", host, "--port", str(port), *map(str, extra)], stdout=log,
                             stderr=subprocess.STDOUT, preexec_fn=owned_child_setup)
@@ -85,7 +85,7 @@ class LocalCluster:
         tmp = os.path.join(self.log_dir, "servers.json.tmp")
         with open(tmp, "w") as f:
             json.dump(rows, f)
-        os.replace(tmp, os.path.join(self.log_dir, "servers.json"))
+        os.replace(tmp, os.path.join(self.log_dir, "servers.json"))  # readers never see half a file
 
     def restart(self, url: str) -> bool:
         """Relaunches the server of ``url`` on the same port (its old process is killed if it
@@ -94,7 +94,7 @@ class LocalCluster:
             return False
         i = self.urls.index(url)
         old = self.procs[i]
-        if old.poll() is None:
+        if old.poll() is None:  # hung (SIGSTOPped, deadlocked): it still holds the port
             old.kill()
             old.wait(timeout=10)
         port = int(url.rsplit(":", 1)[1])

@@ -73,6 +73,7 @@ class StalenessManager:
 
     def try_start(self, n: int = 1) -> int:
         """Reserves up to ``n`` episode slots atomically; returns how many were granted."""
+        # check and reserve under one lock: the executor and finish() run on different threads
         with self._lock:
             granted = min(n, self._capacity())
             self._count[EpisodeState.RUNNING] += granted
