@@ -274,6 +274,10 @@ class RolloutConfig:
     """Sampling temperature (1.0: behave_logp is the policy's own logprob)."""
     top_p: float = 1.0
     """Nucleus sampling; < 1 makes behave_logp differ from the sampling distribution."""
+    seed: Optional[int] = None
+    """Seed the sampling: prompt draw d samples with seed (seed, d), so two runs with the same seed
+    generate the same tokens (with max_staleness 0 the batches, losses and rewards then repeat
+    bitwise); null = unseeded."""
     ignore_eos: bool = False
     """Generate max_new_tokens for every sample, past EOS (benchmarks and tests of long rollouts)."""
     max_staleness: int = 1

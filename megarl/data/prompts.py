@@ -39,6 +39,7 @@ class PromptSample:
     meta: dict[str, Any] = field(default_factory=dict)
     prompt_ids: list[int] | None = None
     messages: list[dict] | None = None
+    seed: int | None = None  # this draw's sampling seed (rollout.seed set; the controller fills it)
 
     @property
     def answer(self) -> Any:

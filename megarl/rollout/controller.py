@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import threading
@@ -58,13 +59,14 @@ class RolloutController:
                  *, batch_groups: int, max_staleness: float, max_concurrent: int, seed: int = 0,
                  api_key: Optional[str] = None, dynamic_sampling: bool = False,
                  partial_rollout: bool = True, max_retries: int = 2, failed_log: Optional[str] = None,
-                 timeline=None, client_kwargs: Optional[dict] = None):
+                 timeline=None, sampling_seed: Optional[int] = None, client_kwargs: Optional[dict] = None):
         self.dataset, self.workflow, self.versions = dataset, workflow, versions
         self.sampler = (dataset.make_sampler(seed) if hasattr(dataset, "make_sampler")  # honours data.shuffle
                         else ResumableSampler(len(dataset), seed=seed))
         self.staleness = StalenessManager(batch_groups, max_staleness, max_concurrent, versions)
         self.dynamic_sampling, self.partial_rollout = dynamic_sampling, partial_rollout
         self.max_retries, self.failed_log, self.timeline = max_retries, failed_log, timeline
+        self.sampling_seed = sampling_seed
         self._servers, self._api_key, self._client_kwargs = servers, api_key, client_kwargs or {}
         self._episode = 0
         self._draws = 0  # prompts drawn from the sampler so far: draw d is epoch d // n, slot d % n
@@ -142,7 +144,7 @@ class RolloutController:
     async def _run_episode(self, draw: int, index: int, episode_id: int) -> None:
         state = EpisodeState.REJECTED
         try:
-            group = await self._attempts(index)
+            group = await self._attempts(index, draw)
             if group is None:
                 pass  # filtered or failed: counted where decided
             elif self.dynamic_sampling and len({t.reward for t in group}) == 1:
@@ -160,10 +162,12 @@ class RolloutController:
             self.staleness.finish(state)
             self._wake.set()
 
-    async def _attempts(self, index: int) -> Optional[list[Trajectory]]:
+    async def _attempts(self, index: int, draw: int) -> Optional[list[Trajectory]]:
         """The workflow on one prompt, retried when it raises (a transient server or reward
         error must not lose the prompt); None when filtered or failed for good."""
         sample = self.dataset[index]
+        if self.sampling_seed is not None:  # a seeded run: the draw decides the sampled tokens
+            sample = dataclasses.replace(sample, seed=(self.sampling_seed * 1_000_003 + draw) % 2**62)
         for attempt in range(self.max_retries + 1):
             try:
                 group = await self.workflow.arun_episode(self.client, sample)
@@ -205,6 +209,8 @@ class RolloutController:
                 self._ready.wait(timeout=min(left, 1.0))
             groups = [self._buffer.popleft() for _ in range(n_groups)]
             self.trained_groups += n_groups
+        # in draw order, not completion order: the same groups make the same batch (seeded runs)
+        groups.sort(key=lambda g: g.draw)
         return [t for g in groups for t in g.trajectories]
 
     def submit(self, fn):

@@ -96,7 +96,8 @@ def build_controller(cfg, cluster: RolloutCluster, timeline=None) -> RolloutCont
         max_staleness=r.staleness, max_concurrent=r.max_concurrent, seed=cfg.train.seed,
         api_key=r.api_key or None, dynamic_sampling=cfg.algo.dynamic_sampling,
         partial_rollout=r.partial_rollout, max_retries=r.max_retries,
-        failed_log=os.path.join(cfg.train.run_dir, "failed_prompts.jsonl"), timeline=timeline)
+        failed_log=os.path.join(cfg.train.run_dir, "failed_prompts.jsonl"), timeline=timeline,
+        sampling_seed=r.seed)
 
 
 def local_share(trajs: list[Trajectory], ps) -> TensorBatch:

@@ -17,3 +17,20 @@ def exact_match_plus_one(prompt: str, completion: str, meta: dict) -> float:
 async def length_reward(prompt: str, completion: str, meta: dict) -> float:
     """An async reward (awaited by RewardCaller): the completion's length in characters."""
     return float(len(completion))
+
+
+def faulty_reward(prompt: str, completion: str, meta: dict) -> float:
+    """Misbehaves by the prompt's first digit: raises, hangs past the timeout, or returns NaN;
+    otherwise the demo's exact-match reward."""
+    import time
+
+    from megarl.rollout.rewards import arith_exact_match
+
+    first = prompt.strip()[:1]
+    if first in "12":
+        raise RuntimeError("verifier crashed")
+    if first == "3":
+        time.sleep(2.0)  # reward.timeout_s is far below this
+    if first == "4":
+        return float("nan")
+    return arith_exact_match(prompt, completion, meta)

@@ -92,54 +92,54 @@ def _settle(fut: asyncio.Future, ok: bool, value) -> None:
 
 
 class _DaemonThreads:
-    """A fixed set of daemon worker threads for sync reward functions. Unlike a
-    ThreadPoolExecutor (whose threads are joined at interpreter exit), a function that never
-    returns cannot keep the process alive after the run ends."""
+    """Sync reward functions, one daemon thread per call: a call that hangs past its timeout
+    keeps only its own thread (a fixed pool would let hung calls starve the ones queued behind
+    them), and a daemon thread cannot keep the process alive after the run ends. At most
+    `cap` calls run at once; beyond that (hung verifiers piling up) a call fails at once."""
 
-    def __init__(self, n: int, name: str):
-        self.n, self.name = n, name
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
+    def __init__(self, cap: int, name: str):
+        self.cap, self.name = cap, name
+        self._running = 0
+        self._lock = threading.Lock()
 
     def submit(self, fn, *args) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        if len(self._threads) < self.n:
-            t = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
-            t.start()
-            self._threads.append(t)
-        self._queue.put((loop, fut, fn, args))
+        with self._lock:
+            if self._running >= self.cap:
+                raise RuntimeError(f"{self._running} reward calls still running (hung verifier?)")
+            self._running += 1
+        threading.Thread(target=self._work, args=(loop, fut, fn, args), name=self.name, daemon=True).start()
         return fut
 
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            loop, fut, fn, args = item
-            try:
-                value, ok = fn(*args), True
-            except BaseException as e:  # noqa: BLE001 - delivered to the awaiting caller
-                value, ok = e, False
-            try:
-                loop.call_soon_threadsafe(_settle, fut, ok, value)
-            except RuntimeError:  # the caller's loop is closed: nobody is waiting
-                pass
+    def _work(self, loop, fut, fn, args) -> None:
+        try:
+            value, ok = fn(*args), True
+        except BaseException as e:  # noqa: BLE001 - delivered to the awaiting caller
+            value, ok = e, False
+        finally:
+            with self._lock:
+                self._running -= 1
+        try:
+            loop.call_soon_threadsafe(_settle, fut, ok, value)
+        except RuntimeError:  # the caller's loop is closed: nobody is waiting
+            pass
 
     def shutdown(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        self._threads = []
+        pass  # nothing pooled: running calls are daemon threads
 
 
 class RewardCaller:
     """``await caller(prompt, completion, meta) -> float`` around any reward callable.
 
     Chosen once at construction: coroutine functions are awaited on the caller's loop, plain
-    functions run on `max_threads` private daemon threads. Every call gets `timeout_s` (0 = none). A raise, a
+    functions run on a daemon thread per call (at most `max_threads` at once). Every call gets `timeout_s` (0 = none). A raise, a
     timeout or a non-finite / non-numeric result returns `on_error_value` when it is set and
     raises `RewardError` otherwise; `stats()` counts calls, errors and timeouts.
     """
 
     def __init__(self, fn: RewardFn, timeout_s: float = 0.0, on_error_value: Optional[float] = None,
-                 max_threads: int = 8):
+                 max_threads: int = 256):
         self.fn, self.timeout_s, self.on_error_value = fn, timeout_s, on_error_value
         self.is_async = is_async_callable(fn)
         self._threads = _DaemonThreads(max_threads, "megarl-reward")

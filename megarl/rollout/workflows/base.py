@@ -19,6 +19,7 @@ behave_logp consistency, group ids - so any workflow can be tested against it
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from dataclasses import dataclass
@@ -54,6 +55,12 @@ class WorkflowContext:
         """New tokens allowed after `used` tokens: max_new_tokens, capped by max_seq_len."""
         room = self.sampling.max_new_tokens if self.max_seq_len is None else self.max_seq_len - used
         return max(0, min(self.sampling.max_new_tokens, room))
+
+    def sampling_for(self, sample: PromptSample, max_new_tokens: int) -> SamplingParams:
+        """The rollout sampling params for one sample's requests: its draw's seed when the run
+        is seeded (rollout.seed), so two runs with the same seed sample the same tokens."""
+        seed = sample.seed if sample.seed is not None else self.sampling.seed
+        return dataclasses.replace(self.sampling, max_new_tokens=max_new_tokens, seed=seed)
 
 
 class RolloutWorkflow(Protocol):

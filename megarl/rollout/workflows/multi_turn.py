@@ -82,8 +82,8 @@ class MultiTurnWorkflow:
             return None  # no room for a single generated token
         return list(await asyncio.gather(*(self._trajectory(client, sample, k) for k in range(self.group_size))))
 
-    def _sampling(self, budget: int, k: int, turn: int) -> SamplingParams:
-        sp = SamplingParams(**{**self.ctx.sampling.__dict__, "max_new_tokens": budget})
+    def _sampling(self, sample: PromptSample, budget: int, k: int, turn: int) -> SamplingParams:
+        sp = self.ctx.sampling_for(sample, budget)
         if self.extra_stop:
             sp.stop = list(sp.stop or []) + list(self.extra_stop)
         if sp.seed is not None:
@@ -98,7 +98,7 @@ class MultiTurnWorkflow:
             budget = self.ctx.budget(len(trace))
             if budget == 0:
                 break
-            resp = await client.agenerate(ModelRequest(list(trace.input_ids), self._sampling(budget, k, turn)))
+            resp = await client.agenerate(ModelRequest(list(trace.input_ids), self._sampling(sample, budget, k, turn)))
             start = len(trace)
             trace.add_generated(resp)
             segments += resp.num_segments

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megarl.data.prompts import PromptSample
-from megarl.rollout.types import ModelRequest, SamplingParams, Trajectory
+from megarl.rollout.types import ModelRequest, Trajectory
 from megarl.rollout.workflows.base import TokenTrace, WorkflowContext, completion_text
 
 __all__ = ["SingleTurnWorkflow"]
@@ -29,7 +29,7 @@ class SingleTurnWorkflow:
         budget = self.ctx.budget(len(prompt))
         if budget == 0:
             return None
-        sampling = SamplingParams(**{**self.ctx.sampling.__dict__, "max_new_tokens": budget})
+        sampling = self.ctx.sampling_for(sample, budget)
         responses = await client.agenerate_n(ModelRequest(prompt, sampling), self.group_size)
         texts = [self.completion_text(r.output_tokens) for r in responses]
         rewards = await self.ctx.reward.many(sample.prompt, texts, sample.meta)

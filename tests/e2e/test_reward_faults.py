@@ -1,0 +1,35 @@
+"""Rewards that raise, hang or return NaN inside a real run: each such sample gets the reward of
+record (reward.on_error_value), the counts are reported, and the run completes."""
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_raising_hanging_and_nan_rewards_do_not_stop_the_run(tmp_path):
+    run = tmp_path / "run"
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
+           f"model.hf_path={REPO}/examples/tiny/model",
+           f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
+           f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.steps=3",
+           "rollout.reward_fn=reward_plugins:faulty_reward", "reward.timeout_s=0.3",
+           "reward.on_error_value=-1.0", "logging.dump_generations=true"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    last = rows[-1]
+    assert last["reward/errors"] > 0 and last["reward/timeouts"] > 0  # cumulative counts
+    gens = [json.loads(line) for line in (run / "generations.jsonl").read_text().splitlines()]
+    by_digit = {}
+    for g in gens:
+        prompt = open(f"{REPO}/examples/tiny/data/rl_prompts.jsonl").readlines()[g["prompt_index"]]
+        by_digit.setdefault(json.loads(prompt)["prompt"][:1], set()).add(g["reward"])
+    for digit in "1234":  # raised, raised, timed out, NaN: all scored with the reward of record
+        assert by_digit.get(digit, {-1.0}) == {-1.0}, (digit, by_digit.get(digit))
+    assert all(r in (0.0, 1.0) for d, rs in by_digit.items() if d not in "1234" for r in rs)
+    assert not (run / "failed_prompts.jsonl").exists()  # no prompt lost
