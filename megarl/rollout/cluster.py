@@ -54,7 +54,8 @@ class RolloutCluster:
                  timeout_s: float = 60.0, pause_mode: PauseMode = "abort", version: int = 0,
                  min_live_servers: int = 1, health_timeout_s: float = 3.0):
         self.addresses = [normalize_address(a) for a in addresses]
-        self.min_live_servers, self.health_timeout_s = min_live_servers, health_timeout_s
+        # a health check never waits longer than a push step would
+        self.min_live_servers, self.health_timeout_s = min_live_servers, min(health_timeout_s, timeout_s)
         self.dead: list[str] = []  # dropped servers, polled for re-admission (driver)
         # restart(address) -> bool: relaunch a server this job started (LocalCluster); None:
         # servers are external and come back on their own

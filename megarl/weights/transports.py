@@ -78,7 +78,8 @@ class DistributedTransport:
         if self.group is not None:
             try:
                 # short: after a failure the group may include a dead or hung server
-                self.admin.call(lambda c: c.destroy_weights_update_group(self.group_name), 5)
+                self.admin.call(lambda c: c.destroy_weights_update_group(self.group_name),
+                                min(5.0, self.timeout_s))
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
             dist.destroy_process_group(self.group)
