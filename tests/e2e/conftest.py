@@ -1,80 +1,11 @@
 """Fixtures for the rollout-server e2e tests: tiny random HF checkpoints and `megarl-server`
-subprocesses on free loopback ports (killed at teardown)."""
+subprocesses on free loopback ports (killed at teardown). The helpers live in e2e_servers.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-import urllib.request
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "unit"))  # test_rollout_reference helpers
-
-from test_rollout_reference import make_tiny_model  # noqa: E402
-
-from megarl.net import free_port  # noqa: E402  (tests import it from here)
-
-CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello rollout",
-          "12+34=46", "pack my box with five dozen liquor jugs"]
-
-
-class ServerProc:
-    """A `python -m megarl.rollout.server` child process."""
-
-    def __init__(self, model_dir: str, *args: str, api_key: str | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = api_key
-        cmd = [sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
-               "--port", str(self.port), "--log-level", "WARNING", *args]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(cmd, env=env)
-        self.t0 = time.monotonic()
-
-    def wait_ready(self, timeout: float = 60.0) -> "ServerProc":
-        while time.monotonic() - self.t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        self.ready_s = time.monotonic() - self.t0
-                        return self
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"server on {self.url} not ready in {timeout}s")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-def make_model_with_tokenizer(path: str, seed: int = 0, **kw) -> dict:
-    """Random tiny Llama + a char-level sentencepiece tokenizer (eos id 2)."""
-    from megarl.data.tokenizer import train_sentencepiece
-
-    tok = train_sentencepiece(CORPUS, path, vocab_size=64, model_type="char")
-    assert tok.vocab_size <= 128
-    return make_tiny_model(path, seed=seed, **kw)
-
-
-API_KEY = "test-key"
+from e2e_servers import API_KEY, ServerProc, http, make_model_with_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -105,27 +36,6 @@ def cluster(_cluster, tiny_model):
             code, out = http("POST", s.url + path, body, key=API_KEY)
             assert code == 200, out
     return _cluster
-
-
-def http(method: str, url: str, body=None, key: str | None = None, timeout: float = 60.0):
-    """(status, parsed JSON or text) of one request; never raises on HTTP errors."""
-    import json
-    import urllib.error
-
-    data = body if isinstance(body, bytes) else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, text = r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode()
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, text
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from typing import Callable
 
 import pytest
 import torch.distributed as dist
-from conftest import REPO, ServerProc, free_port, http
+from e2e_servers import REPO, ServerProc, free_port, http
 from test_rollout_reference import make_tiny_model, reference_logprobs
 
 from megarl.net import new_process_group

@@ -20,7 +20,7 @@ import urllib.request
 
 from aiohttp import ClientSession, web
 
-from conftest import ServerProc
+from e2e_servers import ServerProc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = f"{REPO}/examples/tiny/model"

@@ -11,7 +11,7 @@ import threading
 
 from aiohttp import ClientSession, web
 
-from conftest import ServerProc
+from e2e_servers import ServerProc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ADMIN = ("pause_generation", "continue_generation", "flush_cache", "begin_weight_update",

@@ -6,8 +6,8 @@ import threading
 import time
 
 import pytest
-from conftest import API_KEY as KEY
-from conftest import http
+from e2e_servers import API_KEY as KEY
+from e2e_servers import http
 from test_rollout_reference import reference_logprobs
 
 

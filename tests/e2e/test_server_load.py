@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from conftest import API_KEY, http
+from e2e_servers import API_KEY, http
 from test_rollout_reference import reference_logprobs
 
 from megarl.rollout.client import RolloutClient

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import API_KEY, free_port, http
+from e2e_servers import API_KEY, free_port, http
 from test_rollout_reference import make_tiny_model, reference_logprobs
 
 from megarl.net import new_process_group

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 from chatml import write_chat_tokenizer
-from conftest import REPO, http
+from e2e_servers import REPO, http
 from test_rollout_reference import make_tiny_model
 
 from megarl.data import PromptSample, load_chat_template, load_tokenizer
