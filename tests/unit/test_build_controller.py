@@ -73,8 +73,8 @@ def test_controller_counts_rejected_samples_as_filtered():
         batch = c.next_batch(2, timeout_s=10)
         assert len(batch) == 2 and all(t.reward == 1.0 for t in batch)
         deadline = time.monotonic() + 10
-        while c.counters["filtered"] < 1 and time.monotonic() < deadline:
+        while c.counters["filtered/workflow"] < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert c.counters["filtered"] >= 1 and c.counters["failed"] == 0
+        assert c.counters["filtered/workflow"] >= 1 and c.counters["failed"] == 0
     finally:
         c.stop()
