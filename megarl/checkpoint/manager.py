@@ -202,6 +202,9 @@ class CheckpointManager:
                 "format": FORMAT, "version": 1, "kind": "training", "complete": True,
                 "step": step, "engine_step": self.engine.step, "policy_version": self.policy_version,
                 "layout": self._layout(),
+                # the original vocabulary (exports strip Megatron's padding back to it)
+                "vocab_size": self.engine.args.vocab_size,
+                "padded_vocab_size": self.engine.args.mcore_vocab_size,
                 "distributed_optimizer": bool(self.cfg.parallel.distributed_optimizer),
                 "dtype": self.cfg.model.dtype, "scheduler": self.engine.scheduler.state_dict(),
                 "state": {name: obj.state_dict() for name, obj in self.state.items()},

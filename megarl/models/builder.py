@@ -3,7 +3,8 @@
 One model chunk per virtual pipeline stage (a single chunk without interleaving). On CPU the
 local spec is the only choice: fp32, fusions off, CPU initialisation (which also makes the
 initial weights independent of the TP layout: Megatron initialises the full master weight and
-splits it).
+splits it). The vocabulary is padded (``ModelArgs.padded_vocab_size``) and the layers may split
+unevenly over pipeline stages (:mod:`megarl.models.stages`).
 """
 from __future__ import annotations
 
@@ -13,20 +14,23 @@ import torch
 import torch.nn.functional as F
 
 from megarl import compat
+from megarl.models import stages
 from megarl.models.registry import ModelArgs
 
 
 def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] = None,
-                       dtype: str = "float32", sequence_parallel: bool = False,
-                       recompute: bool = False, use_te: bool = False):
-    """The ``TransformerConfig`` for an HF architecture and a parallel layout."""
+                       first_stage_layers: Optional[int] = None,
+                       last_stage_layers: Optional[int] = None, dtype: str = "float32",
+                       sequence_parallel: bool = False, recompute: bool = False, use_te: bool = False):
+    """The ``TransformerConfig`` for an HF architecture and a parallel layout. ``args`` carries the
+    padded vocabulary (:func:`megarl.models.layouts.pad_vocab`); the pipeline split is resolved
+    by :func:`megarl.models.stages.resolve` (uneven splits become explicit first/last counts)."""
     from megatron.core.transformer import TransformerConfig
 
-    if args.vocab_size % tp:
-        raise ValueError(f"parallel.tp: {tp} does not divide vocab_size={args.vocab_size}")
-    if args.num_layers % (pp * (vpp or 1)):
-        raise ValueError(f"parallel.pp: pp*vpp={pp * (vpp or 1)} does not divide "
-                         f"num_hidden_layers={args.num_layers}")
+    if args.mcore_vocab_size % tp:
+        raise ValueError(f"model.make_vocab_size_divisible_by: the Megatron vocabulary "
+                         f"{args.mcore_vocab_size} is not divisible by parallel.tp={tp}")
+    split = stages.resolve(args.num_layers, pp, vpp, first_stage_layers, last_stage_layers)
     bf16 = dtype == "bfloat16"
     if bf16 and not compat.HAVE_CUDA:
         raise ValueError("model.dtype: bfloat16 needs a GPU; use float32 on CPU")
@@ -36,6 +40,13 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
     extra = {}
     if recompute:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if args.sliding_window:
+        # HF: a token sees itself and the W-1 tokens before it; Megatron: window (left, right).
+        # The local spec honours it in its unfused softmax (a [s, s] mask), TE in its kernels.
+        extra["window_size"] = (args.sliding_window - 1, 0)
+        if args.window_layers is not None:  # per-layer list: 1 = windowed (1-indexed by Megatron)
+            extra["window_attn_skip_freq"] = [int(w) for w in args.window_layers]
+    extra.update(split.megatron_kwargs())
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -106,7 +117,7 @@ def gpt_model(args: ModelArgs, config, use_te: bool, vp_stage: Optional[int] = N
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(args, use_te),
-        vocab_size=args.vocab_size,
+        vocab_size=args.mcore_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -2,7 +2,8 @@
 
 Loading: every rank reads only the HF tensors of its own stage (lazily, one at a time) and cuts
 its TP shard. Exporting: per parameter, the TP group of DP rank 0 all-gathers the shards and the
-TP-rank-0 rank of each pipeline stage writes its stage's tensors; the file layout (one file for a
+TP-rank-0 rank of each pipeline stage writes its stage's tensors (vocabulary padding dropped,
+:mod:`megarl.models.layouts`); the file layout (one file for a
 small model, ``model-0000k-of-0000n.safetensors`` + index otherwise) is computed identically on
 every rank from parameter metadata. The directory appears atomically (temp dir + rename).
 """
@@ -20,7 +21,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from megarl.models.layouts import group_by_bytes, hf_to_shard, safetensors_file_names, shards_to_hf
+from megarl.models.layouts import (group_by_bytes, hf_shapes, hf_to_shard, safetensors_file_names,
+                                   shards_to_hf)
 from megarl.models.registry import ModelArgs, ParamMap, param_table, te_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -173,12 +175,13 @@ def export_hf(chunks, args: ModelArgs, ps, out_dir: str, *, src_hf_dir: str = ""
     meta = []
     if ps.dp_rank == 0:
         el = torch.tensor([], dtype=dtype).element_size() if dtype else None
+        shapes = hf_shapes(args)  # HF sizes: the vocabulary padding is not exported
         for lp in local_params(chunks, args, use_te):
             if args.tie_word_embeddings and lp.local_name == "output_layer.weight":
                 continue
-            sharded = lp.pmap.tp_dim is not None
-            nbytes = lp.param.numel() * (ps.tp if sharded else 1) * (el or lp.param.element_size())
-            meta.append((lp.pmap.names(lp.layer)[1], nbytes // len(lp.pmap.hf)))
+            for name in lp.pmap.names(lp.layer)[1]:
+                nbytes = torch.Size(shapes[name]).numel() * (el or lp.param.element_size())
+                meta.append(((name,), nbytes))
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (ps.pp_rank, meta) if writer else None)
     files = _plan_files([g for g in gathered if g is not None], max_shard_bytes)

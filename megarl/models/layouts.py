@@ -12,17 +12,45 @@ Three Megatron views of a row:
   ``linear_qkv`` the fused QKV of all query groups (:mod:`megarl.models.transforms`);
 * the checkpoint *key*: per-layer rows stacked on a leading layer axis under one name, norms under
   their TE-style names for either spec.
+
+Vocabulary padding (``vocab`` rows: embedding and output layer): Megatron holds
+``padded_vocab_size`` rows (a multiple of ``make_vocab_size_divisible_by * tp``, like Megatron's
+own trainer), HF the original ``vocab_size``. Import appends zero rows, every export path (HF
+export, mcore-to-hf, the resharder) drops them, and logprobs mask their logits
+(:mod:`megarl.trainer.logits`), so the padding never reaches a user or a server.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Hashable, Iterable, Optional, TypeVar
 
 import torch
 
 from megarl.models import transforms as T
-from megarl.models.registry import GATE_UP, QKV, ModelArgs, ParamMap, param_table, te_name
+from megarl.models.registry import GATE_UP, QKV, VOCAB, ModelArgs, ParamMap, param_table, te_name
 
 Item = TypeVar("Item")
+
+
+# ----------------------------------------------------------------------------- vocabulary padding
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padded vocabulary: the next multiple of ``divisible_by * tp``."""
+    if divisible_by < 1:
+        raise ValueError(f"model.make_vocab_size_divisible_by: must be >= 1, got {divisible_by}")
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def pad_vocab(args: ModelArgs, divisible_by: int, tp: int) -> ModelArgs:
+    """``args`` with the Megatron-side vocabulary padded for this TP size."""
+    return dataclasses.replace(args, padded_vocab_size=padded_vocab_size(args.vocab_size, divisible_by, tp))
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], dim=0)
 
 
 # ----------------------------------------------------------------------------- shapes and names
@@ -64,6 +92,8 @@ def mcore_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         shape = hf[names[0]]
         if pmap.kind in (QKV, GATE_UP):  # fused along rows
             shape = (sum(hf[n][0] for n in names), *shape[1:])
+        if pmap.kind == VOCAB:
+            shape = (args.mcore_vocab_size, *shape[1:])
         out[mcore_key(pmap)] = (args.num_layers, *shape) if layer is not None else shape
     return out
 
@@ -76,6 +106,8 @@ def hf_to_full(pmap: ParamMap, tensors: list[torch.Tensor], args: ModelArgs) -> 
         return T.merge_qkv(*tensors, args.num_heads, args.num_kv_heads)
     if pmap.kind == GATE_UP:
         return torch.cat(tensors, dim=0)
+    if pmap.kind == VOCAB:
+        return _pad_rows(tensors[0], args.mcore_vocab_size)
     return tensors[0]
 
 
@@ -85,6 +117,8 @@ def full_to_hf(pmap: ParamMap, full: torch.Tensor, args: ModelArgs) -> list[torc
         return list(T.split_qkv(full, args.num_heads, args.num_kv_heads))
     if pmap.kind == GATE_UP:
         return [t.contiguous() for t in full.chunk(2, dim=0)]
+    if pmap.kind == VOCAB:  # the padded rows are not part of the model
+        return [full[: args.vocab_size]]
     return [full]
 
 
@@ -97,6 +131,8 @@ def hf_to_shard(pmap: ParamMap, tensors: list[torch.Tensor], args: ModelArgs, tp
         return T.shard(hf_to_full(pmap, tensors, args), 0, tp, tp_rank)
     if pmap.kind == GATE_UP:  # NOT a row block of [gate; up]: each shard is [gate_r; up_r]
         return T.gate_up_to_shard(tensors[0], tensors[1], tp, tp_rank)
+    if pmap.kind == VOCAB:  # padding sits at the end: the last rank(s) hold it
+        return T.shard(hf_to_full(pmap, tensors, args), 0, tp, tp_rank)
     return T.shard(tensors[0], pmap.tp_dim, tp, tp_rank)
 
 
@@ -106,6 +142,8 @@ def shards_to_hf(pmap: ParamMap, shards: list[torch.Tensor], args: ModelArgs) ->
         return full_to_hf(pmap, torch.cat(shards, dim=0), args)
     if pmap.kind == GATE_UP:
         return list(T.shards_to_gate_up(shards))
+    if pmap.kind == VOCAB:
+        return full_to_hf(pmap, T.unshard(shards, 0), args)
     return [T.unshard(shards, pmap.tp_dim)]
 
 

@@ -16,6 +16,8 @@ TINY = {
     "Qwen2ForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "Qwen3ForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                              head_dim=32),
+    "MistralForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                               sliding_window=None),
 }
 
 
@@ -26,7 +28,8 @@ def tiny_config(arch: str = "LlamaForCausalLM", **overrides) -> dict:
         "max_position_embeddings": 256, "initializer_range": 0.02, "torch_dtype": "float32",
         "bos_token_id": 1, "eos_token_id": 2,
         "model_type": {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                       "Qwen3ForCausalLM": "qwen3"}.get(arch, "llama"),
+                       "Qwen3ForCausalLM": "qwen3",
+                       "MistralForCausalLM": "mistral"}.get(arch, "llama"),
     }
     cfg.update(TINY.get(arch, {}))
     cfg.update(overrides)

@@ -2,7 +2,9 @@
 
 A table lists, for every Megatron parameter (local layer spec names, ``{L}`` = global layer
 index), the HF tensors it is made of, how they combine (plain copy, fused QKV, fused gate/up) and
-the tensor-parallel dimension. The TE spec fuses the pre-attention/pre-MLP norms into the
+the tensor-parallel dimension. Embedding and output-layer rows are ``vocab`` rows: Megatron holds
+them padded to ``ModelArgs.padded_vocab_size`` (:func:`megarl.models.layouts.pad_vocab`), HF
+holds the original vocabulary. The TE spec fuses the pre-attention/pre-MLP norms into the
 following linear layer; :func:`te_name` maps those two names.
 """
 from __future__ import annotations
@@ -12,14 +14,14 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-PLAIN, QKV, GATE_UP = "plain", "qkv", "gate_up"
+PLAIN, QKV, GATE_UP, VOCAB = "plain", "qkv", "gate_up", "vocab"
 
 
 @dataclass(frozen=True)
 class ParamMap:
     mcore: str  # Megatron name; {L} is the global layer index
     hf: tuple[str, ...]  # HF names; {L} likewise
-    kind: str = PLAIN  # plain | qkv | gate_up
+    kind: str = PLAIN  # plain | qkv | gate_up | vocab (rows padded on the Megatron side)
     tp_dim: Optional[int] = None  # None: replicated across TP
 
     def names(self, layer: Optional[int] = None) -> tuple[str, tuple[str, ...]]:
@@ -30,7 +32,8 @@ class ParamMap:
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """The HF config fields megarl uses, read once from config.json."""
+    """The HF config fields megarl uses, read once from config.json, plus the Megatron-side
+    vocabulary padding (set by :func:`megarl.models.layouts.pad_vocab`, never read from HF)."""
 
     architecture: str
     vocab_size: int
@@ -48,6 +51,13 @@ class ModelArgs:
     qk_norm: bool
     rope_scaling_factor: Optional[float] = None
     initializer_range: float = 0.02
+    sliding_window: Optional[int] = None  # attention window W (a token sees itself + W-1 back)
+    window_layers: Optional[tuple[bool, ...]] = None  # per layer: windowed? (None: all layers)
+    padded_vocab_size: Optional[int] = None  # Megatron rows of embedding/output (None: vocab_size)
+
+    @property
+    def mcore_vocab_size(self) -> int:
+        return self.padded_vocab_size or self.vocab_size
 
 
 @dataclass(frozen=True)
@@ -79,13 +89,13 @@ class Architecture:
         return table
 
     def embedding(self) -> ParamMap:
-        return ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), PLAIN, 0)
+        return ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB, 0)
 
     def final_norm(self) -> ParamMap:
         return ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",))
 
     def output_layer(self) -> ParamMap:
-        return ParamMap("output_layer.weight", ("lm_head.weight",), PLAIN, 0)
+        return ParamMap("output_layer.weight", ("lm_head.weight",), VOCAB, 0)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -159,7 +169,31 @@ def read_model_args(hf_dir: str) -> ModelArgs:
         qk_norm=arch.qk_norm,
         rope_scaling_factor=factor,
         initializer_range=float(hf.get("initializer_range", 0.02)),
+        **_sliding_window(arch.name, hf, need("num_hidden_layers"), path),
     )
+
+
+def _sliding_window(arch: str, hf: dict, num_layers: int, path: str) -> dict:
+    """ModelArgs.sliding_window / window_layers the way transformers reads them: Mistral windows
+    every layer; otherwise an explicit ``layer_types`` list decides; Qwen2/3 with ``use_sliding_window``
+    window the layers from ``max_window_layers`` on (transformers' default 28 when absent)."""
+    window = hf.get("sliding_window")
+    if arch == "MistralForCausalLM":  # transformers' Mistral ignores layer_types
+        layers = (True,) * num_layers
+    elif isinstance(hf.get("layer_types"), list):
+        layers = tuple(t == "sliding_attention" for t in hf["layer_types"])
+        if len(layers) != num_layers:
+            raise ValueError(f"{path}: layer_types has {len(layers)} entries for {num_layers} layers")
+    elif hf.get("use_sliding_window"):
+        start = int(hf.get("max_window_layers", 28))
+        layers = tuple(i >= start for i in range(num_layers))
+    else:
+        layers = (False,) * num_layers
+    if not window or not any(layers):
+        return {}
+    if int(window) < 1:
+        raise ValueError(f"{path}: sliding_window must be >= 1, got {window}")
+    return {"sliding_window": int(window), "window_layers": None if all(layers) else layers}
 
 
 def param_table(args: ModelArgs) -> list[tuple[Optional[int], ParamMap]]:

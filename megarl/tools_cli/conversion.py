@@ -15,6 +15,7 @@ Validation (``check_hf``, ``check_mcore``) reads only headers and metadata, befo
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -49,21 +50,23 @@ def model_args(config_dir: str) -> ModelArgs:
 
 
 def check_layout(args: ModelArgs, tp: int, pp: int) -> None:
+    """TP must divide the heads and the MLP; any PP up to the layer count works (a PP that does not
+    divide the layers gets Megatron's uneven first/last stages, :mod:`megarl.models.stages`)."""
     if tp < 1 or pp < 1:
         raise ToolError(f"--tp/--pp must be >= 1 (got tp={tp}, pp={pp})")
     for what, n in (("num_attention_heads", args.num_heads), ("num_key_value_heads", args.num_kv_heads),
-                    ("vocab_size", args.vocab_size), ("intermediate_size", args.ffn_hidden_size)):
+                    ("intermediate_size", args.ffn_hidden_size)):
         if n % tp:
             raise ToolError(f"--tp {tp} does not divide {what}={n} (config.json)")
-    if args.num_layers % pp:
-        raise ToolError(f"--pp {pp} does not divide num_hidden_layers={args.num_layers} (config.json)")
+    if pp > args.num_layers:
+        raise ToolError(f"--pp {pp} is greater than num_hidden_layers={args.num_layers} (config.json)")
 
 
 def _compare(found: dict[str, tuple], expected: dict[str, tuple], where: dict[str, str],
              embed_key: str, args: ModelArgs, source: str) -> None:
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
-    if embed_key in found and embed_key in expected and found[embed_key][0] != args.vocab_size:
+    if embed_key in found and embed_key in expected and found[embed_key][0] != expected[embed_key][0]:
         raise ToolError(f"vocab size mismatch: config.json has vocab_size={args.vocab_size} but "
                         f"{embed_key} in {where[embed_key]} has {found[embed_key][0]} rows")
     if missing:
@@ -126,12 +129,29 @@ def tensor_metadata(ckpt_dir: str) -> dict[str, tuple[tuple[int, ...], torch.dty
             if isinstance(v, TensorStorageMetadata)}
 
 
+def stored_args(ckpt_dir: str, args: ModelArgs) -> ModelArgs:
+    """``args`` as a dist checkpoint stores the model: the original vocabulary from megarl.json
+    (written by every megarl save; config.json's for older checkpoints) and the padded one from
+    the stored embedding rows (whatever TP and padding the checkpoint was saved with)."""
+    from megarl.checkpoint import read_meta
+
+    meta = read_meta(ckpt_dir) or {}
+    vocab = int(meta.get("vocab_size") or args.vocab_size)
+    stored = tensor_metadata(ckpt_dir).get("embedding.word_embeddings.weight")
+    rows = stored[0][0] if stored else vocab
+    if rows < vocab:
+        raise ToolError(f"vocab size mismatch: config.json has vocab_size={vocab} but "
+                        f"embedding.word_embeddings.weight in {ckpt_dir} has {rows} rows")
+    return dataclasses.replace(args, vocab_size=vocab, padded_vocab_size=rows)
+
+
 def check_mcore(ckpt_dir: str, args: ModelArgs) -> torch.dtype:
     """Refuses unsafe content, then checks the model tensors of a dist checkpoint against
     config.json (metadata only). Returns the stored dtype."""
     from megarl.checkpoint import check_safe
 
     check_safe(ckpt_dir)
+    args = stored_args(ckpt_dir, args)
     meta = {k: v for k, v in tensor_metadata(ckpt_dir).items() if not k.startswith("optimizer.")}
     found = {k: shape for k, (shape, _) in meta.items()}
     _compare(found, mcore_shapes(args), {k: ckpt_dir for k in found},
@@ -170,7 +190,8 @@ class Progress:
 # ----------------------------------------------------------------------------- hf -> mcore
 
 def _meta_chunks(args: ModelArgs, ps, dtype: torch.dtype) -> list:
-    """This rank's GPTModel chunk(s) on the meta device: Megatron's keys and shards, no memory."""
+    """This rank's GPTModel chunk(s) on the meta device: Megatron's keys and shards, no memory.
+    ``args`` carries the padded vocabulary; the pipeline split is the automatic one."""
     from megarl.models import builder
 
     config = builder.transformer_config(args, tp=ps.tp, pp=ps.pp)
@@ -229,7 +250,8 @@ def plan_files(args: ModelArgs, dtype: torch.dtype, max_bytes: int) -> list[list
 
 def write_hf(ckpt_dir: str, out_dir: str, args: ModelArgs, dtype: torch.dtype, max_bytes: int) -> None:
     """Writes the model tensors of a dist checkpoint as HF safetensors (one file in memory at a
-    time). Needs torch.distributed (a single rank is enough)."""
+    time). Needs torch.distributed (a single rank is enough). ``args``: :func:`stored_args`
+    (the vocabulary padding is read and dropped)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from safetensors.torch import save_file

@@ -72,7 +72,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--input", required=True, help='JSONL, one {"input_ids": [...]} per line')
     ap.add_argument("--output", required=True, help="JSONL: each input object plus \"logprobs\"")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (need not divide the layers)")
+    ap.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                    help="Megatron vocabulary padding multiple (times --tp); the padding is masked")
     ap.add_argument("--micro-batch-tokens", type=int, default=4096, help="padded tokens per forward")
     ap.add_argument("--batch-size", type=int, default=256, help="sequences per gathered chunk")
     return ap.parse_args(argv)
@@ -86,6 +88,8 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
     source = resolve_source(a.ckpt)
     args = model_args(source.path)
     check_layout(args, a.tp, a.pp)
+    if a.make_vocab_size_divisible_by < 1:
+        raise ToolError(f"--make-vocab-size-divisible-by must be >= 1, got {a.make_vocab_size_divisible_by}")
     (check_hf if source.kind == "hf" else check_mcore)(source.path, args)
     rows = read_input(a.input, args.vocab_size)
     out_parent = os.path.dirname(os.path.abspath(a.output))
@@ -114,7 +118,8 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
     cfg = load_config(None, [f"model.hf_path={source.path}",
                              f"model.init={'hf' if source.kind == 'hf' else 'random'}",
                              f"data.train_path={a.input}", f"parallel.tp={a.tp}", f"parallel.pp={a.pp}",
-                             f"train.micro_batch_tokens={a.micro_batch_tokens}"])
+                             f"train.micro_batch_tokens={a.micro_batch_tokens}",
+                             f"model.make_vocab_size_divisible_by={a.make_vocab_size_divisible_by}"])
     engine = Engine.build(cfg, ps, trainable=False)
     if source.kind == "mcore":
         load_model_weights(engine.chunks, source.path)

@@ -2,7 +2,7 @@
 
 For each pipeline stage, the TP group of DP rank 0 walks the stage's part of the plan; per
 Megatron parameter it all-gathers the TP shards, splits fused QKV / gate-up into HF tensors,
-casts to the serving dtype and appends them to the current bucket. Only the stage's source rank
+drops the vocabulary padding of the embedding / output layer (servers get the original vocab), casts to the serving dtype and appends them to the current bucket. Only the stage's source rank
 (DP=0, TP=0) keeps the tensors and yields buckets; its TP peers take part in the gathers and
 drop the results. A bucket is yielded as soon as it is full, so at most the bucket being filled
 plus the one being sent are alive (~2 buckets of extra memory).
@@ -16,6 +16,7 @@ from typing import Iterator, Optional
 import torch
 
 from megarl.models.hf_io import gather_tp, local_params
+from megarl.models import stages
 from megarl.models.layouts import shards_to_hf
 from megarl.weights.planner import TensorSpec, bucketize, plan
 
@@ -58,7 +59,7 @@ class Resharder:
     def stage_plan(self, stage: int) -> list[list[TensorSpec]]:
         """Buckets of this stage, identical on every rank."""
         e = self.engine
-        specs = [s for s in plan(e.args, e.ps.pp, e.ps.vpp) if s.stage == stage]
+        specs = [s for s in plan(e.args, stages.of_config(e.tconfig)) if s.stage == stage]
         return bucketize(specs, self.bucket_bytes, self.serving_dtype)
 
     @property

@@ -52,7 +52,8 @@ def main():
     compat.quiet_megatron_warnings()
     torch.set_num_threads(1)
     parallel.init_distributed()
-    batch = make_batch()
+    with open(f"{hf_dir}/config.json") as f:
+        batch = make_batch(vocab=json.load(f)["vocab_size"])
     results = {}
     for spec in layouts:  # "tp,pp,micro_batch_tokens,dist_opt"
         tp, pp, mbt, dopt = spec.split(",")

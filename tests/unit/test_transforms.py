@@ -93,3 +93,61 @@ def test_group_by_bytes_caps_and_boundaries():
     assert safetensors_file_names(1) == ["model.safetensors"]
     assert safetensors_file_names(2) == ["model-00001-of-00002.safetensors",
                                          "model-00002-of-00002.safetensors"]
+
+
+def test_vocab_rows_pad_on_import_and_strip_on_export(tmp_path):
+    """Embedding / output rows: Megatron holds padded_vocab_size rows (zeros beyond the vocab),
+    every way back to HF gives exactly the original tensor."""
+    from megarl.models import layouts as L
+    from megarl.models.random_hf import tiny_config, write_random_hf
+    from megarl.models.registry import param_table
+    from safetensors.torch import load_file
+
+    hf_dir = write_random_hf(str(tmp_path), tiny_config(vocab_size=333))
+    args = L.pad_vocab(read_model_args(hf_dir), 128, 2)
+    assert (args.vocab_size, args.mcore_vocab_size) == (333, 512)
+    assert L.padded_vocab_size(333, 128, 1) == 384 and L.padded_vocab_size(256, 128, 2) == 256
+    hf = load_file(str(tmp_path / "model.safetensors"))
+    assert L.mcore_shapes(args)["embedding.word_embeddings.weight"] == (512, 64)
+    assert L.hf_shapes(args)["model.embed_tokens.weight"] == (333, 64)
+    for layer, pmap in param_table(args):
+        if pmap.kind != "vocab":
+            continue
+        name = pmap.names(layer)[1][0]
+        full = L.hf_to_full(pmap, [hf[name]], args)
+        assert full.shape == (512, 64) and torch.equal(full[:333], hf[name]) and not full[333:].any()
+        assert torch.equal(L.full_to_hf(pmap, full, args)[0], hf[name])
+        shards = [L.hf_to_shard(pmap, [hf[name]], args, 2, r) for r in range(2)]
+        assert [tuple(s.shape) for s in shards] == [(256, 64), (256, 64)]
+        assert torch.equal(L.shards_to_hf(pmap, shards, args)[0], hf[name])
+
+
+def test_sliding_window_is_read_like_transformers(tmp_path):
+    """Mistral windows every layer; Qwen2/3 window only with use_sliding_window, from
+    max_window_layers on; an explicit layer_types list decides; no window -> None. The builder
+    turns it into Megatron's window_size=(W-1, 0) (+ a per-layer list when not all layers)."""
+    import json
+
+    from megarl.models import builder
+    from megarl.models.random_hf import tiny_config
+
+    def args_of(name, arch, **kw):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(tiny_config(arch, **kw)))
+        return read_model_args(str(d))
+
+    m = args_of("m", "MistralForCausalLM", sliding_window=4)
+    assert (m.sliding_window, m.window_layers) == (4, None)
+    assert args_of("m0", "MistralForCausalLM", sliding_window=None).sliding_window is None
+    q = args_of("q", "Qwen2ForCausalLM", sliding_window=8, use_sliding_window=True, max_window_layers=2)
+    assert (q.sliding_window, q.window_layers) == (8, (False, False, True, True))
+    off = args_of("q0", "Qwen2ForCausalLM", sliding_window=131072, use_sliding_window=False)
+    assert off.sliding_window is None and off.window_layers is None  # Qwen2.5 configs look like this
+    t = args_of("t", "Qwen3ForCausalLM", sliding_window=8, layer_types=[
+        "full_attention", "sliding_attention", "full_attention", "sliding_attention"])
+    assert t.window_layers == (False, True, False, True)
+    assert builder.transformer_config(m, tp=1, pp=1).window_size == (3, 0)
+    cfg = builder.transformer_config(q, tp=1, pp=1)
+    assert cfg.window_size == (7, 0) and cfg.window_attn_skip_freq == [0, 0, 1, 1]
+    assert builder.transformer_config(off, tp=1, pp=1).window_size is None
