@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Protocol
+import re
+from typing import Any, Optional, Protocol
 
-__all__ = ["RewardFn", "load_reward_fn", "arith_exact_match", "first_word"]
+__all__ = ["RewardFn", "load_reward_fn", "arith_exact_match", "first_word", "final_number",
+           "gsm8k_match"]
 
 # Text forms of EOS that a server may leave in decoded completions.
 _EOS_STRINGS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<eos>")
@@ -69,3 +71,32 @@ def first_word(completion: str) -> str:
 def arith_exact_match(prompt: str, completion: str, meta: dict[str, Any]) -> float:
     """1.0 if the first word of the completion equals str(meta["answer"]), else 0.0."""
     return 1.0 if first_word(completion) == str(meta["answer"]).strip() else 0.0
+
+
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> Optional[str]:
+    """The answer a math completion commits to, normalised ("1,234.50" -> "1234.5"): the number
+    after the last "####" (GSM8K's marker), else inside the last \\boxed{...}, else the last number
+    in the text. None when there is no number."""
+    for eos in _EOS_STRINGS:
+        text = text.split(eos, 1)[0]
+    if "####" in text:
+        text = text.rsplit("####", 1)[1]
+    elif "\\boxed{" in text:
+        text = text.rsplit("\\boxed{", 1)[1].split("}", 1)[0]
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    number = found[-1].replace(",", "").replace("$", "")
+    if "." in number:
+        number = number.rstrip("0").rstrip(".")
+    return number if number not in ("", "-") else None
+
+
+def gsm8k_match(prompt: str, completion: str, meta: dict[str, Any]) -> float:
+    """1.0 if the completion's final number (:func:`final_number`) equals the reference's; the
+    reference ``meta["answer"]`` may be GSM8K's full solution ("... #### 72") or just "72"."""
+    want = final_number(str(meta["answer"]))
+    return 1.0 if want is not None and final_number(completion) == want else 0.0
