@@ -83,8 +83,12 @@ def test_recipes_refuse_bf16_and_te_on_this_cpu_machine(tmp_path):
 
 
 def test_prepare_gsm8k_and_reward(tmp_path):
-    from tools.prepare_gsm8k import main
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("prepare_gsm8k", os.path.join(REPO, "tools", "prepare_gsm8k.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    main = module.main
     src = tmp_path / "src"
     src.mkdir()
     rows = [{"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"},
