@@ -68,6 +68,9 @@ class ParallelConfig:
     last_stage_layers: Optional[int] = None
     """Layers on the last pipeline stage (uneven PP, Megatron's num_layers_in_last_pipeline_stage);
     null = automatic."""
+    ep: int = 1
+    """Expert-parallel size for MoE models (experts split over this many ranks of the DP
+    dimension; must divide the experts and the DP size). 1 for dense models."""
     vpp: Optional[int] = None
     """Virtual pipeline stages per rank (interleaved 1F1B): not supported yet, must stay null."""
     sequence_parallel: bool = False
@@ -82,6 +85,7 @@ class ParallelConfig:
     def validate(self) -> None:
         _positive("parallel.tp", self.tp)
         _positive("parallel.pp", self.pp)
+        _positive("parallel.ep", self.ep)
         for name in ("first_stage_layers", "last_stage_layers"):
             if getattr(self, name) is not None:
                 _positive(f"parallel.{name}", getattr(self, name))
@@ -97,6 +101,9 @@ class ParallelConfig:
             if self.world_size % (self.tp * self.pp):
                 raise ConfigError(f"parallel.world_size: {self.world_size} is not divisible by "
                                   f"tp*pp={self.tp * self.pp}")
+            if (self.world_size // (self.tp * self.pp)) % self.ep:
+                raise ConfigError(f"parallel.ep: {self.ep} does not divide the data-parallel size "
+                                  f"{self.world_size // (self.tp * self.pp)}")
 
 
 @dataclass
@@ -353,6 +360,7 @@ def validate_against_model(cfg: Config) -> None:
     """Checks that need the HF config.json: TP vs heads and query groups, the pipeline split of
     the layers (uneven first/last stages included), sliding-window attention vs the layer spec."""
     from megarl.models import stages
+    from megarl.models.builder import moe_kwargs
     from megarl.models.registry import read_model_args
 
     try:
@@ -369,6 +377,11 @@ def validate_against_model(cfg: Config) -> None:
     try:
         stages.resolve(args.num_layers, pp, vpp, cfg.parallel.first_stage_layers,
                        cfg.parallel.last_stage_layers)
+        if args.num_experts:
+            moe_kwargs(args, tp, cfg.parallel.ep)
+        elif cfg.parallel.ep > 1:
+            raise ValueError(f"parallel.ep: {cfg.parallel.ep} > 1 needs an MoE model "
+                             f"({args.architecture} is dense)")
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -380,6 +393,9 @@ def check_world_size(cfg: Config, world_size: int) -> int:
         raise ConfigError(
             f"parallel.tp: world size {world_size} is not divisible by tp*pp={mp} "
             f"(tp={cfg.parallel.tp}, pp={cfg.parallel.pp})")
+    if (world_size // mp) % cfg.parallel.ep:
+        raise ConfigError(f"parallel.ep: {cfg.parallel.ep} does not divide the data-parallel size "
+                          f"{world_size // mp} (world size {world_size})")
     return world_size // mp
 
 

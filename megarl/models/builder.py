@@ -21,7 +21,8 @@ from megarl.models.registry import ModelArgs
 def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] = None,
                        first_stage_layers: Optional[int] = None,
                        last_stage_layers: Optional[int] = None, dtype: str = "float32",
-                       sequence_parallel: bool = False, recompute: bool = False, use_te: bool = False):
+                       sequence_parallel: bool = False, recompute: bool = False, use_te: bool = False,
+                       ep: int = 1):
     """The ``TransformerConfig`` for an HF architecture and a parallel layout. ``args`` carries the
     padded vocabulary (:func:`megarl.models.layouts.pad_vocab`); the pipeline split is resolved
     by :func:`megarl.models.stages.resolve` (uneven splits become explicit first/last counts)."""
@@ -47,6 +48,10 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
         if args.window_layers is not None:  # per-layer list: 1 = windowed (1-indexed by Megatron)
             extra["window_attn_skip_freq"] = [int(w) for w in args.window_layers]
     extra.update(split.megatron_kwargs())
+    if args.num_experts:
+        extra.update(moe_kwargs(args, tp, ep))
+    elif ep > 1:
+        raise ValueError(f"parallel.ep: {ep} > 1 needs an MoE model ({args.architecture} is dense)")
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -88,12 +93,34 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
     )
 
 
+def moe_kwargs(args: ModelArgs, tp: int, ep: int) -> dict:
+    """TransformerConfig MoE fields matching HF Qwen3-MoE routing: softmax over the experts, top-k,
+    renormalised when ``norm_topk_prob`` (Megatron: top-k on the logits, then softmax over the k =
+    the same probabilities) else not (softmax first). No auxiliary loss: RL fine-tuning keeps the
+    router as trained. Experts run one after another (SequentialMLP, no grouped GEMM), tokens move
+    by all-to-all over the expert-parallel group."""
+    if tp > 1:
+        # Megatron 0.16.1 raises in MoELayer.forward when training with TP > 1 and no sequence
+        # parallelism, which needs TE; and experts would then be TP-split, which the tables are not.
+        raise ValueError(f"parallel.tp: MoE models ({args.architecture}) run with tp=1 and "
+                         f"expert parallelism (parallel.ep), got tp={tp}")
+    if args.num_experts % ep:
+        raise ValueError(f"parallel.ep: {ep} does not divide num_experts={args.num_experts}")
+    return dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_topk,
+                moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_pre_softmax=not args.moe_norm_topk,
+                moe_router_score_function="softmax", moe_router_load_balancing_type="none",
+                moe_aux_loss_coeff=0.0, moe_router_dtype="fp32", moe_grouped_gemm=False,
+                moe_permute_fusion=False, expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=1)
+
+
 def layer_spec(args: ModelArgs, use_te: bool):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    moe = dict(num_experts=args.num_experts, moe_grouped_gemm=False) if args.num_experts else {}
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_norm, **moe)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm", **moe)
 
 
 def resolve_spec(spec: str) -> bool:

@@ -57,8 +57,10 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _shape_by_suffix(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     H, V, F, hd = args.hidden_size, args.vocab_size, args.ffn_hidden_size, args.head_dim
+    if args.num_experts:  # every MLP is an MoE layer: gate/up/down are the experts'
+        F = args.moe_ffn_hidden_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
-    return {
+    return {"gate.weight": (args.num_experts, H),
         "embed_tokens.weight": (V, H), "lm_head.weight": (V, H), "norm.weight": (H,),
         "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
         "q_proj.weight": (q, H), "k_proj.weight": (kv, H), "v_proj.weight": (kv, H),
@@ -77,16 +79,21 @@ def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 def mcore_key(pmap: ParamMap) -> str:
-    """The dist-checkpoint key of a table row (layers stacked, TE-style norm names)."""
-    return te_name(pmap.mcore.replace("{L}.", ""))
+    """The dist-checkpoint key of a table row (layers stacked, TE-style norm names; MoE experts
+    stacked on a second axis under ``mlp.experts.experts.``, as Megatron's SequentialMLP saves)."""
+    key = te_name(pmap.mcore.replace("{L}.", ""))
+    if pmap.expert is not None:
+        key = key.replace(f"local_experts.{pmap.expert}.", "experts.")
+    return key
 
 
 def mcore_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every model tensor of a Megatron dist checkpoint -> its global (stacked, unsharded) shape."""
+    """Every model tensor of a Megatron dist checkpoint -> its global (stacked, unsharded) shape:
+    [layers, ...] per layer, [layers, experts, ...] per expert."""
     hf = hf_shapes(args)
     out = {}
     for layer, pmap in param_table(args):
-        if layer not in (None, 0):  # one layer describes the stacked key
+        if layer not in (None, 0) or pmap.expert not in (None, 0):  # one row describes a stacked key
             continue
         names = pmap.names(layer)[1]
         shape = hf[names[0]]
@@ -94,6 +101,8 @@ def mcore_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             shape = (sum(hf[n][0] for n in names), *shape[1:])
         if pmap.kind == VOCAB:
             shape = (args.mcore_vocab_size, *shape[1:])
+        if pmap.expert is not None:
+            shape = (args.num_experts, *shape)
         out[mcore_key(pmap)] = (args.num_layers, *shape) if layer is not None else shape
     return out
 

@@ -6,6 +6,11 @@ the tensor-parallel dimension. Embedding and output-layer rows are ``vocab`` row
 them padded to ``ModelArgs.padded_vocab_size`` (:func:`megarl.models.layouts.pad_vocab`), HF
 holds the original vocabulary. The TE spec fuses the pre-attention/pre-MLP norms into the
 following linear layer; :func:`te_name` maps those two names.
+
+Mixture-of-experts architectures (Qwen3-MoE) replace the MLP rows of every layer by a router row
+and one fc1 (gate/up) + fc2 row per expert, each row naming its *global* expert index (Megatron's
+``local_experts.{e}`` of expert-parallel rank r is global expert ``r * E/EP + e``; ``hf_io``
+translates). Experts are not split over TP (``expert_tensor_parallel_size=1``).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ class ParamMap:
     hf: tuple[str, ...]  # HF names; {L} likewise
     kind: str = PLAIN  # plain | qkv | gate_up | vocab (rows padded on the Megatron side)
     tp_dim: Optional[int] = None  # None: replicated across TP
+    expert: Optional[int] = None  # global expert index of an MoE expert row
 
     def names(self, layer: Optional[int] = None) -> tuple[str, tuple[str, ...]]:
         if layer is None:
@@ -54,6 +60,10 @@ class ModelArgs:
     sliding_window: Optional[int] = None  # attention window W (a token sees itself + W-1 back)
     window_layers: Optional[tuple[bool, ...]] = None  # per layer: windowed? (None: all layers)
     padded_vocab_size: Optional[int] = None  # Megatron rows of embedding/output (None: vocab_size)
+    num_experts: int = 0  # MoE: routed experts per layer (0: dense MLP)
+    moe_topk: int = 0  # MoE: experts per token
+    moe_ffn_hidden_size: int = 0  # MoE: intermediate size of one expert
+    moe_norm_topk: bool = True  # MoE: renormalise the top-k routing probabilities
 
     @property
     def mcore_vocab_size(self) -> int:
@@ -65,6 +75,7 @@ class Architecture:
     name: str
     qkv_bias: bool
     qk_norm: bool
+    num_experts: int = 0  # > 0: MoE MLP (Qwen3-MoE names) in every layer
 
     def layer_table(self) -> list[ParamMap]:
         p, a = "model.layers.{L}.", "decoder.layers.{L}."
@@ -82,10 +93,26 @@ class Architecture:
         table += [
             ParamMap(a + "self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",), PLAIN, 1),
             ParamMap(a + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",)),
+        ]
+        if self.num_experts:
+            return table + self.moe_table()
+        return table + [
             ParamMap(a + "mlp.linear_fc1.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                      GATE_UP, 0),
             ParamMap(a + "mlp.linear_fc2.weight", (p + "mlp.down_proj.weight",), PLAIN, 1),
         ]
+
+    def moe_table(self) -> list[ParamMap]:
+        """Router + per-expert rows (Qwen3-MoE names; fc1 = [gate; up] like the dense MLP)."""
+        p, a = "model.layers.{L}.mlp.", "decoder.layers.{L}.mlp."
+        table = [ParamMap(a + "router.weight", (p + "gate.weight",))]
+        for e in range(self.num_experts):
+            mine, theirs = f"{a}experts.local_experts.{e}.", f"{p}experts.{e}."
+            table += [
+                ParamMap(mine + "linear_fc1.weight", (theirs + "gate_proj.weight", theirs + "up_proj.weight"),
+                         GATE_UP, None, e),
+                ParamMap(mine + "linear_fc2.weight", (theirs + "down_proj.weight",), PLAIN, None, e),
+            ]
         return table
 
     def embedding(self) -> ParamMap:
@@ -103,6 +130,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture("MistralForCausalLM", qkv_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": Architecture("Qwen2ForCausalLM", qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": Architecture("Qwen3ForCausalLM", qkv_bias=False, qk_norm=True),
+    "Qwen3MoeForCausalLM": Architecture("Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True),
 }
 
 
@@ -113,10 +141,11 @@ def get_architecture(name: str) -> Architecture:
     return ARCHITECTURES[name]
 
 
-def te_name(mcore_name: str) -> str:
-    """Local-spec name -> TE-spec name (norms fused into the next linear layer)."""
-    return (mcore_name.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
-            .replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"))
+def te_name(mcore_name: str, moe: bool = False) -> str:
+    """Local-spec name -> TE-spec name (norms fused into the next linear layer; an MoE layer's
+    pre-MLP norm stays a separate module under TE, so only the attention norm moves)."""
+    name = mcore_name.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+    return name if moe else name.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
 
 
 def read_model_args(hf_dir: str) -> ModelArgs:
@@ -170,7 +199,24 @@ def read_model_args(hf_dir: str) -> ModelArgs:
         rope_scaling_factor=factor,
         initializer_range=float(hf.get("initializer_range", 0.02)),
         **_sliding_window(arch.name, hf, need("num_hidden_layers"), path),
+        **(_moe(hf, path) if arch.name == "Qwen3MoeForCausalLM" else {}),
     )
+
+
+def _moe(hf: dict, path: str) -> dict:
+    """ModelArgs MoE fields of a Qwen3-MoE config. Only the all-MoE layout of the released models
+    is supported: a dense layer (``mlp_only_layers``, ``decoder_sparse_step`` > 1) is refused."""
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+                       ("moe_intermediate_size", hf.get("moe_intermediate_size"))):
+        if not value:
+            raise ValueError(f"{path}: '{key}' is missing")
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(f"{path}: mlp_only_layers / decoder_sparse_step > 1 (dense layers in an MoE "
+                         "model) are not supported")
+    return {"num_experts": int(experts), "moe_topk": int(hf["num_experts_per_tok"]),
+            "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
+            "moe_norm_topk": bool(hf.get("norm_topk_prob", True))}
 
 
 def _sliding_window(arch: str, hf: dict, num_layers: int, path: str) -> dict:
@@ -198,7 +244,7 @@ def _sliding_window(arch: str, hf: dict, num_layers: int, path: str) -> dict:
 
 def param_table(args: ModelArgs) -> list[tuple[Optional[int], ParamMap]]:
     """Every (layer or None, ParamMap) of the model, in HF order: embedding, layers, norm, head."""
-    arch = Architecture(args.architecture, args.qkv_bias, args.qk_norm)
+    arch = Architecture(args.architecture, args.qkv_bias, args.qk_norm, args.num_experts)
     rows: list[tuple[Optional[int], ParamMap]] = [(None, arch.embedding())]
     for layer in range(args.num_layers):
         rows += [(layer, m) for m in arch.layer_table()]

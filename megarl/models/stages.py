@@ -54,6 +54,15 @@ class PipelineSplit:
                 return stage, None
         raise AssertionError("unreachable")
 
+    def row_stage(self, layer: Optional[int], is_embedding: bool) -> tuple[int, Optional[int]]:
+        """(rank, virtual stage) serving a weight-table row: its layer's, the first stage for the
+        embedding, the last for the final norm and output layer."""
+        if layer is not None:
+            return self.stage_of(layer)
+        if is_embedding:
+            return 0, (0 if self.vpp else None)
+        return self.pp - 1, ((self.vpp - 1) if self.vpp else None)
+
     def megatron_kwargs(self) -> dict:
         """TransformerConfig fields for this split (empty for an even split)."""
         if not self.uneven:

@@ -60,6 +60,8 @@ def check_layout(args: ModelArgs, tp: int, pp: int) -> None:
             raise ToolError(f"--tp {tp} does not divide {what}={n} (config.json)")
     if pp > args.num_layers:
         raise ToolError(f"--pp {pp} is greater than num_hidden_layers={args.num_layers} (config.json)")
+    if args.num_experts and tp > 1:
+        raise ToolError(f"--tp {tp}: MoE models ({args.architecture}) run with tp=1 here")
 
 
 def _compare(found: dict[str, tuple], expected: dict[str, tuple], where: dict[str, str],
@@ -214,22 +216,25 @@ def write_mcore(hf_dir: str, out_dir: str, args: ModelArgs, ps, dtype: torch.dty
     sharded = model_sharded_state_dict(chunks)
     rows = {lp.local_name: lp for lp in local_params(chunks, args)}
     by_key = {v.key: rows[k] for k, v in sharded["model"].items() if k in rows}
+    experts = {(mcore_key(pmap), pmap.expert): pmap for _, pmap in param_table(args)
+               if pmap.expert is not None}
     ckpt = HFCheckpoint(hf_dir)
     progress = Progress("hf-to-mcore", None, enabled=ps.rank == 0)
     last: dict = {}
 
     def resolve(key, offsets, sizes):
         lp = by_key[key]
-        layered = lp.layer is not None
-        layer = offsets[0] if layered else None
-        if last.get("id") != (key, layer):  # fc1's gate and up halves arrive back to back
-            full = hf_to_full(lp.pmap, [ckpt.get(n) for n in lp.pmap.names(layer)[1]], args)
-            last.update(id=(key, layer), full=full)
-        inner_off, inner_size = (offsets[1:], sizes[1:]) if layered else (offsets, sizes)
-        piece = last["full"][tuple(slice(o, o + s) for o, s in zip(inner_off, inner_size))]
-        piece = piece.to(dtype).clone()
+        # leading stacked axes: the layer, then (MoE) the expert
+        lead = (lp.layer is not None) + (lp.pmap.expert is not None)
+        layer = offsets[0] if lead else None
+        pmap = experts[key, offsets[1]] if lead == 2 else lp.pmap
+        if last.get("id") != (key, offsets[:lead]):  # fc1's gate and up halves arrive back to back
+            full = hf_to_full(pmap, [ckpt.get(n) for n in pmap.names(layer)[1]], args)
+            last.update(id=(key, offsets[:lead]), full=full)
+        inner = zip(offsets[lead:], sizes[lead:])
+        piece = last["full"][tuple(slice(o, o + s) for o, s in inner)].to(dtype).clone()
         progress.update(piece.numel() * piece.element_size())
-        return piece.unsqueeze(0) if layered else piece
+        return piece.reshape((1,) * lead + tuple(piece.shape))
 
     dist_checkpointing.save(sharded, out_dir, sharded_strategy=sync_save_strategy(resolve))
     progress.close()
@@ -266,15 +271,18 @@ def write_hf(ckpt_dir: str, out_dir: str, args: ModelArgs, dtype: torch.dtype, m
         for i, (layer, pmap) in enumerate(rows):
             key = mcore_key(pmap)
             shape, sdtype = stored[key]
-            # one layer of a stacked key: a [1, ...] piece at offset `layer` of axis 0 (not
-            # prepend_axis_num, whose legacy path needs every layer local in a 1-rank world)
-            offsets = () if layer is None else ((0, layer, shape[0]),)
-            piece = shape if layer is None else (1, *shape[1:])
+            # one layer (and expert) of a stacked key: a [1, (1,) ...] piece at offset `layer` of
+            # axis 0 (and `expert` of axis 1) - not prepend_axis_num, whose legacy path needs
+            # every layer local in a 1-rank world
+            offsets = [] if layer is None else [(0, layer, shape[0])]
+            if pmap.expert is not None:
+                offsets.append((1, pmap.expert, shape[1]))
+            piece = (1,) * len(offsets) + tuple(shape[len(offsets):])
             request[i] = ShardedTensor.from_rank_offsets(key, torch.empty(piece, dtype=sdtype), *offsets)
         loaded = dist_checkpointing.load(request, ckpt_dir, validate_access_integrity=False)
         tensors = {}
         for i, (layer, pmap) in enumerate(rows):
-            full = loaded[i] if layer is None else loaded[i][0]
+            full = loaded[i].reshape(loaded[i].shape[(layer is not None) + (pmap.expert is not None):])
             for name, t in zip(pmap.names(layer)[1], full_to_hf(pmap, full, args)):
                 tensors[name] = t.to(dtype).contiguous()
                 weight_map[name] = fname

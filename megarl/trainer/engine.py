@@ -64,7 +64,7 @@ class Engine:
         use_te = builder.resolve_spec(cfg.model.spec)
         tconfig = builder.transformer_config(
             args, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, first_stage_layers=cfg.parallel.first_stage_layers,
-            last_stage_layers=cfg.parallel.last_stage_layers, dtype=cfg.model.dtype,
+            last_stage_layers=cfg.parallel.last_stage_layers, dtype=cfg.model.dtype, ep=ps.ep,
             sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.model.recompute,
             use_te=use_te)
         chunks = builder.build_model_chunks(args, tconfig, use_te)

@@ -51,15 +51,9 @@ def plan(args: ModelArgs, split: PipelineSplit | int = 1, vpp: Optional[int] = N
     if isinstance(split, int):
         split = resolve(args.num_layers, split, vpp)
     shapes = hf_shapes(args)
-    last_stage, vpp = split.pp - 1, split.vpp
     specs = []
     for layer, pmap in param_table(args):
-        if layer is not None:
-            stage, vstage = split.stage_of(layer)
-        elif pmap.mcore.startswith("embedding."):
-            stage, vstage = 0, (0 if vpp else None)
-        else:  # final norm, output layer
-            stage, vstage = last_stage, ((vpp - 1) if vpp else None)
+        stage, vstage = split.row_stage(layer, pmap.mcore.startswith("embedding."))
         mcore, names = pmap.names(layer)
         for name in names:
             specs.append(TensorSpec(name, shapes[name], stage, vstage, layer, mcore, pmap.kind, pmap.tp_dim))

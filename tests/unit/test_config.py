@@ -101,3 +101,20 @@ def test_uneven_pipeline_fields(hf):
         with pytest.raises(ConfigError) as e:
             load(hf, *overrides)
         assert str(e.value).startswith(msg) and "\n" not in str(e.value)
+
+
+def test_moe_parallel_fields(tmp_path, hf):
+    moe = write_random_hf(str(tmp_path / "moe"), tiny_config("Qwen3MoeForCausalLM"))
+    assert load(moe, "parallel.ep=2").parallel.ep == 2
+    for model, overrides, msg in [
+        (moe, ["parallel.tp=2"], "parallel.tp: MoE models (Qwen3MoeForCausalLM) run with tp=1"),
+        (moe, ["parallel.ep=3"], "parallel.ep: 3 does not divide num_experts=4"),
+        (moe, ["parallel.ep=2", "parallel.world_size=2", "parallel.pp=2"],
+         "parallel.ep: 2 does not divide the data-parallel size 1"),
+        (hf, ["parallel.ep=2"], "parallel.ep: 2 > 1 needs an MoE model"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load(model, *overrides)
+        assert str(e.value).startswith(msg)
+    with pytest.raises(ConfigError, match="^parallel.ep: 2 does not divide the data-parallel size 3"):
+        check_world_size(load(moe, "parallel.ep=2"), 3)
