@@ -384,6 +384,9 @@ def validate_against_model(cfg: Config) -> None:
                              f"({args.architecture} is dense)")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if args.num_experts and cfg.train.algorithm == "grpo" and not cfg.rollout.servers:
+        raise ConfigError(f"rollout.servers: the local megarl CPU rollout server does not serve MoE "
+                          f"models ({args.architecture}); list SGLang servers")
 
 
 def check_world_size(cfg: Config, world_size: int) -> int:

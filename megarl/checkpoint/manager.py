@@ -193,7 +193,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------ contents
     def _layout(self) -> dict:
         ps = self.ps
-        return {"tp": ps.tp, "pp": ps.pp, "dp": ps.dp, "vpp": ps.vpp, "world_size": ps.world_size}
+        layout = {"tp": ps.tp, "pp": ps.pp, "dp": ps.dp, "vpp": ps.vpp, "world_size": ps.world_size}
+        if ps.ep > 1:  # only MoE runs have it: dense layouts compare equal to older checkpoints'
+            layout["ep"] = ps.ep
+        return layout
 
     def _meta_json(self, step: int):
         """megarl.json text (rank 0), or the exception to raise on every rank."""
