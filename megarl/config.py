@@ -60,14 +60,12 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel size; must divide attention heads and query groups."""
     pp: int = 1
-    """Pipeline-parallel size; at most the number of layers. When it does not divide the layers
-    and no first/last stage counts are given, the split is chosen automatically (docs/models.md)."""
+    """Pipeline-parallel size, up to the number of layers (uneven splits: docs/models.md)."""
     first_stage_layers: Optional[int] = None
-    """Layers on the first pipeline stage (uneven PP, like Megatron's
-    num_layers_in_first_pipeline_stage); null = automatic. The middle stages split the rest evenly."""
+    """Layers on the first pipeline stage (Megatron's num_layers_in_first_pipeline_stage; the
+    middle stages split the rest evenly); null = automatic."""
     last_stage_layers: Optional[int] = None
-    """Layers on the last pipeline stage (uneven PP, Megatron's num_layers_in_last_pipeline_stage);
-    null = automatic."""
+    """Layers on the last pipeline stage (num_layers_in_last_pipeline_stage); null = automatic."""
     ep: int = 1
     """Expert-parallel size for MoE models (experts split over this many ranks of the DP
     dimension; must divide the experts and the DP size). 1 for dense models."""
@@ -101,9 +99,6 @@ class ParallelConfig:
             if self.world_size % (self.tp * self.pp):
                 raise ConfigError(f"parallel.world_size: {self.world_size} is not divisible by "
                                   f"tp*pp={self.tp * self.pp}")
-            if (self.world_size // (self.tp * self.pp)) % self.ep:
-                raise ConfigError(f"parallel.ep: {self.ep} does not divide the data-parallel size "
-                                  f"{self.world_size // (self.tp * self.pp)}")
 
 
 @dataclass
