@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megarl.models import stages
-from megarl.models.layouts import (group_by_bytes, hf_shapes, hf_to_shard, mcore_key, mcore_shapes,
+from megarl.models.layouts import (expert_shape, group_by_bytes, hf_shapes, hf_to_shard,
                                    safetensors_file_names, shards_to_hf)
 from megarl.models.registry import ModelArgs, ParamMap, param_table, te_name
 
@@ -139,21 +139,20 @@ def gather_tp(param: torch.Tensor, tp_dim: Optional[int], tp: int, tp_group) -> 
 def serves_weights(ps) -> bool:
     """Ranks that take part in gathering full tensors: the TP group of DP rank 0, plus (MoE) the
     other ranks of its expert-parallel group, which own the remaining experts."""
-    return ps.dp_rank == 0 or (getattr(ps, "ep", 1) > 1 and ps.expert_dp_rank == 0)
+    return ps.dp_rank == 0 or (ps.ep > 1 and ps.expert_dp_rank == 0)
 
 
 def gather_expert(lp: Optional[LocalParam], pmap: ParamMap, args: ModelArgs, ps,
                   dtype: torch.dtype) -> torch.Tensor:
     """The full tensor of an MoE expert row on every rank of the expert-parallel group: its owner
     (expert // (E / EP)) broadcasts. Experts are never TP-split (expert_tensor_parallel_size=1)."""
-    if getattr(ps, "ep", 1) == 1:
+    if ps.ep == 1:
         return lp.param.detach()
     owner = pmap.expert // (args.num_experts // ps.ep)
     if owner == ps.ep_rank:
         buf = lp.param.detach().contiguous()
     else:
-        shape = mcore_shapes(args)[mcore_key(pmap)][2:]  # [layers, experts, ...] -> one expert
-        buf = torch.empty(shape, dtype=dtype, device=ps.device)
+        buf = torch.empty(expert_shape(pmap, args), dtype=dtype, device=ps.device)
     dist.broadcast(buf, src=ps.ep_global_ranks[owner], group=ps.ep_group)
     return buf
 

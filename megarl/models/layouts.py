@@ -78,6 +78,12 @@ def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             for layer, pmap in param_table(args) for name in pmap.names(layer)[1]}
 
 
+def expert_shape(pmap: ParamMap, args: ModelArgs) -> tuple[int, ...]:
+    """Megatron shape of one MoE expert row (never TP-split): fc1 [2F, H], fc2 [H, F]."""
+    F, H = args.moe_ffn_hidden_size, args.hidden_size
+    return (2 * F, H) if pmap.kind == GATE_UP else (H, F)
+
+
 def mcore_key(pmap: ParamMap) -> str:
     """The dist-checkpoint key of a table row (layers stacked, TE-style norm names; MoE experts
     stacked on a second axis under ``mlp.experts.experts.``, as Megatron's SequentialMLP saves)."""

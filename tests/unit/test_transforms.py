@@ -189,3 +189,15 @@ def test_qwen3_moe_table_and_refusals(tmp_path):
     cfg_path.write_text(json.dumps(dict(hf, mlp_only_layers=[0])))
     with pytest.raises(ValueError, match="mlp_only_layers / decoder_sparse_step"):
         read_model_args(str(tmp_path / "m"))
+
+
+def test_expert_shape_matches_the_stacked_checkpoint_shape(tmp_path):
+    from megarl.models import layouts as L
+    from megarl.models.random_hf import tiny_config, write_random_hf
+    from megarl.models.registry import param_table
+
+    args = read_model_args(write_random_hf(str(tmp_path), tiny_config("Qwen3MoeForCausalLM")))
+    stacked = L.mcore_shapes(args)
+    for _, pmap in param_table(args):
+        if pmap.expert is not None:
+            assert L.expert_shape(pmap, args) == stacked[L.mcore_key(pmap)][2:]
