@@ -9,8 +9,8 @@ megarl decides here, once, which implementation of each optional piece is used:
   the `data` extra, imported where used through :func:`require` (sympy is skipped when absent).
 
 megatron-core assumes CUDA in many small places (``device="cuda"``, ``Tensor.cuda()``,
-``torch.cuda.*`` RNG calls, a ``'torch.cuda.FloatTensor'`` assertion in grad clipping). On
-CPU-only machines :func:`install_cpu_shim` redirects those to the CPU. It is installed only when
+``torch.cuda.*`` RNG calls, a ``'torch.cuda.FloatTensor'`` assertion in grad clipping, three
+spots of the MoE layers). On CPU-only machines :func:`install_cpu_shim` redirects those to the CPU. It is installed only when
 CUDA is unavailable, once per process, and never on GPU runs.
 """
 from __future__ import annotations
@@ -128,6 +128,42 @@ def install_cpu_shim() -> None:
     mrandom._get_cuda_rng_state = lambda *a, clone=False, **k: (
         torch.get_rng_state().clone() if clone else torch.get_rng_state())
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    _patch_moe_for_cpu()
+
+
+def _patch_moe_for_cpu() -> None:
+    """megatron-core 0.16.1's MoE layers (router, alltoall dispatcher, SequentialMLP) on CPU over
+    gloo; three spots assume CUDA or TE:
+
+    * ``moe_utils.te_general_gemm`` is only defined when TE imports, yet the router's gating
+      function tests it unconditionally (NameError): define it as None (the torch.mm path).
+    * ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` converts only CUDA tensors to numpy, so on
+      CPU the all-to-all split sizes stay tensors, which ``all_to_all_single`` rejects: convert
+      CPU tensors too.
+    * ``_AllToAll.backward`` allocates on ``torch.cuda.current_device()``; the autograd engine runs
+      it without the process-wide TorchFunctionMode: run it inside the mode.
+    """
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    to_cpu = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    backward = mappings._AllToAll.backward
+
+    def all_to_all_backward(ctx, *grad_output):
+        with _CudaToCpuMode():
+            return backward(ctx, *grad_output)
+
+    mappings._AllToAll.backward = staticmethod(all_to_all_backward)
 
 
 def quiet_megatron_warnings() -> None:

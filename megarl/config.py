@@ -10,7 +10,6 @@ resolved config is written into the run directory by :func:`save_config`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import types
 import typing
@@ -43,9 +42,13 @@ class ModelConfig:
     ref_hf_path: str = ""
     """Reference policy for the KL term (HF directory, loaded frozen with the same parallel
     layout when algo.kl_coef > 0); empty = the initial weights (model.hf_path)."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the embedding and output layer to a multiple of this times parallel.tp (as
+    Megatron's trainer does); the padding is stripped from every export and masked in logprobs."""
 
     def validate(self) -> None:
         _choice("model.init", self.init, ("hf", "random"))
+        _positive("model.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
         _choice("model.dtype", self.dtype, ("float32", "bfloat16"))
         _choice("model.spec", self.spec, ("auto", "te", "local"))
         if not self.hf_path:
@@ -57,7 +60,15 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel size; must divide attention heads and query groups."""
     pp: int = 1
-    """Pipeline-parallel size; at most the number of layers."""
+    """Pipeline-parallel size, up to the number of layers (uneven splits: docs/models.md)."""
+    first_stage_layers: Optional[int] = None
+    """Layers on the first pipeline stage (Megatron's num_layers_in_first_pipeline_stage; the
+    middle stages split the rest evenly); null = automatic."""
+    last_stage_layers: Optional[int] = None
+    """Layers on the last pipeline stage (num_layers_in_last_pipeline_stage); null = automatic."""
+    ep: int = 1
+    """Expert-parallel size for MoE models (experts split over this many ranks of the DP
+    dimension; must divide the experts and the DP size). 1 for dense models."""
     vpp: Optional[int] = None
     """Virtual pipeline stages per rank (interleaved 1F1B): not supported yet, must stay null."""
     sequence_parallel: bool = False
@@ -72,6 +83,10 @@ class ParallelConfig:
     def validate(self) -> None:
         _positive("parallel.tp", self.tp)
         _positive("parallel.pp", self.pp)
+        _positive("parallel.ep", self.ep)
+        for name in ("first_stage_layers", "last_stage_layers"):
+            if getattr(self, name) is not None:
+                _positive(f"parallel.{name}", getattr(self, name))
         if self.vpp is not None:
             # Checked on CPU with megatron-core 0.16.1: the interleaved schedule with token-budget
             # micro-batches gave wrong gradients (and hung with fewer micro-batches than stages),
@@ -508,25 +523,36 @@ class Config:
 
 
 def validate_against_model(cfg: Config) -> None:
-    """Checks that need the HF config.json: TP vs heads and query groups, PP vs layers."""
-    path = os.path.join(cfg.model.hf_path, "config.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"model.hf_path: no config.json in {cfg.model.hf_path!r}")
-    with open(path) as f:
-        hf = json.load(f)
-    heads = hf.get("num_attention_heads")
-    groups = hf.get("num_key_value_heads") or heads
-    layers = hf.get("num_hidden_layers")
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    if heads and heads % tp:
-        raise ConfigError(f"parallel.tp: {tp} does not divide num_attention_heads={heads}")
-    if groups and groups % tp:
-        raise ConfigError(f"parallel.tp: {tp} does not divide num_key_value_heads={groups}")
-    if layers and pp > layers:
-        raise ConfigError(f"parallel.pp: {pp} is greater than num_hidden_layers={layers}")
-    vpp = cfg.parallel.vpp
-    if layers and vpp and layers % (pp * vpp):
-        raise ConfigError(f"parallel.vpp: pp*vpp={pp * vpp} does not divide num_hidden_layers={layers}")
+    """Checks that need the HF config.json: TP vs heads and query groups, the pipeline split of
+    the layers (uneven first/last stages included), sliding-window attention vs the layer spec."""
+    from megarl.models import stages
+    from megarl.models.builder import moe_kwargs
+    from megarl.models.registry import read_model_args
+
+    try:
+        args = read_model_args(cfg.model.hf_path)
+    except FileNotFoundError:
+        raise ConfigError(f"model.hf_path: no config.json in {cfg.model.hf_path!r}") from None
+    except ValueError as e:
+        raise ConfigError(f"model.hf_path: {e}") from None
+    tp, pp, vpp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp
+    if args.num_heads % tp:
+        raise ConfigError(f"parallel.tp: {tp} does not divide num_attention_heads={args.num_heads}")
+    if args.num_kv_heads % tp:
+        raise ConfigError(f"parallel.tp: {tp} does not divide num_key_value_heads={args.num_kv_heads}")
+    try:
+        stages.resolve(args.num_layers, pp, vpp, cfg.parallel.first_stage_layers,
+                       cfg.parallel.last_stage_layers)
+        if args.num_experts:
+            moe_kwargs(args, tp, cfg.parallel.ep)
+        elif cfg.parallel.ep > 1:
+            raise ValueError(f"parallel.ep: {cfg.parallel.ep} > 1 needs an MoE model "
+                             f"({args.architecture} is dense)")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if args.num_experts and cfg.train.algorithm == "grpo" and not cfg.rollout.servers:
+        raise ConfigError(f"rollout.servers: the local megarl CPU rollout server does not serve MoE "
+                          f"models ({args.architecture}); list SGLang servers")
 
 
 def check_world_size(cfg: Config, world_size: int) -> int:
@@ -536,6 +562,9 @@ def check_world_size(cfg: Config, world_size: int) -> int:
         raise ConfigError(
             f"parallel.tp: world size {world_size} is not divisible by tp*pp={mp} "
             f"(tp={cfg.parallel.tp}, pp={cfg.parallel.pp})")
+    if (world_size // mp) % cfg.parallel.ep:
+        raise ConfigError(f"parallel.ep: {cfg.parallel.ep} does not divide the data-parallel size "
+                          f"{world_size // mp} (world size {world_size})")
     return world_size // mp
 
 

@@ -155,6 +155,11 @@ class ParallelState:
     mp_group: Any = None
     pp_global_ranks: list = field(default_factory=list)
     dp_global_ranks: list = field(default_factory=list)
+    ep: int = 1  # expert-parallel size (MoE): experts split over ranks of the DP dimension
+    ep_rank: int = 0
+    ep_group: Any = None
+    ep_global_ranks: list = field(default_factory=list)
+    expert_dp_rank: int = 0  # rank among the replicas of this rank's experts
 
     @property
     def is_first_stage(self) -> bool:
@@ -197,8 +202,10 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> RankInfo:
     return info
 
 
-def init_model_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int = 1234) -> ParallelState:
-    """Megatron ``initialize_model_parallel`` (DP derived) and the model-parallel RNG seeds."""
+def init_model_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int = 1234,
+                        ep: int = 1) -> ParallelState:
+    """Megatron ``initialize_model_parallel`` (DP derived; ``ep`` expert-parallel ranks out of
+    the DP dimension, experts never split over TP) and the model-parallel RNG seeds."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
@@ -208,7 +215,8 @@ def init_model_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int =
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-            virtual_pipeline_model_parallel_size=vpp)
+            virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=1 if ep > 1 else None)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     device = torch.device("cuda", torch.cuda.current_device()) if compat.HAVE_CUDA else torch.device("cpu")
     return ParallelState(
@@ -218,7 +226,11 @@ def init_model_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int =
         tp_group=mpu.get_tensor_model_parallel_group(), pp_group=mpu.get_pipeline_model_parallel_group(),
         dp_group=mpu.get_data_parallel_group(), mp_group=mpu.get_model_parallel_group(),
         pp_global_ranks=_group_ranks(mpu.get_pipeline_model_parallel_group()),
-        dp_global_ranks=_group_ranks(mpu.get_data_parallel_group()))
+        dp_global_ranks=_group_ranks(mpu.get_data_parallel_group()),
+        ep=ep, ep_rank=mpu.get_expert_model_parallel_rank(),
+        ep_group=mpu.get_expert_model_parallel_group(),
+        ep_global_ranks=_group_ranks(mpu.get_expert_model_parallel_group()),
+        expert_dp_rank=mpu.get_expert_data_parallel_rank())
 
 
 def _group_ranks(group) -> list[int]:

@@ -81,7 +81,8 @@ def train(cfg, stop: StopRequest) -> int:
     except ConfigError as e:
         print(f"megarl-train: {e}", file=sys.stderr)
         return 2
-    ps = parallel.init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.model.seed)
+    ps = parallel.init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.model.seed,
+                                      ep=cfg.parallel.ep)
     if ps.rank == 0:
         save_config(cfg, cfg.train.run_dir)
         clear_stop_marker(cfg.train.run_dir)

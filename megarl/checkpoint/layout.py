@@ -10,7 +10,8 @@ Layout of ``checkpoint.save_dir`` (default ``<run_dir>/checkpoints``)::
       common.pt                   Megatron's non-sharded optimizer part (param groups: plain types)
       rng/rank_00000.safetensors  per-rank RNG states (restored only when the layout is unchanged)
       config.json, tokenizer.*    the HF config and tokenizer (mcore-to-hf and megarl-logprobs)
-      megarl.json                 step, policy version, layout, scheduler, registered state (JSON);
+      megarl.json                 step, policy version, layout, vocab_size (the original one; the
+                                  tensors hold padded_vocab_size rows), scheduler, registered state (JSON);
                                   written last: a directory without it is not a checkpoint
     .tmp-step_00000400/           a save in progress, or killed: never resumed from, removed later
 

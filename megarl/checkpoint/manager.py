@@ -213,7 +213,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------ contents
     def _layout(self) -> dict:
         ps = self.ps
-        return {"tp": ps.tp, "pp": ps.pp, "dp": ps.dp, "vpp": ps.vpp, "world_size": ps.world_size}
+        layout = {"tp": ps.tp, "pp": ps.pp, "dp": ps.dp, "vpp": ps.vpp, "world_size": ps.world_size}
+        if ps.ep > 1:  # only MoE runs have it: dense layouts compare equal to older checkpoints'
+            layout["ep"] = ps.ep
+        return layout
 
     def _meta_json(self, step: int):
         """megarl.json text (rank 0), or the exception to raise on every rank."""
@@ -222,6 +225,9 @@ class CheckpointManager:
                 "format": FORMAT, "version": 1, "kind": "training", "complete": True,
                 "step": step, "engine_step": self.engine.step, "policy_version": self.policy_version,
                 "layout": self._layout(),
+                # the original vocabulary (exports strip Megatron's padding back to it)
+                "vocab_size": self.engine.args.vocab_size,
+                "padded_vocab_size": self.engine.args.mcore_vocab_size,
                 "distributed_optimizer": bool(self.cfg.parallel.distributed_optimizer),
                 "dtype": self.cfg.model.dtype, "scheduler": self.engine.scheduler.state_dict(),
                 "state": {name: obj.state_dict() for name, obj in self.state.items()},

@@ -3,7 +3,8 @@
 One model chunk per virtual pipeline stage (a single chunk without interleaving). On CPU the
 local spec is the only choice: fp32, fusions off, CPU initialisation (which also makes the
 initial weights independent of the TP layout: Megatron initialises the full master weight and
-splits it).
+splits it). The vocabulary is padded (``ModelArgs.padded_vocab_size``) and the layers may split
+unevenly over pipeline stages (:mod:`megarl.models.stages`).
 """
 from __future__ import annotations
 
@@ -13,20 +14,24 @@ import torch
 import torch.nn.functional as F
 
 from megarl import compat
+from megarl.models import stages
 from megarl.models.registry import ModelArgs
 
 
 def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] = None,
-                       dtype: str = "float32", sequence_parallel: bool = False,
-                       recompute: bool = False, use_te: bool = False):
-    """The ``TransformerConfig`` for an HF architecture and a parallel layout."""
+                       first_stage_layers: Optional[int] = None,
+                       last_stage_layers: Optional[int] = None, dtype: str = "float32",
+                       sequence_parallel: bool = False, recompute: bool = False, use_te: bool = False,
+                       ep: int = 1):
+    """The ``TransformerConfig`` for an HF architecture and a parallel layout. ``args`` carries the
+    padded vocabulary (:func:`megarl.models.layouts.pad_vocab`); the pipeline split is resolved
+    by :func:`megarl.models.stages.resolve` (uneven splits become explicit first/last counts)."""
     from megatron.core.transformer import TransformerConfig
 
-    if args.vocab_size % tp:
-        raise ValueError(f"parallel.tp: {tp} does not divide vocab_size={args.vocab_size}")
-    if args.num_layers % (pp * (vpp or 1)):
-        raise ValueError(f"parallel.pp: pp*vpp={pp * (vpp or 1)} does not divide "
-                         f"num_hidden_layers={args.num_layers}")
+    if args.mcore_vocab_size % tp:
+        raise ValueError(f"model.make_vocab_size_divisible_by: the Megatron vocabulary "
+                         f"{args.mcore_vocab_size} is not divisible by parallel.tp={tp}")
+    split = stages.resolve(args.num_layers, pp, vpp, first_stage_layers, last_stage_layers)
     bf16 = dtype == "bfloat16"
     if bf16 and not compat.HAVE_CUDA:
         raise ValueError("model.dtype: bfloat16 needs a GPU; use float32 on CPU")
@@ -36,6 +41,17 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
     extra = {}
     if recompute:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if args.sliding_window:
+        # HF: a token sees itself and the W-1 tokens before it; Megatron: window (left, right).
+        # The local spec honours it in its unfused softmax (a [s, s] mask), TE in its kernels.
+        extra["window_size"] = (args.sliding_window - 1, 0)
+        if args.window_layers is not None:  # per-layer list: 1 = windowed (1-indexed by Megatron)
+            extra["window_attn_skip_freq"] = [int(w) for w in args.window_layers]
+    extra.update(split.megatron_kwargs())
+    if args.num_experts:
+        extra.update(moe_kwargs(args, tp, ep))
+    elif ep > 1:
+        raise ValueError(f"parallel.ep: {ep} > 1 needs an MoE model ({args.architecture} is dense)")
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -77,12 +93,34 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
     )
 
 
+def moe_kwargs(args: ModelArgs, tp: int, ep: int) -> dict:
+    """TransformerConfig MoE fields matching HF Qwen3-MoE routing: softmax over the experts, top-k,
+    renormalised when ``norm_topk_prob`` (Megatron: top-k on the logits, then softmax over the k =
+    the same probabilities) else not (softmax first). No auxiliary loss: RL fine-tuning keeps the
+    router as trained. Experts run one after another (SequentialMLP, no grouped GEMM), tokens move
+    by all-to-all over the expert-parallel group."""
+    if tp > 1:
+        # Megatron 0.16.1 raises in MoELayer.forward when training with TP > 1 and no sequence
+        # parallelism, which needs TE; and experts would then be TP-split, which the tables are not.
+        raise ValueError(f"parallel.tp: MoE models ({args.architecture}) run with tp=1 and "
+                         f"expert parallelism (parallel.ep), got tp={tp}")
+    if args.num_experts % ep:
+        raise ValueError(f"parallel.ep: {ep} does not divide num_experts={args.num_experts}")
+    return dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_topk,
+                moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_pre_softmax=not args.moe_norm_topk,
+                moe_router_score_function="softmax", moe_router_load_balancing_type="none",
+                moe_aux_loss_coeff=0.0, moe_router_dtype="fp32", moe_grouped_gemm=False,
+                moe_permute_fusion=False, expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=1)
+
+
 def layer_spec(args: ModelArgs, use_te: bool):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    moe = dict(num_experts=args.num_experts, moe_grouped_gemm=False) if args.num_experts else {}
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_norm, **moe)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm", **moe)
 
 
 def resolve_spec(spec: str) -> bool:
@@ -106,7 +144,7 @@ def gpt_model(args: ModelArgs, config, use_te: bool, vp_stage: Optional[int] = N
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(args, use_te),
-        vocab_size=args.vocab_size,
+        vocab_size=args.mcore_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -1,8 +1,10 @@
 """HF safetensors <-> Megatron model chunks, for any TP/PP(/VPP) layout.
 
 Loading: every rank reads only the HF tensors of its own stage (lazily, one at a time) and cuts
-its TP shard. Exporting: per parameter, the TP group of DP rank 0 all-gathers the shards and the
-TP-rank-0 rank of each pipeline stage writes its stage's tensors; the file layout (one file for a
+its TP shard (MoE: loads its own experts). Exporting: per table row, the TP group of DP rank 0
+all-gathers the shards (an MoE expert is broadcast by the expert-parallel rank owning it) and the
+TP-rank-0 rank of each pipeline stage writes its stage's tensors (vocabulary padding dropped,
+:mod:`megarl.models.layouts`); the file layout (one file for a
 small model, ``model-0000k-of-0000n.safetensors`` + index otherwise) is computed identically on
 every rank from parameter metadata. The directory appears atomically (temp dir + rename).
 """
@@ -20,10 +22,13 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from megarl.models.layouts import group_by_bytes, hf_to_shard, safetensors_file_names, shards_to_hf
+from megarl.models import stages
+from megarl.models.layouts import (expert_shape, group_by_bytes, hf_shapes, hf_to_shard,
+                                   safetensors_file_names, shards_to_hf)
 from megarl.models.registry import ModelArgs, ParamMap, param_table, te_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 
 
 class HFCheckpoint:
@@ -82,7 +87,7 @@ def local_params(chunks: list[torch.nn.Module], args: ModelArgs, use_te: bool = 
     table: dict[str, tuple[Optional[int], ParamMap]] = {}
     for layer, pmap in param_table(args):
         name = pmap.names(layer)[0]
-        table[te_name(name) if use_te else name] = (layer, pmap)
+        table[te_name(name, bool(args.num_experts)) if use_te else name] = (layer, pmap)
     if args.tie_word_embeddings:  # the last stage's copy of the tied embedding (PP > 1)
         emb = next(p for layer, p in param_table(args) if p.mcore.startswith("embedding."))
         table["output_layer.weight"] = (None, emb)
@@ -93,8 +98,13 @@ def local_params(chunks: list[torch.nn.Module], args: ModelArgs, use_te: bool = 
             name = local_name
             m = _LAYER.match(local_name)
             if m:
-                layer = model.decoder.layers[int(m.group(1))].layer_number - 1
-                name = f"decoder.layers.{layer}.{m.group(2)}"
+                module = model.decoder.layers[int(m.group(1))]
+                rest = m.group(2)
+                e = _EXPERT.match(rest)
+                if e:  # local expert index -> global (this expert-parallel rank's share)
+                    expert = module.mlp.local_expert_indices[int(e.group(1))]
+                    rest = f"mlp.experts.local_experts.{expert}.{e.group(2)}"
+                name = f"decoder.layers.{module.layer_number - 1}.{rest}"
             if name not in table:
                 raise KeyError(f"Megatron parameter {local_name!r} has no entry in the "
                                f"{args.architecture} weight table")
@@ -126,15 +136,59 @@ def gather_tp(param: torch.Tensor, tp_dim: Optional[int], tp: int, tp_group) -> 
     return shards
 
 
+def serves_weights(ps) -> bool:
+    """Ranks that take part in gathering full tensors: the TP group of DP rank 0, plus (MoE) the
+    other ranks of its expert-parallel group, which own the remaining experts."""
+    return ps.dp_rank == 0 or (ps.ep > 1 and ps.expert_dp_rank == 0)
+
+
+def gather_expert(lp: Optional[LocalParam], pmap: ParamMap, args: ModelArgs, ps,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The full tensor of an MoE expert row on every rank of the expert-parallel group: its owner
+    (expert // (E / EP)) broadcasts. Experts are never TP-split (expert_tensor_parallel_size=1)."""
+    if ps.ep == 1:
+        return lp.param.detach()
+    owner = pmap.expert // (args.num_experts // ps.ep)
+    if owner == ps.ep_rank:
+        buf = lp.param.detach().contiguous()
+    else:
+        buf = torch.empty(expert_shape(pmap, args), dtype=dtype, device=ps.device)
+    dist.broadcast(buf, src=ps.ep_global_ranks[owner], group=ps.ep_group)
+    return buf
+
+
+def gather_row(lp: Optional[LocalParam], pmap: ParamMap, args: ModelArgs, ps,
+               dtype: torch.dtype) -> list[torch.Tensor]:
+    """All Megatron shards of one table row (TP shards, or one whole expert); ``lp`` is this
+    rank's parameter of the row (None: an expert another rank owns)."""
+    if pmap.expert is not None:
+        return [gather_expert(lp, pmap, args, ps, dtype)]
+    return gather_tp(lp.param, pmap.tp_dim, ps.tp, ps.tp_group)
+
+
+def stage_rows(args: ModelArgs, split, stage: int) -> list[tuple[Optional[int], ParamMap]]:
+    """The weight-table rows pipeline rank ``stage`` serves, in table order."""
+    return [(layer, pmap) for layer, pmap in param_table(args)
+            if split.row_stage(layer, pmap.mcore.startswith("embedding."))[0] == stage]
+
+
 def iter_hf_tensors(chunks, args: ModelArgs, ps, use_te: bool = False,
                     dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields this stage's (HF name, full tensor) pairs; every TP rank of DP rank 0 must iterate
-    (they take part in the all-gathers); the tied output-layer copy is skipped."""
-    for lp in local_params(chunks, args, use_te):
-        if args.tie_word_embeddings and lp.local_name == "output_layer.weight":
+    """Yields this stage's (HF name, full tensor) pairs in table order (vocabulary padding
+    dropped, the tied output-layer copy skipped). Collective: every rank for which
+    :func:`serves_weights` holds must iterate; ranks other than DP rank 0 only help with experts
+    and yield nothing."""
+    local = {lp.pmap.names(lp.layer)[0]: lp for lp in local_params(chunks, args, use_te)
+             if not (args.tie_word_embeddings and lp.local_name == "output_layer.weight")}
+    ref_dtype = next(iter(local.values())).param.dtype
+    split = stages.of_config(_unwrap(chunks[0]).config)
+    for layer, pmap in stage_rows(args, split, ps.pp_rank):
+        if ps.dp_rank != 0 and pmap.expert is None:
             continue
-        shards = gather_tp(lp.param, lp.pmap.tp_dim, ps.tp, ps.tp_group)
-        for name, tensor in zip(lp.pmap.names(lp.layer)[1], shards_to_hf(lp.pmap, shards, args)):
+        shards = gather_row(local.get(pmap.names(layer)[0]), pmap, args, ps, ref_dtype)
+        if ps.dp_rank != 0:
+            continue
+        for name, tensor in zip(pmap.names(layer)[1], shards_to_hf(pmap, shards, args)):
             yield name, tensor.to(dtype) if dtype is not None else tensor
 
 
@@ -171,18 +225,16 @@ def export_hf(chunks, args: ModelArgs, ps, out_dir: str, *, src_hf_dir: str = ""
     writer = ps.dp_rank == 0 and ps.tp_rank == 0
     # Every rank computes the same file layout from (stage, name, nbytes) metadata.
     meta = []
-    if ps.dp_rank == 0:
-        el = torch.tensor([], dtype=dtype).element_size() if dtype else None
-        for lp in local_params(chunks, args, use_te):
-            if args.tie_word_embeddings and lp.local_name == "output_layer.weight":
-                continue
-            sharded = lp.pmap.tp_dim is not None
-            nbytes = lp.param.numel() * (ps.tp if sharded else 1) * (el or lp.param.element_size())
-            meta.append((lp.pmap.names(lp.layer)[1], nbytes // len(lp.pmap.hf)))
+    if writer:  # from the table: HF sizes (no vocabulary padding), experts of every EP rank
+        param = next(p for c in chunks for p in c.parameters())
+        el = torch.tensor([], dtype=dtype or param.dtype).element_size()
+        shapes = hf_shapes(args)
+        for layer, pmap in stage_rows(args, stages.of_config(_unwrap(chunks[0]).config), ps.pp_rank):
+            meta += [((name,), torch.Size(shapes[name]).numel() * el) for name in pmap.names(layer)[1]]
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (ps.pp_rank, meta) if writer else None)
     files = _plan_files([g for g in gathered if g is not None], max_shard_bytes)
-    if ps.dp_rank == 0:
+    if serves_weights(ps):
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in iter_hf_tensors(chunks, args, ps, use_te, dtype):
             if not writer:

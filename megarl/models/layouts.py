@@ -12,25 +12,55 @@ Three Megatron views of a row:
   ``linear_qkv`` the fused QKV of all query groups (:mod:`megarl.models.transforms`);
 * the checkpoint *key*: per-layer rows stacked on a leading layer axis under one name, norms under
   their TE-style names for either spec.
+
+Vocabulary padding (``vocab`` rows: embedding and output layer): Megatron holds
+``padded_vocab_size`` rows (a multiple of ``make_vocab_size_divisible_by * tp``, like Megatron's
+own trainer), HF the original ``vocab_size``. Import appends zero rows, every export path (HF
+export, mcore-to-hf, the resharder) drops them, and logprobs mask their logits
+(:mod:`megarl.trainer.logits`), so the padding never reaches a user or a server.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Hashable, Iterable, Optional, TypeVar
 
 import torch
 
 from megarl.models import transforms as T
-from megarl.models.registry import GATE_UP, QKV, ModelArgs, ParamMap, param_table, te_name
+from megarl.models.registry import GATE_UP, QKV, VOCAB, ModelArgs, ParamMap, param_table, te_name
 
 Item = TypeVar("Item")
+
+
+# ----------------------------------------------------------------------------- vocabulary padding
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padded vocabulary: the next multiple of ``divisible_by * tp``."""
+    if divisible_by < 1:
+        raise ValueError(f"model.make_vocab_size_divisible_by: must be >= 1, got {divisible_by}")
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def pad_vocab(args: ModelArgs, divisible_by: int, tp: int) -> ModelArgs:
+    """``args`` with the Megatron-side vocabulary padded for this TP size."""
+    return dataclasses.replace(args, padded_vocab_size=padded_vocab_size(args.vocab_size, divisible_by, tp))
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], dim=0)
 
 
 # ----------------------------------------------------------------------------- shapes and names
 
 def _shape_by_suffix(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     H, V, F, hd = args.hidden_size, args.vocab_size, args.ffn_hidden_size, args.head_dim
+    if args.num_experts:  # every MLP is an MoE layer: gate/up/down are the experts'
+        F = args.moe_ffn_hidden_size
     q, kv = args.num_heads * hd, args.num_kv_heads * hd
-    return {
+    return {"gate.weight": (args.num_experts, H),
         "embed_tokens.weight": (V, H), "lm_head.weight": (V, H), "norm.weight": (H,),
         "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
         "q_proj.weight": (q, H), "k_proj.weight": (kv, H), "v_proj.weight": (kv, H),
@@ -48,22 +78,37 @@ def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             for layer, pmap in param_table(args) for name in pmap.names(layer)[1]}
 
 
+def expert_shape(pmap: ParamMap, args: ModelArgs) -> tuple[int, ...]:
+    """Megatron shape of one MoE expert row (never TP-split): fc1 [2F, H], fc2 [H, F]."""
+    F, H = args.moe_ffn_hidden_size, args.hidden_size
+    return (2 * F, H) if pmap.kind == GATE_UP else (H, F)
+
+
 def mcore_key(pmap: ParamMap) -> str:
-    """The dist-checkpoint key of a table row (layers stacked, TE-style norm names)."""
-    return te_name(pmap.mcore.replace("{L}.", ""))
+    """The dist-checkpoint key of a table row (layers stacked, TE-style norm names; MoE experts
+    stacked on a second axis under ``mlp.experts.experts.``, as Megatron's SequentialMLP saves)."""
+    key = te_name(pmap.mcore.replace("{L}.", ""))
+    if pmap.expert is not None:
+        key = key.replace(f"local_experts.{pmap.expert}.", "experts.")
+    return key
 
 
 def mcore_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every model tensor of a Megatron dist checkpoint -> its global (stacked, unsharded) shape."""
+    """Every model tensor of a Megatron dist checkpoint -> its global (stacked, unsharded) shape:
+    [layers, ...] per layer, [layers, experts, ...] per expert."""
     hf = hf_shapes(args)
     out = {}
     for layer, pmap in param_table(args):
-        if layer not in (None, 0):  # one layer describes the stacked key
+        if layer not in (None, 0) or pmap.expert not in (None, 0):  # one row describes a stacked key
             continue
         names = pmap.names(layer)[1]
         shape = hf[names[0]]
         if pmap.kind in (QKV, GATE_UP):  # fused along rows
             shape = (sum(hf[n][0] for n in names), *shape[1:])
+        if pmap.kind == VOCAB:
+            shape = (args.mcore_vocab_size, *shape[1:])
+        if pmap.expert is not None:
+            shape = (args.num_experts, *shape)
         out[mcore_key(pmap)] = (args.num_layers, *shape) if layer is not None else shape
     return out
 
@@ -76,6 +121,8 @@ def hf_to_full(pmap: ParamMap, tensors: list[torch.Tensor], args: ModelArgs) -> 
         return T.merge_qkv(*tensors, args.num_heads, args.num_kv_heads)
     if pmap.kind == GATE_UP:
         return torch.cat(tensors, dim=0)
+    if pmap.kind == VOCAB:
+        return _pad_rows(tensors[0], args.mcore_vocab_size)
     return tensors[0]
 
 
@@ -85,6 +132,8 @@ def full_to_hf(pmap: ParamMap, full: torch.Tensor, args: ModelArgs) -> list[torc
         return list(T.split_qkv(full, args.num_heads, args.num_kv_heads))
     if pmap.kind == GATE_UP:
         return [t.contiguous() for t in full.chunk(2, dim=0)]
+    if pmap.kind == VOCAB:  # the padded rows are not part of the model
+        return [full[: args.vocab_size]]
     return [full]
 
 
@@ -97,6 +146,8 @@ def hf_to_shard(pmap: ParamMap, tensors: list[torch.Tensor], args: ModelArgs, tp
         return T.shard(hf_to_full(pmap, tensors, args), 0, tp, tp_rank)
     if pmap.kind == GATE_UP:  # NOT a row block of [gate; up]: each shard is [gate_r; up_r]
         return T.gate_up_to_shard(tensors[0], tensors[1], tp, tp_rank)
+    if pmap.kind == VOCAB:  # padding sits at the end: the last rank(s) hold it
+        return T.shard(hf_to_full(pmap, tensors, args), 0, tp, tp_rank)
     return T.shard(tensors[0], pmap.tp_dim, tp, tp_rank)
 
 
@@ -106,6 +157,8 @@ def shards_to_hf(pmap: ParamMap, shards: list[torch.Tensor], args: ModelArgs) ->
         return full_to_hf(pmap, torch.cat(shards, dim=0), args)
     if pmap.kind == GATE_UP:
         return list(T.shards_to_gate_up(shards))
+    if pmap.kind == VOCAB:
+        return full_to_hf(pmap, T.unshard(shards, 0), args)
     return [T.unshard(shards, pmap.tp_dim)]
 
 

@@ -16,6 +16,11 @@ TINY = {
     "Qwen2ForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "Qwen3ForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                              head_dim=32),
+    "MistralForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                               sliding_window=None),
+    "Qwen3MoeForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, norm_topk_prob=True),
 }
 
 
@@ -26,7 +31,9 @@ def tiny_config(arch: str = "LlamaForCausalLM", **overrides) -> dict:
         "max_position_embeddings": 256, "initializer_range": 0.02, "torch_dtype": "float32",
         "bos_token_id": 1, "eos_token_id": 2,
         "model_type": {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                       "Qwen3ForCausalLM": "qwen3"}.get(arch, "llama"),
+                       "Qwen3ForCausalLM": "qwen3",
+                       "MistralForCausalLM": "mistral",
+                       "Qwen3MoeForCausalLM": "qwen3_moe"}.get(arch, "llama"),
     }
     cfg.update(TINY.get(arch, {}))
     cfg.update(overrides)

@@ -41,7 +41,7 @@ def needs_launch(nproc: int) -> bool:
     return nproc > 1 and not parallel.under_launcher()
 
 
-def init_ranks(tp: int, pp: int):
+def init_ranks(tp: int, pp: int, ep: int = 1):
     """torch.distributed (a private loopback port when not under a launcher) + model parallel.
     Returns (ParallelState, created) where ``created`` says this call made the process group."""
     import torch.distributed as dist
@@ -57,7 +57,9 @@ def init_ranks(tp: int, pp: int):
     info = parallel.init_distributed()
     if info.world_size % (tp * pp):
         raise ToolError(f"world size {info.world_size} is not divisible by tp*pp={tp * pp}")
-    return parallel.init_model_parallel(tp, pp), created
+    if (info.world_size // (tp * pp)) % ep:
+        raise ToolError(f"--ep {ep} does not divide the data-parallel size {info.world_size // (tp * pp)}")
+    return parallel.init_model_parallel(tp, pp, ep=ep), created
 
 
 def finish_ranks(created: bool) -> None:

@@ -15,6 +15,7 @@ Validation (``check_hf``, ``check_mcore``) reads only headers and metadata, befo
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -49,21 +50,25 @@ def model_args(config_dir: str) -> ModelArgs:
 
 
 def check_layout(args: ModelArgs, tp: int, pp: int) -> None:
+    """TP must divide the heads and the MLP; any PP up to the layer count works (a PP that does not
+    divide the layers gets Megatron's uneven first/last stages, :mod:`megarl.models.stages`)."""
     if tp < 1 or pp < 1:
         raise ToolError(f"--tp/--pp must be >= 1 (got tp={tp}, pp={pp})")
     for what, n in (("num_attention_heads", args.num_heads), ("num_key_value_heads", args.num_kv_heads),
-                    ("vocab_size", args.vocab_size), ("intermediate_size", args.ffn_hidden_size)):
+                    ("intermediate_size", args.ffn_hidden_size)):
         if n % tp:
             raise ToolError(f"--tp {tp} does not divide {what}={n} (config.json)")
-    if args.num_layers % pp:
-        raise ToolError(f"--pp {pp} does not divide num_hidden_layers={args.num_layers} (config.json)")
+    if pp > args.num_layers:
+        raise ToolError(f"--pp {pp} is greater than num_hidden_layers={args.num_layers} (config.json)")
+    if args.num_experts and tp > 1:
+        raise ToolError(f"--tp {tp}: MoE models ({args.architecture}) run with tp=1 here")
 
 
 def _compare(found: dict[str, tuple], expected: dict[str, tuple], where: dict[str, str],
              embed_key: str, args: ModelArgs, source: str) -> None:
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
-    if embed_key in found and embed_key in expected and found[embed_key][0] != args.vocab_size:
+    if embed_key in found and embed_key in expected and found[embed_key][0] != expected[embed_key][0]:
         raise ToolError(f"vocab size mismatch: config.json has vocab_size={args.vocab_size} but "
                         f"{embed_key} in {where[embed_key]} has {found[embed_key][0]} rows")
     if missing:
@@ -126,12 +131,29 @@ def tensor_metadata(ckpt_dir: str) -> dict[str, tuple[tuple[int, ...], torch.dty
             if isinstance(v, TensorStorageMetadata)}
 
 
+def stored_args(ckpt_dir: str, args: ModelArgs) -> ModelArgs:
+    """``args`` as a dist checkpoint stores the model: the original vocabulary from megarl.json
+    (written by every megarl save; config.json's for older checkpoints) and the padded one from
+    the stored embedding rows (whatever TP and padding the checkpoint was saved with)."""
+    from megarl.checkpoint import read_meta
+
+    meta = read_meta(ckpt_dir) or {}
+    vocab = int(meta.get("vocab_size") or args.vocab_size)
+    stored = tensor_metadata(ckpt_dir).get("embedding.word_embeddings.weight")
+    rows = stored[0][0] if stored else vocab
+    if rows < vocab:
+        raise ToolError(f"vocab size mismatch: config.json has vocab_size={vocab} but "
+                        f"embedding.word_embeddings.weight in {ckpt_dir} has {rows} rows")
+    return dataclasses.replace(args, vocab_size=vocab, padded_vocab_size=rows)
+
+
 def check_mcore(ckpt_dir: str, args: ModelArgs) -> torch.dtype:
     """Refuses unsafe content, then checks the model tensors of a dist checkpoint against
     config.json (metadata only). Returns the stored dtype."""
     from megarl.checkpoint import check_safe
 
     check_safe(ckpt_dir)
+    args = stored_args(ckpt_dir, args)
     meta = {k: v for k, v in tensor_metadata(ckpt_dir).items() if not k.startswith("optimizer.")}
     found = {k: shape for k, (shape, _) in meta.items()}
     _compare(found, mcore_shapes(args), {k: ckpt_dir for k in found},
@@ -170,7 +192,8 @@ class Progress:
 # ----------------------------------------------------------------------------- hf -> mcore
 
 def _meta_chunks(args: ModelArgs, ps, dtype: torch.dtype) -> list:
-    """This rank's GPTModel chunk(s) on the meta device: Megatron's keys and shards, no memory."""
+    """This rank's GPTModel chunk(s) on the meta device: Megatron's keys and shards, no memory.
+    ``args`` carries the padded vocabulary; the pipeline split is the automatic one."""
     from megarl.models import builder
 
     config = builder.transformer_config(args, tp=ps.tp, pp=ps.pp)
@@ -193,22 +216,25 @@ def write_mcore(hf_dir: str, out_dir: str, args: ModelArgs, ps, dtype: torch.dty
     sharded = model_sharded_state_dict(chunks)
     rows = {lp.local_name: lp for lp in local_params(chunks, args)}
     by_key = {v.key: rows[k] for k, v in sharded["model"].items() if k in rows}
+    experts = {(mcore_key(pmap), pmap.expert): pmap for _, pmap in param_table(args)
+               if pmap.expert is not None}
     ckpt = HFCheckpoint(hf_dir)
     progress = Progress("hf-to-mcore", None, enabled=ps.rank == 0)
     last: dict = {}
 
     def resolve(key, offsets, sizes):
         lp = by_key[key]
-        layered = lp.layer is not None
-        layer = offsets[0] if layered else None
-        if last.get("id") != (key, layer):  # fc1's gate and up halves arrive back to back
-            full = hf_to_full(lp.pmap, [ckpt.get(n) for n in lp.pmap.names(layer)[1]], args)
-            last.update(id=(key, layer), full=full)
-        inner_off, inner_size = (offsets[1:], sizes[1:]) if layered else (offsets, sizes)
-        piece = last["full"][tuple(slice(o, o + s) for o, s in zip(inner_off, inner_size))]
-        piece = piece.to(dtype).clone()
+        # leading stacked axes: the layer, then (MoE) the expert
+        lead = (lp.layer is not None) + (lp.pmap.expert is not None)
+        layer = offsets[0] if lead else None
+        pmap = experts[key, offsets[1]] if lead == 2 else lp.pmap
+        if last.get("id") != (key, offsets[:lead]):  # fc1's gate and up halves arrive back to back
+            full = hf_to_full(pmap, [ckpt.get(n) for n in pmap.names(layer)[1]], args)
+            last.update(id=(key, offsets[:lead]), full=full)
+        inner = zip(offsets[lead:], sizes[lead:])
+        piece = last["full"][tuple(slice(o, o + s) for o, s in inner)].to(dtype).clone()
         progress.update(piece.numel() * piece.element_size())
-        return piece.unsqueeze(0) if layered else piece
+        return piece.reshape((1,) * lead + tuple(piece.shape))
 
     dist_checkpointing.save(sharded, out_dir, sharded_strategy=sync_save_strategy(resolve))
     progress.close()
@@ -229,7 +255,8 @@ def plan_files(args: ModelArgs, dtype: torch.dtype, max_bytes: int) -> list[list
 
 def write_hf(ckpt_dir: str, out_dir: str, args: ModelArgs, dtype: torch.dtype, max_bytes: int) -> None:
     """Writes the model tensors of a dist checkpoint as HF safetensors (one file in memory at a
-    time). Needs torch.distributed (a single rank is enough)."""
+    time). Needs torch.distributed (a single rank is enough). ``args``: :func:`stored_args`
+    (the vocabulary padding is read and dropped)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from safetensors.torch import save_file
@@ -244,15 +271,18 @@ def write_hf(ckpt_dir: str, out_dir: str, args: ModelArgs, dtype: torch.dtype, m
         for i, (layer, pmap) in enumerate(rows):
             key = mcore_key(pmap)
             shape, sdtype = stored[key]
-            # one layer of a stacked key: a [1, ...] piece at offset `layer` of axis 0 (not
-            # prepend_axis_num, whose legacy path needs every layer local in a 1-rank world)
-            offsets = () if layer is None else ((0, layer, shape[0]),)
-            piece = shape if layer is None else (1, *shape[1:])
+            # one layer (and expert) of a stacked key: a [1, (1,) ...] piece at offset `layer` of
+            # axis 0 (and `expert` of axis 1) - not prepend_axis_num, whose legacy path needs
+            # every layer local in a 1-rank world
+            offsets = [] if layer is None else [(0, layer, shape[0])]
+            if pmap.expert is not None:
+                offsets.append((1, pmap.expert, shape[1]))
+            piece = (1,) * len(offsets) + tuple(shape[len(offsets):])
             request[i] = ShardedTensor.from_rank_offsets(key, torch.empty(piece, dtype=sdtype), *offsets)
         loaded = dist_checkpointing.load(request, ckpt_dir, validate_access_integrity=False)
         tensors = {}
         for i, (layer, pmap) in enumerate(rows):
-            full = loaded[i] if layer is None else loaded[i][0]
+            full = loaded[i].reshape(loaded[i].shape[(layer is not None) + (pmap.expert is not None):])
             for name, t in zip(pmap.names(layer)[1], full_to_hf(pmap, full, args)):
                 tensors[name] = t.to(dtype).contiguous()
                 weight_map[name] = fname

@@ -1,11 +1,16 @@
 """megarl-convert: HF safetensors <-> Megatron dist checkpoints (megarl's training checkpoint format).
 
     megarl-convert hf-to-mcore --hf HF_DIR --out CKPT_DIR [--tp N --pp M] [--dtype D] [--force]
+                               [--make-vocab-size-divisible-by 128]
     megarl-convert mcore-to-hf --ckpt DIR --out HF_DIR [--dtype D] [--max-shard-size 5GB] [--force]
 
 hf-to-mcore writes a model-only dist checkpoint (the same sharded torch_dist format as training
 checkpoints, loadable into any TP/PP layout) with the HF config.json and tokenizer copied in;
-``--tp/--pp`` choose how many ranks write it in parallel (started with torchrun when needed).
+``--tp/--pp`` choose how many ranks write it in parallel (started with torchrun when needed; a PP
+that does not divide the layers gets uneven first/last stages). The embedding and output layer are
+stored padded to a multiple of ``make_vocab_size_divisible_by * tp`` rows (as training holds them;
+any layout loads them), and megarl.json records the original vocab_size, which mcore-to-hf
+restores exactly.
 mcore-to-hf takes a converted checkpoint, a training checkpoint directory or a whole save
 directory (its latest complete checkpoint) of any layout, and writes HF safetensors.
 
@@ -44,6 +49,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     h.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     h.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks writing the checkpoint")
     h.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks writing the checkpoint")
+    h.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this times --tp (default 128)")
     m = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors")
     m.add_argument("--ckpt", required=True, help="checkpoint dir, or a save dir (its latest checkpoint)")
     m.add_argument("--max-shard-size", type=parse_size, default=5 * 2**30,
@@ -63,6 +70,8 @@ def hf_to_mcore(a: argparse.Namespace, argv: list[str]) -> int:
         raise ToolError(f"--hf {a.hf}: no such directory")
     args = model_args(a.hf)
     check_layout(args, a.tp, a.pp)
+    if a.make_vocab_size_divisible_by < 1:
+        raise ToolError(f"--make-vocab-size-divisible-by must be >= 1, got {a.make_vocab_size_divisible_by}")
     stored = check_hf(a.hf, args)
     dtype = DTYPES[a.dtype] if a.dtype else stored
     check_output_dir(a.out, a.force)
@@ -79,17 +88,20 @@ def hf_to_mcore(a: argparse.Namespace, argv: list[str]) -> int:
 
 def _write_mcore(a, args, ps, dtype, tmp) -> None:
     from megarl.checkpoint import FORMAT, META, commit_dir, copy_hf_side_files, write_synced
+    from megarl.models.layouts import pad_vocab
     from megarl.tools_cli.conversion import write_mcore
 
     t0 = time.perf_counter()
-    write_mcore(a.hf, tmp, args, ps, dtype)
+    padded = pad_vocab(args, a.make_vocab_size_divisible_by, ps.tp)
+    write_mcore(a.hf, tmp, padded, ps, dtype)
     if ps.rank == 0:
         copy_hf_side_files(a.hf, tmp)
         _set_config_dtype(tmp, args, dtype)
         write_synced(os.path.join(tmp, META), json.dumps({
             "format": FORMAT, "version": 1, "kind": "converted", "complete": True,
             "source": os.path.abspath(a.hf), "dtype": str(dtype).replace("torch.", ""),
-            "layout": {"tp": ps.tp, "pp": ps.pp}}, indent=1))
+            "layout": {"tp": ps.tp, "pp": ps.pp}, "vocab_size": args.vocab_size,
+            "padded_vocab_size": padded.mcore_vocab_size}, indent=1))
         commit_dir(tmp, os.path.abspath(a.out))
         print(f"[{PROG}] wrote {a.out} ({time.perf_counter() - t0:.1f}s)", flush=True)
 
@@ -132,7 +144,7 @@ def _run_ranks(tp: int, pp: int, tmp: str, body) -> int:
 def mcore_to_hf(a: argparse.Namespace, argv: list[str]) -> int:
     from megarl import parallel
     from megarl.checkpoint import resolve_checkpoint
-    from megarl.tools_cli.conversion import DTYPES, check_mcore, model_args
+    from megarl.tools_cli.conversion import DTYPES, check_mcore, model_args, stored_args
 
     if parallel.discover_ranks().world_size > 1:
         raise ToolError("mcore-to-hf runs in one process (it reads any layout); start it without torchrun")
@@ -141,6 +153,7 @@ def mcore_to_hf(a: argparse.Namespace, argv: list[str]) -> int:
         raise ToolError(f"{ckpt}: no config.json (megarl writes one into every checkpoint)")
     args = model_args(ckpt)
     stored = check_mcore(ckpt, args)
+    args = stored_args(ckpt, args)  # the original vocab (megarl.json) and the stored padding
     dtype = DTYPES[a.dtype] if a.dtype else stored
     check_output_dir(a.out, a.force)
     tmp = temp_output_dir(a.out)

@@ -1,12 +1,13 @@
 """megarl-logprobs: per-token logprobs of given token sequences under a checkpoint.
 
-    megarl-logprobs --ckpt DIR --input IN.jsonl --output OUT.jsonl [--tp N --pp M]
+    megarl-logprobs --ckpt DIR --input IN.jsonl --output OUT.jsonl [--tp N --pp M --ep E]
 
 DIR is an HF model directory, a megarl dist checkpoint (converted or training) or a save
 directory (its latest complete checkpoint). Each input line is a JSON object with "input_ids";
 each output line is that object plus "logprobs", where entry i = log p(token i | tokens < i) and
 entry 0 = 0.0. Runs Megatron's forward (Engine.compute_logp) under any TP/PP layout; extra ranks
-beyond TP*PP split the samples (data parallel). OUT appears atomically.
+beyond TP*PP split the samples (data parallel); ``--ep`` splits an MoE model's experts over E of
+them (started with E*TP*PP ranks when not under a launcher). OUT appears atomically.
 """
 from __future__ import annotations
 
@@ -72,7 +73,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--input", required=True, help='JSONL, one {"input_ids": [...]} per line')
     ap.add_argument("--output", required=True, help="JSONL: each input object plus \"logprobs\"")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (need not divide the layers)")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    ap.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                    help="Megatron vocabulary padding multiple (times --tp); the padding is masked")
     ap.add_argument("--micro-batch-tokens", type=int, default=4096, help="padded tokens per forward")
     ap.add_argument("--batch-size", type=int, default=256, help="sequences per gathered chunk")
     return ap.parse_args(argv)
@@ -86,16 +90,23 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
     source = resolve_source(a.ckpt)
     args = model_args(source.path)
     check_layout(args, a.tp, a.pp)
+    if a.make_vocab_size_divisible_by < 1:
+        raise ToolError(f"--make-vocab-size-divisible-by must be >= 1, got {a.make_vocab_size_divisible_by}")
     (check_hf if source.kind == "hf" else check_mcore)(source.path, args)
     rows = read_input(a.input, args.vocab_size)
     out_parent = os.path.dirname(os.path.abspath(a.output))
     if not os.path.isdir(out_parent):
         raise ToolError(f"--output {a.output}: directory {out_parent} does not exist")
-    if needs_launch(a.tp * a.pp):
+    if a.ep < 1 or (a.ep > 1 and not args.num_experts):
+        raise ToolError(f"--ep {a.ep}: must be 1 for a dense model ({args.architecture})" if a.ep > 1
+                        else f"--ep must be >= 1, got {a.ep}")
+    if args.num_experts and args.num_experts % a.ep:
+        raise ToolError(f"--ep {a.ep} does not divide num_experts={args.num_experts} (config.json)")
+    if needs_launch(a.tp * a.pp * a.ep):
         from megarl import parallel
 
-        return parallel.relaunch(a.tp * a.pp, "megarl.tools_cli.logprobs", argv)
-    ps, created = init_ranks(a.tp, a.pp)
+        return parallel.relaunch(a.tp * a.pp * a.ep, "megarl.tools_cli.logprobs", argv)
+    ps, created = init_ranks(a.tp, a.pp, a.ep)
     try:
         _compute_and_write(a, source, rows, ps)
     finally:
@@ -114,7 +125,9 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
     cfg = load_config(None, [f"model.hf_path={source.path}",
                              f"model.init={'hf' if source.kind == 'hf' else 'random'}",
                              f"data.train_path={a.input}", f"parallel.tp={a.tp}", f"parallel.pp={a.pp}",
-                             f"train.micro_batch_tokens={a.micro_batch_tokens}"])
+                             f"train.micro_batch_tokens={a.micro_batch_tokens}",
+                             f"model.make_vocab_size_divisible_by={a.make_vocab_size_divisible_by}",
+                             f"parallel.ep={a.ep}"])
     engine = Engine.build(cfg, ps, trainable=False)
     if source.kind == "mcore":
         load_model_weights(engine.chunks, source.path)

@@ -33,6 +33,7 @@ from megarl.algo.stats import Stat
 from megarl.config import Config
 from megarl.metrics import StatsTracker
 from megarl.models import builder, hf_io
+from megarl.models.layouts import pad_vocab
 from megarl.models.registry import ModelArgs, read_model_args
 from megarl.parallel import ParallelState
 from megarl.trainer.batch import MicroBatch, TensorBatch, make_microbatches
@@ -67,10 +68,11 @@ class Engine:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
-        args = read_model_args(cfg.model.hf_path)
+        args = pad_vocab(read_model_args(cfg.model.hf_path), cfg.model.make_vocab_size_divisible_by, ps.tp)
         use_te = builder.resolve_spec(cfg.model.spec)
         tconfig = builder.transformer_config(
-            args, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, dtype=cfg.model.dtype,
+            args, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, first_stage_layers=cfg.parallel.first_stage_layers,
+            last_stage_layers=cfg.parallel.last_stage_layers, dtype=cfg.model.dtype, ep=ps.ep,
             sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.model.recompute,
             use_te=use_te)
         chunks = builder.build_model_chunks(args, tconfig, use_te)
@@ -140,7 +142,7 @@ class Engine:
 
     def _logits_to_logp(self, logits, mb: MicroBatch, with_entropy: bool):
         return shift_logprobs(logits, mb.tokens, self.ps.tp_group, self.ps.tp, self.ps.tp_rank,
-                              with_entropy)
+                              with_entropy, vocab_size=self.args.vocab_size)
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()

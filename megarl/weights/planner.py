@@ -2,10 +2,12 @@
 bucket. Works on parameter metadata only (no distributed init, no tensors), so it is unit-tested
 directly and every rank computes the same plan.
 
-Layer placement follows Megatron: without interleaving, stage r holds layers
-[r*L/pp, (r+1)*L/pp); with ``vpp`` virtual stages, model chunk v of stage r holds the
-``(v*pp + r)``-th block of ``L/(pp*vpp)`` layers. Embedding lives on the first stage; final norm and
-(untied) output layer on the last. A tied output layer is not sent: HF has no ``lm_head.weight``.
+Layer placement follows Megatron (:mod:`megarl.models.stages`): without interleaving, stage r
+holds the ``counts[r]`` layers after those of the stages before it (even, or uneven first/last
+stages); with ``vpp`` virtual stages, model chunk v of stage r holds the ``(v*pp + r)``-th block of
+``L/(pp*vpp)`` layers. Embedding lives on the first stage; final norm and (untied) output layer on
+the last. A tied output layer is not sent: HF has no ``lm_head.weight``. Shapes are HF's: the
+vocabulary rows are the original ones (the resharder drops Megatron's padding).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 from megarl.models.layouts import group_by_bytes, hf_shapes
 from megarl.models.registry import ModelArgs, param_table
+from megarl.models.stages import PipelineSplit, resolve
 
 
 @dataclass(frozen=True)
@@ -36,26 +39,21 @@ class TensorSpec:
         return n * torch.tensor([], dtype=dtype).element_size()
 
 
-def stage_of_layer(layer: int, num_layers: int, pp: int, vpp: Optional[int] = None) -> tuple[int, Optional[int]]:
+def stage_of_layer(layer: int, num_layers: int, pp: int, vpp: Optional[int] = None,
+                   first: Optional[int] = None, last: Optional[int] = None) -> tuple[int, Optional[int]]:
     """Global layer index -> (pipeline rank, virtual stage or None)."""
-    if vpp:
-        per_chunk = num_layers // (pp * vpp)
-        block = layer // per_chunk
-        return block % pp, block // pp
-    return layer // (num_layers // pp), None
+    return resolve(num_layers, pp, vpp, first, last).stage_of(layer)
 
 
-def plan(args: ModelArgs, pp: int = 1, vpp: Optional[int] = None) -> list[TensorSpec]:
-    """Every HF tensor of the model with its serving stage, in the order stages send them."""
+def plan(args: ModelArgs, split: PipelineSplit | int = 1, vpp: Optional[int] = None) -> list[TensorSpec]:
+    """Every HF tensor of the model with its serving stage, in the order stages send them.
+    ``split`` is the pipeline split, or a PP size (with ``vpp``) for the default split."""
+    if isinstance(split, int):
+        split = resolve(args.num_layers, split, vpp)
     shapes = hf_shapes(args)
     specs = []
     for layer, pmap in param_table(args):
-        if layer is not None:
-            stage, vstage = stage_of_layer(layer, args.num_layers, pp, vpp)
-        elif pmap.mcore.startswith("embedding."):
-            stage, vstage = 0, (0 if vpp else None)
-        else:  # final norm, output layer
-            stage, vstage = pp - 1, ((vpp - 1) if vpp else None)
+        stage, vstage = split.row_stage(layer, pmap.mcore.startswith("embedding."))
         mcore, names = pmap.names(layer)
         for name in names:
             specs.append(TensorSpec(name, shapes[name], stage, vstage, layer, mcore, pmap.kind, pmap.tp_dim))

@@ -1,8 +1,11 @@
 """Gather + convert + bucket: Megatron shards -> byte-capped buckets of HF/SGLang tensors.
 
 For each pipeline stage, the TP group of DP rank 0 walks the stage's part of the plan; per
-Megatron parameter it all-gathers the TP shards, splits fused QKV / gate-up into HF tensors,
-casts to the serving dtype and appends them to the current bucket. Only the stage's source rank
+Megatron parameter it all-gathers the TP shards (an MoE expert comes from the expert-parallel rank
+that owns it: the other ranks of DP rank 0's expert-parallel group walk the plan too and broadcast
+their experts), splits fused QKV / gate-up into HF tensors, drops the vocabulary padding of the
+embedding / output layer (servers get the original vocab), casts to the serving dtype and appends
+them to the current bucket. Only the stage's source rank
 (DP=0, TP=0) keeps the tensors and yields buckets; its TP peers take part in the gathers and
 drop the results. A bucket is yielded as soon as it is full, so at most the bucket being filled
 plus the one being sent are alive (~2 buckets of extra memory).
@@ -15,8 +18,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from megarl.models.hf_io import gather_tp, local_params
+from megarl.models.hf_io import gather_row, local_params, serves_weights
+from megarl.models import stages
 from megarl.models.layouts import shards_to_hf
+from megarl.models.registry import param_table
 from megarl.weights.planner import TensorSpec, bucketize, plan
 
 
@@ -58,7 +63,7 @@ class Resharder:
     def stage_plan(self, stage: int) -> list[list[TensorSpec]]:
         """Buckets of this stage, identical on every rank."""
         e = self.engine
-        specs = [s for s in plan(e.args, e.ps.pp, e.ps.vpp) if s.stage == stage]
+        specs = [s for s in plan(e.args, stages.of_config(e.tconfig)) if s.stage == stage]
         return bucketize(specs, self.bucket_bytes, self.serving_dtype)
 
     @property
@@ -72,23 +77,24 @@ class Resharder:
 
     def iter_buckets(self) -> Iterator[Bucket]:
         """This rank's stage, as buckets; yields only on the stage's source rank. Collective over
-        the TP group of DP rank 0 (other DP ranks return at once)."""
+        the TP group of DP rank 0 and, for MoE experts, its expert-parallel group (other ranks
+        return at once)."""
         e = self.engine
         ps = e.ps
         self.times = ReshardTimes()
-        if ps.dp_rank != 0:
+        if not serves_weights(ps):
             return
-        params = {}
-        for lp in local_params(e.chunks, e.args, e.use_te):
-            name = lp.pmap.names(lp.layer)[0]
-            if not (e.args.tie_word_embeddings and lp.local_name == "output_layer.weight"):
-                params[name] = lp
+        local = {lp.pmap.names(lp.layer)[0]: lp for lp in local_params(e.chunks, e.args, e.use_te)
+                 if not (e.args.tie_word_embeddings and lp.local_name == "output_layer.weight")}
+        rows = {pmap.names(layer)[0]: (layer, pmap) for layer, pmap in param_table(e.args)}
         converted: dict[str, torch.Tensor] = {}
         for bucket_specs in self.stage_plan(ps.pp_rank):
             names, tensors = [], []
             for spec in bucket_specs:
+                if ps.dp_rank != 0 and rows[spec.mcore_name][1].expert is None:
+                    continue  # an expert-parallel helper: only expert rows need it
                 if spec.hf_name not in converted:
-                    converted = self._convert(params[spec.mcore_name])
+                    converted = self._convert(local.get(spec.mcore_name), *rows[spec.mcore_name])
                 t = converted.pop(spec.hf_name)
                 if tuple(t.shape) != spec.shape:
                     raise RuntimeError(f"resharder: {spec.hf_name} has shape {tuple(t.shape)}, "
@@ -102,14 +108,18 @@ class Resharder:
                 self.times.bytes += bucket.nbytes
                 yield bucket
 
-    def _convert(self, lp) -> dict[str, torch.Tensor]:
+    def _convert(self, lp, layer, pmap) -> dict[str, torch.Tensor]:
         e = self.engine
         t0 = time.perf_counter()
-        shards = gather_tp(lp.param, lp.pmap.tp_dim, e.ps.tp, e.ps.tp_group)
+        shards = gather_row(lp, pmap, e.args, e.ps, self._param_dtype)
         t1 = time.perf_counter()
-        out = shards_to_hf(lp.pmap, shards, e.args)
-        names = lp.pmap.names(lp.layer)[1]
+        out = shards_to_hf(pmap, shards, e.args)
+        names = pmap.names(layer)[1]
         result = {n: (t.to(self.dtype) if self.dtype else t).contiguous() for n, t in zip(names, out)}
         self.times.gather_s += t1 - t0
         self.times.convert_s += time.perf_counter() - t1
         return result
+
+    @property
+    def _param_dtype(self) -> torch.dtype:
+        return next(p for c in self.engine.chunks for p in c.parameters()).dtype

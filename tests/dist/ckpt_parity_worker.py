@@ -1,9 +1,10 @@
 """Parity driver for test_parity_convert.py: runs the megarl-convert / megarl-logprobs entry points
 (their ``main``) for several models in one process, to pay the import cost once.
 
-    torchrun -nproc 2 ckpt_parity_worker.py WORK ranks2   hf-to-mcore (--tp 2, or --pp 2 for Qwen3)
-                                                           for the archs not converted by the real
-                                                           CLI, then logprobs --tp 2 for every arch
+    torchrun -nproc 4 ckpt_parity_worker.py WORK ranks4   hf-to-mcore for the archs not converted
+                                                           by the real CLI (LAYOUTS below), then
+                                                           logprobs --tp 2 --pp 2 and --tp 2 (DP=2)
+                                                           for every arch
     python ckpt_parity_worker.py WORK single               logprobs --tp 1, mcore-to-hf for every
                                                            arch (Qwen2 into 60 kB files + index)
 Exit status: the first non-zero tool status (the test then shows the tool's stderr).
@@ -13,7 +14,9 @@ import sys
 
 import torch
 
-ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+LAYOUTS = {"Qwen2ForCausalLM": ["--tp", "2", "--pp", "2"], "Qwen3ForCausalLM": ["--pp", "2"],
+           "MistralForCausalLM": ["--tp", "2", "--pp", "2"]}
 
 
 def main():
@@ -23,16 +26,17 @@ def main():
     work, mode = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     calls = []
-    if mode == "ranks2":
+    if mode == "ranks4":
         parallel.init_distributed()  # the tools join this process group and leave it up
         for arch in ARCHS:
             if not os.path.exists(f"{work}/{arch}/mcore"):
-                layout = ["--pp", "2"] if arch == "Qwen3ForCausalLM" else ["--tp", "2"]
                 calls.append((convert.main, ["hf-to-mcore", "--hf", f"{work}/{arch}/hf",
-                                             "--out", f"{work}/{arch}/mcore", *layout]))
+                                             "--out", f"{work}/{arch}/mcore", *LAYOUTS[arch]]))
         for arch in ARCHS:
-            calls.append((logprobs.main, ["--ckpt", f"{work}/{arch}/mcore", "--input", f"{work}/input.jsonl",
-                                          "--output", f"{work}/{arch}/tp2.jsonl", "--tp", "2"]))
+            for name, layout in (("tp2pp2", ["--tp", "2", "--pp", "2"]), ("tp2", ["--tp", "2"])):
+                calls.append((logprobs.main, ["--ckpt", f"{work}/{arch}/mcore", "--input",
+                                              f"{work}/input.jsonl", "--output",
+                                              f"{work}/{arch}/{name}.jsonl", *layout]))
     else:
         for arch in ARCHS:
             calls.append((logprobs.main, ["--ckpt", f"{work}/{arch}/mcore", "--input", f"{work}/input.jsonl",
@@ -46,7 +50,7 @@ def main():
         if rc:
             print(f"FAILED ({rc}): {argv}", file=sys.stderr)
             return rc
-    if mode == "ranks2":
+    if mode == "ranks4":
         parallel.destroy()
     return 0
 

@@ -25,11 +25,11 @@ def make_batch(n=8, vocab=128, seed=0):
     return TensorBatch.from_lists(ids, {"loss_mask": mask})
 
 
-def run_layout(hf_dir, tp, pp, mbt, dist_opt, batch):
+def run_layout(hf_dir, tp, pp, mbt, dist_opt, batch, ep=1):
     cfg = load_config(None, [f"model.hf_path={hf_dir}", "data.train_path=x", f"parallel.tp={tp}",
                              f"parallel.pp={pp}", f"train.micro_batch_tokens={mbt}", "optim.lr=0.01",
-                             f"parallel.distributed_optimizer={str(dist_opt).lower()}"])
-    ps = parallel.init_model_parallel(tp, pp, seed=1234)
+                             f"parallel.distributed_optimizer={str(dist_opt).lower()}", f"parallel.ep={ep}"])
+    ps = parallel.init_model_parallel(tp, pp, seed=1234, ep=ep)
     engine = Engine.build(cfg, ps)
     mine = [i for i in range(len(batch)) if i % ps.dp == ps.dp_rank]
     local = batch.select(mine)
@@ -52,11 +52,13 @@ def main():
     compat.quiet_megatron_warnings()
     torch.set_num_threads(1)
     parallel.init_distributed()
-    batch = make_batch()
+    with open(f"{hf_dir}/config.json") as f:
+        batch = make_batch(vocab=json.load(f)["vocab_size"])
     results = {}
-    for spec in layouts:  # "tp,pp,micro_batch_tokens,dist_opt"
-        tp, pp, mbt, dopt = spec.split(",")
-        results[spec] = run_layout(hf_dir, int(tp), int(pp), int(mbt), dopt == "1", batch)
+    for spec in layouts:  # "tp,pp,micro_batch_tokens,dist_opt[,ep]"
+        tp, pp, mbt, dopt, *ep = spec.split(",")
+        results[spec] = run_layout(hf_dir, int(tp), int(pp), int(mbt), dopt == "1", batch,
+                                   int(ep[0]) if ep else 1)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)

@@ -1,5 +1,6 @@
 """TP / PP / DP layouts of one tiny model give the same logprobs, loss and grad norm
-(real megatron-core, 4 gloo ranks on CPU)."""
+(real megatron-core, 4 gloo ranks on CPU); also for an odd shape: vocab 333 (padded to 384 rows at
+TP=1, 512 at TP=2) and 3 layers split unevenly over PP=2."""
 import json
 
 import pytest
@@ -47,3 +48,30 @@ def test_step_changes_the_model_and_loss_is_the_nll(results):
     # SFT loss is the token-mean NLL over loss-masked tokens, recomputable from the logprobs
     assert ref["loss"] == pytest.approx(ref["nll"], rel=1e-6)
     assert 3.0 < ref["loss"] < 6.0  # ~log(128) for a random 128-token vocab
+
+
+ODD_LAYOUTS = {"pp2_uneven_dp2": "1,2,4096,0", "tp2_pp2_uneven": "2,2,64,0",
+               "tp2_dp2_distributed_optimizer": "2,1,4096,1"}
+
+
+@pytest.fixture(scope="module")
+def odd_results(tmp_path_factory):
+    d = tmp_path_factory.mktemp("odd_layouts")
+    hf = write_random_hf(str(d / "hf"), tiny_config("LlamaForCausalLM", vocab_size=333,
+                                                    num_hidden_layers=3), seed=4)
+    out = d / "results.json"
+    torchrun("layouts_worker.py", 4, hf, out, REF, *ODD_LAYOUTS.values())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", list(ODD_LAYOUTS))
+def test_padded_vocab_uneven_pp_layout_matches_tp1(odd_results, name):
+    ref, got = odd_results[REF], odd_results[ODD_LAYOUTS[name]]
+    assert max_diff(got["logp"], ref["logp"]) <= 1e-5
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    # the padded rows get no gradient: the norm is the unpadded model's at every padding
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    # one Adam step at lr 1e-2 normalises each gradient entry: fp32 reduction-order noise in the
+    # near-zero ones moves the post-step logprobs by ~1.5e-5 here (2.5e-6 relative)
+    assert max_diff(got["logp_after"], ref["logp_after"]) <= 5e-5
+    assert 5.0 < ref["loss"] < 7.0  # ~log(333): the padding (up to 512 ids) takes no probability

@@ -1,6 +1,8 @@
 """Weight push from real megatron-core layouts to a real megarl CPU server over loopback:
 after a push the server's logprobs equal the trainer's and its weights equal the HF export
-bitwise, for every transport; a hung or dead server makes every rank fail within the timeout."""
+bitwise, for every transport; a hung or dead server makes every rank fail within the timeout.
+An odd-shaped model (vocab 333, which Megatron pads to 512 rows at TP=2; 3 layers split [2, 1]
+over PP=2) reaches the server with its original 333-row tensors."""
 import json
 
 import pytest
@@ -40,6 +42,33 @@ def test_push_makes_server_equal_trainer(layouts, spec):
     assert r["bad"] == []  # every HF tensor on the server equals the export, bitwise
     assert r["version"] == "1"
     assert r["bytes"] == 657664  # fp32 tiny Llama: 164,416 params
+
+
+ODD_SPECS = ["2,2,distributed", "1,2,tensor"]
+
+
+@pytest.fixture(scope="module")
+def odd_layouts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("push_odd")
+    cfg = tiny_config(vocab_size=333, num_hidden_layers=3)
+    a = write_random_hf(str(d / "a"), cfg, seed=1)
+    b = write_random_hf(str(d / "b"), cfg, seed=2)
+    url, proc = start_server(a, str(d / "server.log"))
+    try:
+        out = d / "layouts.json"
+        torchrun("push_worker.py", 4, "layouts", a, b, url, d, out, *ODD_SPECS)
+        return json.loads(out.read_text())
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("spec", ODD_SPECS)
+def test_padded_vocab_and_uneven_stages_reach_the_server_unpadded(odd_layouts, spec):
+    r = odd_layouts[spec]
+    assert r["before"] > 0.1 and r["after"] <= 1e-5
+    assert r["bad"] == []  # 333-row embedding / lm_head equal the HF file bitwise
+    # fp32 bytes of the original model: 2 x 333 x 64 (embed, head) + 3 x 36,992 + 64 parameters
+    assert r["bytes"] == 4 * (2 * 333 * 64 + 3 * 36992 + 64)
 
 
 @pytest.mark.parametrize("how", ["hang", "dead"])

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from megarl.models.random_hf import tiny_config
+
 from chatml import write_chat_tokenizer
 from megarl.config import load_config
 from megarl.data import PromptSample
@@ -25,8 +27,7 @@ pa = pytest.importorskip("pyarrow")
 def model_dir(tmp_path):
     path = tmp_path / "model"
     write_chat_tokenizer(str(path))
-    (path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2,
-                                                  "num_hidden_layers": 2}))
+    (path / "config.json").write_text(json.dumps(tiny_config("LlamaForCausalLM")))
     return str(path)
 
 

@@ -82,3 +82,40 @@ def test_cli_reports_one_line_and_nonzero_exit(hf, tmp_path):
                              capture_output=True, text=True)
     assert missing.returncode == 2
     assert missing.stderr.strip() == f"megarl-train: config: file not found: {tmp_path}/nope.yaml"
+
+
+def test_uneven_pipeline_fields(hf):
+    # 4 layers: any pp <= 4 is accepted (automatic split), explicit ends are checked like Megatron
+    assert load(hf, "parallel.pp=3").parallel.first_stage_layers is None
+    cfg = load(hf, "parallel.pp=2", "parallel.first_stage_layers=3")
+    assert (cfg.parallel.first_stage_layers, cfg.parallel.last_stage_layers) == (3, None)
+    for overrides, msg in [
+        (["parallel.pp=2", "parallel.first_stage_layers=0"], "parallel.first_stage_layers: must be >= 1"),
+        (["parallel.first_stage_layers=2"], "parallel.first_stage_layers: only with parallel.pp > 1"),
+        (["parallel.pp=3", "parallel.last_stage_layers=1"],
+         "parallel.last_stage_layers: the remaining 3 layers do not split evenly over the other 2"),
+        (["parallel.pp=2", "parallel.first_stage_layers=1", "parallel.last_stage_layers=1"],
+         "parallel.first_stage_layers: first + last = 2 must equal num_hidden_layers=4"),
+        (["model.make_vocab_size_divisible_by=0"], "model.make_vocab_size_divisible_by: must be >= 1"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load(hf, *overrides)
+        assert str(e.value).startswith(msg) and "\n" not in str(e.value)
+
+
+def test_moe_parallel_fields(tmp_path, hf):
+    moe = write_random_hf(str(tmp_path / "moe"), tiny_config("Qwen3MoeForCausalLM"))
+    assert load(moe, "parallel.ep=2").parallel.ep == 2
+    assert load(moe, "train.algorithm=grpo", "rollout.servers=[http://sglang:30000]").rollout.servers
+    for model, overrides, msg in [
+        (moe, ["parallel.tp=2"], "parallel.tp: MoE models (Qwen3MoeForCausalLM) run with tp=1"),
+        (moe, ["parallel.ep=3"], "parallel.ep: 3 does not divide num_experts=4"),
+        (hf, ["parallel.ep=2"], "parallel.ep: 2 > 1 needs an MoE model"),
+        (moe, ["train.algorithm=grpo"], "rollout.servers: the local megarl CPU rollout server does "
+                                        "not serve MoE models"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load(model, *overrides)
+        assert str(e.value).startswith(msg)
+    with pytest.raises(ConfigError, match="^parallel.ep: 2 does not divide the data-parallel size 3"):
+        check_world_size(load(moe, "parallel.ep=2"), 3)

@@ -21,7 +21,8 @@ def big(tmp_path_factory):
     d = tmp_path_factory.mktemp("llama8b")
     (d / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "num_attention_heads": 32, "num_key_value_heads": 8,
-        "num_hidden_layers": 32, "hidden_size": 4096}))
+        "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 128256,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0}))
     return str(d)
 
 

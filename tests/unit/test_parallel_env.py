@@ -4,6 +4,7 @@ import pytest
 from megarl import compat
 from megarl.models import builder
 from megarl.models.random_hf import tiny_config, write_random_hf
+from megarl.models.layouts import pad_vocab
 from megarl.models.registry import read_model_args
 from megarl.parallel import discover_ranks, expand_nodelist, under_launcher
 
@@ -56,8 +57,13 @@ def test_cpu_decisions(tmp_path):
         builder.transformer_config(args, tp=1, pp=1, dtype="bfloat16")
     with pytest.raises(ValueError, match="^parallel.sequence_parallel: needs the Transformer Engine"):
         builder.transformer_config(args, tp=2, pp=1, sequence_parallel=True)
-    with pytest.raises(ValueError, match="^parallel.tp: 4 does not divide vocab_size=130"):
-        builder.transformer_config(args, tp=4, pp=1)
+    with pytest.raises(ValueError, match="^model.make_vocab_size_divisible_by: the Megatron vocabulary "
+                                         "130 is not divisible by parallel.tp=4"):
+        builder.transformer_config(args, tp=4, pp=1)  # unpadded: the engine always pads first
+    assert builder.transformer_config(pad_vocab(args, 128, 4), tp=4, pp=1).tensor_model_parallel_size == 4
+    uneven = builder.transformer_config(args, tp=1, pp=3)  # 4 layers over 3 stages: [1, 2, 1]
+    assert (uneven.num_layers_in_first_pipeline_stage, uneven.num_layers_in_last_pipeline_stage) == (1, 1)
+    assert builder.transformer_config(args, tp=1, pp=2).num_layers_in_first_pipeline_stage is None
     cfg = builder.transformer_config(args, tp=2, pp=2)
     assert cfg.use_cpu_initialization and cfg.variable_seq_lengths and cfg.calculate_per_token_loss
     assert cfg.num_query_groups == 2 and cfg.kv_channels == 16 and cfg.normalization == "RMSNorm"

@@ -68,7 +68,7 @@ def test_layouts_round_trip_every_row_full_and_sharded(tmp_path):
     from megarl.models.registry import param_table
     from safetensors.torch import load_file
 
-    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         hf_dir = write_random_hf(str(tmp_path / arch), tiny_config(arch))
         args, hf = read_model_args(hf_dir), load_file(str(tmp_path / arch / "model.safetensors"))
         assert {n: tuple(t.shape) for n, t in hf.items()} == L.hf_shapes(args)
@@ -77,7 +77,8 @@ def test_layouts_round_trip_every_row_full_and_sharded(tmp_path):
             names = pmap.names(layer)[1]
             full = L.hf_to_full(pmap, [hf[n] for n in names], args)
             want = stacked[L.mcore_key(pmap)]
-            assert tuple(full.shape) == (want[1:] if layer is not None else want)
+            lead = (layer is not None) + (pmap.expert is not None)  # stacked layer / expert axes
+            assert tuple(full.shape) == want[lead:]
             assert all(torch.equal(a, hf[n]) for a, n in zip(L.full_to_hf(pmap, full, args), names))
             shards = [L.hf_to_shard(pmap, [hf[n] for n in names], args, 2, r) for r in range(2)]
             assert all(torch.equal(a, hf[n]) for a, n in zip(L.shards_to_hf(pmap, shards, args), names))
@@ -93,3 +94,110 @@ def test_group_by_bytes_caps_and_boundaries():
     assert safetensors_file_names(1) == ["model.safetensors"]
     assert safetensors_file_names(2) == ["model-00001-of-00002.safetensors",
                                          "model-00002-of-00002.safetensors"]
+
+
+def test_vocab_rows_pad_on_import_and_strip_on_export(tmp_path):
+    """Embedding / output rows: Megatron holds padded_vocab_size rows (zeros beyond the vocab),
+    every way back to HF gives exactly the original tensor."""
+    from megarl.models import layouts as L
+    from megarl.models.random_hf import tiny_config, write_random_hf
+    from megarl.models.registry import param_table
+    from safetensors.torch import load_file
+
+    hf_dir = write_random_hf(str(tmp_path), tiny_config(vocab_size=333))
+    args = L.pad_vocab(read_model_args(hf_dir), 128, 2)
+    assert (args.vocab_size, args.mcore_vocab_size) == (333, 512)
+    assert L.padded_vocab_size(333, 128, 1) == 384 and L.padded_vocab_size(256, 128, 2) == 256
+    hf = load_file(str(tmp_path / "model.safetensors"))
+    assert L.mcore_shapes(args)["embedding.word_embeddings.weight"] == (512, 64)
+    assert L.hf_shapes(args)["model.embed_tokens.weight"] == (333, 64)
+    for layer, pmap in param_table(args):
+        if pmap.kind != "vocab":
+            continue
+        name = pmap.names(layer)[1][0]
+        full = L.hf_to_full(pmap, [hf[name]], args)
+        assert full.shape == (512, 64) and torch.equal(full[:333], hf[name]) and not full[333:].any()
+        assert torch.equal(L.full_to_hf(pmap, full, args)[0], hf[name])
+        shards = [L.hf_to_shard(pmap, [hf[name]], args, 2, r) for r in range(2)]
+        assert [tuple(s.shape) for s in shards] == [(256, 64), (256, 64)]
+        assert torch.equal(L.shards_to_hf(pmap, shards, args)[0], hf[name])
+
+
+def test_sliding_window_is_read_like_transformers(tmp_path):
+    """Mistral windows every layer; Qwen2/3 window only with use_sliding_window, from
+    max_window_layers on; an explicit layer_types list decides; no window -> None. The builder
+    turns it into Megatron's window_size=(W-1, 0) (+ a per-layer list when not all layers)."""
+    import json
+
+    from megarl.models import builder
+    from megarl.models.random_hf import tiny_config
+
+    def args_of(name, arch, **kw):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(tiny_config(arch, **kw)))
+        return read_model_args(str(d))
+
+    m = args_of("m", "MistralForCausalLM", sliding_window=4)
+    assert (m.sliding_window, m.window_layers) == (4, None)
+    assert args_of("m0", "MistralForCausalLM", sliding_window=None).sliding_window is None
+    q = args_of("q", "Qwen2ForCausalLM", sliding_window=8, use_sliding_window=True, max_window_layers=2)
+    assert (q.sliding_window, q.window_layers) == (8, (False, False, True, True))
+    off = args_of("q0", "Qwen2ForCausalLM", sliding_window=131072, use_sliding_window=False)
+    assert off.sliding_window is None and off.window_layers is None  # Qwen2.5 configs look like this
+    t = args_of("t", "Qwen3ForCausalLM", sliding_window=8, layer_types=[
+        "full_attention", "sliding_attention", "full_attention", "sliding_attention"])
+    assert t.window_layers == (False, True, False, True)
+    assert builder.transformer_config(m, tp=1, pp=1).window_size == (3, 0)
+    cfg = builder.transformer_config(q, tp=1, pp=1)
+    assert cfg.window_size == (7, 0) and cfg.window_attn_skip_freq == [0, 0, 1, 1]
+    assert builder.transformer_config(off, tp=1, pp=1).window_size is None
+
+
+def test_qwen3_moe_table_and_refusals(tmp_path):
+    """Router + 4 experts x (fc1, fc2) per layer, global expert names; dense layers in an MoE
+    model, TP > 1, and an EP that does not divide the experts are refused naming the field."""
+    import json
+
+    import pytest
+
+    from megarl.models import builder, layouts as L
+    from megarl.models.random_hf import tiny_config, write_random_hf
+    from megarl.models.registry import param_table
+
+    args = read_model_args(write_random_hf(str(tmp_path / "m"), tiny_config("Qwen3MoeForCausalLM")))
+    assert (args.num_experts, args.moe_topk, args.moe_ffn_hidden_size, args.moe_norm_topk) == (4, 2, 32, True)
+    rows = [(layer, p) for layer, p in param_table(args) if layer == 1 and ".mlp." in p.mcore]
+    assert [p.names(1)[0] for _, p in rows[:3]] == [
+        "decoder.layers.1.mlp.router.weight", "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight",
+        "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"]
+    assert rows[-1][1].names(1)[1] == ("model.layers.1.mlp.experts.3.down_proj.weight",) and len(rows) == 9
+    shapes = L.mcore_shapes(args)
+    assert shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (4, 4, 64, 64)
+    assert L.hf_shapes(args)["model.layers.0.mlp.gate.weight"] == (4, 64)
+    cfg = builder.transformer_config(args, tp=1, pp=1, ep=2)
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_router_pre_softmax) == (4, 2, False)
+    for kw, msg in [(dict(tp=2, pp=1), "parallel.tp: MoE models"),
+                    (dict(tp=1, pp=1, ep=3), "parallel.ep: 3 does not divide num_experts=4")]:
+        with pytest.raises(ValueError, match=f"^{msg}"):
+            builder.transformer_config(args, **kw)
+    dense = read_model_args(write_random_hf(str(tmp_path / "d"), tiny_config()))
+    with pytest.raises(ValueError, match="^parallel.ep: 2 > 1 needs an MoE model"):
+        builder.transformer_config(dense, tp=1, pp=1, ep=2)
+    cfg_path = tmp_path / "m" / "config.json"
+    hf = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps(dict(hf, mlp_only_layers=[0])))
+    with pytest.raises(ValueError, match="mlp_only_layers / decoder_sparse_step"):
+        read_model_args(str(tmp_path / "m"))
+
+
+def test_expert_shape_matches_the_stacked_checkpoint_shape(tmp_path):
+    from megarl.models import layouts as L
+    from megarl.models.random_hf import tiny_config, write_random_hf
+    from megarl.models.registry import param_table
+
+    args = read_model_args(write_random_hf(str(tmp_path), tiny_config("Qwen3MoeForCausalLM")))
+    stacked = L.mcore_shapes(args)
+    for _, pmap in param_table(args):
+        if pmap.expert is not None:
+            assert L.expert_shape(pmap, args) == stacked[L.mcore_key(pmap)][2:]

@@ -3,8 +3,10 @@
     math_reward(prompt, completion, meta) = 1.0 if answers_match(extract_answer(completion),
                                                                  meta["answer"]) else 0.0
 
-Extraction: the content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (braces balanced, so
-``\\boxed{\\frac{1}{2}}`` works; ``\\boxed 5`` too), else the last number in the text.
+Extraction: the number after GSM8K's final-answer marker ``####`` when there is one, else the
+content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (braces balanced, so
+``\\boxed{\\frac{1}{2}}`` works; ``\\boxed 5`` too), else the last number in the text. The
+reference ``meta["answer"]`` is read the same way, so a full GSM8K solution ("... #### 72") works.
 
 Comparison, first that applies:
 1. the normalized strings are equal (LaTeX spacing, ``\\left``/``\\right``, ``\\text{}``,
@@ -72,6 +74,8 @@ def last_number(text: str) -> Optional[str]:
 
 
 def extract_answer(text: str) -> Optional[str]:
+    if "####" in text:  # GSM8K's marker: the answer is what follows the last one
+        return last_number(text.rsplit("####", 1)[1])
     boxed = extract_boxed(text)
     return boxed if boxed is not None else last_number(text)
 
@@ -213,7 +217,7 @@ def answers_match(pred: str, ref: str, rel_tol: float = 1e-6) -> bool:
 def math_reward(prompt: str, completion: str, meta: dict[str, Any]) -> float:
     """1.0 when the completion's final answer equals meta["answer"] (which may itself be boxed)."""
     ref = str(meta["answer"])
-    ref = extract_boxed(ref) or ref
+    ref = extract_answer(ref) if "####" in ref else (extract_boxed(ref) or ref)
     pred = extract_answer(completion)
     return 1.0 if pred is not None and answers_match(pred, ref) else 0.0
 
