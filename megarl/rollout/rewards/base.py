@@ -24,7 +24,6 @@ import collections
 import importlib
 import inspect
 import math
-import queue
 import threading
 from typing import Any, Optional, Protocol
 

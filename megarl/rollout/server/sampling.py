@@ -63,7 +63,6 @@ class BatchSampler:
         self, logits: torch.Tensor, params: list[SamplingConfig], positions: list[int]
     ) -> tuple[list[int], list[float]]:
         """logits fp32 [B, V]; positions[b] = absolute index the sampled token will occupy."""
-        B = logits.shape[0]
         lse = torch.logsumexp(logits, dim=-1)
         greedy = [p.greedy for p in params]
         if all(greedy):
