@@ -1,0 +1,66 @@
+"""Pure pieces of the RL loop: overlong reward shaping applied to a batch, the batch metrics users
+tune with, the console line every logging.log_interval steps, and the timeline chart + advice."""
+import json
+
+import pytest
+
+from megarl.algo.config import AlgoConfig
+from megarl.metrics import MetricsLogger
+from megarl.rollout.types import Trajectory
+from megarl.trainer.rl import shape_rewards
+from megarl.trainer.rollout_stats import batch_metrics
+
+
+def traj(n_gen: int, reward: float, versions=None) -> Trajectory:
+    vers = versions or [3] * n_gen
+    return Trajectory([1] * (2 + n_gen), [0, 0] + [1] * n_gen, [0.0] * (2 + n_gen), [-1, -1] + vers,
+                      reward, 0)
+
+
+def test_overlong_shaping_by_hand():
+    spec = AlgoConfig(overlong_buffer_len=4, overlong_penalty_factor=1.0).build()
+    trajs = [traj(4, 1.0), traj(6, 1.0), traj(8, 0.0)]  # max 8 new tokens, buffer 4: free up to 4
+    out = shape_rewards(trajs, spec, max_new_tokens=8)
+    assert [t.reward for t in trajs] == [1.0, 0.5, -1.0]  # -(L - 4) / 4
+    assert [t.info["reward_raw"] for t in trajs] == [1.0, 1.0, 0.0]
+    assert out == {"overlong_penalty_mean": pytest.approx(-0.5), "overlong_frac": pytest.approx(2 / 3)}
+    assert shape_rewards([traj(8, 1.0)], AlgoConfig().build(), 8) == {}  # off by default
+
+
+def test_batch_metrics_staleness_histogram_and_partial_span():
+    trajs = [traj(3, 1.0, [5, 5, 5]), traj(3, 0.0, [4, 4, 5]), traj(3, 0.0, [3, 4, 5])]
+    m = batch_metrics(trajs, version=5)
+    assert m["staleness_max"] == 2 and m["staleness_mean"] == 1.0
+    assert (m["staleness_hist/0"], m["staleness_hist/1"], m["staleness_hist/2"]) == (1, 1, 1)
+    assert m["max_partial_span"] == 3 and m["partial_frac"] == pytest.approx(2 / 3)
+    assert m["stale_samples"] == 2 and m["reward"] == pytest.approx(1 / 3)
+
+
+def test_console_line_every_log_interval_steps(tmp_path, capsys):
+    log = MetricsLogger(str(tmp_path), tensorboard=False, console_keys=["loss"], console_interval=5,
+                        enabled=True)
+    for step in range(1, 12):
+        log.log({"loss": float(step)}, step)
+    log.close()
+    assert capsys.readouterr().out.splitlines() == ["step 1 | loss 1", "step 5 | loss 5", "step 10 | loss 10"]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 11  # files: every step
+
+
+def test_plot_timeline_draws_the_gantt_and_advises(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from plot_timeline_loader import plot_timeline
+
+    d = tmp_path / "run" / "timeline"
+    d.mkdir(parents=True)
+    spans = []
+    for i in range(5):  # the trainer waits 0.8 s of every 1 s step; the server is always busy
+        t = 100.0 + i
+        spans += [{"name": "wait", "lane": "trainer", "start": t, "end": t + 0.8},
+                  {"name": "update", "lane": "trainer", "start": t + 0.8, "end": t + 1.0},
+                  {"name": "generate", "lane": "http://127.0.0.1:1", "start": t, "end": t + 1.0}]
+    (d / "rank0.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    assert plot_timeline.main([str(tmp_path / "run"), "--last", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "trainer idle 80.0%, rollout idle 0.0%" in out
+    assert "the trainer waits for rollouts" in out
+    assert (tmp_path / "run" / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
