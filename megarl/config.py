@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import types
 import typing
@@ -216,6 +217,9 @@ class RolloutConfig:
     """torch threads of each local server."""
     api_key: str = ""
     """Bearer token for the servers' admin endpoints; empty = none."""
+    health_timeout_s: float = 60.0
+    """Deadline for every server in rollout.servers to answer /health when the job starts (an
+    unreachable server is an error naming it, not a hang)."""
     group_size: int = 8
     """Samples per prompt (GRPO group)."""
     max_new_tokens: int = 64
@@ -250,6 +254,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.temperature: must be > 0 for RL sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
+        if not self.health_timeout_s > 0:
+            raise ConfigError(f"rollout.health_timeout_s: must be > 0, got {self.health_timeout_s}")
 
 
 @dataclass
@@ -341,11 +347,20 @@ def validate_against_model(cfg: Config) -> None:
     path = os.path.join(cfg.model.hf_path, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"model.hf_path: no config.json in {cfg.model.hf_path!r}")
-    with open(path) as f:
-        hf = json.load(f)
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise ConfigError(f"model.hf_path: cannot read {path}: {e}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"model.hf_path: {path} must hold a JSON object")
     heads = hf.get("num_attention_heads")
     groups = hf.get("num_key_value_heads") or heads
     layers = hf.get("num_hidden_layers")
+    for key, v in (("num_attention_heads", heads), ("num_key_value_heads", groups),
+                   ("num_hidden_layers", layers)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"model.hf_path: {path}: {key} must be a positive integer, got {v!r}")
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     if heads and heads % tp:
         raise ConfigError(f"parallel.tp: {tp} does not divide num_attention_heads={heads}")
@@ -440,14 +455,19 @@ def _coerce(tp, value, name):
             return value
         raise ConfigError(f"{name}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{name}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # nan/inf would pass every range check (nan < 0 is False)
+            raise ConfigError(f"{name}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

@@ -7,13 +7,21 @@
 
 Run it directly and it starts its own ranks (torchrun on loopback) when the config needs more
 than one; under torchrun, srun or mpirun it joins the job it is in.
+
+Bad input fails before any rank starts: the config (`load_config`), then what it points at
+(`megarl.preflight`: model, tokenizer, data, plugins, run_dir, rollout servers), as one line
+``megarl-train: <field>: <problem>`` and exit status 2; any later error is one line and exit
+status 1. ``--debug`` (anywhere on the command line) shows the traceback instead.
 """
 from __future__ import annotations
 
 import sys
 
 from megarl import compat, parallel
+from megarl.cli import DEBUG_FLAG, pop_debug, run_main
 from megarl.config import ConfigError, load_config, save_config
+
+PROG = "megarl-train"
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:
@@ -39,28 +47,29 @@ def run_sft(cfg, ps, engine, logger, ckpt) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = load_config(path, overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"megarl-train: {e}", file=sys.stderr)
-        return 2
+    argv, debug = pop_debug(sys.argv[1:] if argv is None else argv)
+    path, overrides = parse_args(argv)
+    return run_main(PROG, lambda: train(path, overrides, debug), debug, expected=(ConfigError,), code=2)
+
+
+def train(path: str, overrides: list[str], debug: bool = False) -> int:
+    from megarl.preflight import check_inputs
+
+    cfg = load_config(path, overrides)
+    launched = parallel.under_launcher()
+    check_inputs(cfg, cleanup_run_dir=not launched)
     nproc = cfg.parallel.world_size or cfg.parallel.tp * cfg.parallel.pp
-    if nproc > 1 and not parallel.under_launcher():
-        return parallel.relaunch(nproc, "megarl.train", [path, *overrides])
+    if nproc > 1 and not launched:
+        return parallel.relaunch(nproc, "megarl.train", [path, *overrides] + ([DEBUG_FLAG] if debug else []))
 
     compat.quiet_megatron_warnings()
     from megarl.checkpoint import CheckpointManager
+    from megarl.config import check_world_size
     from megarl.metrics import MetricsLogger
     from megarl.trainer.engine import Engine
 
     info = parallel.init_distributed(cfg.parallel.backend)
-    try:
-        from megarl.config import check_world_size
-        check_world_size(cfg, info.world_size)
-    except ConfigError as e:
-        print(f"megarl-train: {e}", file=sys.stderr)
-        return 2
+    check_world_size(cfg, info.world_size)
     ps = parallel.init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.model.seed)
     if ps.rank == 0:
         save_config(cfg, cfg.train.run_dir)
