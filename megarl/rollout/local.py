@@ -15,10 +15,15 @@ import urllib.request
 from megarl.net import LOOPBACK, free_port, http_url
 
 
-def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0
-                 ) -> tuple[str, subprocess.Popen]:
-    """Starts ``megarl-server`` on a free loopback port and waits for ``/health``."""
+def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0,
+                 weights_roots=()) -> tuple[str, subprocess.Popen]:
+    """Starts ``megarl-server`` on a free loopback port and waits for ``/health``.
+    ``weights_roots``: where ``/update_weights_from_disk`` may read (the run's disk-transport
+    directory); empty = the server's default (the model dir's parent)."""
     port = free_port()
+    for root in weights_roots:
+        os.makedirs(root, exist_ok=True)  # the server checks that each root exists
+        extra = [*extra, "--weights-root", os.path.abspath(root)]
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
@@ -41,8 +46,9 @@ def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float
 class LocalCluster:
     """``with LocalCluster(model_dir, n=2, log_dir=...) as urls: ...``"""
 
-    def __init__(self, model_dir: str, n: int, log_dir: str, extra=()):
+    def __init__(self, model_dir: str, n: int, log_dir: str, extra=(), weights_roots=()):
         self.model_dir, self.n, self.log_dir, self.extra = model_dir, n, log_dir, extra
+        self.weights_roots = weights_roots
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
 
@@ -50,7 +56,7 @@ class LocalCluster:
         try:
             for i in range(self.n):
                 url, proc = start_server(self.model_dir, os.path.join(self.log_dir, f"server{i}.log"),
-                                         self.extra)
+                                         self.extra, weights_roots=self.weights_roots)
                 self.urls.append(url)
                 self.procs.append(proc)
         except BaseException:

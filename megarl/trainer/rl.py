@@ -103,7 +103,8 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
         if not servers and ps.rank == 0:
             servers = stack.enter_context(LocalCluster(
                 cfg.model.hf_path, r.local_servers, f"{cfg.train.run_dir}/servers",
-                extra=["--threads", r.server_threads]))
+                extra=["--threads", r.server_threads],
+                weights_roots=[cfg.weights.disk_dir or f"{cfg.train.run_dir}/weights"]))
         cluster = RolloutCluster.from_config(cfg, _broadcast(servers), driver=ps.rank == 0)
         stack.callback(cluster.close)
         actor = Actor.build(cfg, ps, engine)
