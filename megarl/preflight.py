@@ -13,6 +13,8 @@ torchrun job:
     rollout.reward_fn    RL: the plugins import and have the right shape
     rollout.workflow
     train.run_dir        writable (probed, then put back as it was)
+    checkpoint.save_dir  the checkpoint a resume would load holds tensors only (no pickled
+                         objects, `checkpoint.safe.check_safe`)
     rollout.servers      RL: each answers /health (200) and /model_info (a JSON object) within
                          rollout.health_timeout_s - an unreachable server is an error, not a hang
 
@@ -42,6 +44,7 @@ def check_inputs(cfg: Config, *, cleanup_run_dir: bool = True) -> None:
     if rl:
         check_plugins(cfg)
     check_writable("train.run_dir", cfg.train.run_dir, cleanup=cleanup_run_dir)
+    check_resume(cfg)
     if rl and cfg.rollout.servers:
         check_servers(cfg.rollout.servers, cfg.rollout.api_key or None, cfg.rollout.health_timeout_s)
 
@@ -167,6 +170,22 @@ def check_writable(field: str, path: str, cleanup: bool = True) -> None:
                     os.rmdir(d)
                 except OSError:
                     break
+
+
+def check_resume(cfg: Config) -> None:
+    """The checkpoint a resume would load is refused now, not after the model is built, if
+    loading it could unpickle objects (an untrusted checkpoint must never run code)."""
+    from megarl.checkpoint import CheckpointError, check_safe, find_latest
+
+    if not cfg.checkpoint.resume:
+        return
+    field = "checkpoint.save_dir"
+    latest = find_latest(cfg.checkpoint.save_dir or os.path.join(cfg.train.run_dir, "checkpoints"))
+    if latest is not None:
+        try:
+            check_safe(latest)
+        except CheckpointError as e:
+            raise ConfigError(f"{field}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- rollout servers

@@ -25,9 +25,12 @@ PROG = "megarl-train"
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
-        raise SystemExit(0 if argv else 2)
+        raise SystemExit(0)
+    if not argv or argv[0].startswith("-"):
+        print(f"{PROG}: usage: {PROG} CONFIG.yaml [a.b=c ...] [--debug] (see --help)", file=sys.stderr)
+        raise SystemExit(2)
     return argv[0], argv[1:]
 
 

@@ -85,12 +85,15 @@ def build_state(
     for r in roots:
         if not os.path.isdir(r):
             raise FileNotFoundError(f"--weights-root {r}: no such directory")
+    config = os.path.join(model_dir, "config.json")
     try:
         cfg = DecoderConfig.from_dir(model_dir)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{config}: not found (an HF model directory needs config.json)") from None
     except KeyError as e:
-        raise ValueError(f"{model_dir}/config.json: {e.args[0]!r} is missing") from None
-    except (TypeError, AttributeError) as e:
-        raise ValueError(f"{model_dir}/config.json: unexpected content ({e})") from None
+        raise ValueError(f"{config}: {e.args[0]!r} is missing") from None
+    except (ValueError, TypeError, AttributeError) as e:  # ValueError: bad JSON, unsupported model
+        raise ValueError(f"{config}: {e}") from None
     ctx = int(context_length or cfg.max_position_embeddings)
     if cfg.sliding_window and ctx > cfg.sliding_window:
         # No sliding-window attention here: cap the context where full attention is still exact.
