@@ -52,13 +52,13 @@ def _num(d: dict, key: str, kind, default, lo=None, hi=None, where="sampling_par
     # json.loads accepts NaN/Infinity, and NaN passes every range check: refuse non-finite values
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (
             isinstance(v, float) and (not math.isfinite(v) or (kind is int and not v.is_integer()))):
-        raise BadRequest(f"{where}.{key} must be a finite {kind.__name__}, got {str(v)[:40]}")
+        raise BadRequest(f"{where}.{key} must be a finite {kind.__name__}, got {repr(v)[:40]}")
     try:
         v = kind(v)
     except OverflowError:  # an int beyond float range
         raise BadRequest(f"{where}.{key} is out of range") from None
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise BadRequest(f"{where}.{key}={v} out of range [{lo}, {hi}]")
+        raise BadRequest(f"{where}.{key}={v} out of range [{lo}, {'inf' if hi is None else hi}]")
     return v
 
 
