@@ -11,7 +11,8 @@ directory (its latest complete checkpoint) of any layout, and writes HF safetens
 
 Inputs are checked before anything is written (config.json vs tensor shapes, missing/unexpected
 tensors by name, vocab size, TP/PP vs the head and layer counts); output appears atomically
-(written to a temp directory, renamed at the end). Errors are one line on stderr, exit status 1 (``--debug``: the traceback).
+(written to a temp directory, renamed at the end). Errors are one line on stderr, exit status 1
+(``--debug``: the traceback).
 """
 from __future__ import annotations
 

@@ -38,21 +38,25 @@ class CliCase:
 
 @dataclass
 class CliResult:
-    rc: int
+    rc: int | None
     stdout: str
     stderr: str
     wall_s: float
 
 
-def run_cli(prog: str, argv: list[str], cwd: str, timeout: float = 120.0) -> CliResult:
-    """One real entry point as a subprocess (``python -m``, what the console script calls)."""
+def run_cli(prog: str, argv: list[str], cwd: str, timeout: float = 300.0) -> CliResult:
+    """One real entry point as a subprocess (``python -m``, what the console script calls).
+    ``timeout`` is the generous "no hang" bound; a run past it is a failed case (rc None)."""
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", MODULES[prog], *argv], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=timeout)
+    try:
+        proc = subprocess.run([sys.executable, "-m", MODULES[prog], *argv], capture_output=True, text=True,
+                              cwd=cwd, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return CliResult(None, str(e.stdout or ""), f"HUNG: no exit within {timeout:g} s", timeout)
     return CliResult(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
 
 

@@ -3,8 +3,9 @@ megarl-convert, megarl-logprobs, megarl-server) or sends a real HTTP request to 
 megarl-server, and checks what docs/reliability.md promises:
 
 - CLI: the exact exit status; stderr is ONE line ``<prog>: <message>`` naming the field, file or
-  endpoint (no traceback); nothing half-written is left (run dir, --out, --output); a bounded wait
-  (no hang) - the subprocess timeout.
+  endpoint (no traceback); nothing half-written is left (run dir, --out, --output); no hang: a run
+  past the generous subprocess timeout fails its case (an unreachable or hung rollout server
+  must fail within rollout.health_timeout_s=3, not wait forever).
 - HTTP: the exact status and a message naming the field; after every bad request the server is
   still up and a greedy request gives the same tokens as before the corpus started.
 
@@ -207,7 +208,6 @@ def test_cli_case(key, cli_results, world):
         assert needle in lines[0], lines[0]
     for path in case.absent:  # nothing half-written
         assert not os.path.exists(world.fill(path.replace("{id}", case.id))), path
-    assert res.wall_s < 100  # bounded: the servers cases wait for rollout.health_timeout_s=3
 
 
 def test_corpus_size():
@@ -235,7 +235,8 @@ NAN = b'{"input_ids": [1, 2], "sampling_params": {"temperature": NaN}}'
 INF = b'{"input_ids": [1, 2], "sampling_params": {"top_p": Infinity}}'
 BIG = b'{"input_ids": [1, 2], "sampling_params": {"temperature": 1' + b"0" * 400 + b"}}"
 DEEP = b"[" * 100_000 + b"]" * 100_000
-G, TN, DS, DI = "/generate", "/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed"
+G, TN = "/generate", "/update_weights_from_tensor"
+DS, DI = "/update_weights_from_disk", "/update_weights_from_distributed"
 
 
 def sp(**kw):
