@@ -217,9 +217,9 @@ class RolloutConfig:
     """torch threads of each local server."""
     api_key: str = ""
     """Bearer token for the servers' admin endpoints; empty = none."""
-    health_timeout_s: float = 60.0
+    health_timeout_s: float = 120.0
     """Deadline for every server in rollout.servers to answer /health when the job starts (an
-    unreachable server is an error naming it, not a hang)."""
+    unreachable server is an error naming it, not a hang; SGLang on CPU takes up to ~80 s to start)."""
     group_size: int = 8
     """Samples per prompt (GRPO group)."""
     max_new_tokens: int = 64
