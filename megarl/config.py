@@ -10,6 +10,7 @@ resolved config is written into the run directory by :func:`save_config`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -281,6 +282,9 @@ class RolloutConfig:
     """torch threads of each local server."""
     api_key: str = ""
     """Bearer token for the servers' admin endpoints; empty = none."""
+    health_timeout_s: float = 120.0
+    """Deadline for every server in rollout.servers to answer /health when the job starts (an
+    unreachable server is an error naming it, not a hang; SGLang on CPU takes up to ~80 s to start)."""
     group_size: int = 8
     """Samples per prompt (GRPO group)."""
     max_new_tokens: int = 64
@@ -361,6 +365,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
         if not isinstance(self.workflow_args, dict):
             raise ConfigError(f"rollout.workflow_args: expected a mapping, got {self.workflow_args!r}")
+        if not self.health_timeout_s > 0:
+            raise ConfigError(f"rollout.health_timeout_s: must be > 0, got {self.health_timeout_s}")
 
 
 @dataclass
@@ -533,7 +539,7 @@ def validate_against_model(cfg: Config) -> None:
         args = read_model_args(cfg.model.hf_path)
     except FileNotFoundError:
         raise ConfigError(f"model.hf_path: no config.json in {cfg.model.hf_path!r}") from None
-    except ValueError as e:
+    except (OSError, ValueError) as e:  # unreadable, bad JSON or UTF-8, missing or mistyped keys
         raise ConfigError(f"model.hf_path: {e}") from None
     tp, pp, vpp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp
     if args.num_heads % tp:
@@ -550,7 +556,7 @@ def validate_against_model(cfg: Config) -> None:
                              f"({args.architecture} is dense)")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if args.num_experts and cfg.train.algorithm == "grpo" and not cfg.rollout.servers:
+    if args.num_experts and cfg.train.is_rl and not cfg.rollout.servers:
         raise ConfigError(f"rollout.servers: the local megarl CPU rollout server does not serve MoE "
                           f"models ({args.architecture}); list SGLang servers")
 
@@ -640,14 +646,19 @@ def _coerce(tp, value, name):
             return value
         raise ConfigError(f"{name}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{name}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # nan/inf would pass every range check (nan < 0 is False)
+            raise ConfigError(f"{name}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

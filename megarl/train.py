@@ -8,27 +8,36 @@
 Run it directly and it starts its own ranks (torchrun on loopback) when the config needs more
 than one; under torchrun, srun or mpirun it joins the job it is in. SIGUSR1/SIGTERM/SIGINT make
 every rank finish its step, save a checkpoint and exit 0 (megarl.signals); the next start resumes.
+
+Bad input fails before any rank starts: the config (`load_config`), then what it points at
+(`megarl.preflight`: model, tokenizer, data, plugins, run_dir, rollout servers), as one line
+``megarl-train: <field>: <problem>`` and exit status 2; any later error is one line and exit
+status 1. ``--debug`` (anywhere on the command line) shows the traceback instead.
 """
 from __future__ import annotations
 
 import sys
 
 from megarl import compat, parallel
+from megarl.cli import DEBUG_FLAG, pop_debug, run_main
 from megarl.config import ConfigError, load_config, save_config
 from megarl.signals import StopRequest, clear_stop_marker, write_stop_marker
 
-
+PROG = "megarl-train"
 CONSOLE_KEYS = {
     "sft": ["loss", "grad_norm", "lr", "step_time"],
     "rl": ["reward", "eval_accuracy", "loss", "staleness_max", "trainer_idle_ratio",
-             "rollout_idle_ratio", "step_time"],
+           "rollout_idle_ratio", "step_time"],
 }
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
-        raise SystemExit(0 if argv else 2)
+        raise SystemExit(0)
+    if not argv or argv[0].startswith("-"):
+        print(f"{PROG}: usage: {PROG} CONFIG.yaml [a.b=c ...] [--debug] (see --help)", file=sys.stderr)
+        raise SystemExit(2)
     return argv[0], argv[1:]
 
 
@@ -52,15 +61,22 @@ def run_sft(cfg, ps, engine, logger, ckpt, stop: StopRequest) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = load_config(path, overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"megarl-train: {e}", file=sys.stderr)
-        return 2
+    argv, debug = pop_debug(sys.argv[1:] if argv is None else argv)
+    path, overrides = parse_args(argv)
+    return run_main(PROG, lambda: launch(path, overrides, debug), debug, expected=(ConfigError,), code=2)
+
+
+def launch(path: str, overrides: list[str], debug: bool = False) -> int:
+    """Config and inputs checked here, once, before any rank exists; then this process trains or
+    starts its own ranks."""
+    from megarl.preflight import check_inputs
+
+    cfg = load_config(path, overrides)
+    launched = parallel.under_launcher()
+    check_inputs(cfg, cleanup_run_dir=not launched)
     nproc = cfg.parallel.world_size or cfg.parallel.tp * cfg.parallel.pp
-    if nproc > 1 and not parallel.under_launcher():
-        return parallel.relaunch(nproc, "megarl.train", [path, *overrides])
+    if nproc > 1 and not launched:
+        return parallel.relaunch(nproc, "megarl.train", [path, *overrides] + ([DEBUG_FLAG] if debug else []))
     with StopRequest() as stop:  # before the slow setup, so an early signal is not lost
         return train(cfg, stop)
 
@@ -68,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg, stop: StopRequest) -> int:
     compat.quiet_megatron_warnings()
     from megarl.checkpoint import CheckpointManager
+    from megarl.config import check_world_size
     from megarl.metrics import MetricsLogger
     from megarl.trainer.engine import Engine
 
@@ -75,12 +92,7 @@ def train(cfg, stop: StopRequest) -> int:
     if info.rank == 0:
         print(f"[megarl] {info.world_size} rank(s) from {info.source}, rendezvous "
               f"{info.master_addr}:{info.master_port}", flush=True)
-    try:
-        from megarl.config import check_world_size
-        check_world_size(cfg, info.world_size)
-    except ConfigError as e:
-        print(f"megarl-train: {e}", file=sys.stderr)
-        return 2
+    check_world_size(cfg, info.world_size)
     ps = parallel.init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.model.seed,
                                       ep=cfg.parallel.ep)
     if ps.rank == 0:
@@ -92,11 +104,11 @@ def train(cfg, stop: StopRequest) -> int:
                            wandb_project=cfg.logging.wandb_project or None,
                            console_keys=CONSOLE_KEYS["rl" if cfg.train.is_rl else "sft"],
                            console_interval=cfg.logging.log_interval)
-    if cfg.train.algorithm == "sft":
-        run_sft(cfg, ps, engine, logger, ckpt, stop)
-    else:
+    if cfg.train.is_rl:
         from megarl.trainer.rl import run_rl
         run_rl(cfg, ps, engine, logger, ckpt, stop=stop)
+    else:
+        run_sft(cfg, ps, engine, logger, ckpt, stop)
     logger.close()
     if stop.stopped and ps.rank == 0:
         print(f"[megarl] stopped by {stop.received}; checkpoint saved, rerun to resume", flush=True)

@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import os
 import pickle
+import warnings
 
 import torch
 
@@ -71,6 +72,8 @@ def check_safe(ckpt_dir: str) -> None:
     common = os.path.join(ckpt_dir, "common.pt")
     if os.path.exists(common):
         try:
-            torch.load(common, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # torch warns about the refused global; the error says it
+                warnings.simplefilter("ignore")
+                torch.load(common, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"{common}: refused by weights_only loading ({e})") from None

@@ -31,6 +31,14 @@ def spawn_server(model_dir: str, log_path: str, port: int, extra=(), host: str =
                             stderr=subprocess.STDOUT, preexec_fn=owned_child_setup)
 
 
+def root_flags(weights_roots) -> list[str]:
+    flags = []
+    for root in weights_roots:
+        os.makedirs(root, exist_ok=True)  # the server checks that each root exists
+        flags += ["--weights-root", os.path.abspath(root)]
+    return flags
+
+
 def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s: float = 60.0) -> None:
     deadline = time.time() + ready_timeout_s
     while time.time() < deadline:
@@ -47,9 +55,12 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s:
 
 
 def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0,
-                 host: str = LOOPBACK) -> tuple[str, subprocess.Popen]:
-    """Starts ``megarl-server`` on a free port of ``host`` and waits for ``/health``."""
+                 host: str = LOOPBACK, weights_roots=()) -> tuple[str, subprocess.Popen]:
+    """Starts ``megarl-server`` on a free port of ``host`` and waits for ``/health``.
+    ``weights_roots``: where ``/update_weights_from_disk`` may read (the run's disk-transport
+    directory); empty = the server's default (the model dir and its parent)."""
     port = free_port(host)
+    extra = [*extra, *root_flags(weights_roots)]
     proc = spawn_server(model_dir, log_path, port, extra, host)
     url = http_url(host, port)
     wait_ready(url, proc, log_path, ready_timeout_s)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import warnings
 from typing import Callable
 
@@ -18,21 +17,16 @@ class ToolError(Exception):
     """Bad input or an unusable checkpoint; the message is printed as is (one line)."""
 
 
-def run_tool(prog: str, fn: Callable[[], int]) -> int:
-    """Runs ``fn``; known errors become ``prog: message`` on stderr and exit status 1."""
+def run_tool(prog: str, fn: Callable[[], int], debug: bool = False) -> int:
+    """Runs ``fn``; known errors (bad input) become ``prog: message`` on stderr and exit status 1,
+    unexpected ones one line too (exit status 1); ``debug`` shows the traceback instead."""
     from megarl.checkpoint import CheckpointError
+    from megarl.cli import run_main
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch ShardedTensor deprecation
     warnings.filterwarnings("ignore", message=".*(cuda_graph_scope|Transformer Engine|Apex).*")
-    try:
-        return fn()
-    except (ToolError, CheckpointError, FileNotFoundError, ValueError, KeyError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"{prog}: {msg}".splitlines()[0], file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+    return run_main(prog, fn, debug, expected=(ToolError, CheckpointError, FileNotFoundError, ValueError,
+                                               KeyError), code=1)
 
 
 def needs_launch(nproc: int) -> bool:

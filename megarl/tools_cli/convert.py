@@ -16,7 +16,8 @@ directory (its latest complete checkpoint) of any layout, and writes HF safetens
 
 Inputs are checked before anything is written (config.json vs tensor shapes, missing/unexpected
 tensors by name, vocab size, TP/PP vs the head and layer counts); output appears atomically
-(written to a temp directory, renamed at the end). Errors are one line on stderr, exit status 1.
+(written to a temp directory, renamed at the end). Errors are one line on stderr, exit status 1
+(``--debug``: the traceback).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import re
 import sys
 import time
 
+from megarl.cli import ArgumentParser, add_debug_flag
 from megarl.tools_cli import (ToolError, check_output_dir, discard, finish_ranks, init_ranks,
                               needs_launch, run_tool, temp_output_dir)
 
@@ -43,7 +45,7 @@ def parse_size(text: str) -> int:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from megarl.tools_cli.conversion import DTYPES
 
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     h = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron dist checkpoint")
     h.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
@@ -60,6 +62,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                        help="output dtype (default: the input's)")
         p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+        add_debug_flag(p)
     return ap.parse_args(argv)
 
 
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
     command = {"hf-to-mcore": hf_to_mcore, "mcore-to-hf": mcore_to_hf}[a.command]
-    return run_tool(PROG, lambda: command(a, argv))
+    return run_tool(PROG, lambda: command(a, argv), a.debug)
 
 
 if __name__ == "__main__":

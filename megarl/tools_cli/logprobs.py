@@ -17,6 +17,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from megarl.cli import ArgumentParser, add_debug_flag
 from megarl.tools_cli import ToolError, finish_ranks, init_ranks, needs_launch, run_tool
 
 PROG = "megarl-logprobs"
@@ -41,7 +42,7 @@ def resolve_source(path: str) -> ModelSource:
     return ModelSource("mcore", ckpt)
 
 
-def read_input(path: str, vocab_size: int) -> list[dict]:
+def read_input(path: str, vocab_size: int, max_positions: int | None = None) -> list[dict]:
     """Input rows; errors name the line."""
     if not os.path.isfile(path):
         raise ToolError(f"--input {path}: no such file")
@@ -61,6 +62,9 @@ def read_input(path: str, vocab_size: int) -> list[dict]:
         if bad:
             raise ToolError(f"{path}:{lineno}: token id {bad[0]} is outside the vocabulary "
                             f"[0, {vocab_size})")
+        if max_positions is not None and len(ids) > max_positions:
+            raise ToolError(f"{path}:{lineno}: {len(ids)} tokens is longer than the model's context "
+                            f"(max_position_embeddings={max_positions})")
         rows.append(row)
     if not rows:
         raise ToolError(f"--input {path}: no input lines")
@@ -68,7 +72,7 @@ def read_input(path: str, vocab_size: int) -> list[dict]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", required=True, help="HF dir, megarl checkpoint or save dir")
     ap.add_argument("--input", required=True, help='JSONL, one {"input_ids": [...]} per line')
     ap.add_argument("--output", required=True, help="JSONL: each input object plus \"logprobs\"")
@@ -79,12 +83,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="Megatron vocabulary padding multiple (times --tp); the padding is masked")
     ap.add_argument("--micro-batch-tokens", type=int, default=4096, help="padded tokens per forward")
     ap.add_argument("--batch-size", type=int, default=256, help="sequences per gathered chunk")
+    add_debug_flag(ap)
     return ap.parse_args(argv)
 
 
 def run(a: argparse.Namespace, argv: list[str]) -> int:
     from megarl.tools_cli.conversion import check_hf, check_layout, check_mcore, model_args
 
+    for flag, v in (("--batch-size", a.batch_size), ("--micro-batch-tokens", a.micro_batch_tokens)):
+        if v < 1:
+            raise ToolError(f"{flag} must be >= 1, got {v}")
     if not os.path.isdir(a.ckpt):
         raise ToolError(f"--ckpt {a.ckpt}: no such directory")
     source = resolve_source(a.ckpt)
@@ -93,7 +101,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
     if a.make_vocab_size_divisible_by < 1:
         raise ToolError(f"--make-vocab-size-divisible-by must be >= 1, got {a.make_vocab_size_divisible_by}")
     (check_hf if source.kind == "hf" else check_mcore)(source.path, args)
-    rows = read_input(a.input, args.vocab_size)
+    rows = read_input(a.input, args.vocab_size, args.max_position_embeddings)
     out_parent = os.path.dirname(os.path.abspath(a.output))
     if not os.path.isdir(out_parent):
         raise ToolError(f"--output {a.output}: directory {out_parent} does not exist")
@@ -160,7 +168,7 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
-    return run_tool(PROG, lambda: run(a, argv))
+    return run_tool(PROG, lambda: run(a, argv), a.debug)
 
 
 if __name__ == "__main__":

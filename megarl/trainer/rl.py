@@ -163,7 +163,8 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None) -> None:
         servers, local = list(r.servers), None
         if not servers and ps.rank == 0:
             local = LocalCluster(cfg.model.hf_path, r.local_servers, f"{t.run_dir}/servers",
-                                 extra=["--threads", r.server_threads], host=serving_host())
+                                 extra=["--threads", r.server_threads], host=serving_host(),
+                                 weights_roots=[cfg.weights.disk_dir or f"{t.run_dir}/weights"])
             servers = stack.enter_context(local)
         cluster = RolloutCluster.from_config(cfg, _broadcast(servers), driver=ps.rank == 0)
         if local is not None:

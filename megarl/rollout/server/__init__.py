@@ -31,6 +31,9 @@ def load_tokenizer_or_none(model_dir: str):
             return load_tokenizer(model_dir)
         except FileNotFoundError:
             return None
+        except Exception as e:  # noqa: BLE001 - a corrupt tokenizer file (sentencepiece: RuntimeError)
+            raise ValueError(f"{model_dir}: cannot load the tokenizer "
+                             f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
     path = os.path.join(model_dir, "tokenizer.model")
     if not os.path.exists(path):
         return None
@@ -65,14 +68,32 @@ def build_state(
     max_prefill_tokens: int = 8192,
     weight_version: str = "0",
     seed: Optional[int] = None,
+    weights_roots: Optional[list[str]] = None,
 ):
-    """Load config, weights and tokenizer; start the engine thread; return the app state."""
+    """Load config, weights and tokenizer; start the engine thread; return the app state.
+    Bad input raises OSError/ValueError naming the file. ``weights_roots``: directories
+    /update_weights_from_disk may read under (default: the model dir's parent, see
+    `state.default_weights_roots`)."""
     from megarl.rollout.server.engine import GenerationEngine
     from megarl.rollout.server.model import CausalLM, DecoderConfig
-    from megarl.rollout.server.state import ServerState
+    from megarl.rollout.server.state import ServerState, default_weights_roots
     from megarl.rollout.server.weights import parse_dtype, read_hf_dir
 
-    cfg = DecoderConfig.from_dir(model_dir)
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"--model {model_dir}: no such directory")
+    roots = [os.path.realpath(r) for r in weights_roots] if weights_roots else default_weights_roots(model_dir)
+    for r in roots:
+        if not os.path.isdir(r):
+            raise FileNotFoundError(f"--weights-root {r}: no such directory")
+    config = os.path.join(model_dir, "config.json")
+    try:
+        cfg = DecoderConfig.from_dir(model_dir)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{config}: not found (an HF model directory needs config.json)") from None
+    except KeyError as e:
+        raise ValueError(f"{config}: {e.args[0]!r} is missing") from None
+    except (ValueError, TypeError, AttributeError) as e:  # ValueError: bad JSON, unsupported model
+        raise ValueError(f"{config}: {e}") from None
     ctx = int(context_length or cfg.max_position_embeddings)
     if cfg.sliding_window and ctx > cfg.sliding_window:
         # No sliding-window attention here: cap the context where full attention is still exact.
@@ -88,7 +109,12 @@ def build_state(
         log.warning("ignoring %d unexpected tensors, e.g. %s", len(unknown), unknown[:3])
     model.load({k: v for k, v in tensors.items() if k not in unknown})
     tok = load_tokenizer_or_none(model_dir)
+    if tok is not None and tok.vocab_size > cfg.vocab_size:
+        # text prompts would encode to ids without an embedding row
+        raise ValueError(f"{model_dir}: the tokenizer has {tok.vocab_size} tokens but config.json "
+                         f"vocab_size={cfg.vocab_size}")
     engine = GenerationEngine(model, tok, max_running_requests, ctx, max_prefill_tokens, weight_version,
                               seed)
     engine.start()
-    return ServerState(engine, model_dir, tok, model_dir if tok is not None else None, api_key)
+    return ServerState(engine, model_dir, tok, model_dir if tok is not None else None, api_key,
+                       weights_roots=tuple(dict.fromkeys([os.path.realpath(model_dir), *roots])))

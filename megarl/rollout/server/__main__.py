@@ -1,33 +1,59 @@
-"""`megarl-server` / `python -m megarl.rollout.server`: serve an HF checkpoint dir on CPU."""
+"""`megarl-server` / `python -m megarl.rollout.server`: serve an HF checkpoint dir on CPU.
+
+Security defaults: binds 127.0.0.1 unless ``--host`` says otherwise (a non-loopback bind without
+``--api-key`` is logged as a warning: every admin endpoint would be open to the network);
+``/update_weights_from_disk`` reads only under the model dir and the ``--weights-root``
+directories (default: the model dir's parent). Bad startup input (model dir, config.json,
+safetensors, tokenizer, a port in use) is one line ``megarl-server: <message>`` and exit status
+2; ``--debug`` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import sys
 import time
 
+from megarl.cli import ArgumentParser, add_debug_flag, run_main
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="megarl-server", description=__doc__)
+PROG = "megarl-server"
+_LOOPBACKS = ("127.0.0.1", "localhost", "::1")
+
+
+class StartupError(Exception):
+    """The server cannot start; the message says why (one line)."""
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--model", "--model-path", dest="model", required=True, help="HF checkpoint dir")
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--weights-root", action="append", default=None, metavar="DIR",
+                   help="directory /update_weights_from_disk may read under (repeatable; "
+                        "default: the model dir's parent; the model dir itself is always allowed)")
     p.add_argument("--max-running-requests", type=int, default=128, help="decode batch size cap")
     p.add_argument("--context-length", type=int, default=None, help="default: max_position_embeddings")
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded tokens per prefill")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--weight-version", default="0", help="initial weight_version")
     p.add_argument("--seed", type=int, default=None, help="seed for requests without a seed")
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    add_debug_flag(p)
+    args = p.parse_args(argv)
+    for flag, v in (("--port", args.port), ("--max-running-requests", args.max_running_requests),
+                    ("--max-prefill-tokens", args.max_prefill_tokens), ("--threads", args.threads),
+                    ("--context-length", args.context_length or 1)):
+        if v < (0 if flag == "--port" else 1) or (flag == "--port" and v > 65535):
+            p.error(f"{flag}: out of range: {v}")
+    return args
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def serve(args) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("megarl.server")
     t0 = time.perf_counter()
@@ -42,11 +68,13 @@ def main(argv=None) -> None:
     try:
         state = build_state(
             args.model, args.dtype, args.api_key, args.max_running_requests, args.context_length,
-            args.max_prefill_tokens, args.weight_version, args.seed,
+            args.max_prefill_tokens, args.weight_version, args.seed, args.weights_root,
         )
     except (OSError, ValueError, KeyError) as e:
-        log.error("cannot load %s: %s", args.model, e)
-        sys.exit(2)
+        raise StartupError(f"cannot load {args.model}: {e}") from e
+    if args.host not in _LOOPBACKS and not args.api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach it may pause the server "
+                    "and replace its weights", args.host)
     app = build_app(state)
 
     async def announce(_app):
@@ -57,9 +85,19 @@ def main(argv=None) -> None:
     # A server started with SIGTERM ignored (by a trainer or launcher that owns its lifetime, see
     # megarl.signals) keeps it ignored instead of letting aiohttp exit on it.
     keep_ignored = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2.0,
-                handler_cancellation=True, handle_signals=not keep_ignored)
+    try:
+        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2.0,
+                    handler_cancellation=True, handle_signals=not keep_ignored)
+    except OSError as e:  # bind failures: address in use, not an address of this machine
+        state.engine.shutdown()
+        raise StartupError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return run_main(PROG, lambda: serve(args), args.debug, expected=(StartupError,), code=2)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,9 @@
 """aiohttp application of the CPU rollout server: SGLang 0.5.x endpoints over one
 `GenerationEngine`.
 
-Auth: with an API key, every endpoint except ``/health`` and ``/health_generate`` needs
-``Authorization: Bearer KEY`` (401 otherwise) - like SGLang, generation is protected too.
+Auth: with an API key, every endpoint except ``/health`` and ``/health_generate`` (`OPEN_PATHS`)
+needs ``Authorization: Bearer KEY`` (401 otherwise) - like SGLang, generation is protected too;
+a route added to `setup_routes` is protected unless it is listed in `OPEN_PATHS`.
 Errors: a malformed request is a 400 ``{"object": "error", "message": ..., "code": 400}`` naming the
 field; an unexpected failure is a 500 with the message; neither stops the server.
 Weight updates run on the engine thread (`GenerationEngine.call`), so they land between decode
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import logging
 import time
 
@@ -35,7 +37,8 @@ OPEN_PATHS = frozenset({"/health", "/health_generate"})
 async def _guard(request: web.Request, handler):
     state: ServerState = request.app["state"]
     if state.api_key and request.path not in OPEN_PATHS:
-        if request.headers.get("Authorization", "") != f"Bearer {state.api_key}":
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, f"Bearer {state.api_key}".encode()):  # constant time
             return error(401, "missing or invalid API key (Authorization: Bearer KEY)")
     try:
         return await handler(request)

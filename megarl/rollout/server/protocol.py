@@ -18,6 +18,7 @@ is cut before a matched stop string.
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -48,11 +49,16 @@ def _num(d: dict, key: str, kind, default, lo=None, hi=None, where="sampling_par
     v = d.get(key, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-        raise BadRequest(f"{where}.{key} must be {kind.__name__}, got {v!r}")
-    v = kind(v)
+    # json.loads accepts NaN/Infinity, and NaN passes every range check: refuse non-finite values
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+            isinstance(v, float) and (not math.isfinite(v) or (kind is int and not v.is_integer()))):
+        raise BadRequest(f"{where}.{key} must be a finite {kind.__name__}, got {repr(v)[:40]}")
+    try:
+        v = kind(v)
+    except OverflowError:  # an int beyond float range
+        raise BadRequest(f"{where}.{key} is out of range") from None
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise BadRequest(f"{where}.{key}={v} out of range [{lo}, {hi}]")
+        raise BadRequest(f"{where}.{key}={v} out of range [{lo}, {'inf' if hi is None else hi}]")
     return v
 
 

@@ -4,12 +4,17 @@
 import from here and never from each other, so the routes have no import circle. Conventions:
 a malformed request raises `BadRequest` (the middleware turns it into a 400 naming the field);
 weight/control endpoints answer ``{"success": bool, "message": str, ...}`` through `result`.
+
+Disk weight loads are confined to ``ServerState.weights_roots`` (`allowed_weights_path`): the
+served model dir plus ``--weights-root`` directories, by default the model dir's parent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -19,7 +24,8 @@ from aiohttp import web
 from megarl.rollout.server.engine import GenerationEngine
 from megarl.rollout.server.protocol import BadRequest
 
-__all__ = ["BadRequest", "ServerState", "error", "result", "read_body", "body_field", "on_engine"]
+__all__ = ["BadRequest", "ServerState", "error", "result", "read_body", "body_field", "on_engine",
+           "default_weights_roots", "allowed_weights_path"]
 
 
 @dataclass
@@ -31,6 +37,24 @@ class ServerState:
     api_key: Optional[str] = None
     groups: dict = field(default_factory=dict)  # group_name -> process group
     started: float = field(default_factory=time.time)
+    weights_roots: tuple[str, ...] = ()  # real paths /update_weights_from_disk may read under
+
+
+def default_weights_roots(model_dir: str) -> list[str]:
+    """Without ``--weights-root``: the model dir's parent (new versions usually land beside the
+    base model). The model dir itself is always allowed."""
+    return [os.path.dirname(os.path.realpath(model_dir))]
+
+
+def allowed_weights_path(state: ServerState, path: str) -> str:
+    """The real path of ``path`` if it lies under one of the state's weights roots (symlinks and
+    ``..`` resolved first, so neither can lead outside); BadRequest otherwise."""
+    real = os.path.realpath(path)
+    for root in state.weights_roots:
+        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+            return real
+    raise BadRequest(f"cannot read {path}: outside the allowed weight roots {list(state.weights_roots)} "
+                     "(megarl-server --weights-root DIR)")
 
 
 def error(status: int, message: str) -> web.Response:
@@ -51,6 +75,8 @@ async def read_body(request: web.Request) -> dict:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"body is not valid JSON: {e}") from e
+    except RecursionError:  # absurdly deep nesting: the parser gives up
+        raise BadRequest("body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
@@ -63,6 +89,14 @@ def body_field(body: dict, key: str, kind, default=None, required: bool = False)
             raise BadRequest(f"{key} is required")
         return default
     v = body[key]
+    if kind is float:  # any JSON number, but finite (json.loads accepts NaN and Infinity)
+        try:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        except OverflowError:  # an int beyond float range
+            ok = False
+        if not ok:
+            raise BadRequest(f"{key} must be a finite number, got {str(v)[:40]}")
+        return float(v)
     if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
         raise BadRequest(f"{key} must be {getattr(kind, '__name__', kind)}")
     return v

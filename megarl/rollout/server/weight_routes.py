@@ -6,7 +6,8 @@
   abort_all_requests, weight_version}: receive ``broadcast(src=0)`` per announced tensor, in order,
   then load them all (every announced tensor is received even when a name is bad, so the trainer's
   broadcasts never hang; the bad name is reported afterwards).
-- ``/update_weights_from_disk`` {model_path, weight_version}: a full HF safetensors dir.
+- ``/update_weights_from_disk`` {model_path, weight_version}: a full HF safetensors dir, only under
+  the server's weights roots (``--weights-root``; default the model dir's parent).
 - ``/update_weights_from_tensor`` {serialized_named_tensors: [base64 safetensors], load_format,
   weight_version}: see `weights.decode_named_tensors`; never unpickles.
 - ``/destroy_weights_update_group`` {group_name}; ``/get_weights_by_name`` {name, truncate_size};
@@ -23,7 +24,8 @@ from aiohttp import web
 
 from megarl.net import new_process_group
 from megarl.rollout.server import weights as W
-from megarl.rollout.server.state import BadRequest, ServerState, body_field, on_engine, read_body, result
+from megarl.rollout.server.state import (BadRequest, ServerState, allowed_weights_path, body_field, on_engine,
+                                         read_body, result)
 
 
 def _version(body: dict):
@@ -67,7 +69,11 @@ async def init_group(request: web.Request) -> web.Response:
     world = body_field(body, "world_size", int, required=True)
     name = body_field(body, "group_name", str, "weight_update_group")
     backend = body_field(body, "backend", str, "gloo")
-    timeout = float(body.get("timeout", 300))
+    timeout = body_field(body, "timeout", float, 300.0)
+    if not 0 < timeout <= 3600:
+        raise BadRequest(f"timeout={timeout} must be in (0, 3600] seconds")
+    if not 0 < port < 65536:
+        raise BadRequest(f"master_port={port} must be in [1, 65535]")
     if not 0 < rank < world:
         raise BadRequest(f"rank_offset={rank} must be in [1, world_size={world})")
     if name in state.groups:
@@ -103,6 +109,12 @@ async def from_distributed(request: web.Request) -> web.Response:
             W.parse_dtype(d)
     except ValueError as e:
         raise BadRequest(f"dtypes: {e}") from e
+    if not all(isinstance(n, str) for n in names):
+        raise BadRequest("names must be a list of strings")
+    for i, shape in enumerate(shapes):
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise BadRequest(f"shapes[{i}] must be a list of non-negative ints, got {shape!r}")
     name = body_field(body, "group_name", str, "weight_update_group")
     pg = state.groups.get(name)
     if pg is None:
@@ -119,7 +131,11 @@ async def from_disk(request: web.Request) -> web.Response:
     body = await read_body(request)
     path = body_field(body, "model_path", str, required=True)
     try:
-        tensors = await asyncio.to_thread(W.read_hf_dir, path)
+        real = allowed_weights_path(state, path)
+    except BadRequest as e:
+        return result(False, str(e))
+    try:
+        tensors = await asyncio.to_thread(W.read_hf_dir, real)
     except (OSError, ValueError) as e:
         return result(False, f"cannot read {path}: {e}")
     missing = state.engine.model.missing(tensors)

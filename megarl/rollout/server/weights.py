@@ -43,11 +43,17 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def read_hf_dir(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of an HF checkpoint dir, by HF name."""
+    """All tensors of an HF checkpoint dir, by HF name. Only safetensors files are read (never a
+    pickle such as pytorch_model.bin); any unreadable file is a ValueError naming it."""
     index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such directory")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
     elif os.path.exists(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -56,7 +62,15 @@ def read_hf_dir(path: str) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors in {path}")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        tensors.update(load_file(os.path.join(path, name)))
+        file = os.path.join(path, str(name))
+        if os.path.dirname(os.path.normpath(file)) != os.path.normpath(path):
+            raise ValueError(f"{index}: {name!r} is not a file of {path}")  # no ../ in an index
+        try:
+            tensors.update(load_file(file))
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 - SafetensorError is not an OSError/ValueError
+            raise ValueError(f"{file}: cannot read safetensors ({e})") from None
     # Buffers some exporters write; never parameters.
     return {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
 

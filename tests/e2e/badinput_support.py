@@ -1,0 +1,194 @@
+"""Inputs for the bad-input corpus (test_bad_input.py) and the security tests (test_security.py):
+a directory of broken models, tokenizers and datasets built from the tiny demo model, misbehaving
+HTTP servers, and a runner for the real console entry points as subprocesses.
+
+Each corpus CLI case is a `CliCase`: argv with ``{name}`` placeholders filled from `World.paths`,
+the exact exit status, substrings the one error line must contain, and paths that must not exist
+afterwards (no half-written output).
+"""
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(REPO, "examples", "tiny")
+MODULES = {"megarl-train": "megarl.train", "megarl-convert": "megarl.tools_cli.convert",
+           "megarl-logprobs": "megarl.tools_cli.logprobs", "megarl-server": "megarl.rollout.server"}
+
+
+@dataclass(frozen=True)
+class CliCase:
+    id: str
+    prog: str  # a key of MODULES
+    args: tuple[str, ...]
+    rc: int
+    needles: tuple[str, ...]
+    absent: tuple[str, ...] = ()  # paths (placeholders allowed) that must not exist afterwards
+    doc: str = ""  # what the product does, for docs/reliability.md
+
+
+@dataclass
+class CliResult:
+    rc: int | None
+    stdout: str
+    stderr: str
+    wall_s: float
+
+
+def run_cli(prog: str, argv: list[str], cwd: str, timeout: float = 300.0) -> CliResult:
+    """One real entry point as a subprocess (``python -m``, what the console script calls).
+    ``timeout`` is the generous "no hang" bound; a run past it is a failed case (rc None)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", MODULES[prog], *argv], capture_output=True, text=True,
+                              cwd=cwd, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return CliResult(None, str(e.stdout or ""), f"HUNG: no exit within {timeout:g} s", timeout)
+    return CliResult(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
+
+
+# ----------------------------------------------------------------------------- misbehaving servers
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    routes: dict = {}
+
+    def do_GET(self):  # noqa: N802 - http.server's hook
+        status, body = self.routes.get(self.path, (404, b"not found"))
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def fake_server(routes: dict[str, tuple[int, bytes]]) -> tuple[str, http.server.HTTPServer]:
+    """An HTTP server on loopback answering GET ``path`` with ``(status, body)``."""
+    handler = type("H", (_Handler,), {"routes": routes})
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{srv.server_address[1]}", srv
+
+
+def silent_listener() -> socket.socket:
+    """A socket that accepts TCP connections (kernel backlog) but never answers: a hung server."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    return s
+
+
+def closed_port() -> int:
+    from megarl.net import free_port
+
+    return free_port()
+
+
+# ----------------------------------------------------------------------------- broken inputs
+
+def _copy(src: str, dst: str) -> str:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(d: str, **changes) -> None:
+    path = os.path.join(d, "config.json")
+    cfg = json.load(open(path))
+    cfg.update(changes)
+    json.dump(cfg, open(path, "w"))
+
+
+def _write(path: str, text) -> str:
+    with open(path, "wb" if isinstance(text, bytes) else "w") as f:
+        f.write(text)
+    return path
+
+
+class World:
+    """Every broken input of the corpus under one directory; ``paths`` fills the placeholders."""
+
+    def __init__(self, root: str):
+        self.root = root
+        p = self.paths = {"root": root, "repo": REPO, "sft_yaml": f"{REPO}/configs/tiny_sft.yaml",
+                          "grpo_yaml": f"{REPO}/configs/tiny_grpo.yaml", "hf": f"{TINY}/hf",
+                          "model": f"{TINY}/model", "sft": f"{TINY}/data/sft.jsonl",
+                          "rl": f"{TINY}/data/rl_prompts.jsonl"}
+        j = lambda *a: os.path.join(root, *a)  # noqa: E731
+        p["bad_json"] = _copy(p["model"], j("bad_json"))
+        _write(j("bad_json", "config.json"), "{not json")
+        p["gpt2"] = _copy(p["model"], j("gpt2"))
+        _edit_config(p["gpt2"], architectures=["GPT2LMHeadModel"])
+        p["heads_str"] = _copy(p["hf"], j("heads_str"))
+        _edit_config(p["heads_str"], num_attention_heads="four")
+        p["trunc"] = _copy(p["model"], j("trunc"))
+        st = j("trunc", "model.safetensors")
+        _write(st, open(st, "rb").read()[:1000])
+        p["big_tok"] = _copy(p["model"], j("big_tok"))
+        from megarl.data.tokenizer import train_sentencepiece
+
+        train_sentencepiece(["the quick brown fox jumps over the lazy dog 0123456789+="], p["big_tok"],
+                            vocab_size=64, model_type="char")
+        p["bad_tok"] = _copy(p["model"], j("bad_tok"))
+        _write(j("bad_tok", "tokenizer.model"), b"\x00junk, not a sentencepiece model" * 8)
+        p["no_config"] = _copy(p["model"], j("no_config"))
+        os.remove(j("no_config", "config.json"))
+        p["vocab_mismatch"] = _copy(p["model"], j("vocab_mismatch"))
+        _edit_config(p["vocab_mismatch"], vocab_size=20)
+        p["a_file"] = _write(j("a_file"), "x")
+        p["bad_yaml"] = _write(j("bad.yaml"), "model: [unclosed\n")
+        p["list_yaml"] = _write(j("list.yaml"), "- 1\n- 2\n")
+        # datasets
+        good = open(p["sft"]).read().splitlines()[:2]
+        p["empty"] = _write(j("empty.jsonl"), "\n\n")
+        p["bad_line"] = _write(j("bad_line.jsonl"), "\n".join(good + ['{"prompt": "1+2=", "response": ']) + "\n")
+        p["not_obj"] = _write(j("not_obj.jsonl"), "[1, 2]\n")
+        p["no_key"] = _write(j("no_key.jsonl"), good[0] + "\n" + '{"prompt": "1+1="}\n')
+        p["long"] = _write(j("long.jsonl"), good[0] + "\n" + json.dumps({"prompt": "1" * 40, "response": "2",
+                                                                         "answer": "2"}) + "\n")
+        p["latin1"] = _write(j("latin1.jsonl"), b'{"prompt": "\xff\xfe", "response": "1"}\n')
+        p["rl_long"] = _write(j("rl_long.jsonl"), json.dumps({"prompt": "12+" * 15, "answer": "0"}) + "\n")
+        # megarl-logprobs inputs
+        p["lp_bad_line"] = _write(j("lp_bad_line.jsonl"), '{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2\n')
+        p["lp_oov"] = _write(j("lp_oov.jsonl"), '{"input_ids": [1, 2]}\n{"input_ids": [1, 99]}\n')
+        p["lp_neg"] = _write(j("lp_neg.jsonl"), '{"input_ids": [1, -1]}\n')
+        p["lp_str"] = _write(j("lp_str.jsonl"), '{"input_ids": "1 2 3"}\n')
+        p["lp_empty"] = _write(j("lp_empty.jsonl"), "")
+        p["lp_long"] = _write(j("lp_long.jsonl"), json.dumps({"input_ids": [1] * 65}) + "\n")
+        p["lp_ok"] = _write(j("lp_ok.jsonl"), '{"input_ids": [1, 4, 5]}\n')
+        p["nonempty_out"] = j("nonempty_out")
+        os.makedirs(p["nonempty_out"])
+        _write(j("nonempty_out", "keep.txt"), "x")
+        os.makedirs(j("runs"))
+        os.makedirs(j("outs"))
+        # servers: refused, hung, HTTP 500, malformed JSON; a port in use for megarl-server
+        self._keep = [silent_listener(), silent_listener()]
+        p["refused"] = f"http://127.0.0.1:{closed_port()}"
+        p["hung"] = "127.0.0.1:%d" % self._keep[0].getsockname()[1]
+        p["busy_port"] = str(self._keep[1].getsockname()[1])
+        p["http500"], s1 = fake_server({"/health": (500, b'{"error": "boom"}')})
+        p["junk_json"], s2 = fake_server({"/health": (200, b""), "/model_info": (200, b"{not json")})
+        self._servers = [s1, s2]
+
+    def fill(self, text: str) -> str:
+        return text.format(**self.paths)
+
+    def close(self) -> None:
+        for s in self._servers:
+            s.shutdown()
+        for s in self._keep:
+            s.close()
