@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         return parallel.relaunch(nproc, "megarl.train", [path, *overrides])
 
     compat.quiet_megatron_warnings()
+    if cfg.train.torch_threads:
+        import torch
+        torch.set_num_threads(cfg.train.torch_threads)
     from megarl.checkpoint import CheckpointManager
     from megarl.metrics import MetricsLogger
     from megarl.trainer.engine import Engine
@@ -83,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         from megarl.trainer.rl import run_rl
         run_rl(cfg, ps, engine, logger, ckpt)
     logger.close()
+    if cfg.train.algorithm != "sft" and ps.rank == 0:
+        from megarl.plotting import write_learning_curve
+        png = write_learning_curve(cfg.train.run_dir)  # None (with a note) without matplotlib
+        if png:
+            print(f"[grpo] learning curve: {png}", flush=True)
     parallel.destroy()
     return 0
 

@@ -15,14 +15,29 @@ import urllib.request
 from megarl.net import LOOPBACK, free_port, http_url
 
 
-def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0
-                 ) -> tuple[str, subprocess.Popen]:
-    """Starts ``megarl-server`` on a free loopback port and waits for ``/health``."""
+def split_cpus(server_cpus) -> tuple[set[int], set[int]]:
+    """(server CPUs, trainer CPUs) for ``rollout.server_cpus``: the given ids that this process may
+    use, and the rest of them. Raises when either side would be left without a CPU."""
+    allowed = os.sched_getaffinity(0)
+    server = set(server_cpus) & allowed
+    trainer = allowed - server
+    if not server or not trainer:
+        raise ValueError(f"rollout.server_cpus={list(server_cpus)}: needs at least one of this process's "
+                         f"CPUs {sorted(allowed)} for the servers and one left for the trainer")
+    return server, trainer
+
+
+def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0,
+                 cpus=None) -> tuple[str, subprocess.Popen]:
+    """Starts ``megarl-server`` on a free loopback port (pinned to ``cpus`` when given) and waits
+    for ``/health``."""
     port = free_port()
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
                              "--port", str(port), *map(str, extra)], stdout=log, stderr=subprocess.STDOUT)
+    if cpus:  # before the child starts its torch threads (they inherit the mask)
+        os.sched_setaffinity(proc.pid, cpus)
     url = http_url(LOOPBACK, port)
     deadline = time.time() + ready_timeout_s
     while time.time() < deadline:
@@ -41,8 +56,8 @@ def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float
 class LocalCluster:
     """``with LocalCluster(model_dir, n=2, log_dir=...) as urls: ...``"""
 
-    def __init__(self, model_dir: str, n: int, log_dir: str, extra=()):
-        self.model_dir, self.n, self.log_dir, self.extra = model_dir, n, log_dir, extra
+    def __init__(self, model_dir: str, n: int, log_dir: str, extra=(), cpus=None):
+        self.model_dir, self.n, self.log_dir, self.extra, self.cpus = model_dir, n, log_dir, extra, cpus
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
 
@@ -50,7 +65,7 @@ class LocalCluster:
         try:
             for i in range(self.n):
                 url, proc = start_server(self.model_dir, os.path.join(self.log_dir, f"server{i}.log"),
-                                         self.extra)
+                                         self.extra, cpus=self.cpus)
                 self.urls.append(url)
                 self.procs.append(proc)
         except BaseException:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Optional
 
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from megarl.data.tokenizer import load_tokenizer
 from megarl.metrics import print0, progress
 from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController
-from megarl.rollout.local import LocalCluster
+from megarl.rollout.local import LocalCluster, split_cpus
 from megarl.rollout.rewards import load_reward_fn
 from megarl.rollout.types import SamplingParams, Trajectory
 from megarl.rollout.workflow import load_workflow_class
@@ -61,7 +62,8 @@ def build_controller(cfg, cluster: RolloutCluster, timeline=None) -> RolloutCont
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               stop_token_ids=None if r.ignore_eos else [tok.eos_id],  # a stop id stops even with ignore_eos
                               ignore_eos=r.ignore_eos)
-    workflow = load_workflow_class(r.workflow)(tok, load_reward_fn(r.reward_fn), sampling, r.group_size)
+    workflow = load_workflow_class(r.workflow)(tok, load_reward_fn(r.reward_fn), sampling, r.group_size,
+                                               **r.workflow_kwargs)
     # the staleness clock ticks once per push, which covers trigger_parameter_sync_step steps
     per_version = groups_per_step(cfg) * cfg.train.trigger_parameter_sync_step
     return RolloutController(
@@ -111,9 +113,12 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
     with contextlib.ExitStack() as stack:
         servers = list(r.servers)
         if not servers and ps.rank == 0:
+            server_cpus, trainer_cpus = split_cpus(r.server_cpus) if r.server_cpus else (None, None)
             servers = stack.enter_context(LocalCluster(
                 cfg.model.hf_path, r.local_servers, f"{t.run_dir}/servers",
-                extra=["--threads", r.server_threads]))
+                extra=["--threads", r.server_threads], cpus=server_cpus))
+            if trainer_cpus:  # generation and training on their own cores (docs/demo.md)
+                os.sched_setaffinity(0, trainer_cpus)
         cluster = RolloutCluster.from_config(cfg, _broadcast(servers), driver=ps.rank == 0)
         stack.callback(cluster.close)
         timeline = Timeline(f"{t.run_dir}/timeline/rank{ps.rank}.jsonl" if cfg.logging.timeline and
@@ -129,11 +134,18 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
         cluster.version = ckpt.policy_version  # the checkpoint records the version it was saved at
         actor.updates = start  # one PPO update per step: the mini-batch shuffle continues where it was
         pusher.push(bump=False)  # servers hold exactly the trainer's weights before any rollout
+        if r.eval_at_start and start == 0:  # the learning curve's start point, before any rollout
+            t0 = time.perf_counter()
+            acc = evaluate(cfg, cluster.addresses) if ps.rank == 0 else None
+            if acc is not None:
+                logger.log({"eval_accuracy": acc, "time/eval": time.perf_counter() - t0,
+                            "policy_version": cluster.version}, 0)
         if controller is not None:
             cluster.subscribe(controller)  # after the first push: nothing to pause before
             controller.start()
             stack.callback(controller.stop)
         timer = StepTimer(timeline)
+        step = start
         for step in progress(range(start + 1, t.steps + 1), desc="grpo", total=t.steps - start):
             last = step == t.steps
             with timer.phase("wait"):
@@ -149,11 +161,14 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
                 with timer.phase("push"):
                     metrics.update(pusher.push().as_dict())
             metrics["policy_version"] = cluster.version
+            stop = False
             if r.eval_interval and step % r.eval_interval == 0 or last:
                 with timer.phase("eval"):
                     acc = evaluate(cfg, cluster.addresses) if ps.rank == 0 else None
                 if acc is not None:
                     metrics["eval_accuracy"] = acc
+                if t.stop_at_eval_accuracy and not last:  # rank 0 decides for every rank
+                    stop = _broadcast(acc is not None and acc >= t.stop_at_eval_accuracy)
             if controller is not None:
                 metrics.update(controller.stats())
             metrics.update(timer.finish(
@@ -161,6 +176,10 @@ def run_rl(cfg, ps, engine, logger, ckpt) -> None:
                 controller.client.stats["tokens"] if controller else None,
                 trained_tokens=sum(len(x.input_ids) for x in trajs)))
             logger.log(metrics, step)
-            ckpt.maybe_save(step, last=last, policy_version=cluster.version)
-            maybe_export_hf(cfg, engine, step, last=last)
-        print0(f"[grpo] done: {t.steps} steps, policy version {cluster.version}")
+            ckpt.maybe_save(step, last=last or stop, policy_version=cluster.version)
+            maybe_export_hf(cfg, engine, step, last=last or stop)
+            if stop:
+                print0(f"[grpo] eval accuracy reached train.stop_at_eval_accuracy="
+                       f"{t.stop_at_eval_accuracy} at step {step}")
+                break
+        print0(f"[grpo] done: {step} steps, policy version {cluster.version}")
