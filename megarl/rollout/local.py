@@ -11,19 +11,22 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Optional
 
 from megarl.net import LOOPBACK, free_port, http_url
 
 
-def split_cpus(server_cpus) -> tuple[set[int], set[int]]:
+def split_cpus(server_cpus) -> tuple[Optional[set[int]], Optional[set[int]]]:
     """(server CPUs, trainer CPUs) for ``rollout.server_cpus``: the given ids that this process may
-    use, and the rest of them. Raises when either side would be left without a CPU."""
+    use, and the rest of them; (None, None) - no pinning, with a note - when either side would be
+    left without a CPU (e.g. a 1-CPU machine running the 2-core demo config)."""
     allowed = os.sched_getaffinity(0)
     server = set(server_cpus) & allowed
     trainer = allowed - server
     if not server or not trainer:
-        raise ValueError(f"rollout.server_cpus={list(server_cpus)}: needs at least one of this process's "
-                         f"CPUs {sorted(allowed)} for the servers and one left for the trainer")
+        print(f"[rollout] rollout.server_cpus={list(server_cpus)}: this process may use CPUs "
+              f"{sorted(allowed)}, not enough to give servers and trainer their own; not pinning", flush=True)
+        return None, None
     return server, trainer
 
 

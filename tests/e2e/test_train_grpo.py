@@ -18,7 +18,8 @@ def test_grpo_steps(tmp_path, layout):
            f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
            f"data.eval_path={REPO}/examples/tiny/data/eval_prompts.jsonl",
            f"train.run_dir={run}", f"checkpoint.hf_export_dir={run}/model", "train.steps=4",
-           "rollout.eval_interval=2", "rollout.eval_size=50", "rollout.max_staleness=1", *layout]
+           "rollout.eval_interval=2", "rollout.eval_size=50", "rollout.max_staleness=1",
+           "rollout.eval_at_start=false", *layout]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
