@@ -27,6 +27,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "apex"],
         "mpi": ["mpi4py"],
         "plot": ["matplotlib"],
+        # tools/bench/bench_vs_trl.py only: TRL's GRPOTrainer as the baseline (never a core dependency)
+        "bench": ["trl>=1.0", "transformers>=4.56", "datasets", "accelerate", "tokenizers", "matplotlib"],
         "log": ["tensorboard", "wandb"],  # logging.tensorboard / logging.wandb_project
     },
     entry_points={

@@ -154,6 +154,9 @@ class TrainConfig:
     """Directory for the resolved config, metrics.jsonl and checkpoints by default."""
     seed: int = 1234
     """Data-order seed (also seeds the PPO mini-batch shuffle)."""
+    torch_threads: int = 0
+    """torch intra-op threads of each trainer rank; 0 = torch's default (OMP_NUM_THREADS, else
+    one per core, which oversubscribes the cores a local rollout server also uses)."""
     ppo_epochs: int = 1
     """RL: passes over each step's trajectories (one optimizer step per mini-batch per pass)."""
     ppo_mini_batch_size: int = 0
@@ -161,6 +164,9 @@ class TrainConfig:
     require_batches: int = 0
     """RL (verl fully-async): a step takes require_batches x ppo_mini_batch_size sequences (whole
     groups); 0 = global_batch_size. Setting it replaces global_batch_size."""
+    stop_at_eval_accuracy: float = 0.0
+    """RL: end the run after the first evaluation whose held-out accuracy reaches this (time-to-
+    accuracy benchmarks; checkpoint and export are written as at the last step); 0 = off."""
     max_nonfinite_steps: int = 3
     """An update whose gradient norm is NaN/inf is skipped (weights untouched, counted as
     skipped_updates); this many steps in a row with one stop the run with an error."""
@@ -177,6 +183,10 @@ class TrainConfig:
             raise ConfigError(f"train.ppo_mini_batch_size: must be >= 0, got {self.ppo_mini_batch_size}")
         if self.require_batches < 0:
             raise ConfigError(f"train.require_batches: must be >= 0, got {self.require_batches}")
+        if not 0.0 <= self.stop_at_eval_accuracy <= 1.0:
+            raise ConfigError(f"train.stop_at_eval_accuracy: must be in [0, 1], got {self.stop_at_eval_accuracy}")
+        if self.torch_threads < 0:
+            raise ConfigError(f"train.torch_threads: must be >= 0, got {self.torch_threads}")
         if self.require_batches and not self.ppo_mini_batch_size:
             raise ConfigError("train.require_batches: needs train.ppo_mini_batch_size > 0 "
                               "(a step takes require_batches x ppo_mini_batch_size sequences)")
@@ -280,6 +290,10 @@ class RolloutConfig:
     """When servers is empty: start this many megarl CPU servers on loopback (the CPU demo)."""
     server_threads: int = 1
     """torch threads of each local server."""
+    server_cpus: list[int] = field(default_factory=list)
+    """CPU ids to pin the local servers to (os.sched_setaffinity); rank 0, which starts them, is then
+    pinned to the other CPUs, so generation and training never share a core. Empty = no pinning.
+    On the 2-core demo machine: [1] (server on CPU 1, trainer on CPU 0)."""
     api_key: str = ""
     """Bearer token for the servers' admin endpoints; empty = none."""
     health_timeout_s: float = 120.0
@@ -331,11 +345,17 @@ class RolloutConfig:
     pass@1 with rollout.reward_fn, run beside training and reported with the version it measured."""
     eval_size: int = 500
     """Held-out prompts per evaluation."""
+    eval_at_start: bool = False
+    """Also evaluate before the first step of a fresh run, logged as step 0 (the start accuracy of
+    the learning curve)."""
     eval_k: int = 0
     """Also sample k completions per eval prompt (at rollout.temperature) and report their mean
     reward (eval/mean_reward_at_k); 0 = greedy pass@1 only."""
 
     def validate(self) -> None:
+        bad = [c for c in self.server_cpus if not isinstance(c, int) or c < 0]
+        if bad:
+            raise ConfigError(f"rollout.server_cpus: expected CPU ids >= 0, got {bad}")
         for i, s in enumerate(self.servers):
             if not s.startswith(("http://", "https://")) and ":" not in s:
                 raise ConfigError(f"rollout.servers[{i}]: expected host:port or a URL, got {s!r}")

@@ -83,6 +83,9 @@ def launch(path: str, overrides: list[str], debug: bool = False) -> int:
 
 def train(cfg, stop: StopRequest) -> int:
     compat.quiet_megatron_warnings()
+    if cfg.train.torch_threads:
+        import torch
+        torch.set_num_threads(cfg.train.torch_threads)
     from megarl.checkpoint import CheckpointManager
     from megarl.config import check_world_size
     from megarl.metrics import MetricsLogger
@@ -110,6 +113,11 @@ def train(cfg, stop: StopRequest) -> int:
     else:
         run_sft(cfg, ps, engine, logger, ckpt, stop)
     logger.close()
+    if cfg.train.is_rl and ps.rank == 0:
+        from megarl.plotting import write_learning_curve
+        png = write_learning_curve(cfg.train.run_dir)  # None (with a note) without matplotlib
+        if png:
+            print(f"[grpo] learning curve: {png}", flush=True)
     if stop.stopped and ps.rank == 0:
         print(f"[megarl] stopped by {stop.received}; checkpoint saved, rerun to resume", flush=True)
         write_stop_marker(cfg.train.run_dir, stop.received)

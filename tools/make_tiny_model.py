@@ -1,16 +1,21 @@
 """Build the CPU demo model: addition corpus -> char tokenizer -> tiny Llama config -> SFT -> eval.
 
-    python tools/make_tiny_model.py --out DIR [--digits 2] [--sft-steps N] [--hidden 128 --layers 4]
+    python tools/make_tiny_model.py --out DIR [--digits 2] [--target-accuracy 0.3] [--hidden 128 --layers 4]
 
 Writes
     DIR/data/{sft,rl_prompts,eval_prompts}.jsonl   the task (eval pairs never appear in the others)
     DIR/hf/{config.json,tokenizer.model}           an HF Llama config without weights
-    DIR/sft_run/                                   the SFT run (metrics.jsonl, checkpoints)
-    DIR/model/                                     the SFT'd model as an HF dir (the RL start point)
-    DIR/eval_server/server0.log                    the CPU rollout server of the accuracy run
-SFT is megarl itself (`python -m megarl.train configs/tiny_sft.yaml ...`, random init); greedy
-accuracy on the held-out prompts is then measured through the CPU rollout server.
-`--skip-sft` stops after the config; `--skip-eval` skips the accuracy run.
+    DIR/sft_run/                                   the SFT run (metrics.jsonl, checkpoints, exports/)
+    DIR/model/                                     the chosen SFT checkpoint as an HF dir (RL start)
+    DIR/sft_eval.json                              its greedy held-out accuracy (+ every candidate's)
+    DIR/eval_server/server0.log                    the CPU rollout server of the accuracy runs
+SFT is megarl itself (`python -m megarl.train configs/tiny_sft.yaml ...`, random init). The RL demo
+needs a start point that is neither hopeless nor solved: this model jumps from ~0.15 to ~0.9
+greedy held-out accuracy within ~200 SFT steps (steps ~500-700 of a 1500-step cosine schedule), so
+the run exports an HF checkpoint every `--export-every` steps (`hf_export_dir=.../step_{step}`),
+measures greedy accuracy through the CPU rollout server (every 4th export until one reaches the
+target, then every export around it), and keeps the one closest to `--target-accuracy`. `--target-accuracy 0` keeps the last step instead.
+`--skip-sft` stops after the config; `--skip-eval` skips the accuracy runs (keeps the last step).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -78,15 +84,23 @@ def llama_config(args: argparse.Namespace, tok: SentencePieceTokenizer) -> dict:
     }
 
 
-def run_sft(args: argparse.Namespace, out: str) -> None:
+def run_sft(args: argparse.Namespace, out: str) -> dict[int, str]:
+    """The SFT run; returns {step: HF export dir} (one every --export-every steps and the last)."""
+    exports = os.path.join(out, "sft_run", "exports")
+    if args.reuse_sft and os.path.isdir(os.path.join(exports, f"step_{args.sft_steps}")):
+        print(f"[make_tiny_model] reusing the SFT exports in {exports}", flush=True)
+        return {int(d.rsplit("_", 1)[1]): os.path.join(exports, d) for d in os.listdir(exports)}
+    shutil.rmtree(exports, ignore_errors=True)
     cmd = [
         sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_sft.yaml"),
         f"model.hf_path={out}/hf", "model.init=random", f"data.train_path={out}/data/sft.jsonl",
-        f"train.steps={args.sft_steps}", f"train.run_dir={out}/sft_run",
-        f"checkpoint.hf_export_dir={out}/model", *args.override,
+        f"train.steps={args.sft_steps}", f"optim.lr_decay_steps={args.sft_decay_steps}",
+        f"train.run_dir={out}/sft_run", "checkpoint.hf_export_dir=" + os.path.join(exports, "step_{step}"),
+        f"checkpoint.hf_export_interval={args.export_every}", "checkpoint.resume=false", *args.override,
     ]
     print("[make_tiny_model] SFT:", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
+    return {int(d.rsplit("_", 1)[1]): os.path.join(exports, d) for d in os.listdir(exports)}
 
 
 def evaluate_model(model_dir: str, prompts_path: str, n: int, max_new_tokens: int, log_dir: str
@@ -100,8 +114,39 @@ def evaluate_model(model_dir: str, prompts_path: str, n: int, max_new_tokens: in
         async with RolloutClient(urls) as client:
             return await evaluate_samples(client, samples, arith_exact_match, sampling, tok)
 
-    with LocalCluster(model_dir, 1, log_dir) as urls:
-        return asyncio.run(run(urls))
+    for attempt in range(3):  # a free port can be taken by another process before the server binds it
+        try:
+            with LocalCluster(model_dir, 1, log_dir) as urls:
+                return asyncio.run(run(urls))
+        except RuntimeError as e:
+            if attempt == 2 or "exited early" not in str(e):
+                raise
+            print(f"[make_tiny_model] eval server failed to start, retrying: {str(e)[:200]}", flush=True)
+
+
+def choose_checkpoint(args: argparse.Namespace, exports: dict[int, str], eval_path: str,
+                      log_dir: str) -> tuple[int, dict[int, float]]:
+    """The export whose greedy accuracy is closest to --target-accuracy (ties: the earlier), and
+    {step: accuracy} of every export evaluated. Coarse to fine: every 4th export until one reaches
+    the target, then every export between the coarse point before it and the one after it."""
+    accs: dict[int, float] = {}
+
+    def acc(step: int) -> float:
+        if step not in accs:
+            accs[step] = evaluate_model(exports[step], eval_path, args.n_eval, args.digits + 3, log_dir).accuracy
+            print(f"[make_tiny_model] SFT step {step}: greedy held-out accuracy {accs[step]:.3f}", flush=True)
+        return accs[step]
+
+    steps = sorted(exports)
+    coarse = steps[3::4] if len(steps) > 4 else steps
+    hit = next((i for i, st in enumerate(coarse) if acc(st) >= args.target_accuracy), len(coarse) - 1)
+    lo = coarse[hit - 1] if hit > 0 else steps[0]
+    hi = coarse[hit + 1] if hit + 1 < len(coarse) else steps[-1]
+    for st in steps:
+        if lo <= st <= hi:
+            acc(st)
+    best = min(sorted(accs), key=lambda st: abs(accs[st] - args.target_accuracy))
+    return best, accs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -112,7 +157,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--n-sft", type=int, default=5000, help="SFT examples")
     ap.add_argument("--n-rl", type=int, default=5000, help="RL prompts")
     ap.add_argument("--n-eval", type=int, default=500, help="held-out eval prompts")
-    ap.add_argument("--sft-steps", type=int, default=400)
+    ap.add_argument("--sft-steps", type=int, default=640, help="SFT steps run")
+    ap.add_argument("--sft-decay-steps", type=int, default=1500,
+                    help="length of the cosine LR schedule (longer than --sft-steps: an early stop)")
+    ap.add_argument("--export-every", type=int, default=10, help="SFT steps between candidate exports")
+    ap.add_argument("--target-accuracy", type=float, default=0.3,
+                    help="keep the SFT checkpoint closest to this greedy accuracy (0: the last one)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -123,6 +173,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--override", action="append", default=[], metavar="A.B=C",
                     help="extra megarl.train override for the SFT run (repeatable)")
     ap.add_argument("--skip-sft", action="store_true", help="stop after data, tokenizer and config")
+    ap.add_argument("--reuse-sft", action="store_true",
+                    help="keep the SFT exports of a finished earlier run in DIR/sft_run and only choose")
     ap.add_argument("--skip-eval", action="store_true", help="do not measure held-out accuracy")
     return ap.parse_args(argv)
 
@@ -147,15 +199,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.skip_sft:
         return 0
 
-    run_sft(args, out)
-    print(f"[make_tiny_model] SFT done, model in {out}/model ({time.monotonic() - t0:.1f}s)")
+    exports = run_sft(args, out)
+    print(f"[make_tiny_model] SFT done ({time.monotonic() - t0:.1f}s)")
+    model_dir = os.path.join(out, "model")
+    step, accs = max(exports), {}
     if not args.skip_eval:
-        acc = evaluate_model(os.path.join(out, "model"), paths["eval_prompts"], args.n_eval,
-                             args.digits + 3, os.path.join(out, "eval_server")).accuracy
-        print(f"[make_tiny_model] greedy held-out accuracy {acc:.3f} on {args.n_eval} prompts "
-              f"({time.monotonic() - t0:.1f}s)")
+        if args.target_accuracy > 0:
+            step, accs = choose_checkpoint(args, exports, paths["eval_prompts"],
+                                           os.path.join(out, "eval_server"))
+        else:
+            accs = {step: evaluate_model(exports[step], paths["eval_prompts"], args.n_eval,
+                                         args.digits + 3, os.path.join(out, "eval_server")).accuracy}
+    shutil.rmtree(model_dir, ignore_errors=True)
+    shutil.copytree(exports[step], model_dir)
+    print(f"[make_tiny_model] model in {model_dir}: SFT step {step}, greedy held-out accuracy "
+          f"{accs.get(step, float('nan')):.3f} on {args.n_eval} prompts ({time.monotonic() - t0:.1f}s)")
+    if accs:
         with open(os.path.join(out, "sft_eval.json"), "w") as f:
-            json.dump({"greedy_accuracy": acc, "n": args.n_eval}, f)
+            json.dump({"greedy_accuracy": accs[step], "n": args.n_eval, "sft_step": step,
+                       "sft_decay_steps": args.sft_decay_steps, "target_accuracy": args.target_accuracy,
+                       "candidates": {str(k): v for k, v in sorted(accs.items())}}, f, indent=1)
     return 0
 
 

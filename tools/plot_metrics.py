@@ -1,8 +1,11 @@
 """Plot metrics from a run's metrics.jsonl: one subplot per key, value vs step, saved as PNG.
 
     python tools/plot_metrics.py RUN_DIR/metrics.jsonl [--keys loss,reward] --out plot.png
+    python tools/plot_metrics.py RUN_DIR/metrics.jsonl [RUN2/metrics.jsonl] --curve --out curve.png
 
 Without --keys every numeric metric is drawn. Several files may be given to overlay runs.
+--curve draws the learning curve instead (held-out accuracy and reward vs step and vs wall time,
+megarl/plotting.py; every RL run writes it to RUN_DIR/learning_curve.png at its end).
 Needs matplotlib (`pip install matplotlib`, or the [plot] / [test] extra).
 """
 from __future__ import annotations
@@ -12,6 +15,10 @@ import json
 import math
 import os
 import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script from anywhere without installing
+    sys.path.insert(0, REPO)
 
 _SKIP = {"step", "time"}
 
@@ -71,11 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("metrics", nargs="+", help="metrics.jsonl file(s)")
     ap.add_argument("--keys", default=None, help="comma-separated metric names (default: all numeric)")
     ap.add_argument("--out", default="plot.png", help="output PNG path")
+    ap.add_argument("--curve", action="store_true",
+                    help="learning curve: eval accuracy and reward vs step and vs wall time")
     args = ap.parse_args(argv)
     runs = {}
     for path in args.metrics:
         label = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
         runs[label if label not in runs else path] = read_metrics(path)
+    if args.curve:
+        from megarl.plotting import plot_learning_curves
+
+        plot_learning_curves(runs, args.out)
+        print(f"wrote {args.out} (learning curve of {len(runs)} run(s))")
+        return 0
     all_rows = [r for rows in runs.values() for r in rows]
     keys = args.keys.split(",") if args.keys else numeric_keys(all_rows)
     missing = [k for k in keys if not any(k in r for r in all_rows)]

@@ -5,7 +5,9 @@ The export is the run's deliverable, not state the run resumes from, so it is sc
 training loops next to ``CheckpointManager.maybe_save`` rather than inside the manager (which owns
 resumable state only). The rule: every ``checkpoint.hf_export_interval`` steps when that is set,
 and always at the last step; never when ``hf_export_dir`` is empty. Each export overwrites the
-previous one, so the directory holds the newest model.
+previous one, so the directory holds the newest model, unless the path contains ``{step}``
+(e.g. ``runs/sft/exports/step_{step}``): then every export gets its own directory, which is how
+tools/make_tiny_model.py picks an intermediate SFT checkpoint as the RL start point.
 
 ``maybe_export_hf`` is collective: every rank calls it at every step with the same arguments
 (the export gathers TP shards and each pipeline stage writes its part), and the decision depends
@@ -26,5 +28,10 @@ def maybe_export_hf(cfg, engine, step: int, last: bool = False) -> bool:
     returns whether it did."""
     if not hf_export_due(cfg.checkpoint, step, last):
         return False
-    engine.export_hf(cfg.checkpoint.hf_export_dir)
+    engine.export_hf(export_dir(cfg.checkpoint.hf_export_dir, step))
     return True
+
+
+def export_dir(template: str, step: int) -> str:
+    """The export directory of ``step``: ``template`` with ``{step}`` replaced (if present)."""
+    return template.replace("{step}", str(step))

@@ -17,18 +17,36 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Optional
 
 from megarl.net import LOOPBACK, free_port, http_url
 from megarl.signals import owned_child_setup
 
-def spawn_server(model_dir: str, log_path: str, port: int, extra=(), host: str = LOOPBACK
-                 ) -> subprocess.Popen:
-    """Starts ``megarl-server`` on ``host:port`` and returns at once."""
+def split_cpus(server_cpus) -> tuple[Optional[set[int]], Optional[set[int]]]:
+    """(server CPUs, trainer CPUs) for ``rollout.server_cpus``: the given ids that this process may
+    use, and the rest of them; (None, None) - no pinning, with a note - when either side would be
+    left without a CPU (e.g. a 1-CPU machine running the 2-core demo config)."""
+    allowed = os.sched_getaffinity(0)
+    server = set(server_cpus) & allowed
+    trainer = allowed - server
+    if not server or not trainer:
+        print(f"[rollout] rollout.server_cpus={list(server_cpus)}: this process may use CPUs "
+              f"{sorted(allowed)}, not enough to give servers and trainer their own; not pinning", flush=True)
+        return None, None
+    return server, trainer
+
+
+def spawn_server(model_dir: str, log_path: str, port: int, extra=(), host: str = LOOPBACK,
+                 cpus=None) -> subprocess.Popen:
+    """Starts ``megarl-server`` on ``host:port`` (pinned to ``cpus`` when given) and returns at once."""
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     log = open(log_path, "a")  # append: a restarted server keeps its predecessor's log
-    return subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
+    proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
                              "--host", host, "--port", str(port), *map(str, extra)], stdout=log,
                             stderr=subprocess.STDOUT, preexec_fn=owned_child_setup)
+    if cpus:  # right after the fork, before the child starts its torch threads (they inherit it)
+        os.sched_setaffinity(proc.pid, cpus)
+    return proc
 
 
 def root_flags(weights_roots) -> list[str]:
@@ -55,13 +73,13 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s:
 
 
 def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0,
-                 host: str = LOOPBACK, weights_roots=()) -> tuple[str, subprocess.Popen]:
+                 host: str = LOOPBACK, weights_roots=(), cpus=None) -> tuple[str, subprocess.Popen]:
     """Starts ``megarl-server`` on a free port of ``host`` and waits for ``/health``.
     ``weights_roots``: where ``/update_weights_from_disk`` may read (the run's disk-transport
     directory); empty = the server's default (the model dir and its parent)."""
     port = free_port(host)
     extra = [*extra, *root_flags(weights_roots)]
-    proc = spawn_server(model_dir, log_path, port, extra, host)
+    proc = spawn_server(model_dir, log_path, port, extra, host, cpus)
     url = http_url(host, port)
     wait_ready(url, proc, log_path, ready_timeout_s)
     return url, proc
@@ -79,7 +97,8 @@ class LocalCluster:
     def __enter__(self) -> list[str]:
         try:
             for i in range(self.n):
-                url, proc = start_server(self.model_dir, self._log(i), self.extra, host=self.host)
+                url, proc = start_server(self.model_dir, self._log(i), self.extra, host=self.host,
+                                         cpus=self.cpus)
                 self.urls.append(url)
                 self.procs.append(proc)
         except BaseException:
@@ -109,7 +128,7 @@ class LocalCluster:
             old.kill()
             old.wait(timeout=10)
         port = int(url.rsplit(":", 1)[1])
-        self.procs[i] = spawn_server(self.model_dir, self._log(i), port, self.extra, self.host)
+        self.procs[i] = spawn_server(self.model_dir, self._log(i), port, self.extra, self.host, self.cpus)
         self.restarts += 1
         self._write_index()
         return True

@@ -40,7 +40,7 @@ from megarl.net import serving_host
 from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController
 from megarl.rollout.evaluation import PeriodicEval
-from megarl.rollout.local import LocalCluster
+from megarl.rollout.local import LocalCluster, split_cpus
 from megarl.rollout.rewards import RewardCaller, load_reward_fn
 from megarl.rollout.types import SamplingParams, Trajectory
 from megarl.rollout.workflows import WorkflowContext, load_workflow
@@ -162,10 +162,14 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None) -> None:
     with contextlib.ExitStack() as stack:
         servers, local = list(r.servers), None
         if not servers and ps.rank == 0:
+            server_cpus, trainer_cpus = split_cpus(r.server_cpus) if r.server_cpus else (None, None)
             local = LocalCluster(cfg.model.hf_path, r.local_servers, f"{t.run_dir}/servers",
                                  extra=["--threads", r.server_threads], host=serving_host(),
-                                 weights_roots=[cfg.weights.disk_dir or f"{t.run_dir}/weights"])
+                                 weights_roots=[cfg.weights.disk_dir or f"{t.run_dir}/weights"],
+                                 cpus=server_cpus)
             servers = stack.enter_context(local)
+            if trainer_cpus:  # generation and training on their own cores (docs/demo.md)
+                os.sched_setaffinity(0, trainer_cpus)
         cluster = RolloutCluster.from_config(cfg, _broadcast(servers), driver=ps.rank == 0)
         if local is not None:
             cluster.restart = local.restart  # a local server that dies is relaunched on its port
@@ -195,6 +199,10 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None) -> None:
         timer = StepTimer(timeline)
         bad_steps = 0  # consecutive steps with a skipped (non-finite) update
         evaluator = build_eval(cfg) if controller is not None else None
+        if evaluator is not None and r.eval_at_start and start == 0:  # the learning curve's step 0
+            evaluator.submit(controller, 0, cluster.version)
+            logger.log({**evaluator.poll(wait=True), "policy_version": cluster.version}, 0)
+        step = start
         for step in progress(range(start + 1, t.steps + 1), desc="grpo", total=t.steps - start):
             last = step == t.steps
             with timer.phase("wait"):
@@ -230,6 +238,10 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None) -> None:
                     evaluator.submit(controller, step, cluster.version)  # runs beside training
                 with timer.phase("eval"):  # only the last step waits for its evaluation
                     metrics.update(evaluator.poll(wait=last))
+            reached = False
+            if t.stop_at_eval_accuracy and not last:  # rank 0 decides for every rank
+                reached = _broadcast(metrics.get("eval_accuracy", -1.0) >= t.stop_at_eval_accuracy
+                                     if ps.rank == 0 else None)
             metrics.update({"rollout/live_servers": len(cluster.addresses),
                             "rollout/dead_servers": len(cluster.dead)})
             if local is not None:
@@ -245,6 +257,11 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None) -> None:
             if stop is not None and not last and stop.should_stop():
                 ckpt.save(step, policy_version=cluster.version)  # the next start resumes here
                 break
-            ckpt.maybe_save(step, last=last, policy_version=cluster.version)
-            maybe_export_hf(cfg, engine, step, last=last)
+            ckpt.maybe_save(step, last=last or reached, policy_version=cluster.version)
+            maybe_export_hf(cfg, engine, step, last=last or reached)
+            if reached:
+                print0(f"[grpo] eval accuracy reached train.stop_at_eval_accuracy="
+                       f"{t.stop_at_eval_accuracy} (measured at step {metrics.get('eval/step')}); "
+                       f"stopping at step {step}")
+                break
         print0(f"[grpo] done: {step} of {t.steps} steps, policy version {cluster.version}")

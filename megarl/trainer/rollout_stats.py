@@ -28,7 +28,7 @@ def batch_metrics(trajs: list[Trajectory], version: int) -> dict:
            "response_len": statistics.fmean(t.response_len for t in trajs),
            "staleness_mean": statistics.fmean(stale), "staleness_max": max(stale),
            "partial_frac": statistics.fmean(s > 1 for s in spans), "max_partial_span": max(spans),
-           "stale_samples": sum(s > 0 for s in stale)}
+           "stale_samples": sum(s > 0 for s in stale), "trained_samples": len(trajs)}
     for k, n in sorted(collections.Counter(stale).items()):
         out[f"staleness_hist/{k}"] = n
     return out

@@ -15,7 +15,7 @@ def run(tmp_path, name: str, *extra) -> list[dict]:
     cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
            f"model.hf_path={REPO}/examples/tiny/model",
            f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
-           f"train.run_dir={out}", "checkpoint.hf_export_dir=", "train.steps=3",
+           f"train.run_dir={out}", "checkpoint.hf_export_dir=", "train.global_batch_size=64", "rollout.eval_at_start=false", "train.steps=3",
            "rollout.max_staleness=0", "rollout.seed=7", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
                           env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -60,7 +60,7 @@ def test_one_pause_and_one_continue_per_push(tmp_path):
         cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
                f"model.hf_path={REPO}/examples/tiny/model",
                f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
-               f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.steps=3",
+               f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.global_batch_size=64", "rollout.eval_at_start=false", "train.steps=3",
                f"rollout.servers=[{proxy.url}]", "weights.transport=tensor", "rollout.max_staleness=1"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
                               env=dict(os.environ, OMP_NUM_THREADS="1"))

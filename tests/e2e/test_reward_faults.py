@@ -14,7 +14,7 @@ def test_raising_hanging_and_nan_rewards_do_not_stop_the_run(tmp_path):
     cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
            f"model.hf_path={REPO}/examples/tiny/model",
            f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
-           f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.steps=3",
+           f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.global_batch_size=64", "rollout.eval_at_start=false", "train.steps=3",
            "rollout.reward_fn=reward_plugins:faulty_reward", "reward.timeout_s=0.3",
            "reward.on_error_value=-1.0", "logging.dump_generations=true"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -25,7 +25,7 @@ def test_sigterm_saves_the_step_and_the_rerun_resumes(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_sft.yaml"),
            f"model.hf_path={REPO}/examples/tiny/hf", f"data.train_path={REPO}/examples/tiny/data/sft.jsonl",
-           f"train.run_dir={run}", "checkpoint.hf_export_dir=", "parallel.pp=2", "optim.lr_decay_style=constant"]
+           f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.global_batch_size=64", "rollout.eval_at_start=false", "parallel.pp=2", "optim.lr_decay_style=constant"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd + ["train.steps=100000"], cwd=str(tmp_path), env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -59,7 +59,7 @@ def test_sigusr1_to_the_process_group_saves_and_stops_the_owned_server(tmp_path)
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
            f"model.hf_path={REPO}/examples/tiny/model", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
-           "data.eval_path=", f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.steps=1000",
+           "data.eval_path=", f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.global_batch_size=64", "rollout.eval_at_start=false", "train.steps=1000",
            "checkpoint.save_interval=0"]
     proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)

@@ -14,7 +14,7 @@ def train(tmp_path, steps: int) -> list[dict]:
     cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
            f"model.hf_path={REPO}/examples/tiny/model",
            f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
-           f"train.run_dir={run}", "checkpoint.hf_export_dir=", f"train.steps={steps}",
+           f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.global_batch_size=64", "rollout.eval_at_start=false", f"train.steps={steps}",
            "checkpoint.save_interval=5", "algo.advantage=gae", "critic.warmup_steps=2",
            "critic.lr=1e-3", "critic.value_clip=0.5", "optim.lr=3e-5",
            "rollout.reward_fn=reward_plugins:exact_match_plus_one"]

@@ -19,7 +19,8 @@ def test_grpo_steps(tmp_path, layout):
            f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
            f"data.eval_path={REPO}/examples/tiny/data/eval_prompts.jsonl",
            f"train.run_dir={run}", f"checkpoint.hf_export_dir={run}/model", "train.steps=4",
-           "rollout.eval_interval=2", "rollout.eval_size=50", "rollout.max_staleness=1", *layout]
+           "rollout.eval_interval=2", "rollout.eval_size=50", "rollout.max_staleness=1",
+           "train.global_batch_size=64", "rollout.eval_at_start=false", *layout]
     sinks = ["logging.tensorboard=true", "logging.wandb_project=megarl-test"] if not layout else []
     proc = subprocess.run(cmd + sinks, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
                           env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true"))
@@ -61,7 +62,7 @@ def test_grpo_learns_a_reward(tmp_path):
     cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
            f"model.hf_path={REPO}/examples/tiny/model",
            f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
-           f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.steps=14", "optim.lr=1e-4",
+           f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.global_batch_size=64", "rollout.eval_at_start=false", "train.steps=14", "optim.lr=1e-4", "optim.lr_warmup_steps=0",
            "rollout.reward_fn=reward_plugins:starts_with_one"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=env)

@@ -28,7 +28,7 @@ def demo_overrides(run_dir, steps: int, *more: str) -> list[str]:
     """configs/tiny_grpo.yaml with absolute paths, no eval, no HF export."""
     return [os.path.join(REPO, "configs", "tiny_grpo.yaml"), f"model.hf_path={REPO}/examples/tiny/model",
             f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
-            f"train.run_dir={run_dir}", "checkpoint.hf_export_dir=", f"train.steps={steps}", *more]
+            f"train.run_dir={run_dir}", "checkpoint.hf_export_dir=", "train.global_batch_size=64", "rollout.eval_at_start=false", f"train.steps={steps}", *more]
 
 
 def metric_rows(run_dir) -> list[dict]:

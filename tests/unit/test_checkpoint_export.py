@@ -33,3 +33,18 @@ def test_maybe_export_hf_calls_the_engine_when_due():
     engine = Engine()
     done = [maybe_export_hf(cfg, engine, s, last=s == 3) for s in (1, 2, 3)]
     assert done == [False, True, True] and engine.calls == ["/tmp/out", "/tmp/out"]
+
+
+def test_step_template_gives_each_export_its_own_dir():
+    class Engine:
+        def __init__(self):
+            self.calls = []
+
+        def export_hf(self, out_dir):
+            self.calls.append(out_dir)
+
+    cfg = SimpleNamespace(checkpoint=CheckpointConfig(hf_export_dir="/tmp/e/step_{step}", hf_export_interval=2))
+    engine = Engine()
+    for s in (1, 2, 3, 4):
+        maybe_export_hf(cfg, engine, s, last=s == 4)
+    assert engine.calls == ["/tmp/e/step_2", "/tmp/e/step_4"]

@@ -1,11 +1,13 @@
 """Rollout workflows: how one prompt becomes a group of scored trajectories (contract, context
 and checker in `base`). Shipped: `SingleTurnWorkflow` (RLVR, the GRPO default),
-`MultiTurnWorkflow` (environment feedback as new turns) and `ToolCallingWorkflow` (Hermes/Qwen
+`LongTailWorkflow` (long-tailed lengths, for benchmarks), `MultiTurnWorkflow` (environment
+feedback as new turns) and `ToolCallingWorkflow` (Hermes/Qwen
 tool calls run by `megarl.rollout.tools`). Configs name them as
 ``megarl.rollout.workflows:ToolCallingWorkflow``.
 """
 from megarl.rollout.workflows.base import (RolloutWorkflow, TokenTrace, WorkflowContext, check_episode,
                                            load_workflow)
+from megarl.rollout.workflows.long_tail import LongTailWorkflow
 from megarl.rollout.workflows.multi_turn import EnvStep, MultiTurnWorkflow
 from megarl.rollout.workflows.single_turn import SingleTurnWorkflow
 from megarl.rollout.workflows.tool_calling import ToolCall, ToolCallingWorkflow, parse_tool_calls
@@ -13,6 +15,7 @@ from megarl.rollout.workflows.turns import TurnRenderer
 
 __all__ = [
     "EnvStep",
+    "LongTailWorkflow",
     "MultiTurnWorkflow",
     "RolloutWorkflow",
     "SingleTurnWorkflow",

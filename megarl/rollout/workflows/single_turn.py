@@ -31,6 +31,10 @@ class SingleTurnWorkflow:
             return None
         sampling = self.ctx.sampling_for(sample, budget)
         responses = await client.agenerate_n(ModelRequest(prompt, sampling), self.group_size)
+        return await self.score(sample, responses)
+
+    async def score(self, sample: PromptSample, responses) -> list[Trajectory]:
+        """Rewards of the decoded completions and one Trajectory per response."""
         texts = [self.completion_text(r.output_tokens) for r in responses]
         rewards = await self.ctx.reward.many(sample.prompt, texts, sample.meta)
         out = []

@@ -1,0 +1,137 @@
+"""Shared by the RL benchmarks: run `megarl-train` on the demo task and read its clock.
+
+    summary = run_train(run_dir, overrides)   # -> RunSummary of metrics.jsonl
+
+Training wall time excludes evaluation everywhere: a run's clock starts when its first step starts
+(first row's `time - step_time`) and every row's `time/eval` (blocking held-out evaluation through
+the rollout server) is subtracted, so "seconds to accuracy" is comparable between runs that
+evaluate at different intervals and with TRL's timing (bench_vs_trl.py). Process start-up (imports,
+server start, model load) is reported separately as `process_s`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DATA = os.path.join(REPO, "examples", "tiny", "data")
+
+
+@dataclass
+class RunSummary:
+    name: str
+    start_accuracy: Optional[float]
+    final_accuracy: Optional[float]
+    steps: int
+    trained_samples: int
+    train_s: float
+    """Training seconds over all steps, evaluation excluded."""
+    samples_per_s: float
+    s_per_step: float
+    time_to_target_s: Optional[float] = None
+    steps_to_target: Optional[int] = None
+    process_s: float = 0.0
+    evals: list = field(default_factory=list)
+    """[{step, accuracy, train_s}] including step 0 (rollout.eval_at_start)."""
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def read_rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarize(name: str, rows: list[dict], target: Optional[float] = None) -> RunSummary:
+    steps = [r for r in rows if r["step"] >= 1]
+    if not steps:
+        raise RuntimeError(f"{name}: no training steps in metrics.jsonl")
+    t0 = steps[0]["time"] - steps[0]["step_time"]
+    evals, eval_s = [], 0.0
+    for r in rows:
+        if r["step"] >= 1:
+            eval_s += r.get("time/eval", 0.0)
+        if "eval_accuracy" in r:
+            train_s = max(0.0, r["time"] - t0 - eval_s) if r["step"] else 0.0
+            evals.append({"step": r["step"], "accuracy": r["eval_accuracy"], "train_s": train_s})
+    train_s = steps[-1]["time"] - t0 - eval_s
+    samples = sum(int(r.get("trained_samples", 0)) for r in steps)
+    hit = next((e for e in evals if e["step"] and target is not None and e["accuracy"] >= target), None)
+    return RunSummary(
+        name=name, start_accuracy=evals[0]["accuracy"] if evals and evals[0]["step"] == 0 else None,
+        final_accuracy=evals[-1]["accuracy"] if evals else None, steps=steps[-1]["step"],
+        trained_samples=samples, train_s=train_s, samples_per_s=samples / max(train_s, 1e-9),
+        s_per_step=train_s / len(steps), time_to_target_s=hit["train_s"] if hit else None,
+        steps_to_target=hit["step"] if hit else None, evals=evals)
+
+
+def run_train(*args, **kwargs) -> RunSummary:
+    """`_run_train`, retried (twice) when the run died on a port another process took between
+    megarl's free_port() and its bind (seen on the shared benchmark machine)."""
+    for attempt in range(3):
+        try:
+            return _run_train(*args, **kwargs)
+        except RuntimeError as e:
+            log = str(e).rsplit("(log ", 1)[-1].rstrip(")")
+            if attempt == 2 or not os.path.exists(log) or "address already in use" not in open(log).read():
+                raise
+            print(f"[bench] port taken by another process, retrying: {e}", flush=True)
+    raise AssertionError("unreachable")
+
+
+def _run_train(run_dir: str, overrides: list[str], name: Optional[str] = None,
+              target: Optional[float] = None, config: str = "configs/tiny_grpo.yaml",
+              log: Optional[str] = None, env: Optional[dict] = None,
+              budget_s: Optional[float] = None) -> RunSummary:
+    """`python -m megarl.train CONFIG` on the demo data with `overrides` (last wins), fresh run dir.
+    The child gets OMP_NUM_THREADS=1 unless `env` says otherwise (a None value unsets a variable).
+    With `budget_s` the run (its process group: trainer and local servers) is killed once its
+    training time (evaluation excluded) passes the budget; the steps logged so far are summarized."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir, exist_ok=True)
+    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, config),
+           f"data.train_path={DATA}/rl_prompts.jsonl", f"data.eval_path={DATA}/eval_prompts.jsonl",
+           f"train.run_dir={run_dir}", "checkpoint.hf_export_dir=", "logging.timeline=false",
+           *overrides]
+    print("[bench] " + " ".join(cmd[2:]), flush=True)
+    t = time.perf_counter()
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    child_env = {k: v for k, v in child_env.items() if v is not None}  # None: unset it
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    stopped = False
+    with open(log or os.path.join(run_dir, "train.log"), "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=child_env,
+                                start_new_session=budget_s is not None)
+        while proc.poll() is None:
+            time.sleep(2.0)
+            if budget_s is not None and os.path.exists(metrics):
+                rows = [r for r in read_rows(metrics) if r["step"] >= 1]
+                if rows and summarize("", rows).train_s > budget_s:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the trainer and the servers it started
+                    proc.wait()
+                    stopped = True
+    if proc.returncode and not stopped:
+        raise RuntimeError(f"{name or run_dir}: megarl-train failed (log {out.name})")
+    summary = summarize(name or os.path.basename(run_dir), read_rows(metrics), target)
+    summary.process_s = time.perf_counter() - t
+    summary.extra["budget_stopped"] = stopped
+    return summary
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt(x, spec: str = ".3f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
