@@ -102,15 +102,16 @@ def check_tokenizer(cfg: Config, model_vocab: int):
 # ----------------------------------------------------------------------------- data
 
 def check_dataset(field: str, path: str, cfg: Config, tok, max_positions: int) -> int:
-    """Number of samples; errors name ``field`` and ``file:line``."""
-    from megarl.data.datasets import read_jsonl
+    """Number of samples; errors name ``field`` and ``file:line`` (JSONL) or ``file:row N``."""
+    from megarl.data.readers import get_field, read_records
 
     if not os.path.isfile(path):
         raise ConfigError(f"{field}: no such file: {path}")
-    sft = cfg.train.algorithm == "sft"
-    keys = (cfg.data.prompt_key, cfg.data.response_key) if sft else (cfg.data.prompt_key, "answer")
+    sft = not cfg.train.is_rl
+    # RL needs the prompt; the answer field is the reward function's business (data.answer_key)
+    keys = (cfg.data.prompt_key, cfg.data.response_key) if sft else (cfg.data.prompt_key,)
     try:
-        rows = read_jsonl(path, keys)
+        rows = read_records(path, keys)
     except UnicodeDecodeError as e:
         raise ConfigError(f"{field}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except (ValueError, KeyError, OSError) as e:
@@ -121,10 +122,13 @@ def check_dataset(field: str, path: str, cfg: Config, tok, max_positions: int) -
     # A prompt must leave room for at least one response token: SFT would train on nothing
     # (samples are cut at max_seq_len), RL would be refused by the rollout server.
     limit = cfg.train.max_seq_len if sft else min(cfg.train.max_seq_len, max_positions)
-    for lineno, row in rows:
-        n = len(tok.encode(str(row[cfg.data.prompt_key]), add_bos=True))
+    for where, row in rows:  # where = "file:line" or "file:row N"
+        prompt = get_field(row, cfg.data.prompt_key)
+        if not isinstance(prompt, str) or (not sft and cfg.data.max_prompt_length):
+            continue  # chat messages: rendered by the template; or data.truncation decides
+        n = len(tok.encode(prompt, add_bos=True))
         if n >= limit:
-            raise ConfigError(f"{field}: {path}:{lineno}: the prompt is {n} tokens, no room for a "
+            raise ConfigError(f"{field}: {where}: the prompt is {n} tokens, no room for a "
                               f"response under train.max_seq_len={cfg.train.max_seq_len}"
                               + ("" if sft else f" / max_position_embeddings={max_positions}"))
     return len(rows)
@@ -134,7 +138,7 @@ def check_dataset(field: str, path: str, cfg: Config, tok, max_positions: int) -
 
 def check_plugins(cfg: Config) -> None:
     from megarl.rollout.rewards import load_reward_fn
-    from megarl.rollout.workflow import load_workflow_class
+    from megarl.rollout.workflows.base import load_workflow_class
 
     for field, load, path in (("rollout.reward_fn", load_reward_fn, cfg.rollout.reward_fn),
                               ("rollout.workflow", load_workflow_class, cfg.rollout.workflow)):

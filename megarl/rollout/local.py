@@ -88,8 +88,10 @@ def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float
 class LocalCluster:
     """``with LocalCluster(model_dir, n=2, log_dir=...) as urls: ...``"""
 
-    def __init__(self, model_dir: str, n: int, log_dir: str, extra=(), host: str = "127.0.0.1"):
-        self.model_dir, self.n, self.log_dir, self.extra, self.host = model_dir, n, log_dir, extra, host
+    def __init__(self, model_dir: str, n: int, log_dir: str, extra=(), host: str = LOOPBACK,
+                 weights_roots=(), cpus=None):
+        self.model_dir, self.n, self.log_dir, self.host, self.cpus = model_dir, n, log_dir, host, cpus
+        self.extra = [*extra, *root_flags(weights_roots)]  # restarts get the same flags
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.restarts = 0

@@ -31,7 +31,8 @@ from megarl.data.tokenizer import Tokenizer
 from megarl.rollout.rewards.base import RewardCaller
 from megarl.rollout.types import ModelResponse, SamplingParams, Trajectory
 
-__all__ = ["WorkflowContext", "RolloutWorkflow", "TokenTrace", "load_workflow", "check_episode", "completion_text"]
+__all__ = ["WorkflowContext", "RolloutWorkflow", "TokenTrace", "load_workflow", "load_workflow_class",
+           "check_episode", "completion_text"]
 
 
 def completion_text(tokenizer, tokens: list[int]) -> str:
@@ -102,6 +103,15 @@ class TokenTrace:
 
 def load_workflow(path: str, ctx: WorkflowContext, args: Optional[dict] = None) -> RolloutWorkflow:
     """Build ``rollout.workflow`` ("package.module:Class") as ``Class(ctx, **workflow_args)``."""
+    cls = load_workflow_class(path)
+    try:
+        return cls(ctx, **(args or {}))
+    except TypeError as e:
+        raise ValueError(f"rollout.workflow_args: {path!r} cannot be built with {args or {}}: {e}") from None
+
+
+def load_workflow_class(path: str) -> type:
+    """The class ``rollout.workflow`` names (checked before any rank starts, by preflight)."""
     module, sep, name = path.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"rollout.workflow: expected 'module:Class', got {path!r}")
@@ -111,10 +121,7 @@ def load_workflow(path: str, ctx: WorkflowContext, args: Optional[dict] = None) 
         raise ValueError(f"rollout.workflow: cannot load {path!r}: {e}") from None
     if not hasattr(cls, "arun_episode"):
         raise ValueError(f"rollout.workflow: {path!r} has no arun_episode method")
-    try:
-        return cls(ctx, **(args or {}))
-    except TypeError as e:
-        raise ValueError(f"rollout.workflow_args: {path!r} cannot be built with {args or {}}: {e}") from None
+    return cls
 
 
 def check_episode(sample: PromptSample, result: Any, vocab_size: Optional[int] = None) -> list[str]:
