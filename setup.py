@@ -19,8 +19,9 @@ setup(
         "aiohttp>=3.9",  # rollout client and the CPU rollout server
     ],
     extras_require={
+        # everything the test tiers use: the README's one install line brings it all in
         "test": ["pytest>=7", "transformers>=4.45", "matplotlib", "tensorboard", "wandb", "pyarrow",
-                 "jinja2", "sympy"],
+                 "jinja2", "sympy", "mpi4py"],
         # Parquet prompt files, chat templates, symbolic math answers (megarl.compat.require)
         "data": ["pyarrow", "jinja2", "sympy"],
         "sglang": ["sglang>=0.5"],
