@@ -10,6 +10,7 @@ resolved config is written into the run directory by :func:`save_config`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import types
@@ -290,6 +291,9 @@ class RolloutConfig:
     """When servers is empty: start this many megarl CPU servers on loopback (the CPU demo)."""
     server_threads: int = 1
     """torch threads of each local server."""
+    server_args: list[str] = field(default_factory=list)
+    """Extra megarl-server flags for the local servers, e.g. [--max-running-requests, 1] (one
+    request at a time: logprobs then do not depend on which requests share a batch)."""
     server_cpus: list[int] = field(default_factory=list)
     """CPU ids to pin the local servers to (os.sched_setaffinity); rank 0, which starts them, is then
     pinned to the other CPUs, so generation and training never share a core. Empty = no pinning.
@@ -548,6 +552,24 @@ class Config:
                                   "across the push, which rollout.partial_rollout=false forbids; use abort")
 
 
+def _check_shape_fields(path: str) -> None:
+    """The config.json fields the layout checks divide by must be positive integers (a string or
+    a bool there would otherwise surface as a formatting TypeError)."""
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except FileNotFoundError:
+        return  # read_model_args names the missing file
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise ConfigError(f"model.hf_path: cannot read {path}: {e}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"model.hf_path: {path} must hold a JSON object")
+    for key in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers"):
+        v = hf.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"model.hf_path: {path}: {key} must be a positive integer, got {v!r}")
+
+
 def validate_against_model(cfg: Config) -> None:
     """Checks that need the HF config.json: TP vs heads and query groups, the pipeline split of
     the layers (uneven first/last stages included), sliding-window attention vs the layer spec."""
@@ -555,6 +577,7 @@ def validate_against_model(cfg: Config) -> None:
     from megarl.models.builder import moe_kwargs
     from megarl.models.registry import read_model_args
 
+    _check_shape_fields(os.path.join(cfg.model.hf_path, "config.json"))
     try:
         args = read_model_args(cfg.model.hf_path)
     except FileNotFoundError:

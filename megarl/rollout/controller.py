@@ -32,6 +32,7 @@ import collections
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -200,18 +201,40 @@ class RolloutController:
         """The oldest ``n_groups`` finished groups, flattened; blocks until they exist. The
         prompts of the returned groups count as trained from here on."""
         deadline = time.monotonic() + timeout_s
+        groups: list[Group] = []
         with self._ready:
-            while len(self._buffer) < n_groups:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"rollout: {len(self._buffer)}/{n_groups} groups after "
-                                       f"{timeout_s:.0f} s; recent errors: {list(self._errors)}")
-                self._ready.wait(timeout=min(left, 1.0))
-            groups = [self._buffer.popleft() for _ in range(n_groups)]
+            while len(groups) < n_groups:
+                while not self._buffer:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"rollout: {len(groups)}/{n_groups} groups after "
+                                           f"{timeout_s:.0f} s; recent errors: {list(self._errors)}")
+                    self._ready.wait(timeout=min(left, 1.0))
+                group = self._buffer.popleft()
+                if self._too_stale(group):
+                    continue
+                groups.append(group)
             self.trained_groups += n_groups
         # in draw order, not completion order: the same groups make the same batch (seeded runs)
         groups.sort(key=lambda g: g.draw)
         return [t for g in groups for t in g.trajectories]
+
+    def _too_stale(self, group: Group) -> bool:
+        """A group started under the bound but finished late (its server died and its requests
+        were resubmitted, say) may be older than max_staleness allows by now: it is not trained;
+        its prompt goes back to be generated again (still exactly once) and its slot is freed."""
+        oldest = min((t.min_version for t in group.trajectories), default=-1)
+        if oldest < 0 or self.versions.get_version() - oldest <= math.ceil(self.staleness.max_staleness):
+            return False
+        self._pending.appendleft((group.draw, group.prompt_index))
+        self.staleness.unaccept()
+        self.counters["regenerated/too_stale"] += 1
+        self._wake_threadsafe()
+        return True
+
+    def _wake_threadsafe(self) -> None:
+        if self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     def submit(self, fn):
         """Runs coroutine ``fn(client)`` on the controller's loop (with its client, beside the
@@ -272,7 +295,8 @@ class RolloutController:
                "rollout/accepted": s.accepted, "rollout/rejected": s.rejected,
                "rollout/failed": self.counters["failed"], "rollout/retries": self.counters["retries"],
                "rollout/filtered": sum(v for k, v in self.counters.items() if k.startswith("filtered/"))}
-        out.update({f"rollout/{k}": v for k, v in self.counters.items() if k.startswith("filtered/")})
+        out.update({f"rollout/{k}": v for k, v in self.counters.items()
+                    if k.startswith(("filtered/", "regenerated/"))})
         if self.client is not None:
             out["rollout/busy_s"] = self.client.busy_seconds()
         out.update({f"data/{k}": v for k, v in getattr(self.dataset, "stats", {}).items()})

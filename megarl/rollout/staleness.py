@@ -101,6 +101,11 @@ class StalenessManager:
             return {"accepted": self._count[EpisodeState.ACCEPTED],
                     "rejected": self._count[EpisodeState.REJECTED]}
 
+    def unaccept(self) -> None:
+        """An accepted episode was discarded before training (too stale): its slot is free again."""
+        with self._lock:
+            self._count[EpisodeState.ACCEPTED] -= 1
+
     def rebase(self, accepted: int) -> None:
         """A fresh start from a checkpoint: ``accepted`` episodes were trained, none runs."""
         with self._lock:

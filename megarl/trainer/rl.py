@@ -164,7 +164,7 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None) -> None:
         if not servers and ps.rank == 0:
             server_cpus, trainer_cpus = split_cpus(r.server_cpus) if r.server_cpus else (None, None)
             local = LocalCluster(cfg.model.hf_path, r.local_servers, f"{t.run_dir}/servers",
-                                 extra=["--threads", r.server_threads], host=serving_host(),
+                                 extra=["--threads", r.server_threads, *r.server_args], host=serving_host(),
                                  weights_roots=[cfg.weights.disk_dir or f"{t.run_dir}/weights"],
                                  cpus=server_cpus)
             servers = stack.enter_context(local)

@@ -1,6 +1,7 @@
 """Determinism: two runs of the demo config with the same seeds give bitwise-identical losses
-and rewards (CPU, max_staleness 0, seeded sampling); TP=2 gives the same numbers within 1e-5
-(real trainer, real local server)."""
+and rewards (CPU, max_staleness 0, seeded sampling, a server that runs one request at a time so
+its logprobs do not depend on batching); TP=2 gives the same numbers within 1e-5 (real trainer,
+real local server)."""
 import json
 import os
 import subprocess
@@ -16,7 +17,10 @@ def run(tmp_path, name: str, *extra) -> list[dict]:
            f"model.hf_path={REPO}/examples/tiny/model",
            f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
            f"train.run_dir={out}", "checkpoint.hf_export_dir=", "train.global_batch_size=64", "rollout.eval_at_start=false", "train.steps=3",
-           "rollout.max_staleness=0", "rollout.seed=7", *extra]
+           "rollout.max_staleness=0", "rollout.seed=7", "algo.prox_logp_mode=recompute",
+           # one request at a time: a batched matmul's last bits depend on which rows share it,
+           # and behave_logp enters the loss, so bitwise repeats need batch-invariant logprobs
+           "rollout.server_args=[--max-running-requests,'1']", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]

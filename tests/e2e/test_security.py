@@ -92,7 +92,10 @@ def test_binds_loopback_by_default(sec):
     from megarl.rollout.server.__main__ import parse_args
 
     assert parse_args(["--model", "x"]).host == "127.0.0.1"
-    assert WeightSyncConfig().master_address == "127.0.0.1"  # the trainer's weight-update master
+    # the trainer's weight-update master: "auto" advertises loopback when the servers are local
+    from megarl.net import advertised_address
+    assert WeightSyncConfig().master_address == "auto"
+    assert advertised_address("auto", "127.0.0.1") == "127.0.0.1"
     p = psutil.Process(sec.proc.pid)
     conns = p.net_connections(kind="inet") if hasattr(p, "net_connections") else p.connections(kind="inet")
     listening = {c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN}

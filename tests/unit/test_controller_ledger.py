@@ -12,8 +12,8 @@ from megarl.rollout.staleness import StalenessManager
 from megarl.rollout.types import Trajectory
 
 
-def traj(reward: float) -> Trajectory:
-    return Trajectory([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], [-1, 0, 0], reward, -1)
+def traj(reward: float, version: int = 0) -> Trajectory:
+    return Trajectory([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], [-1, version, version], reward, -1)
 
 
 class ScriptedWorkflow:
@@ -22,6 +22,7 @@ class ScriptedWorkflow:
     def __init__(self, delay: float = 0.005):
         self.attempts: dict[int, int] = {}
         self.delay = delay
+        self.version = lambda: 0  # set to the cluster's clock: tokens carry the version they were made at
 
     async def arun_episode(self, client, sample):
         await asyncio.sleep(self.delay)
@@ -30,7 +31,7 @@ class ScriptedWorkflow:
             raise RuntimeError(f"boom {sample.index}")
         if sample.index == 7:
             return None
-        return [traj(0.0), traj(1.0)]
+        return [traj(0.0, self.version()), traj(1.0, self.version())]
 
 
 def make(tmp_path, n_prompts=12, **kw):
@@ -39,7 +40,9 @@ def make(tmp_path, n_prompts=12, **kw):
     args = dict(batch_groups=2, max_staleness=1, max_concurrent=3, seed=0, max_retries=2,
                 failed_log=str(tmp_path / "failed.jsonl"))
     args.update(kw)
-    c = RolloutController(data, ScriptedWorkflow(), ["http://127.0.0.1:9"], cluster, **args)
+    workflow = ScriptedWorkflow()
+    workflow.version = cluster.get_version
+    c = RolloutController(data, workflow, ["http://127.0.0.1:9"], cluster, **args)
     cluster.subscribe(c)
     return c, cluster
 
@@ -100,6 +103,27 @@ def test_checkpoint_reissues_exactly_the_untrained_prompts(tmp_path):
     assert not set(draws_again) & draws_trained  # nothing trained twice
     assert pending <= set(draws_again) | {d for d in pending if d in rejected}
     assert min(d for d in draws_again if d not in pending) >= state["draws"]  # then fresh draws
+
+
+def test_a_group_older_than_the_bound_is_generated_again_not_trained(tmp_path):
+    c, cluster = make(tmp_path, n_prompts=12, max_staleness=1)
+    c.workflow.version = lambda: 0  # every group claims version 0, however late it finishes
+    c.start()
+    try:
+        first = c.next_batch(2, timeout_s=20)  # version 0: fresh
+        deadline = time.monotonic() + 20
+        while len(c._buffer) < 2 and time.monotonic() < deadline:  # two more made at version 0
+            time.sleep(0.01)
+        cluster.commit(1)
+        cluster.commit(2)  # two pushes later, version-0 groups are 2 > max_staleness old
+        c.workflow.version = cluster.get_version  # from now on generation is current
+        later = c.next_batch(2, timeout_s=20)
+    finally:
+        c.stop()
+    assert all(t.min_version == 0 for t in first)
+    assert all(2 - t.min_version <= 1 for t in later)  # the bound holds in the batch
+    assert c.counters["regenerated/too_stale"] >= 1  # the stale ones went back to be generated
+    assert c.stats()["rollout/regenerated/too_stale"] == c.counters["regenerated/too_stale"]
 
 
 def test_rebase_restarts_the_window_from_what_was_trained():
