@@ -283,7 +283,7 @@ class RolloutConfig:
     """Workflow class import path (arun_episode(client, sample) -> list[Trajectory])."""
     workflow_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments of the workflow class, e.g. {min_new_tokens: 4, alpha: 1.0} for
-    megarl.rollout.workflow:LongTailWorkflow (long-tailed per-sample lengths, docs/async.md)."""
+    megarl.rollout.workflow:LongTailWorkflow (long-tailed per-sample lengths; docs/benchmarks.md)."""
     eval_interval: int = 0
     """Greedy accuracy on data.eval_path every N steps (0 = only at the end, if eval_path is set)."""
     eval_size: int = 500
