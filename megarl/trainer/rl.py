@@ -9,6 +9,10 @@
         every train.trigger_parameter_sync_step steps: pusher.push(): pause rollouts -> push
         weights -> cluster.version + 1 -> resume (in-flight samples continue as partial
         rollouts, or finished under the old weights first without rollout.partial_rollout)
+        every rollout.eval_interval steps (and at step 0 with rollout.eval_at_start): greedy
+        held-out accuracy, run beside training and reported with the version it measured;
+        train.stop_at_eval_accuracy ends the run once a reported accuracy reaches it
+    at the end, train.py writes run_dir/learning_curve.png (megarl/plotting.py)
 
 The four modes of seed 003 are config alone (docs/async.md):
     on-policy           max_staleness 0, trigger 1

@@ -24,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rl_runs import REPO, markdown_table, read_rows, run_train  # noqa: E402
 
-LOSSES = {"ppo": ["algo.policy_loss=ppo", "algo.old_logp=behave"],
+LOSSES = {"ppo": ["algo.policy_loss=ppo", "algo.old_logp=behave", "algo.prox_logp_mode=recompute"],
           "decoupled": ["algo.policy_loss=decoupled_ppo"]}
 
 

@@ -13,8 +13,9 @@ recipe (configs/tiny_grpo.yaml): samples per step and per prompt, max new tokens
 and warmup, clip range (TRL epsilon / epsilon_high), grad-norm clip, token-mean loss ("dapo"),
 group-normalised advantages, no KL. They run one after the other on this machine:
 
-    TRL     GRPOTrainer in a child process (--trl-threads torch threads), synchronous on-policy,
-            generation with transformers `generate` (no vLLM on CPU).
+    TRL     GRPOTrainer in a child process (--trl-threads torch threads, default 1: TRL's best on
+            the loaded 2-core machine), synchronous on-policy, generation with transformers
+            `generate` (no vLLM on CPU).
     megarl  `megarl-train configs/tiny_grpo.yaml` on the same assets (async, local CPU server).
 
 Every --eval-every steps each side measures held-out accuracy; evaluation time is excluded from the
@@ -210,6 +211,32 @@ def time_to(evals: list[dict], threshold: float):
     return (hit["train_s"], hit["step"]) if hit else None
 
 
+def plot(results: dict, out: str) -> None:
+    """Held-out accuracy vs training seconds and vs step, both sides (OUT/curves.png)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[bench_vs_trl] matplotlib not installed: no PNG")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name in ("megarl", "trl"):
+        if name in results:
+            ev = results[name]["evals"]
+            for ax, x in zip(axes, ("train_s", "step")):
+                ax.plot([e[x] for e in ev], [e["accuracy"] for e in ev], marker=".", label=name)
+    for ax, label in zip(axes, ("training seconds (evaluation excluded)", "step")):
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out greedy accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "bench_vs_trl"))
@@ -219,16 +246,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="training seconds per side at most")
     ap.add_argument("--max-steps", type=int, default=6000)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--trl-threads", type=int, default=2,
-                    help="torch threads of the TRL process (it is one process: both cores by default)")
+    ap.add_argument("--trl-threads", type=int, default=1,
+                    help="torch threads of the TRL process (1: on the shared 2-core machine 2 threads made "
+                         "TRL 7x slower per step, 4.26 vs 0.59 s)")
     ap.add_argument("--megarl-config", default="configs/tiny_grpo.yaml")
     ap.add_argument("--megarl-override", action="append", default=[], metavar="A.B=C")
     ap.add_argument("--only", choices=("both", "trl", "megarl"), default="both")
+    ap.add_argument("--replot", action="store_true", help="only redraw OUT/curves.png from OUT/result.json")
     ap.add_argument("--worker", choices=("trl",), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     model_dir = os.path.join(args.out, "assets", "model")
     if args.worker == "trl":  # the child process: its own torch threads, nothing else loaded
         print(json.dumps(run_trl(args, model_dir)), file=open(os.path.join(args.out, "trl.json"), "w"))
+        return 0
+    if args.replot:
+        plot(json.load(open(os.path.join(args.out, "result.json"))), os.path.join(args.out, "curves.png"))
         return 0
     make_assets(args.out, args.model)
     results = {}
@@ -254,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f" -> megarl / TRL = {row['ratio']:.2f}x" if "ratio" in row else ""))
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump(results, f, indent=1)
+    plot(results, os.path.join(args.out, "curves.png"))
     return 0
 
 
