@@ -97,3 +97,50 @@ def http(method: str, url: str, body=None, key: str | None = None, timeout: floa
         return status, json.loads(text)
     except ValueError:
         return status, text
+
+
+class ForwardingProxy:
+    """An HTTP proxy on a free loopback port (own event loop on a daemon thread) that forwards
+    every request to ``target`` unchanged; ``on_request(path)`` runs first (count, or kill the
+    server mid-protocol). An unreachable target answers 502. Test scaffolding around real
+    servers: it never changes what the servers or the trainer say to each other."""
+
+    def __init__(self, target: str, on_request=None):
+        import asyncio
+        import threading
+
+        self.target, self.on_request = target, on_request or (lambda path: None)
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        threading.Thread(target=self._serve, args=(ready,), daemon=True).start()
+        assert ready.wait(30)
+
+    def _serve(self, ready) -> None:
+        import asyncio
+
+        from aiohttp import ClientSession, web
+
+        asyncio.set_event_loop(self.loop)
+
+        async def forward(request: web.Request) -> web.Response:
+            self.on_request(request.path)
+            try:
+                async with self.session.request(request.method, self.target + request.path_qs,
+                                                data=await request.read(), headers=request.headers) as r:
+                    return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+            except OSError:
+                return web.Response(status=502, text="upstream down")
+
+        async def start():
+            self.session = ClientSession()
+            app = web.Application(client_max_size=2**30)
+            app.router.add_route("*", "/{tail:.*}", forward)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            ready.set()
+
+        self.loop.run_until_complete(start())
+        self.loop.run_forever()

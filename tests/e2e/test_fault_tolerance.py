@@ -7,7 +7,6 @@
   test) and is re-admitted by health polling;
 - an external server SIGSTOPped (hung) fails the push within the deadline and training goes on.
 """
-import asyncio
 import collections
 import json
 import os
@@ -18,9 +17,8 @@ import threading
 import time
 import urllib.request
 
-from aiohttp import ClientSession, web
 
-from e2e_servers import ServerProc
+from e2e_servers import ForwardingProxy, ServerProc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = f"{REPO}/examples/tiny/model"
@@ -98,47 +96,21 @@ def test_killed_local_server_is_restarted_with_current_weights(tmp_path):
     assert_every_draw_trained_once(run, 30, 8)
 
 
-class KillingProxy:
+class KillingProxy(ForwardingProxy):
     """Forwards to ``target`` and SIGKILLs the server process when the ``kill_at``-th
     /begin_weight_update arrives (so the server dies inside a weight push)."""
 
     def __init__(self, target: ServerProc, kill_at: int):
-        self.target, self.kill_at, self.begins = target, kill_at, 0
+        self.server, self.kill_at, self.begins = target, kill_at, 0
         self.killed = threading.Event()
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        threading.Thread(target=self._serve, args=(ready,), daemon=True).start()
-        assert ready.wait(30)
+        super().__init__(target.url, self._maybe_kill)
 
-    def _serve(self, ready) -> None:
-        asyncio.set_event_loop(self.loop)
-
-        async def forward(request: web.Request) -> web.Response:
-            if request.path == "/begin_weight_update":
-                self.begins += 1
-                if self.begins == self.kill_at:
-                    self.target.kill()
-                    self.killed.set()
-            try:
-                async with self.session.request(request.method, self.target.url + request.path_qs,
-                                                data=await request.read(), headers=request.headers) as r:
-                    return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
-            except OSError:
-                return web.Response(status=502, text="upstream down")
-
-        async def start():
-            self.session = ClientSession()
-            app = web.Application(client_max_size=2**30)
-            app.router.add_route("*", "/{tail:.*}", forward)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-            ready.set()
-
-        self.loop.run_until_complete(start())
-        self.loop.run_forever()
+    def _maybe_kill(self, path: str) -> None:
+        if path == "/begin_weight_update":
+            self.begins += 1
+            if self.begins == self.kill_at:
+                self.server.kill()
+                self.killed.set()
 
 
 def test_server_killed_mid_push_rejoins_and_hung_server_is_dropped(tmp_path):

@@ -1,55 +1,26 @@
 """The weight-update protocol runs once per push: a recording proxy in front of a real
 megarl-server counts every admin call the GRPO loop makes (real trainer, real server; the proxy
 only forwards and counts)."""
-import asyncio
 import collections
 import json
 import os
 import subprocess
 import sys
-import threading
 
-from aiohttp import ClientSession, web
 
-from e2e_servers import ServerProc
+from e2e_servers import ForwardingProxy, ServerProc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ADMIN = ("pause_generation", "continue_generation", "flush_cache", "begin_weight_update",
          "end_weight_update", "update_weight_version", "update_weights_from_tensor")
 
 
-class RecordingProxy:
+class RecordingProxy(ForwardingProxy):
     """Forwards every request to ``target`` unchanged and counts requests per path."""
 
     def __init__(self, target: str):
-        self.target, self.counts = target, collections.Counter()
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-        assert self.ready.wait(30)
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-
-        async def forward(request: web.Request) -> web.Response:
-            self.counts[request.path.strip("/")] += 1
-            async with self.session.request(request.method, self.target + request.path_qs,
-                                            data=await request.read(), headers=request.headers) as r:
-                return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
-
-        async def start():
-            self.session = ClientSession()
-            app = web.Application(client_max_size=2**30)
-            app.router.add_route("*", "/{tail:.*}", forward)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-            self.ready.set()
-
-        self.loop.run_until_complete(start())
-        self.loop.run_forever()
+        self.counts = collections.Counter()
+        super().__init__(target, lambda path: self.counts.update([path.strip("/")]))
 
 
 def test_one_pause_and_one_continue_per_push(tmp_path):
