@@ -89,11 +89,16 @@ class Slurm:
         self.wait_state(jid, ("",), timeout)
 
 
-def wait_rows(run_dir, n: int, timeout: float = 300) -> list[dict]:
-    deadline = time.monotonic() + timeout
+def wait_rows(run_dir, n: int, timeout: float = 300, nudge=None) -> list[dict]:
+    """Until metrics.jsonl has ``n`` rows; ``nudge()`` every 5 s meanwhile (e.g. pull a requeued
+    job's start time in again: an update that raced the requeue is otherwise lost for ~2 min)."""
+    deadline = last = time.monotonic() + timeout
     while time.monotonic() < deadline:
         rows = metric_rows(run_dir)
         if len(rows) >= n:
             return rows
+        if nudge is not None and last - time.monotonic() >= 5:
+            last = time.monotonic()
+            nudge()
         time.sleep(0.2)
     raise AssertionError(f"fewer than {n} metrics rows in {run_dir} after {timeout:.0f}s")

@@ -85,10 +85,11 @@ def test_preemption_warning_and_requeue_resume_the_same_run(slurm, tmp_path):
     ckpts = sorted(os.listdir(run / "checkpoints"))
     assert ckpts == ["latest", f"step_{k1:08d}"]
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{k1:08d}"
-    slurm.run("scontrol", "update", f"jobid={jid}", "StartTime=now")
+    start_now = lambda: slurm.run("scontrol", "update", f"jobid={jid}", "StartTime=now", check=False)  # noqa: E731
+    start_now()
 
     # 2. scontrol requeue: SIGTERM to everything; the trainer saves within KillWait
-    wait_rows(run, k1 + 2)
+    wait_rows(run, k1 + 2, nudge=start_now)
     slurm.run("scontrol", "requeue", str(jid))
     slurm.wait_state(jid, ("PD",))
     k2 = metric_rows(run)[-1]["step"]
