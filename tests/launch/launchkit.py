@@ -76,6 +76,25 @@ class Slurm:
     def show(self, jid: int) -> str:
         return self.run("scontrol", "show", "job", str(jid), check=False).stdout
 
+    def start_now(self, jid: int) -> None:
+        """Make a requeued job eligible now (a requeue sets BeginTime ~2 min out); the update also
+        wakes the scheduler. An error once the job runs is expected and ignored."""
+        self.run("scontrol", "update", f"jobid={jid}", "StartTime=now", check=False)
+
+    def start_soon(self, jid: int) -> None:
+        """``start_now`` for a job just requeued, but not in the second of the requeue: slurmd has
+        just revoked the job's credential, and a start then fails the job ("Killing non-startable
+        batch job: Job credential revoked"). Not a future StartTime either: nothing wakes the
+        scheduler when that time comes (it may wait for its next periodic pass, ~60 s)."""
+        time.sleep(2)
+        self.start_now(jid)
+
+    def diagnose(self, jid: int) -> str:
+        """What to read when a wait times out: the job as slurmctld sees it and its log's tail."""
+        log = os.path.join(self.base, "log", "slurmctld.log")
+        tail = open(log).read().splitlines()[-25:] if os.path.exists(log) else []
+        return self.show(jid) + "\nslurmctld.log:\n" + "\n".join(tail)
+
     def wait_state(self, jid: int, states: tuple, timeout: float = 300) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -83,22 +102,25 @@ class Slurm:
             if st in states:
                 return st
             time.sleep(0.3)
-        raise AssertionError(f"job {jid} not in {states} after {timeout:.0f}s: {self.show(jid)}")
+        raise AssertionError(f"job {jid} not in {states} after {timeout:.0f}s: {self.diagnose(jid)}")
 
     def wait_done(self, jid: int, timeout: float = 300) -> None:
         self.wait_state(jid, ("",), timeout)
 
 
-def wait_rows(run_dir, n: int, timeout: float = 300, nudge=None) -> list[dict]:
+def wait_rows(run_dir, n: int, timeout: float = 300, nudge=None, diagnose=None) -> list[dict]:
     """Until metrics.jsonl has ``n`` rows; ``nudge()`` every 5 s meanwhile (e.g. pull a requeued
-    job's start time in again: an update that raced the requeue is otherwise lost for ~2 min)."""
-    deadline = last = time.monotonic() + timeout
+    job's start time in again: an update that raced the requeue is otherwise lost for ~2 min);
+    ``diagnose()`` is appended to the timeout's message."""
+    last = time.monotonic()
+    deadline = last + timeout
     while time.monotonic() < deadline:
         rows = metric_rows(run_dir)
         if len(rows) >= n:
             return rows
-        if nudge is not None and last - time.monotonic() >= 5:
+        if nudge is not None and time.monotonic() - last >= 5:
             last = time.monotonic()
             nudge()
         time.sleep(0.2)
-    raise AssertionError(f"fewer than {n} metrics rows in {run_dir} after {timeout:.0f}s")
+    extra = "\n" + diagnose() if diagnose is not None else ""
+    raise AssertionError(f"fewer than {n} metrics rows in {run_dir} after {timeout:.0f}s{extra}")

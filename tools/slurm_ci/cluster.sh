@@ -18,7 +18,9 @@
 #    puts per-step directories there; a shared /tmp makes the nodes collide).
 #  - proctrack/linuxproc + task/none: no cgroups inside a container.
 #  - hetjobs start only from the backfill scheduler: bf_interval=1 keeps them fast.
-#  - scontrol requeue sets BeginTime=now+~2min: `scontrol update jobid=J StartTime=now` pulls it in.
+#  - scontrol requeue sets BeginTime=now+~2min: `scontrol update jobid=J StartTime=now` pulls it in
+#    (in the second of the requeue it fails the job: "Job credential revoked"; a future StartTime
+#    is not acted on until the scheduler's next periodic pass).
 #  - KillWait is the grace between a job's SIGTERM and SIGKILL: a preempted trainer saves within it.
 set -euo pipefail
 
