@@ -395,9 +395,16 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
+    executor: str = "thread"
+    """Where sync reward functions run: thread (a daemon thread per call) or process (a pool of
+    reward.num_workers spawned processes: a CPU-heavy verifier does not hold the trainer's GIL,
+    and one that overruns is killed and replaced). Coroutine functions always run on the loop."""
+    num_workers: int = 4
+    """Worker processes of reward.executor=process (started on the first call)."""
     timeout_s: float = 60.0
     """Deadline of one reward call (a batch for batched rewards); 0 = none. A sync function that
-    overruns keeps its worker thread until it returns."""
+    overruns on a thread keeps that thread until it returns; in a process pool the deadline counts
+    from when a worker takes the call, and the worker is killed."""
     on_error_value: Optional[float] = None
     """Reward used when the reward function raises or times out (counted in reward/errors,
     reward/timeouts); null = the episode fails instead."""
@@ -406,6 +413,10 @@ class RewardConfig:
     max_batch: 32, max_wait_ms: 20} for HttpReward."""
 
     def validate(self) -> None:
+        if self.executor not in ("thread", "process"):
+            raise ConfigError(f"reward.executor: must be thread or process, got {self.executor!r}")
+        if self.num_workers < 1:
+            raise ConfigError(f"reward.num_workers: must be >= 1, got {self.num_workers}")
         if self.timeout_s < 0:
             raise ConfigError(f"reward.timeout_s: must be >= 0, got {self.timeout_s}")
         if not isinstance(self.args, dict):

@@ -100,6 +100,11 @@ class RolloutController:
         self._wake = asyncio.Event()
         self._task = asyncio.ensure_future(self._executor())
 
+    @property
+    def reward(self):
+        """The workflow's `RewardCaller` (None for a workflow without one)."""
+        return getattr(getattr(self.workflow, "ctx", None), "reward", None)
+
     def stop(self) -> None:
         self._stopping = True
         if self._thread is None:
@@ -110,9 +115,8 @@ class RolloutController:
             self._task.cancel()
             for t in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
                 t.cancel()
-            reward = getattr(getattr(self.workflow, "ctx", None), "reward", None)
-            if reward is not None:
-                await reward.aclose()  # an HTTP reward's session, the reward threads
+            if self.reward is not None:
+                await self.reward.aclose()  # an HTTP reward's session, threads, worker processes
             await self.client.close()
 
         try:
@@ -300,9 +304,8 @@ class RolloutController:
         if self.client is not None:
             out["rollout/busy_s"] = self.client.busy_seconds()
         out.update({f"data/{k}": v for k, v in getattr(self.dataset, "stats", {}).items()})
-        reward = getattr(getattr(self.workflow, "ctx", None), "reward", None)
-        if reward is not None:  # a user workflow need not carry the system's context
-            out.update(reward.stats())
+        if self.reward is not None:  # a user workflow need not carry the system's context
+            out.update(self.reward.stats())
         return out
 
     # ------------------------------------------------------------------ checkpoint state

@@ -45,7 +45,7 @@ from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController
 from megarl.rollout.evaluation import PeriodicEval
 from megarl.rollout.local import LocalCluster, split_cpus
-from megarl.rollout.rewards import RewardCaller, load_reward_fn
+from megarl.rollout.rewards import RewardCaller
 from megarl.rollout.types import SamplingParams, Trajectory
 from megarl.rollout.workflows import WorkflowContext, load_workflow
 from megarl.timeline import Timeline
@@ -67,7 +67,7 @@ def groups_per_step(cfg) -> int:
     return cfg.train.step_batch_size // cfg.rollout.group_size
 
 
-def task_parts(cfg):
+def task_parts(cfg, with_reward: bool = True):
     """(tokenizer, chat template, reward caller, sampling params) shared by training rollouts
     and evaluation: the same reward function and dataset fields for both."""
     r, d = cfg.rollout, cfg.data
@@ -76,7 +76,7 @@ def task_parts(cfg):
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               stop_token_ids=None if r.ignore_eos else [tok.eos_id],  # a stop id stops even with ignore_eos
                               ignore_eos=r.ignore_eos)
-    reward = RewardCaller(load_reward_fn(r.reward_fn, cfg.reward.args), cfg.reward.timeout_s, cfg.reward.on_error_value)
+    reward = RewardCaller.from_config(r.reward_fn, cfg.reward) if with_reward else None
     return tok, template, reward, sampling
 
 
@@ -111,11 +111,12 @@ def local_share(trajs: list[Trajectory], ps) -> TensorBatch:
     return TensorBatch.from_trajectories([trajs[i] for i in mine])
 
 
-def build_eval(cfg) -> Optional[PeriodicEval]:
-    """Held-out evaluation with the configured reward function and dataset fields (rank 0)."""
+def build_eval(cfg, reward: RewardCaller) -> Optional[PeriodicEval]:
+    """Held-out evaluation with the configured dataset fields and the training rollouts' reward
+    caller (rank 0; one set of reward threads / worker processes, its counts include eval)."""
     if not cfg.data.eval_path:
         return None
-    tok, template, reward, sampling = task_parts(cfg)
+    tok, template, _, sampling = task_parts(cfg, with_reward=False)
     samples = prompt_dataset(cfg, cfg.data.eval_path, tok, template).samples[:cfg.rollout.eval_size]
     if cfg.rollout.ignore_eos:  # evaluation answers stop at EOS whatever the training rollouts do
         sampling = dataclasses.replace(sampling, ignore_eos=False, stop_token_ids=[tok.eos_id])
@@ -202,7 +203,7 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None) -> None:
             stack.callback(controller.stop)
         timer = StepTimer(timeline)
         bad_steps = 0  # consecutive steps with a skipped (non-finite) update
-        evaluator = build_eval(cfg) if controller is not None else None
+        evaluator = build_eval(cfg, controller.reward) if controller is not None else None
         if evaluator is not None and r.eval_at_start and start == 0:  # the learning curve's step 0
             evaluator.submit(controller, 0, cluster.version)
             logger.log({**evaluator.poll(wait=True), "policy_version": cluster.version}, 0)

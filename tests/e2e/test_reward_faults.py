@@ -1,14 +1,18 @@
 """Rewards that raise, hang or return NaN inside a real run: each such sample gets the reward of
-record (reward.on_error_value), the counts are reported, and the run completes."""
+record (reward.on_error_value), the counts are reported, and the run completes; on threads and in
+worker processes (reward.executor=process: a hung call's worker is killed and replaced)."""
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_raising_hanging_and_nan_rewards_do_not_stop_the_run(tmp_path):
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_raising_hanging_and_nan_rewards_do_not_stop_the_run(tmp_path, executor):
     run = tmp_path / "run"
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
@@ -16,7 +20,7 @@ def test_raising_hanging_and_nan_rewards_do_not_stop_the_run(tmp_path):
            f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
            f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.global_batch_size=64", "rollout.eval_at_start=false", "train.steps=3",
            "rollout.reward_fn=reward_plugins:faulty_reward", "reward.timeout_s=0.3",
-           "reward.on_error_value=-1.0", "logging.dump_generations=true"]
+           "reward.on_error_value=-1.0", "logging.dump_generations=true", f"reward.executor={executor}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -24,6 +28,8 @@ def test_raising_hanging_and_nan_rewards_do_not_stop_the_run(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     last = rows[-1]
     assert last["reward/errors"] > 0 and last["reward/timeouts"] > 0  # cumulative counts
+    if executor == "process":  # every timed-out call cost its worker
+        assert last["reward/worker_restarts"] == last["reward/timeouts"]
     gens = [json.loads(line) for line in (run / "generations.jsonl").read_text().splitlines()]
     by_digit = {}
     for g in gens:

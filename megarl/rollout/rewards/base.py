@@ -12,10 +12,11 @@ instantiated once with ``reward.args`` (e.g. `HttpReward(url=...)`), and the ins
 callable. Sync functions may be called from worker threads, so they must be thread-safe.
 
 Workflows never call the plugin directly: `RewardCaller` awaits coroutine functions, runs sync
-ones on daemon threads (the event loop never blocks on reward code), applies ``reward.timeout_s``
-and maps failures to ``reward.on_error_value`` (or raises `RewardError`, failing the episode).
-A timed-out sync function cannot be interrupted: its thread runs on until it returns (it is a
-daemon thread, so it never keeps the process alive).
+ones on daemon threads or, with ``reward.executor: process``, in worker processes (`pool.py`), so
+the event loop never blocks on reward code; it applies ``reward.timeout_s`` and maps failures to
+``reward.on_error_value`` (or raises `RewardError`, failing the episode). A timed-out sync function
+on a thread cannot be interrupted: its thread runs on until it returns (a daemon thread, so it
+never keeps the process alive); a timed-out worker process is killed and replaced.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import inspect
 import math
 import threading
 from typing import Any, Optional, Protocol
+
+from megarl.rollout.rewards.pool import RewardProcessPool
 
 __all__ = ["RewardFn", "RewardError", "RewardCaller", "load_reward_fn", "is_async_callable"]
 
@@ -132,28 +135,47 @@ class RewardCaller:
     """``await caller(prompt, completion, meta) -> float`` around any reward callable.
 
     Chosen once at construction: coroutine functions are awaited on the caller's loop, plain
-    functions run on a daemon thread per call (at most `max_threads` at once). Every call gets `timeout_s` (0 = none). A raise, a
-    timeout or a non-finite / non-numeric result returns `on_error_value` when it is set and
-    raises `RewardError` otherwise; `stats()` counts calls, errors and timeouts.
+    functions run on `pool` (worker processes) when given, else on a daemon thread per call (at
+    most `max_threads` at once). Every call gets `timeout_s` (0 = none; in a pool it counts from
+    when a worker takes the call). A raise, a timeout or a non-finite / non-numeric result returns
+    `on_error_value` when it is set and raises `RewardError` otherwise; `stats()` counts calls,
+    errors and timeouts (and replaced workers, with a pool).
     """
 
     def __init__(self, fn: RewardFn, timeout_s: float = 0.0, on_error_value: Optional[float] = None,
-                 max_threads: int = 256):
+                 max_threads: int = 256, pool: Optional[RewardProcessPool] = None):
         self.fn, self.timeout_s, self.on_error_value = fn, timeout_s, on_error_value
         self.is_async = is_async_callable(fn)
+        self.pool = None if self.is_async else pool
+        if pool is not None and self.pool is None:
+            pool.close()  # coroutine functions never block the loop: no processes for them
         self._threads = _DaemonThreads(max_threads, "megarl-reward")
         self.counts: collections.Counter = collections.Counter()
+
+    @classmethod
+    def from_config(cls, path: str, reward_cfg) -> "RewardCaller":
+        """The caller a run uses: ``rollout.reward_fn`` = `path`, ``reward.*`` = `reward_cfg`. The
+        function is loaded here too, so a bad path fails at start-up in every executor."""
+        fn = load_reward_fn(path, reward_cfg.args)
+        pool = None
+        if reward_cfg.executor == "process" and not is_async_callable(fn):
+            pool = RewardProcessPool(path, reward_cfg.args, reward_cfg.num_workers, reward_cfg.timeout_s)
+        return cls(fn, reward_cfg.timeout_s, reward_cfg.on_error_value, pool=pool)
 
     def _run(self, prompt: str, completion: str, meta: dict):
         if self.is_async:
             return self.fn(prompt, completion, meta)
+        if self.pool is not None:
+            return self.pool.submit(prompt, completion, meta)
         return self._threads.submit(self.fn, prompt, completion, meta)
 
     async def __call__(self, prompt: str, completion: str, meta: dict) -> float:
         self.counts["calls"] += 1
         try:
             call = self._run(prompt, completion, meta)
-            value = await (asyncio.wait_for(call, self.timeout_s) if self.timeout_s > 0 else call)
+            if self.timeout_s > 0 and self.pool is None:  # a pool times its calls itself
+                call = asyncio.wait_for(call, self.timeout_s)
+            value = await call
             reward = float(value)
             if not math.isfinite(reward):
                 raise ValueError(f"non-finite reward {reward}")
@@ -177,12 +199,17 @@ class RewardCaller:
         return list(await asyncio.gather(*(self(prompt, c, meta) for c in completions)))
 
     def stats(self) -> dict[str, int]:
-        return {"reward/calls": self.counts["calls"], "reward/errors": self.counts["errors"],
-                "reward/timeouts": self.counts["timeouts"]}
+        out = {"reward/calls": self.counts["calls"], "reward/errors": self.counts["errors"],
+               "reward/timeouts": self.counts["timeouts"]}
+        if self.pool is not None:
+            out["reward/worker_restarts"] = self.pool.restarts
+        return out
 
     async def aclose(self) -> None:
-        """Close the plugin (e.g. HttpReward's session) and the thread pool."""
+        """Close the plugin (e.g. HttpReward's session), the threads and the worker processes."""
         close = getattr(self.fn, "aclose", None)
         if close is not None:
             await close()
         self._threads.shutdown()
+        if self.pool is not None:
+            await asyncio.to_thread(self.pool.close)

@@ -22,13 +22,14 @@ Comparison, first that applies:
 from __future__ import annotations
 
 import ast
+import functools
+import importlib.util
 import math
 import operator
 import re
 from fractions import Fraction
 from typing import Any, Optional
 
-from megarl.compat import HAVE_SYMPY
 from megarl.rollout.safe_math import FRACTIONS, Arithmetic, UnsafeExpression, evaluate, guarded_pow
 
 __all__ = ["extract_boxed", "last_number", "extract_answer", "parse_number", "answers_match", "math_reward"]
@@ -211,7 +212,7 @@ def answers_match(pred: str, ref: str, rel_tol: float = 1e-6) -> bool:
     if pt and rt:
         return pt[0] == rt[0] and len(pt[1]) == len(rt[1]) and all(
             answers_match(a, b, rel_tol) for a, b in zip(pt[1], rt[1]))
-    return HAVE_SYMPY and _symbolic_match(p, r, rel_tol)
+    return _have_sympy() and _symbolic_match(p, r, rel_tol)
 
 
 def math_reward(prompt: str, completion: str, meta: dict[str, Any]) -> float:
@@ -268,6 +269,13 @@ def _to_sympy(s: str):
         return evaluate(text, arith, max_chars=256, max_nodes=128)
     except (UnsafeExpression, ArithmeticError, TypeError, ValueError):
         return None
+
+
+@functools.lru_cache(maxsize=1)
+def _have_sympy() -> bool:
+    """sympy is optional (the test/math extras); looked up here, not via megarl.compat, so that a
+    reward worker process never imports torch."""
+    return importlib.util.find_spec("sympy") is not None
 
 
 def _symbolic_match(p: str, r: str, rel_tol: float) -> bool:

@@ -1,0 +1,206 @@
+"""Sync reward functions in worker processes (``reward.executor: process``).
+
+A verifier that burns CPU in Python (sympy, a code checker) holds the GIL: on threads it slows the
+event loop that streams rollouts and the trainer beside it. In a worker process it does not.
+
+    pool = RewardProcessPool("pkg.mod:fn", args={}, workers=4, timeout_s=60)
+    score = await pool.submit(prompt, completion, meta)      # a float, or raises
+    pool.close()
+
+Each worker is a spawned interpreter that imports the function by its path (``reward.args`` build a
+class, as in-process) and serves calls over a pipe, one at a time. Each worker has a driver thread
+here that takes the next call from one queue, sends it and waits for the answer. ``timeout_s``
+counts from when a worker takes the call (time queued behind other calls does not count): a worker
+that overruns is killed (SIGKILL) and replaced, so a hung verifier never holds a worker for
+good, which a thread can (a thread cannot be stopped). A worker that dies (a crash in native
+code, ``os._exit``) is replaced too; the call gets an error. Workers start on the first call,
+ignore the stop signals (the trainer decides when they go: its step finishes and saves first)
+and get SIGKILL when their driver thread ends (Linux), so none outlives the trainer.
+"""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import queue
+import threading
+from typing import Any, Optional
+
+from megarl.signals import owned_child_setup
+
+__all__ = ["RewardProcessPool", "RewardWorkerDied"]
+
+_STOP = None
+_STARTUP_S = 120.0  # a spawned worker's imports (the reward module's too) on a loaded machine
+
+
+class RewardWorkerDied(RuntimeError):
+    """The worker process serving a call exited before it answered."""
+
+
+def _serve(conn, path: str, args: Optional[dict]) -> None:
+    """Worker main: load the function, then answer (ok, value) per (prompt, completion, meta)."""
+    owned_child_setup()
+    from megarl.rollout.rewards.base import load_reward_fn
+
+    try:
+        fn = load_reward_fn(path, args)
+    except Exception as e:  # noqa: BLE001 - every call reports it
+        fn, load_error = None, f"{type(e).__name__}: {e}"
+    conn.send("ready")  # the deadlines of calls start after the imports
+    while True:
+        try:
+            call = conn.recv()
+        except (EOFError, OSError):
+            return  # the trainer is gone
+        try:
+            if fn is None:
+                raise RuntimeError(load_error)
+            reply = (True, fn(*call))
+        except BaseException as e:  # noqa: BLE001 - user code: delivered to the caller
+            reply = (False, f"{type(e).__name__}: {e}")
+        try:
+            conn.send(reply)
+        except Exception as e:  # noqa: BLE001 - e.g. a result that does not pickle
+            conn.send((False, f"reward result cannot be sent back: {type(e).__name__}: {e}"))
+
+
+class _Worker:
+    """One worker process and its pipe; owned by one driver thread."""
+
+    def __init__(self, ctx, path: str, args: Optional[dict], name: str):
+        self._ctx, self._path, self._args, self._name = ctx, path, args, name
+        self.proc = self.conn = None
+
+    def ensure_started(self) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            return
+        parent, child = self._ctx.Pipe()
+        self.proc = self._ctx.Process(target=_serve, args=(child, self._path, self._args),
+                                      name=self._name, daemon=True)
+        self.proc.start()
+        child.close()
+        self.conn = parent
+        try:
+            if parent.poll(_STARTUP_S) and parent.recv() == "ready":
+                return
+        except (EOFError, OSError):
+            pass
+        code = self.kill()
+        raise RewardWorkerDied(f"reward worker did not start within {_STARTUP_S:.0f} s (exit code {code})")
+
+    def call(self, request: tuple, timeout_s: float) -> tuple[bool, Any]:
+        """(ok, value) of one call; raises TimeoutError / RewardWorkerDied (the worker is then gone)."""
+        self.ensure_started()
+        try:
+            self.conn.send(request)
+            answered = self.conn.poll(timeout_s if timeout_s > 0 else None)
+            if answered:
+                return self.conn.recv()
+        except (EOFError, OSError):
+            code = self.kill()
+            raise RewardWorkerDied(f"reward worker exited (code {code}) during the call") from None
+        self.kill()
+        raise asyncio.TimeoutError(f"reward timed out after {timeout_s} s (worker killed)")
+
+    def kill(self) -> Optional[int]:
+        if self.proc is None:
+            return None
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        code = self.proc.exitcode
+        self.conn.close()
+        self.proc = self.conn = None
+        return code
+
+
+def _settle(fut: asyncio.Future, ok: bool, value) -> None:
+    if not fut.done():  # cancelled by the caller meanwhile
+        fut.set_result(value) if ok else fut.set_exception(value)
+
+
+def _deliver(loop, fut: asyncio.Future, ok: bool, value) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, fut, ok, value)
+    except RuntimeError:  # the caller's loop is closed: nobody is waiting
+        pass
+
+
+class RewardProcessPool:
+    """``await pool.submit(prompt, completion, meta)`` on `workers` processes (module docstring)."""
+
+    def __init__(self, path: str, args: Optional[dict] = None, workers: int = 4, timeout_s: float = 0.0):
+        if workers < 1:
+            raise ValueError(f"reward.num_workers: must be >= 1, got {workers}")
+        self.path, self.args, self.workers, self.timeout_s = path, dict(args or {}), workers, timeout_s
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.restarts = 0  # workers replaced after a timeout or a crash
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._threads or self._closed:
+                return
+            ctx = multiprocessing.get_context("spawn")  # never fork a process that holds torch threads
+            for i in range(self.workers):
+                w = _Worker(ctx, self.path, self.args or None, f"megarl-reward-{i}")
+                t = threading.Thread(target=self._drive, args=(w,), name=f"megarl-reward-driver-{i}",
+                                     daemon=True)
+                t.start()
+                self._threads.append(t)
+                self._workers.append(w)
+
+    def submit(self, prompt: str, completion: str, meta: dict) -> asyncio.Future:
+        if self._closed:
+            raise RuntimeError("reward process pool is closed")
+        self._start()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._calls.put((loop, fut, (prompt, completion, meta)))
+        return fut
+
+    def _drive(self, worker: _Worker) -> None:
+        try:
+            worker.ensure_started()  # all workers spawn together, on the first call
+        except RewardWorkerDied:
+            pass  # tried again (and reported) by the first call it takes
+        while True:
+            item = self._calls.get()
+            if item is _STOP:
+                worker.kill()
+                return
+            loop, fut, request = item
+            if fut.done():  # the caller gave up while the call was queued
+                continue
+            if self._closed:
+                _deliver(loop, fut, False, RuntimeError("reward process pool is closed"))
+                continue
+            try:
+                ok, value = worker.call(request, self.timeout_s)  # (re)starts the worker first
+                if not ok:
+                    value = RuntimeError(value)
+            except (asyncio.TimeoutError, RewardWorkerDied) as e:
+                self.restarts += 1
+                ok, value = False, e
+            except Exception as e:  # noqa: BLE001 - e.g. arguments that do not pickle
+                ok, value = False, e
+            _deliver(loop, fut, ok, value)
+
+    def close(self) -> None:
+        """Stop every worker; a call still running (a hung verifier) is killed. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            threads, self._threads = self._threads, []
+        for _ in threads:
+            self._calls.put(_STOP)
+        for w in self._workers:  # a driver blocked on a hung call wakes up with EOF
+            proc = w.proc
+            if proc is not None and proc.is_alive():
+                proc.kill()
+        for t in threads:
+            t.join(timeout=10)
