@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -162,23 +162,124 @@ def verify_push(pusher: WeightPusher) -> int:
     return 0
 
 
+def start_rollout_side(cfg, ps, stack: contextlib.ExitStack) -> tuple[RolloutCluster, Optional[LocalCluster]]:
+    """This rank's `RolloutCluster` over rollout.servers, or over CPU servers rank 0 starts itself
+    when the list is empty (relaunched on their port if they die); both closed by `stack`."""
+    r, t = cfg.rollout, cfg.train
+    servers, local = list(r.servers), None
+    if not servers and ps.rank == 0:
+        server_cpus, trainer_cpus = split_cpus(r.server_cpus) if r.server_cpus else (None, None)
+        local = LocalCluster(cfg.model.hf_path, r.local_servers, f"{t.run_dir}/servers",
+                             extra=["--threads", r.server_threads, *r.server_args], host=serving_host(),
+                             weights_roots=[cfg.weights.disk_dir or f"{t.run_dir}/weights"],
+                             cpus=server_cpus)
+        servers = stack.enter_context(local)
+        if trainer_cpus:  # generation and training on their own cores (docs/demo.md)
+            os.sched_setaffinity(0, trainer_cpus)
+    cluster = RolloutCluster.from_config(cfg, _broadcast(servers), driver=ps.rank == 0)
+    if local is not None:
+        cluster.restart = local.restart
+    stack.callback(cluster.close)
+    return cluster, local
+
+
+@dataclasses.dataclass
+class StepRunner:
+    """One RL step on every rank: wait for a batch, update, push, evaluate, collect the metrics.
+    `controller` and `evaluator` exist on rank 0 only; `local` when rank 0 started the servers."""
+    cfg: Any
+    ps: Any
+    cluster: RolloutCluster
+    local: Optional[LocalCluster]
+    actor: Actor
+    critic: Optional[Critic]
+    pusher: WeightPusher
+    controller: Optional[RolloutController]
+    evaluator: Optional[PeriodicEval]
+    timer: StepTimer
+    bad_steps: int = 0  # consecutive steps with a skipped (non-finite) update
+
+    def run(self, step: int, last: bool) -> tuple[dict, bool]:
+        """This step's metrics, and whether train.stop_at_eval_accuracy was reached."""
+        trajs = self._next_batch()
+        metrics = self._update(trajs, step)
+        if step % self.cfg.train.trigger_parameter_sync_step == 0 or last:
+            self._push(metrics)
+        metrics["policy_version"] = self.cluster.version
+        if self.evaluator is not None:
+            self._evaluate(step, last, metrics)
+        reached = self._reached(metrics, last)
+        self._report(metrics, trajs)
+        return metrics, reached
+
+    def _next_batch(self) -> list[Trajectory]:
+        with self.timer.phase("wait"):
+            # one broadcast: the batch, and the dropped servers that answer /health again
+            c = self.controller
+            trajs, rejoin = _broadcast((c.next_batch(groups_per_step(self.cfg)),
+                                        self.cluster.ready_to_rejoin()) if c else None)
+        for address in rejoin:  # current weights first, then work
+            with self.timer.phase("rejoin"):
+                self.pusher.add_server(address)
+        return trajs
+
+    def _update(self, trajs: list[Trajectory], step: int) -> dict:
+        cfg = self.cfg
+        shaping = shape_rewards(trajs, self.actor.spec, cfg.rollout.max_new_tokens)
+        batch = local_share(trajs, self.ps)
+        with self.timer.phase("update"):
+            metrics = train_step(self.actor, self.critic, batch, self.cluster.version)
+        metrics.update(shaping)
+        self.bad_steps = self.bad_steps + 1 if metrics.get("skipped_updates", 0) > 0 else 0
+        if self.bad_steps >= cfg.train.max_nonfinite_steps:
+            raise FloatingPointError(
+                f"train.max_nonfinite_steps: {self.bad_steps} steps in a row had a NaN/inf gradient "
+                f"(last grad_norm {metrics.get('grad_norm')}, loss {metrics.get('loss')}); "
+                "updates were skipped, weights are the last good ones")
+        metrics.update(batch_metrics(trajs, self.cluster.version))
+        if cfg.logging.dump_generations and self.ps.rank == 0:
+            dump_generations(f"{cfg.train.run_dir}/generations.jsonl", step, self.cluster.version, trajs)
+        return metrics
+
+    def _push(self, metrics: dict) -> None:
+        with self.timer.phase("push"):
+            metrics.update(self.pusher.push().as_dict())
+        every = self.cfg.weights.verify_interval
+        if every and self.cluster.version % every == 0:
+            with self.timer.phase("verify"):
+                metrics["push/verify_mismatches"] = verify_push(self.pusher)
+
+    def _evaluate(self, step: int, last: bool, metrics: dict) -> None:
+        interval = self.cfg.rollout.eval_interval
+        if interval and step % interval == 0 or last:
+            self.evaluator.submit(self.controller, step, self.cluster.version)  # runs beside training
+        with self.timer.phase("eval"):  # only the last step waits for its evaluation
+            metrics.update(self.evaluator.poll(wait=last))
+
+    def _reached(self, metrics: dict, last: bool) -> bool:
+        target = self.cfg.train.stop_at_eval_accuracy
+        if not target or last:
+            return False
+        # rank 0 decides for every rank
+        return _broadcast(metrics.get("eval_accuracy", -1.0) >= target if self.ps.rank == 0 else None)
+
+    def _report(self, metrics: dict, trajs: list[Trajectory]) -> None:
+        c = self.controller
+        metrics.update({"rollout/live_servers": len(self.cluster.addresses),
+                        "rollout/dead_servers": len(self.cluster.dead)})
+        if self.local is not None:
+            metrics["rollout/restarts"] = self.local.restarts
+        if c is not None:
+            metrics.update(c.stats())
+        metrics.update(self.timer.finish(
+            metrics, c.client.busy_seconds() if c else None, c.client.stats["tokens"] if c else None,
+            trained_tokens=sum(len(x.input_ids) for x in trajs)))
+
+
 def run_rl(cfg, ps, engine, logger, ckpt, stop=None) -> None:
     r, t = cfg.rollout, cfg.train
     with contextlib.ExitStack() as stack:
-        servers, local = list(r.servers), None
-        if not servers and ps.rank == 0:
-            server_cpus, trainer_cpus = split_cpus(r.server_cpus) if r.server_cpus else (None, None)
-            local = LocalCluster(cfg.model.hf_path, r.local_servers, f"{t.run_dir}/servers",
-                                 extra=["--threads", r.server_threads, *r.server_args], host=serving_host(),
-                                 weights_roots=[cfg.weights.disk_dir or f"{t.run_dir}/weights"],
-                                 cpus=server_cpus)
-            servers = stack.enter_context(local)
-            if trainer_cpus:  # generation and training on their own cores (docs/demo.md)
-                os.sched_setaffinity(0, trainer_cpus)
-        cluster = RolloutCluster.from_config(cfg, _broadcast(servers), driver=ps.rank == 0)
-        if local is not None:
-            cluster.restart = local.restart  # a local server that dies is relaunched on its port
-        stack.callback(cluster.close)
+        cluster, local = start_rollout_side(cfg, ps, stack)
         timeline = Timeline(f"{t.run_dir}/timeline/rank{ps.rank}.jsonl" if cfg.logging.timeline and
                             ps.rank == 0 else None)
         stack.callback(timeline.close)
@@ -201,62 +302,16 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None) -> None:
             cluster.subscribe(controller)  # after the first push: nothing to pause before
             controller.start()
             stack.callback(controller.stop)
-        timer = StepTimer(timeline)
-        bad_steps = 0  # consecutive steps with a skipped (non-finite) update
         evaluator = build_eval(cfg, controller.reward) if controller is not None else None
         if evaluator is not None and r.eval_at_start and start == 0:  # the learning curve's step 0
             evaluator.submit(controller, 0, cluster.version)
             logger.log({**evaluator.poll(wait=True), "policy_version": cluster.version}, 0)
+        runner = StepRunner(cfg, ps, cluster, local, actor, critic, pusher, controller, evaluator,
+                            StepTimer(timeline))
         step = start
         for step in progress(range(start + 1, t.steps + 1), desc="grpo", total=t.steps - start):
             last = step == t.steps
-            with timer.phase("wait"):
-                # one broadcast: the batch, and the dropped servers that answer /health again
-                trajs, rejoin = _broadcast((controller.next_batch(groups_per_step(cfg)),
-                                            cluster.ready_to_rejoin()) if controller else None)
-            for address in rejoin:  # current weights first, then work
-                with timer.phase("rejoin"):
-                    pusher.add_server(address)
-            shaping = shape_rewards(trajs, actor.spec, r.max_new_tokens)
-            batch = local_share(trajs, ps)
-            with timer.phase("update"):
-                metrics = train_step(actor, critic, batch, cluster.version)
-            metrics.update(shaping)
-            bad_steps = bad_steps + 1 if metrics.get("skipped_updates", 0) > 0 else 0
-            if bad_steps >= t.max_nonfinite_steps:
-                raise FloatingPointError(
-                    f"train.max_nonfinite_steps: {bad_steps} steps in a row had a NaN/inf gradient "
-                    f"(last grad_norm {metrics.get('grad_norm')}, loss {metrics.get('loss')}); "
-                    "updates were skipped, weights are the last good ones")
-            metrics.update(batch_metrics(trajs, cluster.version))
-            if cfg.logging.dump_generations and ps.rank == 0:
-                dump_generations(f"{t.run_dir}/generations.jsonl", step, cluster.version, trajs)
-            if step % t.trigger_parameter_sync_step == 0 or last:
-                with timer.phase("push"):
-                    metrics.update(pusher.push().as_dict())
-                if cfg.weights.verify_interval and cluster.version % cfg.weights.verify_interval == 0:
-                    with timer.phase("verify"):
-                        metrics["push/verify_mismatches"] = verify_push(pusher)
-            metrics["policy_version"] = cluster.version
-            if evaluator is not None:
-                if r.eval_interval and step % r.eval_interval == 0 or last:
-                    evaluator.submit(controller, step, cluster.version)  # runs beside training
-                with timer.phase("eval"):  # only the last step waits for its evaluation
-                    metrics.update(evaluator.poll(wait=last))
-            reached = False
-            if t.stop_at_eval_accuracy and not last:  # rank 0 decides for every rank
-                reached = _broadcast(metrics.get("eval_accuracy", -1.0) >= t.stop_at_eval_accuracy
-                                     if ps.rank == 0 else None)
-            metrics.update({"rollout/live_servers": len(cluster.addresses),
-                            "rollout/dead_servers": len(cluster.dead)})
-            if local is not None:
-                metrics["rollout/restarts"] = local.restarts
-            if controller is not None:
-                metrics.update(controller.stats())
-            metrics.update(timer.finish(
-                metrics, controller.client.busy_seconds() if controller else None,
-                controller.client.stats["tokens"] if controller else None,
-                trained_tokens=sum(len(x.input_ids) for x in trajs)))
+            metrics, reached = runner.run(step, last)
             logger.log(metrics, step)
             # megarl.signals: same condition on every rank (the all-reduce runs on all or none)
             if stop is not None and not last and stop.should_stop():

@@ -3,8 +3,6 @@ n2, the demo config to the end; then SLURM's preemption warning (SIGUSR1) and `s
 (SIGTERM) in the middle of one run: each writes a checkpoint, the job comes back and resumes, and
 metrics.jsonl ends with every step exactly once, in order."""
 import os
-
-import pytest
 import re
 import subprocess
 
