@@ -13,9 +13,9 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from distrun import HERE, torchrun
+from hf_models import load_safetensors, reference_logprobs, save_random
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,32 +29,7 @@ def build(out: str, norm_topk: bool, seed: int):
         num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, max_position_embeddings=128, norm_topk_prob=norm_topk, tie_word_embeddings=False,
         rms_norm_eps=1e-6)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in name else 0.0) + torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.08))
-    model.eval()
-    model.save_pretrained(out, safe_serialization=True)
-    return model
-
-
-def reference(model, rows):
-    out = []
-    with torch.no_grad():
-        for ids in rows:
-            logits = model(torch.tensor([ids])).logits[0].float()
-            lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-            out.append([0.0] + lp.tolist())
-    return out
-
-
-def load_dir(d):
-    out = {}
-    for name in sorted(os.listdir(d)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(d, name)))
-    return out
+    return save_random(transformers, cfg, out, seed)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +42,7 @@ def work(tmp_path_factory):
             f.write(json.dumps({"input_ids": ids}) + "\n")
     refs = {}
     for i, (name, norm) in enumerate(MODELS.items()):
-        refs[name] = reference(build(str(d / name / "hf"), norm, seed=10 + i), rows)
+        refs[name] = reference_logprobs(build(str(d / name / "hf"), norm, seed=10 + i), rows)
     torchrun("moe_worker.py", 4, d, "ranks4", *MODELS)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     single = subprocess.run([sys.executable, os.path.join(HERE, "moe_worker.py"), str(d), "single", *MODELS],
@@ -107,7 +82,7 @@ def test_routing_variants_differ(work):
                                   "reshard_pp2ep2", "saved_back"])
 def test_experts_come_back_bitwise(work, name, what):
     d = work[0]
-    original, got = load_dir(d / name / "hf"), load_dir(d / name / what)
+    original, got = load_safetensors(d / name / "hf"), load_safetensors(d / name / what)
     assert sorted(got) == sorted(original)
     assert all(torch.equal(got[k], original[k]) for k in original)
     assert got["model.layers.2.mlp.experts.3.down_proj.weight"].shape == (64, 32)

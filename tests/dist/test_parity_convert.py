@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from distrun import HERE, torchrun
+from hf_models import load_safetensors, reference_logprobs, save_random
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,25 +33,7 @@ def build(arch: str, out: str):
                                                                  tie_word_embeddings=False),
            "MistralForCausalLM": lambda: transformers.MistralConfig(**COMMON, sliding_window=4,
                                                                     tie_word_embeddings=False)}[arch]()
-    torch.manual_seed(ARCHS.index(arch))
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
-    with torch.no_grad():  # away from the init's ones/zeros so norms and biases matter
-        for name, p in model.named_parameters():
-            base = 1.0 if "norm" in name else 0.0
-            p.copy_(base + torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.08))
-    model.eval()
-    model.save_pretrained(out, safe_serialization=True)
-    return model
-
-
-def reference_logprobs(model, rows):
-    out = []
-    with torch.no_grad():
-        for ids in rows:
-            logits = model(torch.tensor([ids])).logits[0].float()
-            lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-            out.append([0.0] + lp.tolist())
-    return out
+    return save_random(transformers, cfg, out, seed=ARCHS.index(arch))
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +60,6 @@ def work(tmp_path_factory):
                             capture_output=True, text=True, env=env, timeout=600)
     assert single.returncode == 0, single.stdout[-2000:] + single.stderr[-4000:]
     return d, rows, models, refs, cli
-
-
-def load_safetensors(d):
-    from safetensors.torch import load_file
-
-    out = {}
-    for name in sorted(os.listdir(d)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(str(d / name)))
-    return out
 
 
 def test_sliding_window_matters(work):

@@ -21,6 +21,14 @@ def rows(run):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def wait_for_rows(proc: subprocess.Popen, run, n: int, timeout: float = 300) -> None:
+    """Until the running trainer has logged `n` steps (its output in the message if it exited)."""
+    deadline = time.monotonic() + timeout
+    while len(rows(run)) < n and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert len(rows(run)) >= n, proc.stdout.read() if proc.poll() is not None else "no metrics"
+
+
 def test_sigterm_saves_the_step_and_the_rerun_resumes(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_sft.yaml"),
@@ -30,10 +38,7 @@ def test_sigterm_saves_the_step_and_the_rerun_resumes(tmp_path):
     proc = subprocess.Popen(cmd + ["train.steps=100000"], cwd=str(tmp_path), env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 300
-        while len(rows(run)) < 3 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        assert len(rows(run)) >= 3, proc.stdout.read() if proc.poll() is not None else "no metrics"
+        wait_for_rows(proc, run, 3)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=300)
     finally:
@@ -64,10 +69,7 @@ def test_sigusr1_to_the_process_group_saves_and_stops_the_owned_server(tmp_path)
     proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while len(rows(run)) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        assert len(rows(run)) >= 2, proc.stdout.read() if proc.poll() is not None else "no metrics"
+        wait_for_rows(proc, run, 2)
         servers = [c for c in psutil.Process(proc.pid).children() if "megarl.rollout.server" in " ".join(c.cmdline())]
         assert len(servers) == 1
         os.killpg(proc.pid, signal.SIGUSR1)  # trainer and server alike

@@ -21,13 +21,12 @@ in OUT/result.json and OUT/table.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rl_runs import REPO, fmt, markdown_table, read_rows, run_train  # noqa: E402
+from rl_runs import REPO, fmt, markdown_table, read_rows, run_train, write_results  # noqa: E402
 
 LONG_TAIL = ["rollout.workflow=megarl.rollout.workflows:LongTailWorkflow",
              "rollout.workflow_args={min_new_tokens: 4, alpha: 1.0}", "rollout.ignore_eos=true",
@@ -75,12 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown_table(["mode", "settings", "trained samples/s", "vs sync", "s/step",
                          f"s to {args.target}", "accuracy start -> end", "staleness mean",
                          "partial frac", "trainer idle"], table)
-    print(md)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "result.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(md + "\n")
+    write_results(args.out, results, md)
     return 0
 
 

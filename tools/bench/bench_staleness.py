@@ -16,13 +16,12 @@ OUT/result.json, OUT/table.md and OUT/staleness.png (copy to docs/ with --png).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rl_runs import REPO, markdown_table, read_rows, run_train  # noqa: E402
+from rl_runs import REPO, markdown_table, read_rows, run_train, write_results  # noqa: E402
 
 LOSSES = {"ppo": ["algo.policy_loss=ppo", "algo.old_logp=behave", "algo.prox_logp_mode=recompute"],
           "decoupled": ["algo.policy_loss=decoupled_ppo"]}
@@ -98,12 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"{statistics.fmean(r['start_accuracy'] for r in rs):.3f}"])
     md = markdown_table(["max staleness", "loss", "staleness mean", "trained samples/s",
                          "final accuracy per seed", "mean", "start"], table)
-    print(md)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "result.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(md + "\n")
+    write_results(args.out, results, md)
     try:
         png = os.path.join(args.out, "staleness.png")
         plot(results, staleness, png)

@@ -133,5 +133,15 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def write_results(out_dir: str, results, md: str) -> None:
+    """<out_dir>/result.json (every run's numbers) and <out_dir>/table.md; the table is printed."""
+    print(md)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(out_dir, "table.md"), "w") as f:
+        f.write(md + "\n")
+
+
 def fmt(x, spec: str = ".3f", none: str = "-") -> str:
     return none if x is None else format(x, spec)
