@@ -716,6 +716,8 @@ def _coerce(tp, value, name):
     if tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # `server_args=[--threads,2]`, `api_key=1234`: YAML reads numbers
         raise ConfigError(f"{name}: expected a string, got {value!r}")
     return value
 

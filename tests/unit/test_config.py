@@ -30,6 +30,13 @@ def test_yaml_and_overrides(tmp_path, hf):
     out = save_config(cfg, str(tmp_path / "run"))
     again = load_config(out)
     assert again == cfg
+    # numbers where strings are expected (argument lists, keys) are read as their text; bools are not
+    cfg = load_config(str(path), ["rollout.server_args=[--max-running-requests,2,--x,0.5]",
+                                  "rollout.api_key=1234"])
+    assert cfg.rollout.server_args == ["--max-running-requests", "2", "--x", "0.5"]
+    assert cfg.rollout.api_key == "1234"
+    with pytest.raises(ConfigError, match=r"rollout.server_args\[0\]: expected a string, got True"):
+        load_config(str(path), ["rollout.server_args=[true]"])
 
 
 @pytest.mark.parametrize("override, field", [
