@@ -39,6 +39,9 @@ class ModelConfig:
     """Seed for weight init and dropout."""
     spec: str = "auto"
     """Layer spec: auto (TE when TE and CUDA are present, else local), te, or local."""
+    attention: str = "sdpa"
+    """Core attention of the local spec: sdpa (torch's fused scaled_dot_product_attention) or
+    unfused (megatron-core's DotProductAttention). The TE spec uses TE's kernels either way."""
     recompute: bool = False
     """Full activation recomputation (saves memory for large models)."""
     ref_hf_path: str = ""
@@ -53,6 +56,7 @@ class ModelConfig:
         _positive("model.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
         _choice("model.dtype", self.dtype, ("float32", "bfloat16"))
         _choice("model.spec", self.spec, ("auto", "te", "local"))
+        _choice("model.attention", self.attention, ("sdpa", "unfused"))
         if not self.hf_path:
             raise ConfigError("model.hf_path: required (an HF model directory with config.json)")
 

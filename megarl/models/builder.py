@@ -114,13 +114,20 @@ def moe_kwargs(args: ModelArgs, tp: int, ep: int) -> dict:
                 expert_tensor_parallel_size=1)
 
 
-def layer_spec(args: ModelArgs, use_te: bool):
+def layer_spec(args: ModelArgs, use_te: bool, attention: str = "sdpa"):
+    """TE's layer spec, or the local one; the local spec's core attention is torch's fused SDPA
+    (`megarl/models/sdpa.py`) unless ``attention="unfused"`` (Megatron's `DotProductAttention`)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     moe = dict(num_experts=args.num_experts, moe_grouped_gemm=False) if args.num_experts else {}
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_norm, **moe)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm", **moe)
+    spec = specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm", **moe)
+    if attention == "sdpa":
+        from megarl.models.sdpa import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
 def resolve_spec(spec: str) -> bool:
@@ -134,7 +141,8 @@ def resolve_spec(spec: str) -> bool:
     return compat.use_transformer_engine()
 
 
-def gpt_model(args: ModelArgs, config, use_te: bool, vp_stage: Optional[int] = None) -> torch.nn.Module:
+def gpt_model(args: ModelArgs, config, use_te: bool, vp_stage: Optional[int] = None,
+              attention: str = "sdpa") -> torch.nn.Module:
     """One GPTModel chunk of this rank's pipeline stage (virtual stage ``vp_stage`` when
     interleaving), on the current default device; the one place the HF architecture's RoPE,
     tying and vocabulary reach Megatron's model."""
@@ -143,7 +151,7 @@ def gpt_model(args: ModelArgs, config, use_te: bool, vp_stage: Optional[int] = N
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args, use_te),
+        transformer_layer_spec=layer_spec(args, use_te, attention),
         vocab_size=args.mcore_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -158,12 +166,12 @@ def gpt_model(args: ModelArgs, config, use_te: bool, vp_stage: Optional[int] = N
     )
 
 
-def build_model_chunks(args: ModelArgs, config, use_te: bool) -> list[torch.nn.Module]:
+def build_model_chunks(args: ModelArgs, config, use_te: bool, attention: str = "sdpa") -> list[torch.nn.Module]:
     """GPTModel chunks for this rank's pipeline stage(s); the caller wraps them in DDP."""
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
-        model = gpt_model(args, config, use_te, vp_stage if vpp else None)
+        model = gpt_model(args, config, use_te, vp_stage if vpp else None, attention)
         if compat.HAVE_CUDA:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

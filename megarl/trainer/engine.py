@@ -75,7 +75,7 @@ class Engine:
             last_stage_layers=cfg.parallel.last_stage_layers, dtype=cfg.model.dtype, ep=ps.ep,
             sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.model.recompute,
             use_te=use_te)
-        chunks = builder.build_model_chunks(args, tconfig, use_te)
+        chunks = builder.build_model_chunks(args, tconfig, use_te, cfg.model.attention)
         if cfg.model.init == "hf":
             hf_io.load_hf_weights(chunks, args, cfg.model.hf_path, ps.tp, ps.tp_rank, use_te)
         cls.adapt_chunks(chunks, cfg, args, tconfig)

@@ -52,6 +52,10 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
     if vocab_size is not None and lo + shard > vocab_size:  # this shard holds padded ids
         valid = torch.arange(lo, lo + shard, device=logits.device) < vocab_size
         raw, logits = logits, logits.masked_fill(~valid, float("-inf"))
+    local = targets - lo
+    if tp == 1 and not with_entropy:  # one fused logsumexp instead of max, exp, sum, log
+        picked = torch.gather(logits, -1, local.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1), None
     with torch.no_grad():
         m = logits.max(dim=-1).values  # -inf on a shard of padding only; finite after the MAX
         if tp > 1:
@@ -59,7 +63,6 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
     exp = (logits - m.unsqueeze(-1)).exp()
     sum_exp = _sum_over_tp(exp.sum(-1), tp_group, tp)
     lse = torch.log(sum_exp) + m
-    local = targets - lo
     owned = (local >= 0) & (local < shard)
     picked = torch.gather(logits, -1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1)
     z_y = _sum_over_tp(torch.where(owned, picked, torch.zeros_like(picked)), tp_group, tp)

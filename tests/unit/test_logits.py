@@ -71,3 +71,23 @@ def test_padded_vocab_matches_unpadded(tp, padded_vocab, monkeypatch):
     assert torch.isfinite(grad).all()
     assert torch.allclose(grad[..., :vocab], ref_z.grad, atol=1e-5)
     assert not grad[..., vocab:].any()  # the padding gets no gradient
+
+
+def test_tp1_logprobs_without_entropy_use_the_fused_path_and_agree():
+    """TP=1 without entropy takes one logsumexp; same values and gradients as the reference,
+    padding masked and gradient-free."""
+    vocab, padded_vocab = 333, 384
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(3, 6, vocab, generator=g) * 3
+    junk = torch.randn(3, 6, padded_vocab - vocab, generator=g) * 50 + 100
+    targets = torch.randint(0, vocab, (3, 6), generator=g)
+    padded = torch.cat([z, junk], dim=-1).requires_grad_(True)
+    logp, ent = L.vocab_parallel_logprobs(padded, targets, None, 1, 0, False, vocab)
+    assert ent is None
+    ref_z = z.clone().requires_grad_(True)
+    ref_logp, _ = reference(ref_z, targets)
+    assert torch.allclose(logp, ref_logp, atol=1e-6)
+    (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+    (ref_logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+    assert torch.allclose(padded.grad[..., :vocab], ref_z.grad, atol=1e-6)
+    assert not padded.grad[..., vocab:].any()
