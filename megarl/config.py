@@ -401,7 +401,7 @@ class RolloutConfig:
 class RewardConfig:
     executor: str = "thread"
     """Where sync reward functions run: thread (a daemon thread per call) or process (a pool of
-    reward.num_workers spawned processes: a CPU-heavy verifier does not hold the trainer's GIL,
+    reward.num_workers worker processes: a CPU-heavy verifier does not hold the trainer's GIL,
     and one that overruns is killed and replaced). Coroutine functions always run on the loop."""
     num_workers: int = 4
     """Worker processes of reward.executor=process (started on the first call)."""

@@ -1,4 +1,4 @@
-"""reward.executor=process: sync rewards in real spawned worker processes (RewardProcessPool behind
+"""reward.executor=process: sync rewards in real worker processes (RewardProcessPool behind
 RewardCaller). Results come back in order from other processes; a hung verifier is killed at its
 deadline (counted from when a worker takes the call) and its worker replaced; a crashing worker is
 replaced; raises map to on_error_value; close() leaves no process behind; the workers ignore the
@@ -17,10 +17,13 @@ from megarl.rollout.rewards import RewardCaller, RewardError
 from megarl.rollout.rewards.pool import RewardProcessPool
 
 PLUGIN = """
-import os, time
+import os, sys, time
 
 def pid(prompt, completion, meta):
     return float(os.getpid())
+
+def imports_torch(prompt, completion, meta):
+    return float("torch" in sys.modules)
 
 def score(prompt, completion, meta):
     if completion == "hang":
@@ -49,7 +52,7 @@ async def coro(prompt, completion, meta):
 def plugin(tmp_path, monkeypatch):
     name = f"reward_plugin_{os.getpid()}"
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(PLUGIN))
-    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers get the parent's sys.path
+    monkeypatch.syspath_prepend(str(tmp_path))  # workers get the parent's sys.path
     return name
 
 
@@ -60,7 +63,7 @@ def caller(plugin, fn="score", **cfg) -> RewardCaller:
 
 
 def worker_pids(reward: RewardCaller) -> set[int]:
-    return {w.proc.pid for w in reward.pool._workers if w.proc is not None and w.proc.is_alive()}
+    return {w.proc.pid for w in reward.pool._workers if w.alive()}
 
 
 def test_rewards_run_in_worker_processes_and_come_back_in_order(plugin):
@@ -69,6 +72,9 @@ def test_rewards_run_in_worker_processes_and_come_back_in_order(plugin):
         pids = await asyncio.gather(*(reward("p", str(i), {}) for i in range(8)))
         scaled = caller(plugin, fn="Scaled", num_workers=1, args={"scale": 0.5})
         out = await scaled.many("p", ["a", "bcd", ""], {})
+        lean = caller(plugin, fn="imports_torch", num_workers=1)
+        assert await lean("p", "c", {}) == 0.0  # a worker imports the reward, not the trainer
+        await lean.aclose()
         workers = worker_pids(reward)
         await reward.aclose()
         await scaled.aclose()
@@ -85,7 +91,7 @@ def test_rewards_run_in_worker_processes_and_come_back_in_order(plugin):
 def test_a_hung_worker_is_killed_at_its_deadline_and_replaced(plugin):
     async def main():
         reward = caller(plugin, num_workers=1, timeout_s=1.0, on_error_value=-1.0)
-        assert await reward("p", "ab", {"scale": 1.0}) == 2.0  # the worker is up (spawn ~1 s)
+        assert await reward("p", "ab", {"scale": 1.0}) == 2.0  # the worker is up
         first = worker_pids(reward)
         t0 = time.monotonic()
         # one worker: "ok" waits behind the hung call; only the time on a worker counts

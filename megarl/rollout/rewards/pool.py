@@ -7,7 +7,7 @@ event loop that streams rollouts and the trainer beside it. In a worker process 
     score = await pool.submit(prompt, completion, meta)      # a float, or raises
     pool.close()
 
-Each worker is a spawned interpreter that imports the function by its path (``reward.args`` build a
+Each worker is a fresh interpreter that imports the function by its path (``reward.args`` build a
 class, as in-process) and serves calls over a pipe, one at a time. Each worker has a driver thread
 here that takes the next call from one queue, sends it and waits for the answer. ``timeout_s``
 counts from when a worker takes the call (time queued behind other calls does not count): a worker
@@ -20,9 +20,12 @@ and get SIGKILL when their driver thread ends (Linux), so none outlives the trai
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import queue
+import socket
+import subprocess
+import sys
 import threading
+from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 from megarl.signals import owned_child_setup
@@ -30,16 +33,24 @@ from megarl.signals import owned_child_setup
 __all__ = ["RewardProcessPool", "RewardWorkerDied"]
 
 _STOP = None
-_STARTUP_S = 120.0  # a spawned worker's imports (the reward module's too) on a loaded machine
+_STARTUP_S = 120.0  # a new worker's imports (the reward module's too) on a loaded machine
 
 
 class RewardWorkerDied(RuntimeError):
     """The worker process serving a call exited before it answered."""
 
 
+def _worker_main(fd: int) -> None:
+    """A worker's entry (``python -c``): its end of the socket pair, the trainer's sys.path and
+    the function's path and args first, then calls."""
+    conn = Connection(fd)
+    sys_path, path, args = conn.recv()
+    sys.path[:] = sys_path  # the trainer's, at the time of the start (tests add plugin dirs)
+    _serve(conn, path, args)
+
+
 def _serve(conn, path: str, args: Optional[dict]) -> None:
-    """Worker main: load the function, then answer (ok, value) per (prompt, completion, meta)."""
-    owned_child_setup()
+    """Load the function, then answer (ok, value) per (prompt, completion, meta)."""
     from megarl.rollout.rewards.base import load_reward_fn
 
     try:
@@ -65,23 +76,32 @@ def _serve(conn, path: str, args: Optional[dict]) -> None:
 
 
 class _Worker:
-    """One worker process and its pipe; owned by one driver thread."""
+    """One worker process and its socket; owned by one driver thread. A plain interpreter
+    (``subprocess``, not multiprocessing's spawn, which would import the trainer's main module and
+    with it torch and Megatron into every worker)."""
 
-    def __init__(self, ctx, path: str, args: Optional[dict], name: str):
-        self._ctx, self._path, self._args, self._name = ctx, path, args, name
-        self.proc = self.conn = None
+    def __init__(self, path: str, args: Optional[dict]):
+        self._path, self._args = path, args
+        self.proc: Optional[subprocess.Popen] = None
+        self.conn: Optional[Connection] = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def ensure_started(self) -> None:
-        if self.proc is not None and self.proc.is_alive():
+        if self.alive():
             return
-        parent, child = self._ctx.Pipe()
-        self.proc = self._ctx.Process(target=_serve, args=(child, self._path, self._args),
-                                      name=self._name, daemon=True)
-        self.proc.start()
-        child.close()
-        self.conn = parent
+        if self.proc is not None:
+            self.kill()
+        ours, theirs = socket.socketpair()
+        code = f"from megarl.rollout.rewards.pool import _worker_main; _worker_main({theirs.fileno()})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
+                                     stdin=subprocess.DEVNULL, preexec_fn=owned_child_setup)
+        theirs.close()
+        self.conn = Connection(ours.detach())
         try:
-            if parent.poll(_STARTUP_S) and parent.recv() == "ready":
+            self.conn.send((list(sys.path), self._path, self._args))
+            if self.conn.poll(_STARTUP_S) and self.conn.recv() == "ready":
                 return
         except (EOFError, OSError):
             pass
@@ -105,10 +125,12 @@ class _Worker:
     def kill(self) -> Optional[int]:
         if self.proc is None:
             return None
-        if self.proc.is_alive():
+        if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.join(5)
-        code = self.proc.exitcode
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
         self.conn.close()
         self.proc = self.conn = None
         return code
@@ -144,9 +166,8 @@ class RewardProcessPool:
         with self._lock:
             if self._threads or self._closed:
                 return
-            ctx = multiprocessing.get_context("spawn")  # never fork a process that holds torch threads
             for i in range(self.workers):
-                w = _Worker(ctx, self.path, self.args or None, f"megarl-reward-{i}")
+                w = _Worker(self.path, self.args or None)
                 t = threading.Thread(target=self._drive, args=(w,), name=f"megarl-reward-driver-{i}",
                                      daemon=True)
                 t.start()
@@ -164,7 +185,7 @@ class RewardProcessPool:
 
     def _drive(self, worker: _Worker) -> None:
         try:
-            worker.ensure_started()  # all workers spawn together, on the first call
+            worker.ensure_started()  # all workers start together, on the first call
         except RewardWorkerDied:
             pass  # tried again (and reported) by the first call it takes
         while True:
@@ -200,7 +221,7 @@ class RewardProcessPool:
             self._calls.put(_STOP)
         for w in self._workers:  # a driver blocked on a hung call wakes up with EOF
             proc = w.proc
-            if proc is not None and proc.is_alive():
+            if proc is not None and proc.poll() is None:
                 proc.kill()
         for t in threads:
             t.join(timeout=10)
