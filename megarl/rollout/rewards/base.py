@@ -28,7 +28,7 @@ import math
 import threading
 from typing import Any, Optional, Protocol
 
-from megarl.rollout.rewards.pool import RewardProcessPool
+from megarl.rollout.rewards.pool import RewardProcessPool, deliver
 
 __all__ = ["RewardFn", "RewardError", "RewardCaller", "load_reward_fn", "is_async_callable"]
 
@@ -88,11 +88,6 @@ def load_reward_fn(path: str, args: Optional[dict] = None) -> RewardFn:
     return obj
 
 
-def _settle(fut: asyncio.Future, ok: bool, value) -> None:
-    if not fut.done():  # a timed-out caller has cancelled it already
-        fut.set_result(value) if ok else fut.set_exception(value)
-
-
 class _DaemonThreads:
     """Sync reward functions, one daemon thread per call: a call that hangs past its timeout
     keeps only its own thread (a fixed pool would let hung calls starve the ones queued behind
@@ -122,10 +117,7 @@ class _DaemonThreads:
         finally:
             with self._lock:
                 self._running -= 1
-        try:
-            loop.call_soon_threadsafe(_settle, fut, ok, value)
-        except RuntimeError:  # the caller's loop is closed: nobody is waiting
-            pass
+        deliver(loop, fut, ok, value)
 
     def shutdown(self) -> None:
         pass  # nothing pooled: running calls are daemon threads
@@ -146,9 +138,7 @@ class RewardCaller:
                  max_threads: int = 256, pool: Optional[RewardProcessPool] = None):
         self.fn, self.timeout_s, self.on_error_value = fn, timeout_s, on_error_value
         self.is_async = is_async_callable(fn)
-        self.pool = None if self.is_async else pool
-        if pool is not None and self.pool is None:
-            pool.close()  # coroutine functions never block the loop: no processes for them
+        self.pool = None if self.is_async else pool  # coroutines never block the loop
         self._threads = _DaemonThreads(max_threads, "megarl-reward")
         self.counts: collections.Counter = collections.Counter()
 

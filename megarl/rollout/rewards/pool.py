@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from megarl.signals import owned_child_setup
 
-__all__ = ["RewardProcessPool", "RewardWorkerDied"]
+__all__ = ["RewardProcessPool", "RewardWorkerDied", "deliver"]
 
 _STOP = None
 _STARTUP_S = 120.0  # a new worker's imports (the reward module's too) on a loaded machine
@@ -137,11 +137,13 @@ class _Worker:
 
 
 def _settle(fut: asyncio.Future, ok: bool, value) -> None:
-    if not fut.done():  # cancelled by the caller meanwhile
+    if not fut.done():  # cancelled by the caller meanwhile (e.g. its deadline passed)
         fut.set_result(value) if ok else fut.set_exception(value)
 
 
-def _deliver(loop, fut: asyncio.Future, ok: bool, value) -> None:
+def deliver(loop, fut: asyncio.Future, ok: bool, value) -> None:
+    """From another thread: the result (ok) or exception of `fut`, on its loop. Reward threads
+    and the pool's driver threads both answer this way."""
     try:
         loop.call_soon_threadsafe(_settle, fut, ok, value)
     except RuntimeError:  # the caller's loop is closed: nobody is waiting
@@ -197,7 +199,7 @@ class RewardProcessPool:
             if fut.done():  # the caller gave up while the call was queued
                 continue
             if self._closed:
-                _deliver(loop, fut, False, RuntimeError("reward process pool is closed"))
+                deliver(loop, fut, False, RuntimeError("reward process pool is closed"))
                 continue
             try:
                 ok, value = worker.call(request, self.timeout_s)  # (re)starts the worker first
@@ -208,7 +210,7 @@ class RewardProcessPool:
                 ok, value = False, e
             except Exception as e:  # noqa: BLE001 - e.g. arguments that do not pickle
                 ok, value = False, e
-            _deliver(loop, fut, ok, value)
+            deliver(loop, fut, ok, value)
 
     def close(self) -> None:
         """Stop every worker; a call still running (a hung verifier) is killed. Idempotent."""
