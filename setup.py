@@ -37,7 +37,7 @@ setup(
             "megarl-train=megarl.train:main",
             "megarl-convert=megarl.tools_cli.convert:main",
             "megarl-logprobs=megarl.tools_cli.logprobs:main",
-            "megarl-server=megarl.rollout.server.__main__:main",
+            "megarl-server=megarl.server.__main__:main",
             "megarl-launch=megarl.launch_plan:main",
         ]
     },

@@ -338,9 +338,9 @@ class RolloutConfig:
     (<run_dir>/failed_prompts.jsonl)."""
     max_concurrent: int = 64
     """Episodes (prompt groups) generating at once."""
-    reward_fn: str = "megarl.rollout.rewards:arith_exact_match"
+    reward_fn: str = "megarl.rewards:arith_exact_match"
     """Reward import path: fn(prompt, completion, meta) -> float, sync or async; or a class built
-    once with reward.args (e.g. megarl.rollout.rewards:HttpReward)."""
+    once with reward.args (e.g. megarl.rewards:HttpReward)."""
     workflow: str = "megarl.rollout.workflow:SingleTurnWorkflow"
     """Workflow class import path, built as cls(ctx, **workflow_args); arun_episode(client,
     sample) -> list[Trajectory] or None (sample rejected). Shipped: megarl.rollout.workflows:

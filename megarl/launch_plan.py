@@ -153,7 +153,7 @@ def plan_servers(cfg, alloc: Allocation) -> tuple[str, list[ServerSpec]]:
                     env = (("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in range(i * per_server,
                                                                                     (i + 1) * per_server))),)
             else:
-                argv = [alloc.python, "-m", "megarl.rollout.server", "--model", cfg.model.hf_path,
+                argv = [alloc.python, "-m", "megarl.server", "--model", cfg.model.hf_path,
                         "--host", host, "--port", str(port), "--dtype", serving_dtype(cfg),
                         "--threads", str(cfg.rollout.server_threads)]
             servers.append(ServerSpec(node, i, host, port, tuple(argv + list(L.server_args)), env))

@@ -137,7 +137,7 @@ def check_dataset(field: str, path: str, cfg: Config, tok, max_positions: int) -
 # ----------------------------------------------------------------------------- plugins, run dir
 
 def check_plugins(cfg: Config) -> None:
-    from megarl.rollout.rewards import load_reward_fn
+    from megarl.rewards import load_reward_fn
     from megarl.rollout.workflows.base import load_workflow_class
 
     for field, load, path in (("rollout.reward_fn", load_reward_fn, cfg.rollout.reward_fn),

@@ -38,7 +38,7 @@ from megarl.data.tokenizer import SentencePieceTokenizer, load_tokenizer, train_
 from megarl.rollout.client import RolloutClient  # noqa: E402
 from megarl.rollout.evaluation import EvalResult, evaluate_samples  # noqa: E402
 from megarl.rollout.local import LocalCluster  # noqa: E402
-from megarl.rollout.rewards import arith_exact_match  # noqa: E402
+from megarl.rewards import arith_exact_match  # noqa: E402
 from megarl.rollout.types import SamplingParams  # noqa: E402
 
 TASK_CHARS = "0123456789+="

@@ -8,7 +8,7 @@ Input rows are GSM8K's {"question", "answer": "<solution> #### <number>"} (the `
 ``OUT/train.jsonl`` and ``OUT/test.jsonl``, one {"prompt", "answer", "question"} per line, where
 ``prompt`` is the question in Qwen's chat format ending with the assistant turn (megarl feeds the
 text to the tokenizer as is) and ``answer`` is the final number that
-``megarl.rollout.rewards:math_reward`` compares against.
+``megarl.rewards:math_reward`` compares against.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, REPO)
 
-from megarl.rollout.rewards import extract_answer  # noqa: E402
+from megarl.rewards import extract_answer  # noqa: E402
 
 INSTRUCTION = "Solve the problem step by step. Write the final answer as a number after \"####\"."
 CHAT = "<|im_start|>user\n{question}\n{instruction}<|im_end|>\n<|im_start|>assistant\n"

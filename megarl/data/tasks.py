@@ -2,7 +2,7 @@
 
 The CPU demo and the RL benchmarks train on it: `write_addition_corpus` emits SFT pairs, RL prompts
 and a held-out eval set that never shares a pair with the other two, all fixed by (digits, seed).
-Its verifier is `megarl.rollout.rewards.arith_exact_match`; held-out accuracy is measured by
+Its verifier is `megarl.rewards.arith_exact_match`; held-out accuracy is measured by
 `megarl.rollout.evaluation` (this module stays data only: nothing under megarl.data imports rollout).
 """
 from __future__ import annotations

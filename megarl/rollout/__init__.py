@@ -1,11 +1,13 @@
-"""Rollout side of megarl: request/response types, the SGLang-protocol client, the CPU server.
+"""The rollout manager's side of megarl: the SGLang-protocol client, the staleness manager, the controller and workflows.
 
 - `megarl.rollout.types`: `ModelRequest`, `ModelResponse`, `SamplingParams` and the admin messages.
 - `megarl.rollout.client`: `RolloutClient` (load balancing, retries, partial-rollout resubmission,
   trainer-side admin calls for pause / weight updates).
-- `megarl.rollout.server`: `megarl-server`, a CPU SGLang-compatible server for tests and demos.
-- `megarl.rollout.workflows`, `.tools`, `.rewards`: what turns a prompt into scored trajectories
-  (docs/tasks.md).
+- `megarl.rollout.workflows`: what turns a prompt into scored trajectories, with the tools of
+  `megarl.tools` and the rewards of `megarl.rewards` (docs/tasks.md).
+
+The CPU inference server is a program of its own (`megarl.server`, `megarl-server`) that shares
+only the wire types (`megarl.wire`) with this package.
 
 Importing this package stays cheap: the client (aiohttp) is imported on first use.
 """

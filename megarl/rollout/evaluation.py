@@ -7,7 +7,7 @@ balancing, retries and partial-rollout resubmission and the servers batch the re
 themselves. A completion is decoded up to its first EOS (as in training,
 :func:`~megarl.rollout.workflow.completion_text`) and scored with the reward contract
 ``reward_fn(prompt, completion, meta)``. With a 0/1 verifier such as
-:func:`~megarl.rollout.rewards.arith_exact_match`, ``accuracy`` is the exact-answer rate.
+:func:`~megarl.rewards.arith_exact_match`, ``accuracy`` is the exact-answer rate.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from megarl.data.datasets import PromptSample
-from megarl.rollout.rewards import RewardFn
-from megarl.rollout.rewards.base import RewardCaller
+from megarl.rewards import RewardFn
+from megarl.rewards.base import RewardCaller
 from megarl.rollout.types import ModelRequest, SamplingParams
 from megarl.rollout.workflows.base import completion_text
 

@@ -41,7 +41,7 @@ def spawn_server(model_dir: str, log_path: str, port: int, extra=(), host: str =
     """Starts ``megarl-server`` on ``host:port`` (pinned to ``cpus`` when given) and returns at once."""
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     log = open(log_path, "a")  # append: a restarted server keeps its predecessor's log
-    proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
+    proc = subprocess.Popen([sys.executable, "-m", "megarl.server", "--model", model_dir,
                              "--host", host, "--port", str(port), *map(str, extra)], stdout=log,
                             stderr=subprocess.STDOUT, preexec_fn=owned_child_setup)
     if cpus:  # right after the fork, before the child starts its torch threads (they inherit it)

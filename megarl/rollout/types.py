@@ -1,158 +1,17 @@
-"""Dataclasses that cross the process boundary between the controller and the rollout servers.
-
-`ModelRequest` -> (client) -> SGLang-protocol /generate -> `ModelResponse`. A response is
-token-aligned: ``output_tokens``, ``output_logprobs`` and ``output_versions`` have equal length;
-``output_versions[i]`` is the policy (weight) version that produced token i, so one response can
-span several versions when a weight update interrupted it (partial rollout). The admin messages
-(`PauseRequest`, `WeightsUpdateGroup`, `DistributedWeightsMeta`, ...) serialize to the exact SGLang
-JSON bodies with `to_json()`.
-"""
+"""The trainer's sample (`Trajectory`) and, re-exported for the rollout side, the wire types of
+`megarl.wire` (requests, responses and admin messages of the SGLang protocol)."""
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import asdict, dataclass, field
-from typing import Literal, Optional
+from dataclasses import dataclass, field
 
-StopReason = Literal["stop", "length", "abort", "tool_calls"]
-PauseMode = Literal["abort", "retract", "in_place"]
-SAFETENSORS_B64 = "safetensors_b64"  # megarl's /update_weights_from_tensor load_format (no pickle)
+from megarl.wire import (SAFETENSORS_B64, DiskWeightsUpdate, DistributedWeightsMeta,
+                         ModelRequest, ModelResponse, PauseMode, PauseRequest, SamplingParams,
+                         StopReason, TensorWeightsUpdate, WeightsUpdateGroup)
 
-
-@dataclass
-class SamplingParams:
-    """SGLang sampling params. temperature 0 = greedy; top_k <= 0 = off."""
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: Optional[list[str]] = None
-    stop_token_ids: Optional[list[int]] = None
-    ignore_eos: bool = False
-    seed: Optional[int] = None
-
-    def to_json(self, max_new_tokens: Optional[int] = None) -> dict:
-        d = {
-            "max_new_tokens": self.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "ignore_eos": self.ignore_eos,
-        }
-        if self.stop:
-            d["stop"] = list(self.stop)
-        if self.stop_token_ids:
-            d["stop_token_ids"] = list(self.stop_token_ids)
-        if self.seed is not None:
-            d["sampling_seed"] = self.seed
-        return d
-
-
-@dataclass
-class ModelRequest:
-    """One sample to generate. Group sampling = n requests sharing a prompt (see agenerate_n)."""
-
-    input_ids: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    metadata: dict = field(default_factory=dict)
-
-
-@dataclass
-class ModelResponse:
-    """A finished sample; output_* lists are token-aligned (one entry per generated token)."""
-
-    input_tokens: list[int] = field(default_factory=list)
-    output_tokens: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_versions: list[int] = field(default_factory=list)
-    stop_reason: StopReason = "stop"
-    stop_matched: Optional[object] = None  # the stop token id / string, when stop_reason == "stop"
-    text: Optional[str] = None  # last segment's text (None without a server tokenizer)
-    rid: str = ""
-    latency: float = 0.0  # seconds from submit to the final segment
-    num_segments: int = 1  # /generate calls made (> 1 after interruptions)
-    server: str = ""  # address of the server that produced the last segment
-
-    @property
-    def input_len(self) -> int:
-        return len(self.input_tokens)
-
-    @property
-    def output_len(self) -> int:
-        return len(self.output_tokens)
-
-
-@dataclass
-class PauseRequest:
-    mode: PauseMode = "abort"
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class WeightsUpdateGroup:
-    """/init_weights_update_group body; rank_offset is filled per server by the client."""
-
-    master_address: str
-    master_port: int
-    world_size: int
-    group_name: str = "weight_update_group"
-    backend: str = "gloo"
-    rank_offset: int = 1
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-def _without_unset_version(msg) -> dict:
-    """The message's JSON body; ``weight_version`` is left out when unset (server keeps its own)."""
-    d = asdict(msg)
-    if d.get("weight_version") is None:
-        d.pop("weight_version", None)
-    return d
-
-
-@dataclass
-class DistributedWeightsMeta:
-    """One announced bucket for /update_weights_from_distributed (HF names, broadcast order)."""
-
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = "weight_update_group"
-    flush_cache: bool = True
-    weight_version: Optional[str] = None
-
-    def to_json(self) -> dict:
-        return _without_unset_version(self)
-
-
-@dataclass
-class TensorWeightsUpdate:
-    """/update_weights_from_tensor body; build it with `megarl.weights.tensor_wire.tensor_update`
-    (safetensors for megarl-server, SGLang's format for real SGLang: ``load_format`` None)."""
-
-    serialized_named_tensors: list[str]
-    load_format: Optional[str] = SAFETENSORS_B64
-    flush_cache: bool = True
-    weight_version: Optional[str] = None
-
-    def to_json(self) -> dict:
-        return _without_unset_version(self)
-
-
-@dataclass
-class DiskWeightsUpdate:
-    model_path: str
-    weight_version: Optional[str] = None
-
-    def to_json(self) -> dict:
-        return _without_unset_version(self)
+__all__ = ["SAFETENSORS_B64", "DiskWeightsUpdate", "DistributedWeightsMeta", "ModelRequest", "ModelResponse",
+           "PauseMode", "PauseRequest", "SamplingParams", "StopReason", "TensorWeightsUpdate",
+           "WeightsUpdateGroup", "Trajectory"]
 
 
 @dataclass

@@ -45,7 +45,7 @@ from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController
 from megarl.rollout.evaluation import PeriodicEval
 from megarl.rollout.local import LocalCluster, split_cpus
-from megarl.rollout.rewards import RewardCaller
+from megarl.rewards import RewardCaller
 from megarl.rollout.types import SamplingParams, Trajectory
 from megarl.rollout.workflows import WorkflowContext, load_workflow
 from megarl.timeline import Timeline

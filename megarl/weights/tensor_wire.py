@@ -1,7 +1,7 @@
 """Payload encoders for ``/update_weights_from_tensor`` (one ``serialized_named_tensors`` entry).
 
 Trainer side only (the tensor transport); megarl-server decodes with
-``megarl.rollout.server.weights.decode_named_tensors``.
+``megarl.server.weights.decode_named_tensors``.
 
 Two wire formats, chosen once per transport:
 

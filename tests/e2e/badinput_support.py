@@ -22,7 +22,7 @@ from dataclasses import dataclass
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(REPO, "examples", "tiny")
 MODULES = {"megarl-train": "megarl.train", "megarl-convert": "megarl.tools_cli.convert",
-           "megarl-logprobs": "megarl.tools_cli.logprobs", "megarl-server": "megarl.rollout.server"}
+           "megarl-logprobs": "megarl.tools_cli.logprobs", "megarl-server": "megarl.server"}
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,13 @@ CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello rol
 
 
 class ServerProc:
-    """A `python -m megarl.rollout.server` child process."""
+    """A `python -m megarl.server` child process."""
 
     def __init__(self, model_dir: str, *args: str, api_key: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "megarl.rollout.server", "--model", model_dir,
+        cmd = [sys.executable, "-m", "megarl.server", "--model", model_dir,
                "--port", str(self.port), "--log-level", "WARNING", *args]
         if api_key:
             cmd += ["--api-key", api_key]

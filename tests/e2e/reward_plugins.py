@@ -9,7 +9,7 @@ def starts_with_one(prompt: str, completion: str, meta: dict) -> float:
 def exact_match_plus_one(prompt: str, completion: str, meta: dict) -> float:
     """1 + the demo's exact-match reward: the offset gives a fresh value head a large error to
     learn away (a critic test), while the advantages stay the demo's."""
-    from megarl.rollout.rewards import arith_exact_match
+    from megarl.rewards import arith_exact_match
 
     return 1.0 + arith_exact_match(prompt, completion, meta)
 
@@ -24,7 +24,7 @@ def faulty_reward(prompt: str, completion: str, meta: dict) -> float:
     otherwise the demo's exact-match reward."""
     import time
 
-    from megarl.rollout.rewards import arith_exact_match
+    from megarl.rewards import arith_exact_match
 
     first = prompt.strip()[:1]
     if first in "12":

@@ -78,7 +78,7 @@ TRAIN = [
       "max_position_embeddings=64", base=GRPO),
     T("reward_module_missing", ["rollout.reward_fn=no_such_mod:fn"], "rollout.reward_fn", "no_such_mod",
       base=GRPO),
-    T("reward_attribute_missing", ["rollout.reward_fn=megarl.rollout.rewards:nope"], "rollout.reward_fn",
+    T("reward_attribute_missing", ["rollout.reward_fn=megarl.rewards:nope"], "rollout.reward_fn",
       "nope", base=GRPO),
     T("workflow_class_missing", ["rollout.workflow=megarl.rollout.workflow:Nope"], "rollout.workflow",
       "Nope", base=GRPO),

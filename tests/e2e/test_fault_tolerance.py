@@ -124,7 +124,7 @@ def test_server_killed_mid_push_rejoins_and_hung_server_is_dropped(tmp_path):
     try:
         assert proxy.killed.wait(300), (tmp_path / "err").read_text()[-3000:]
         time.sleep(1.0)
-        restarted = subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model", MODEL,
+        restarted = subprocess.Popen([sys.executable, "-m", "megarl.server", "--model", MODEL,
                                       "--port", str(a.port), "--log-level", "WARNING"])
         wait_for(lambda: any(r.get("rollout/live_servers") == 3 and r["step"] > 2 for r in rows_of(run)),
                  "the killed server to rejoin", proc)

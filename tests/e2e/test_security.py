@@ -44,7 +44,7 @@ def route_table() -> list[tuple[str, str]]:
     """(method, path) of every route megarl-server registers."""
     from aiohttp import web
 
-    from megarl.rollout.server.app import setup_routes
+    from megarl.server.app import setup_routes
 
     app = web.Application()
     setup_routes(app)
@@ -89,7 +89,7 @@ def test_binds_loopback_by_default(sec):
     import psutil
 
     from megarl.config import WeightSyncConfig
-    from megarl.rollout.server.__main__ import parse_args
+    from megarl.server.__main__ import parse_args
 
     assert parse_args(["--model", "x"]).host == "127.0.0.1"
     # the trainer's weight-update master: "auto" advertises loopback when the servers are local
@@ -103,7 +103,7 @@ def test_binds_loopback_by_default(sec):
 
 
 def test_route_table_covers_the_admin_endpoints():
-    from megarl.rollout.server.app import OPEN_PATHS
+    from megarl.server.app import OPEN_PATHS
 
     paths = {p for _, p in route_table()}
     assert ADMIN <= paths - OPEN_PATHS
@@ -112,7 +112,7 @@ def test_route_table_covers_the_admin_endpoints():
 
 @pytest.mark.parametrize("method,path", route_table())
 def test_every_route_but_health_needs_the_key(sec, method, path):
-    from megarl.rollout.server.app import OPEN_PATHS
+    from megarl.server.app import OPEN_PATHS
 
     body = None if method in ("GET", "HEAD") else {"mode": "abort", "rid": "", "abort_all": True}
     no_key = http(method, sec.url + path, body, key=None)[0]
@@ -199,7 +199,7 @@ def test_disk_update_only_under_the_weights_roots(sec):
 
 
 def test_weights_root_matching_is_by_path_component(tmp_path):
-    from megarl.rollout.server.state import BadRequest, allowed_weights_path, default_weights_roots
+    from megarl.server.state import BadRequest, allowed_weights_path, default_weights_roots
 
     (tmp_path / "root").mkdir()
     (tmp_path / "rootless").mkdir()

@@ -15,7 +15,7 @@ from test_rollout_reference import make_tiny_model, reference_logprobs
 from megarl.net import new_process_group
 from megarl.rollout.admin import AdminClient
 from megarl.rollout.client import AdminError, RolloutClient
-from megarl.rollout.server.weights import destroy_weight_update_group
+from megarl.server.weights import destroy_weight_update_group
 from megarl.rollout.types import (
     DiskWeightsUpdate,
     DistributedWeightsMeta,

@@ -14,7 +14,7 @@ from megarl.config import load_config
 from megarl.data import PromptSample
 from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController
-from megarl.rollout.rewards import HttpReward
+from megarl.rewards import HttpReward
 from megarl.rollout.types import Trajectory
 from megarl.rollout.workflows import ToolCallingWorkflow
 from megarl.trainer.rl import build_controller
@@ -41,7 +41,7 @@ def test_config_reaches_dataset_workflow_and_reward(tmp_path, model_dir):
         "data.prompt_key=q", "data.answer_key=gt.value", "data.max_prompt_length=400", "data.truncation=filter",
         "data.shuffle=false", "rollout.workflow=megarl.rollout.workflows:ToolCallingWorkflow",
         "rollout.workflow_args={tools: [calculator], max_turns: 3}",
-        "rollout.reward_fn=megarl.rollout.rewards:HttpReward",
+        "rollout.reward_fn=megarl.rewards:HttpReward",
         "reward.args={url: 'http://127.0.0.1:9/score', max_batch: 8}", "reward.timeout_s=7",
         "reward.on_error_value=-1"])
     c = build_controller(cfg, RolloutCluster([], driver=False))

@@ -39,7 +39,7 @@ def test_cpu_demo_one_rollout_node_one_trainer_node():
     assert lines == [
         "# trainer: 1 node(s) x 2 ranks = 2 ranks (tp=1 pp=2 dp=1), srun, rendezvous 127.0.0.3:20007",
         "# rollout: 1 node(s) x 1 servers = 1 megarl servers",
-        f"server n1 #0 http://127.0.0.2:30000: python -m megarl.rollout.server --model {TINY} "
+        f"server n1 #0 http://127.0.0.2:30000: python -m megarl.server --model {TINY} "
         "--host 127.0.0.2 --port 30000 --dtype float32 --threads 1",
         "trainer: srun --nodes=1 --ntasks=2 --ntasks-per-node=2 --nodelist=n2 --label --kill-on-bad-exit=1 "
         "--output=runs/x/logs/trainer.log --open-mode=append --export=ALL,MASTER_ADDR=127.0.0.3,"
@@ -173,7 +173,7 @@ def test_cli_dry_run_emit_and_get(tmp_path):
     out = run("--emit", "servers", *args)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
-        f"n1\thttp://127.0.0.2:30000\tpython -m megarl.rollout.server --model {TINY} --host 127.0.0.2 "
+        f"n1\thttp://127.0.0.2:30000\tpython -m megarl.server --model {TINY} --host 127.0.0.2 "
         "--port 30000 --dtype float32 --threads 1"]
     out = run("--emit", "trainer", *args)
     assert out.stdout.startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=n2,n3 ")

@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from megarl.data.datasets import PromptSample
-from megarl.rollout.rewards import RewardCaller
+from megarl.rewards import RewardCaller
 from megarl.rollout.types import ModelResponse, SamplingParams
 from megarl.rollout.workflows import LongTailWorkflow, WorkflowContext
 

@@ -12,7 +12,7 @@ from megarl.config import check_world_size, load_config
 from megarl.models import builder, stages
 from megarl.models.layouts import hf_shapes, pad_vocab
 from megarl.models.registry import read_model_args
-from megarl.rollout.rewards import math_reward, load_reward_fn
+from megarl.rewards import math_reward, load_reward_fn
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _COMMON = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,

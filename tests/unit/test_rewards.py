@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from megarl.rollout.rewards import arith_exact_match, first_word, load_reward_fn
+from megarl.rewards import arith_exact_match, first_word, load_reward_fn
 
 PLUGIN = '''
 def good(prompt, completion, meta):
@@ -50,7 +50,7 @@ def test_loads_valid_plugins(plugin):
     assert load_reward_fn(f"{plugin}:good")("p", "abc", {}) == 3.0
     assert load_reward_fn(f"{plugin}:with_default")("p", "c", {}) == 2.0
     assert load_reward_fn(f"{plugin}:scorer")("p", "c", {}) == 0.5
-    assert load_reward_fn("megarl.rollout.rewards:arith_exact_match") is arith_exact_match
+    assert load_reward_fn("megarl.rewards:arith_exact_match") is arith_exact_match
     assert load_reward_fn(f"{plugin}:coro").__name__ == "coro"  # async functions are allowed
     built = load_reward_fn(f"{plugin}:Scaled", {"scale": 2.0})
     assert built.scale == 2.0 and asyncio.run(built("p", "abc", {})) == 6.0

@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from megarl.config import ConfigError, RewardConfig
-from megarl.rollout.rewards import RewardCaller, RewardError
-from megarl.rollout.rewards.pool import RewardProcessPool
+from megarl.rewards import RewardCaller, RewardError
+from megarl.rewards.pool import RewardProcessPool
 
 PLUGIN = """
 import os, sys, time

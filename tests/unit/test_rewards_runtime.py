@@ -6,7 +6,7 @@ import threading
 import pytest
 from aiohttp import web
 
-from megarl.rollout.rewards import HttpReward, RewardCaller, RewardError
+from megarl.rewards import HttpReward, RewardCaller, RewardError
 
 
 def run(coro):
@@ -179,7 +179,7 @@ def test_a_hung_sync_reward_does_not_keep_the_process_alive():
     import sys
 
     code = ("import asyncio, threading\n"
-            "from megarl.rollout.rewards import RewardCaller\n"
+            "from megarl.rewards import RewardCaller\n"
             "hang = lambda p, c, m: threading.Event().wait()\n"
             "print(asyncio.run(RewardCaller(hang, timeout_s=0.2, on_error_value=-1.0)('p', 'c', {})))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

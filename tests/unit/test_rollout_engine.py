@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_rollout_reference import make_tiny_model, reference_logprobs
 
-from megarl.rollout.server import build_state
-from megarl.rollout.server.engine import Sequence
-from megarl.rollout.server.sampling import SamplingConfig
+from megarl.server import build_state
+from megarl.server.engine import Sequence
+from megarl.server.sampling import SamplingConfig
 
 
 @pytest.fixture(scope="module")

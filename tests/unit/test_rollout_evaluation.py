@@ -12,7 +12,7 @@ from megarl.data.tasks import AdditionTask, write_addition_corpus
 from megarl.data.tokenizer import train_sentencepiece
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.evaluation import evaluate_samples
-from megarl.rollout.rewards import arith_exact_match
+from megarl.rewards import arith_exact_match
 from megarl.rollout.types import SamplingParams
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from test_rollout_reference import make_tiny_model, reference_logprobs
 
-from megarl.rollout.server.model import CausalLM, DecoderConfig, KVCache
-from megarl.rollout.server.weights import read_hf_dir
+from megarl.server.model import CausalLM, DecoderConfig, KVCache
+from megarl.server.weights import read_hf_dir
 
 
 def _load(path, dtype=torch.float32, max_len=256):

@@ -3,7 +3,7 @@
 Shared by the rollout unit tests and the server e2e tests: `make_tiny_model` writes config.json and
 model.safetensors with random weights; `reference_logprobs` recomputes per-token logprobs of a
 token sequence with no KV cache, no fused weights and explicit GQA expansion, so it shares no code
-with `megarl.rollout.server.model`. When `transformers` is installed it is checked against it too.
+with `megarl.server.model`. When `transformers` is installed it is checked against it too.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.rollout.server.sampling import BatchSampler, SamplingConfig, seeded_uniform
+from megarl.server.sampling import BatchSampler, SamplingConfig, seeded_uniform
 
 
 def _logits(B=6, V=50, seed=0):

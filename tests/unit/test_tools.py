@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from megarl.rollout.tools import CalculatorTool, PythonTool, build_tools, run_tool_call, tool_schema
+from megarl.tools import CalculatorTool, PythonTool, build_tools, run_tool_call, tool_schema
 
 
 def run(coro):

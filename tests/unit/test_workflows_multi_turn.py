@@ -7,7 +7,7 @@ import pytest
 from chatml import CHATML, ids, write_chat_tokenizer
 from megarl.data import PromptSample, load_chat_template, load_tokenizer
 from megarl.data.chat import ChatTemplate
-from megarl.rollout.rewards import RewardCaller, math_reward
+from megarl.rewards import RewardCaller, math_reward
 from megarl.rollout.types import SamplingParams
 from megarl.rollout.workflows import (MultiTurnWorkflow, ToolCallingWorkflow, TurnRenderer, WorkflowContext,
                                       parse_tool_calls)

@@ -126,7 +126,7 @@ def main() -> None:
     if url is None:
         port = free_port()
         url = http_url(LOOPBACK, port)
-        cmd = [sys.executable, "-m", "megarl.rollout.server", "--model", model, "--port", str(port),
+        cmd = [sys.executable, "-m", "megarl.server", "--model", model, "--port", str(port),
                "--threads", str(args.threads), "--log-level", "WARNING"]
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd)

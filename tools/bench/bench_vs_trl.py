@@ -42,7 +42,7 @@ if REPO not in sys.path:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megarl.data.datasets import read_jsonl  # noqa: E402
-from megarl.rollout.rewards import arith_exact_match  # noqa: E402
+from megarl.rewards import arith_exact_match  # noqa: E402
 from rl_runs import DATA, run_train  # noqa: E402
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8)

@@ -2,7 +2,7 @@
 and checker in `base`). Shipped: `SingleTurnWorkflow` (RLVR, the GRPO default),
 `LongTailWorkflow` (long-tailed lengths, for benchmarks), `MultiTurnWorkflow` (environment
 feedback as new turns) and `ToolCallingWorkflow` (Hermes/Qwen
-tool calls run by `megarl.rollout.tools`). Configs name them as
+tool calls run by `megarl.tools`). Configs name them as
 ``megarl.rollout.workflows:ToolCallingWorkflow``.
 """
 from megarl.rollout.workflows.base import (RolloutWorkflow, TokenTrace, WorkflowContext, check_episode,

@@ -28,7 +28,7 @@ from typing import Any, Optional, Protocol
 from megarl.data.chat import ChatTemplate
 from megarl.data.prompts import PromptSample
 from megarl.data.tokenizer import Tokenizer
-from megarl.rollout.rewards.base import RewardCaller
+from megarl.rewards.base import RewardCaller
 from megarl.rollout.types import ModelResponse, SamplingParams, Trajectory
 
 __all__ = ["WorkflowContext", "RolloutWorkflow", "TokenTrace", "load_workflow", "load_workflow_class",

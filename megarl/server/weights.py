@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
-from megarl.rollout.types import SAFETENSORS_B64
+from megarl.wire import SAFETENSORS_B64
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,

@@ -21,11 +21,11 @@ import time
 
 from aiohttp import web
 
-from megarl.rollout.server import weight_routes
-from megarl.rollout.server.engine import PAUSE_MODES, Sequence
-from megarl.rollout.server.protocol import build_response, parse_generate
-from megarl.rollout.server.sampling import SamplingConfig
-from megarl.rollout.server.state import (BadRequest, ServerState, body_field, error, on_engine, read_body,
+from megarl.server import weight_routes
+from megarl.server.engine import PAUSE_MODES, Sequence
+from megarl.server.protocol import build_response, parse_generate
+from megarl.server.sampling import SamplingConfig
+from megarl.server.state import (BadRequest, ServerState, body_field, error, on_engine, read_body,
                                          result)
 
 log = logging.getLogger("megarl.server")

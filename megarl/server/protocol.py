@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megarl.rollout.server.sampling import SamplingConfig
+from megarl.server.sampling import SamplingConfig
 
 _KNOWN_SAMPLING = {
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import importlib
-import inspect
 import math
 import threading
 from typing import Any, Optional, Protocol
 
-from megarl.rollout.rewards.pool import RewardProcessPool, deliver
+from megarl.rewards.loader import is_async_callable, load_reward_fn
+from megarl.rewards.pool import RewardProcessPool, deliver
 
 __all__ = ["RewardFn", "RewardError", "RewardCaller", "load_reward_fn", "is_async_callable"]
 
@@ -39,53 +38,6 @@ class RewardFn(Protocol):
 
 class RewardError(RuntimeError):
     """A reward function raised, returned a non-number, or ran past its deadline."""
-
-
-def is_async_callable(fn) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-
-
-def _resolve(path: str) -> Any:
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward function path {path!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # an import-time error in user code is a config problem too
-        raise ImportError(f"cannot import module {module_name!r} of reward function {path!r}: {e}") from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ImportError(f"reward function {path!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
-def load_reward_fn(path: str, args: Optional[dict] = None) -> RewardFn:
-    """Resolve "module.sub:function" (or ":Class", built with `args`) to a reward callable.
-
-    Raises ValueError (malformed path), ImportError (module or attribute missing) or TypeError
-    (not callable, incompatible signature, args for a function); every message names `path`.
-    """
-    obj = _resolve(path)
-    if inspect.isclass(obj):
-        try:
-            obj = obj(**(args or {}))
-        except TypeError as e:
-            raise TypeError(f"reward class {path!r} cannot be built from reward.args {args or {}}: {e}") from e
-    elif args:
-        raise TypeError(f"reward.args {sorted(args)} given but {path!r} is not a class")
-    if not callable(obj):
-        raise TypeError(f"reward function {path!r} is a {type(obj).__name__}, not a callable")
-    try:
-        inspect.signature(obj).bind("prompt", "completion", {})
-    except TypeError as e:
-        raise TypeError(
-            f"reward function {path!r} cannot be called as fn(prompt, completion, meta): {e}"
-        ) from e
-    except ValueError:
-        pass  # builtins without an inspectable signature: trust them
-    return obj
 
 
 class _DaemonThreads:

@@ -17,8 +17,8 @@ import asyncio
 import importlib
 from typing import Any, Protocol, Union
 
-from megarl.rollout.tools.calculator import CalculatorTool
-from megarl.rollout.tools.python_sandbox import PythonTool
+from megarl.tools.calculator import CalculatorTool
+from megarl.tools.python_sandbox import PythonTool
 
 __all__ = ["Tool", "CalculatorTool", "PythonTool", "BUILTIN_TOOLS", "build_tools", "tool_schema", "run_tool_call"]
 

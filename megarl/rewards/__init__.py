@@ -1,14 +1,14 @@
 """Reward functions: the plugin contract and loader (`base`), the awaitable `RewardCaller`
 workflows use, and the built-in verifiers - exact match (`text`), math answers (`math_answer`),
 Countdown (`countdown`) and a reward served over HTTP (`http`). Import paths such as
-``megarl.rollout.rewards:math_reward`` resolve here.
+``megarl.rewards:math_reward`` resolve here.
 """
-from megarl.rollout.rewards.base import RewardCaller, RewardError, RewardFn, is_async_callable, load_reward_fn
-from megarl.rollout.rewards.countdown import check_countdown, countdown_reward, extract_equation
-from megarl.rollout.rewards.http import HttpReward, HttpRewardError
-from megarl.rollout.rewards.math_answer import (answers_match, extract_answer, extract_boxed, last_number,
+from megarl.rewards.base import RewardCaller, RewardError, RewardFn, is_async_callable, load_reward_fn
+from megarl.rewards.countdown import check_countdown, countdown_reward, extract_equation
+from megarl.rewards.http import HttpReward, HttpRewardError
+from megarl.rewards.math_answer import (answers_match, extract_answer, extract_boxed, last_number,
                                                 math_reward, parse_number)
-from megarl.rollout.rewards.text import arith_exact_match, first_word
+from megarl.rewards.text import arith_exact_match, first_word
 
 __all__ = [
     "HttpReward",

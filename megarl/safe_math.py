@@ -9,7 +9,7 @@ AST nodes, and powers are refused when the result would exceed ~`max_pow_bits` b
 One walker, three number systems (chosen by the caller's `Arithmetic`):
 - `FRACTIONS`: exact rationals, + - * / only (the countdown reward),
 - `REALS`: ints stay exact, floats otherwise, powers and math functions (the calculator tool),
-- sympy objects, built by `megarl.rollout.rewards.math_answer` for symbolic answer checks.
+- sympy objects, built by `megarl.rewards.math_answer` for symbolic answer checks.
 """
 from __future__ import annotations
 

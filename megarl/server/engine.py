@@ -32,8 +32,8 @@ from typing import Callable, Optional
 
 import torch
 
-from megarl.rollout.server.model import CausalLM, KVCache
-from megarl.rollout.server.sampling import BatchSampler, SamplingConfig
+from megarl.server.model import CausalLM, KVCache
+from megarl.server.sampling import BatchSampler, SamplingConfig
 
 log = logging.getLogger("megarl.server")
 

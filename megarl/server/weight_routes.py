@@ -23,8 +23,8 @@ import asyncio
 from aiohttp import web
 
 from megarl.net import new_process_group
-from megarl.rollout.server import weights as W
-from megarl.rollout.server.state import (BadRequest, ServerState, allowed_weights_path, body_field, on_engine,
+from megarl.server import weights as W
+from megarl.server.state import (BadRequest, ServerState, allowed_weights_path, body_field, on_engine,
                                          read_body, result)
 
 

@@ -51,7 +51,7 @@ def _worker_main(fd: int) -> None:
 
 def _serve(conn, path: str, args: Optional[dict]) -> None:
     """Load the function, then answer (ok, value) per (prompt, completion, meta)."""
-    from megarl.rollout.rewards.base import load_reward_fn
+    from megarl.rewards.loader import load_reward_fn
 
     try:
         fn = load_reward_fn(path, args)
@@ -94,7 +94,7 @@ class _Worker:
         if self.proc is not None:
             self.kill()
         ours, theirs = socket.socketpair()
-        code = f"from megarl.rollout.rewards.pool import _worker_main; _worker_main({theirs.fileno()})"
+        code = f"from megarl.rewards.pool import _worker_main; _worker_main({theirs.fileno()})"
         self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
                                      stdin=subprocess.DEVNULL, preexec_fn=owned_child_setup)
         theirs.close()

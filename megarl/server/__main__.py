@@ -1,4 +1,4 @@
-"""`megarl-server` / `python -m megarl.rollout.server`: serve an HF checkpoint dir on CPU.
+"""`megarl-server` / `python -m megarl.server`: serve an HF checkpoint dir on CPU.
 
 Security defaults: binds 127.0.0.1 unless ``--host`` says otherwise (a non-loopback bind without
 ``--api-key`` is logged as a warning: every admin endpoint would be open to the network);
@@ -61,8 +61,8 @@ def serve(args) -> int:
     from aiohttp import web
 
     from megarl.net import http_url
-    from megarl.rollout.server import build_state
-    from megarl.rollout.server.app import build_app
+    from megarl.server import build_state
+    from megarl.server.app import build_app
 
     torch.set_num_threads(max(1, args.threads))
     try:

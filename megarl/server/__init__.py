@@ -74,10 +74,10 @@ def build_state(
     Bad input raises OSError/ValueError naming the file. ``weights_roots``: directories
     /update_weights_from_disk may read under (default: the model dir's parent, see
     `state.default_weights_roots`)."""
-    from megarl.rollout.server.engine import GenerationEngine
-    from megarl.rollout.server.model import CausalLM, DecoderConfig
-    from megarl.rollout.server.state import ServerState, default_weights_roots
-    from megarl.rollout.server.weights import parse_dtype, read_hf_dir
+    from megarl.server.engine import GenerationEngine
+    from megarl.server.model import CausalLM, DecoderConfig
+    from megarl.server.state import ServerState, default_weights_roots
+    from megarl.server.weights import parse_dtype, read_hf_dir
 
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model {model_dir}: no such directory")

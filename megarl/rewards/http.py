@@ -1,6 +1,6 @@
 """A reward served over HTTP: batches of {prompt, completion, meta} POSTed to a scoring service.
 
-    rollout.reward_fn: megarl.rollout.rewards:HttpReward
+    rollout.reward_fn: megarl.rewards:HttpReward
     reward.args: {url: http://scorer:8000/score, max_batch: 32, max_wait_ms: 20, timeout_s: 30}
 
 Wire format (JSON both ways):
