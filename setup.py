@@ -38,6 +38,7 @@ setup(
             "megarl-convert=megarl.tools_cli.convert:main",
             "megarl-logprobs=megarl.tools_cli.logprobs:main",
             "megarl-server=megarl.server.__main__:main",
+            "megarl-rollout-manager=megarl.rollout.manager:main",
             "megarl-launch=megarl.launch_plan:main",
         ]
     },

@@ -301,7 +301,12 @@ class RolloutConfig:
     server_cpus: list[int] = field(default_factory=list)
     """CPU ids to pin the local servers to (os.sched_setaffinity); rank 0, which starts them, is then
     pinned to the other CPUs, so generation and training never share a core. Empty = no pinning.
-    On the 2-core demo machine: [1] (server on CPU 1, trainer on CPU 0)."""
+    On the 2-core demo machine: [1] (server on CPU 1, trainer on CPU 0). The rollout manager
+    runs on the servers' CPUs too."""
+    manager_address: str = ""
+    """host:port of a rollout manager started apart (`megarl-rollout-manager RUN_DIR/config.yaml
+    --host H --port P`, e.g. on the rollout partition); empty = trainer rank 0 starts one beside
+    itself. Trainer rank 0 (and each pipeline stage's weight source) connects to it."""
     api_key: str = ""
     """Bearer token for the servers' admin endpoints; empty = none."""
     health_timeout_s: float = 120.0
@@ -451,7 +456,9 @@ class WeightSyncConfig:
     """Every N pushes read every tensor back from the servers and compare it element by element
     with what was pushed; a mismatch stops the run naming the server and tensor (0 = off)."""
     tensor_format: str = "megarl"
-    """Tensor-transport payload: megarl (safetensors, megarl-server) or sglang (real SGLang)."""
+    """Which server's weight formats: megarl (megarl-server: safetensors payloads for the tensor
+    transport, one flattened broadcast per bucket for the distributed one) or sglang (real SGLang:
+    its tensor payload, one broadcast per tensor)."""
 
     def validate(self) -> None:
         _choice("weights.transport", self.transport, ("distributed", "disk", "tensor"))

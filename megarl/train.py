@@ -101,6 +101,11 @@ def train(cfg, stop: StopRequest) -> int:
     if ps.rank == 0:
         save_config(cfg, cfg.train.run_dir)
         clear_stop_marker(cfg.train.run_dir)
+    side = None
+    if cfg.train.is_rl:  # the rollout manager starts its servers while the engine builds
+        from megarl.trainer.rollout_link import RolloutSide
+        side = RolloutSide(cfg, ps)
+        side.start()
     engine = Engine.build(cfg, ps)
     ckpt = CheckpointManager(cfg, ps, engine)
     logger = MetricsLogger(cfg.train.run_dir, tensorboard=cfg.logging.tensorboard,
@@ -109,7 +114,7 @@ def train(cfg, stop: StopRequest) -> int:
                            console_interval=cfg.logging.log_interval)
     if cfg.train.is_rl:
         from megarl.trainer.rl import run_rl
-        run_rl(cfg, ps, engine, logger, ckpt, stop=stop)
+        run_rl(cfg, ps, engine, logger, ckpt, stop=stop, side=side)
     else:
         run_sft(cfg, ps, engine, logger, ckpt, stop)
     logger.close()

@@ -120,7 +120,10 @@ def _without_unset_version(msg) -> dict:
 
 @dataclass
 class DistributedWeightsMeta:
-    """One announced bucket for /update_weights_from_distributed (HF names, broadcast order)."""
+    """One announced bucket for /update_weights_from_distributed (HF names, broadcast order).
+    ``load_format`` "flattened_bucket": the whole bucket arrives as ONE broadcast of bytes laid out
+    by `flat_layout` (megarl-server; one collective instead of one per tensor, whose fixed latency
+    dominated small models); None: one broadcast per tensor (SGLang's default)."""
 
     names: list[str]
     dtypes: list[str]
@@ -128,9 +131,31 @@ class DistributedWeightsMeta:
     group_name: str = "weight_update_group"
     flush_cache: bool = True
     weight_version: Optional[str] = None
+    load_format: Optional[str] = None
 
     def to_json(self) -> dict:
-        return _without_unset_version(self)
+        d = _without_unset_version(self)
+        if d.get("load_format") is None:
+            d.pop("load_format", None)
+        return d
+
+
+FLATTENED_BUCKET = "flattened_bucket"
+_ITEMSIZE = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8, "double": 8,
+             "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+FLAT_ALIGN = 8  # every tensor starts on an 8-byte boundary, so each slice views as its dtype
+
+
+def flat_layout(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[tuple[int, int]], int]:
+    """(offset, nbytes) of each tensor in a flattened bucket, and the bucket's total bytes."""
+    out, at = [], 0
+    for dt, shape in zip(dtypes, shapes):
+        n = _ITEMSIZE[str(dt).replace("torch.", "")]
+        for d in shape:
+            n *= int(d)
+        out.append((at, n))
+        at += -(-n // FLAT_ALIGN) * FLAT_ALIGN
+    return out, at
 
 
 @dataclass

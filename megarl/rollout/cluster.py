@@ -189,6 +189,19 @@ class RolloutCluster:
         self.admin.call(lambda c: c.update_weight_version(str(version)))
         self.admin.call(lambda c: c.end_weight_update())
 
+    def settle(self) -> None:
+        """Nothing is left running between pushes here (the manager's link defers `end_push`)."""
+
+    def end_push(self, version: Optional[int]) -> None:
+        """The tail of a push: with ``version`` (every bucket landed) the servers flip to it and the
+        version is committed; in any case generation resumes."""
+        try:
+            if version is not None:
+                self.publish(version)
+                self.commit(version)
+        finally:
+            self.resume()
+
     def resume(self) -> None:
         """``/continue_generation`` and open the gates; runs even after a failed push so that one
         dead server never keeps the others paused."""

@@ -3,7 +3,8 @@
 - ``/init_weights_update_group`` {master_address, master_port, rank_offset, world_size,
   group_name="weight_update_group", backend="gloo"}: this server joins as rank ``rank_offset``.
 - ``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, flush_cache,
-  abort_all_requests, weight_version}: receive ``broadcast(src=0)`` per announced tensor, in order,
+  abort_all_requests, weight_version, load_format}: receive ``broadcast(src=0)`` per announced
+  tensor, in order (or, with load_format "flattened_bucket", the whole bucket in one broadcast),
   then load them all (every announced tensor is received even when a name is bad, so the trainer's
   broadcasts never hang; the bad name is reported afterwards).
 - ``/update_weights_from_disk`` {model_path, weight_version}: a full HF safetensors dir, only under
@@ -24,6 +25,7 @@ from aiohttp import web
 
 from megarl.net import new_process_group
 from megarl.server import weights as W
+from megarl.wire import FLATTENED_BUCKET
 from megarl.server.state import (BadRequest, ServerState, allowed_weights_path, body_field, on_engine,
                                          read_body, result)
 
@@ -116,11 +118,14 @@ async def from_distributed(request: web.Request) -> web.Response:
                                                   for d in shape):
             raise BadRequest(f"shapes[{i}] must be a list of non-negative ints, got {shape!r}")
     name = body_field(body, "group_name", str, "weight_update_group")
+    load_format = body_field(body, "load_format", str, None)
+    if load_format not in (None, FLATTENED_BUCKET):
+        raise BadRequest(f"load_format: {load_format!r} is not supported (None or {FLATTENED_BUCKET!r})")
     pg = state.groups.get(name)
     if pg is None:
         return result(False, f"no weight update group {name!r}; call /init_weights_update_group")
     try:
-        tensors = await on_engine(state, lambda: W.receive_broadcast(pg, names, dtypes, shapes))
+        tensors = await on_engine(state, lambda: W.receive_broadcast(pg, names, dtypes, shapes, load_format))
     except Exception as e:  # noqa: BLE001
         return result(False, f"broadcast receive failed: {type(e).__name__}: {e}")
     return await _update(state, tensors, body)

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
-from megarl.wire import SAFETENSORS_B64
+from megarl.wire import FLATTENED_BUCKET, SAFETENSORS_B64, flat_layout
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -95,10 +95,17 @@ def destroy_weight_update_group(pg) -> None:
     dist.destroy_process_group(pg)
 
 
-def receive_broadcast(pg, names, dtypes, shapes) -> dict[str, torch.Tensor]:
-    """Receive one announced bucket: broadcast(src=0) per tensor, in announced order."""
+def receive_broadcast(pg, names, dtypes, shapes, load_format=None) -> dict[str, torch.Tensor]:
+    """Receive one announced bucket: broadcast(src=0) per tensor, in announced order, or with
+    ``load_format`` "flattened_bucket" one broadcast of the whole bucket (views into it)."""
     import torch.distributed as dist
 
+    if load_format == FLATTENED_BUCKET:
+        layout, total = flat_layout(dtypes, shapes)
+        buf = torch.empty(total, dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=pg)
+        return {name: buf[off:off + n].view(parse_dtype(dt)).reshape([int(s) for s in shape])
+                for name, dt, shape, (off, n) in zip(names, dtypes, shapes, layout)}
     out = {}
     for name, dt, shape in zip(names, dtypes, shapes):
         t = torch.empty([int(s) for s in shape], dtype=parse_dtype(dt))

@@ -24,6 +24,13 @@ class PushMetrics:
     convert_s: float
     send_s: float
     total_s: float
+    pause_s: float = 0.0  # the driver's wait for the servers to pause (step 1)
+
+    @property
+    def fixed_s(self) -> float:
+        """The protocol's share of the trainer's push time: everything but gathering, converting
+        and sending bytes (pause, announces' replies, the tail when it is awaited)."""
+        return max(0.0, self.total_s - self.gather_s - self.convert_s - self.send_s)
 
     @property
     def gbps(self) -> float:
@@ -32,7 +39,8 @@ class PushMetrics:
     def as_dict(self) -> dict:
         return {"push/bytes": self.bytes, "push/buckets": self.buckets, "push/gather_s": self.gather_s,
                 "push/convert_s": self.convert_s, "push/send_s": self.send_s,
-                "push/total_s": self.total_s, "push/gbps": self.gbps}
+                "push/total_s": self.total_s, "push/gbps": self.gbps, "push/pause_s": self.pause_s,
+                "push/fixed_s": self.fixed_s}
 
 
 class WeightPusher:
@@ -60,11 +68,15 @@ class WeightPusher:
         if self.cluster.driver:
             self.admin, self._own_admin = self.cluster.admin, False
         elif ps.is_pp_source and w.transport != "disk":
-            self.admin = AdminRunner(self.cluster.addresses, self.cfg.rollout.api_key or None, w.timeout_s)
+            if hasattr(self.cluster, "stage_admin"):  # the rollout manager's admin, over a link of its own
+                self.admin = self.cluster.stage_admin(ps.rank)
+            else:
+                self.admin = AdminRunner(self.cluster.addresses, self.cfg.rollout.api_key or None, w.timeout_s)
             self._own_admin = True
         if w.transport == "distributed":
             backend = "nccl" if ps.device.type == "cuda" else "gloo"
-            self.transport = DistributedTransport(self.admin, w.master_address, w.timeout_s, backend)
+            self.transport = DistributedTransport(self.admin, w.master_address, w.timeout_s, backend,
+                                                  flat=w.tensor_format == "megarl")
         elif w.transport == "tensor":
             self.transport = TensorTransport(self.admin, w.timeout_s, w.tensor_format)
         else:
@@ -131,9 +143,10 @@ class WeightPusher:
         """Push the current weights as version ``cluster.version + 1`` (``bump=False``: re-push
         the current version, e.g. to a server that joined late). The protocol, run once:
 
-        1. driver: the cluster closes its listeners' gates (aborted requests wait in the client),
-           then ``/pause_generation`` {mode: weights.pause_mode} on every server (abort returns
-           in-flight requests with finish_reason abort; the client resubmits them after step 7
+        1. driver: the tail of the previous push must have succeeded (``settle``); the cluster
+           closes its listeners' gates (aborted requests wait in the client), then
+           ``/pause_generation`` {mode: weights.pause_mode} on every server (abort returns
+           in-flight requests with finish_reason abort; the client resubmits them after step 5
            with the tokens so far, stamping new tokens with the new version),
            ``/flush_cache`` (cached prefixes were computed by the old weights) and
            ``/begin_weight_update``.
@@ -142,10 +155,13 @@ class WeightPusher:
            distributed = announce names/dtypes/shapes over HTTP + broadcast the tensors over the
            stage's weight-update group; tensor = POST the bucket; disk = (after all stages) write
            the HF checkpoint atomically and POST ``/update_weights_from_disk``.
-        3. driver: ``/update_weight_version`` {new_version} (servers flip version atomically),
-           ``/end_weight_update``.
-        4. every rank: ``cluster.commit(new_version)`` (the only version counter advances).
-        5. driver: ``/continue_generation``, gates open - also after a failure.
+        3. driver, ``cluster.end_push``: once every bucket is loaded, ``/update_weight_version``
+           {new_version} (servers flip version atomically), ``/end_weight_update``, the version
+           committed on the rollout side (the staleness window moves), then - also after a
+           failure - ``/continue_generation`` and the gates open. Through the rollout manager
+           this step is submitted and not awaited: the next update starts while the servers
+           finish; its errors surface at the next push's step 1.
+        4. every rank: ``cluster.commit(new_version)`` (the trainer's version counter advances).
 
         Every HTTP call and broadcast has a deadline (``weights.timeout_s``). After each phase the
         ranks agree on success with one all-reduce, so a failure anywhere raises everywhere; the
@@ -155,9 +171,11 @@ class WeightPusher:
         new_version = self.cluster.version + int(bump)
         if not self._ready:
             self._setup()
-        ok = False
+        ok, pause_s = False, 0.0
         try:
-            self._driver(self.cluster.pause_for_update, "pause_generation")
+            tp = time.perf_counter()
+            self._driver(self.cluster.pause_for_update, "pause_generation")  # settles the last push first
+            pause_s = time.perf_counter() - tp
             send_s = self._send_stages(str(new_version))
             ts = time.perf_counter()
             err = None
@@ -167,13 +185,17 @@ class WeightPusher:
                 err = e
             self._agree(err)
             send_s += time.perf_counter() - ts
-            self._driver(lambda: self.cluster.publish(new_version), "update_weight_version")
             ok = True
         finally:
-            if ok:
-                self.cluster.commit(new_version)
+            tail = None
             if self.cluster.driver:
-                self.cluster.resume()
+                try:
+                    self.cluster.end_push(new_version if ok else None)
+                except Exception as e:  # noqa: BLE001 - agreed below, so every rank raises
+                    tail = PushError(f"update_weight_version: {e}")
+        if ok:
+            self._agree(tail)
+            self.cluster.commit(new_version)
         t = self.resharder.times
         nbytes = t.bytes
         if isinstance(self.transport, DiskTransport) and self.ps.rank == 0:
@@ -181,7 +203,7 @@ class WeightPusher:
         stats = torch.tensor([nbytes, t.buckets, t.gather_s, t.convert_s, send_s], dtype=torch.float64)
         dist.all_reduce(stats)  # sources hold the counts; times summed over stages
         b, n, g, c, s = stats.tolist()
-        return PushMetrics(new_version, int(b), int(n), g, c, s, time.perf_counter() - t0)
+        return PushMetrics(new_version, int(b), int(n), g, c, s, time.perf_counter() - t0, pause_s)
 
     def _send_stages(self, version: str) -> float:
         send_s = 0.0

@@ -17,11 +17,13 @@ import os
 import shutil
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from megarl.net import free_port, new_process_group
 from megarl.net import advertised_address, url_host
-from megarl.rollout.types import DistributedWeightsMeta, DiskWeightsUpdate, WeightsUpdateGroup
+from megarl.wire import (FLATTENED_BUCKET, DiskWeightsUpdate, DistributedWeightsMeta, WeightsUpdateGroup,
+                         flat_layout)
 from megarl.rollout.admin import AdminRunner
 from megarl.weights.resharder import Bucket
 from megarl.weights.tensor_wire import WireFormat, tensor_update
@@ -32,8 +34,14 @@ class PushError(RuntimeError):
 
 
 class DistributedTransport:
-    def __init__(self, admin: AdminRunner, master_address: str, timeout_s: float, backend: str):
+    """``flat``: one broadcast per bucket (load_format "flattened_bucket", megarl-server) instead
+    of one per tensor (SGLang): a collective's fixed latency (~1 ms on loopback gloo) times ~40
+    tensors was most of a small model's push."""
+
+    def __init__(self, admin: AdminRunner, master_address: str, timeout_s: float, backend: str,
+                 flat: bool = False):
         self.admin, self.addr, self.timeout_s, self.backend = admin, master_address, timeout_s, backend
+        self.flat = flat
         self.group = None
         self.group_name = ""
 
@@ -59,16 +67,21 @@ class DistributedTransport:
 
     def send(self, bucket: Bucket, version: str) -> None:
         meta = DistributedWeightsMeta(bucket.names, bucket.dtypes, bucket.shapes, self.group_name,
-                                      flush_cache=False)
+                                      flush_cache=False, load_format=FLATTENED_BUCKET if self.flat else None)
         announced = self.admin.submit(lambda c: c.update_weights_from_distributed(meta))
         try:
-            for t in bucket.tensors:
+            for t in ([flatten(bucket)] if self.flat else bucket.tensors):
                 dist.broadcast(t, group=self.group, group_src=0)
         except Exception as e:  # noqa: BLE001
             announced.cancel()
             raise PushError(f"update_weights_from_distributed: broadcast of {bucket.names[0]}... "
                             f"failed ({type(e).__name__}: {str(e).splitlines()[0]}); servers "
                             f"{self.admin.addresses}") from e
+        if getattr(announced, "deferred", None) is False:
+            # through the rollout manager: the load's reply is read at the next push (settle),
+            # and the manager publishes the version only after every load finished
+            announced.deferred = True
+            return
         _finish(announced, self.timeout_s, "update_weights_from_distributed")
 
     def finish(self, version: str, engine) -> None:
@@ -84,6 +97,15 @@ class DistributedTransport:
                 pass
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+def flatten(bucket: Bucket) -> torch.Tensor:
+    """The bucket's bytes in `megarl.wire.flat_layout` (what the server's flat receive expects)."""
+    layout, total = flat_layout(bucket.dtypes, bucket.shapes)
+    buf = torch.empty(total, dtype=torch.uint8)
+    for t, (off, n) in zip(bucket.tensors, layout):
+        buf[off:off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+    return buf
 
 
 class TensorTransport:

@@ -17,7 +17,7 @@ from megarl.rollout.controller import RolloutController
 from megarl.rewards import HttpReward
 from megarl.rollout.types import Trajectory
 from megarl.rollout.workflows import ToolCallingWorkflow
-from megarl.trainer.rl import build_controller
+from megarl.rollout.setup import build_controller
 
 pq = pytest.importorskip("pyarrow.parquet")
 pa = pytest.importorskip("pyarrow")

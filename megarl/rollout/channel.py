@@ -1,0 +1,313 @@
+"""The channel between trainer ranks and the rollout manager: typed messages over one TCP stream.
+
+    frame   = u32 header length | header (JSON) | array bytes, in the header's order
+    header  = {"type": <message class>, "fields": {...}, "arrays": [[name, dtype, shape], ...]}
+
+Why TCP with raw array frames: it works unchanged on one node (loopback) and across nodes (the
+manager on a rollout partition), needs no shared memory, and nothing is unpickled - a frame is
+JSON plus bytes read into numpy arrays of a declared dtype and shape (safe deserialization).
+A step's batch is a few flat arrays, so a hand-off costs one copy into the socket and one out.
+
+Every message is a dataclass registered in `MESSAGES` (no untyped dicts cross the boundary).
+Requests are answered in order on their connection: `Link` may send several requests before it
+reads their replies (`Link.submit`), which is how a weight push keeps the manager's admin work
+off the trainer's critical path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+_LEN = struct.Struct("!I")
+MAX_HEADER = 64 * 2**20  # a header is metadata only; anything bigger is a broken peer
+
+
+class ChannelError(RuntimeError):
+    """The peer is gone, or it sent something that is not a frame of this protocol."""
+
+
+class RemoteError(RuntimeError):
+    """The manager ran the request and it failed; the message is the manager's one-line error."""
+
+
+# ---------------------------------------------------------------------------------- messages
+@dataclass
+class Hello:
+    """First message of a connection: who connects (``role``: "driver" = global rank 0)."""
+    role: str
+    rank: int = 0
+
+
+@dataclass
+class Init:
+    """Driver -> manager, once: the DP size shares are cut for, the trainer's policy version and
+    the manager's saved state (None on a fresh start). Reply: the server addresses."""
+    dp: int
+    version: int
+    state: Optional[dict] = None
+
+
+@dataclass
+class BatchRequest:
+    """Driver -> manager: the next ``n_groups`` finished groups. Reply: `Batch`."""
+    n_groups: int
+    timeout_s: float = 600.0
+
+
+@dataclass
+class Batch:
+    """One step for every DP rank, as flat arrays (``arrays``): ``input_ids``, ``loss_mask``,
+    ``behave_logp``, ``versions`` (token-aligned, all samples concatenated), ``lengths``,
+    ``rewards``, ``group_ids``, ``dp_rank`` (per sample; groups are never split over ranks).
+    ``infos``: each sample's free-form info; ``stats``: the manager's counters at hand-off;
+    ``rejoin``: dropped servers that answer again (the trainer pushes them the weights)."""
+    infos: list[dict]
+    stats: dict
+    rejoin: list[str]
+    arrays: dict = field(default_factory=dict)
+
+
+@dataclass
+class AdminCall:
+    """One `AdminClient` method on every server (the SGLang admin endpoints), by name."""
+    method: str
+    args: list = field(default_factory=list)
+    kwargs: dict = field(default_factory=dict)
+    timeout_s: Optional[float] = None
+
+
+@dataclass
+class ClusterCall:
+    """One `RolloutCluster` operation on the manager's server set (pause_for_update, publish,
+    resume, commit, unhealthy, remove_server, add_server, admitted, ready_to_rejoin)."""
+    method: str
+    args: list = field(default_factory=list)
+
+
+@dataclass
+class EvalSubmit:
+    step: int
+    version: int
+
+
+@dataclass
+class EvalPoll:
+    wait: bool = False
+
+
+@dataclass
+class StateRequest:
+    """Driver -> manager: the exactly-once ledger for a checkpoint. Reply: `Reply`(value=state)."""
+
+
+@dataclass
+class Close:
+    """Driver -> manager: the run ended; stop the rollouts and the servers this job started."""
+
+
+@dataclass
+class Reply:
+    """The answer to any request: ``value`` (JSON) or ``error`` (one line), plus ``elapsed_s``
+    (the manager's own time on it: how the push's fixed cost splits)."""
+    value: Any = None
+    error: Optional[str] = None
+    elapsed_s: float = 0.0
+
+
+MESSAGES = {cls.__name__: cls for cls in (Hello, Init, BatchRequest, Batch, AdminCall, ClusterCall,
+                                          EvalSubmit, EvalPoll, StateRequest, Close, Reply)}
+
+
+# ------------------------------------------------------------------------------- encoding
+def _wire_value(v: Any) -> Any:
+    """Wire types (`megarl.wire` dataclasses) travel as {"__wire__": name, ...fields}."""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {"__wire__": type(v).__name__, **{f.name: _wire_value(getattr(v, f.name))
+                                                  for f in dataclasses.fields(v)}}
+    if isinstance(v, (list, tuple)):
+        return [_wire_value(x) for x in v]
+    if isinstance(v, (set, frozenset)):
+        return sorted(_wire_value(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _wire_value(x) for k, x in v.items()}
+    return v
+
+
+def from_wire(v: Any) -> Any:
+    if isinstance(v, dict):
+        if "__wire__" in v:
+            from megarl import wire
+
+            fields = {k: from_wire(x) for k, x in v.items() if k != "__wire__"}
+            return getattr(wire, v["__wire__"])(**fields)
+        return {k: from_wire(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [from_wire(x) for x in v]
+    return v
+
+
+def encode(msg) -> list:
+    """A message -> the buffers of one frame (header length, header, array bytes)."""
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg) if f.name != "arrays"}
+    arrays = [(k, np.ascontiguousarray(a)) for k, a in getattr(msg, "arrays", {}).items()]
+    header = json.dumps({"type": type(msg).__name__, "fields": _wire_value(fields),
+                         "arrays": [[k, a.dtype.str, list(a.shape)] for k, a in arrays]},
+                        default=str).encode()
+    return [_LEN.pack(len(header)), header, *(memoryview(a).cast("B") for _, a in arrays)]
+
+
+def decode(header: bytes, payloads: list[bytes]):
+    head = json.loads(header)
+    cls = MESSAGES.get(head.get("type"))
+    if cls is None:
+        raise ChannelError(f"unknown message type {head.get('type')!r}")
+    msg = cls(**head["fields"])
+    if head["arrays"]:
+        msg.arrays = {k: np.frombuffer(buf, dtype=np.dtype(dt)).reshape(shape)
+                      for (k, dt, shape), buf in zip(head["arrays"], payloads)}
+    return msg
+
+
+def array_sizes(header: bytes) -> list[int]:
+    return [int(np.dtype(dt).itemsize * int(np.prod(shape, dtype=np.int64)))
+            for _, dt, shape in json.loads(header)["arrays"]]
+
+
+# ------------------------------------------------------------------------------- blocking I/O
+class Channel:
+    """A blocking connection (trainer side, and each connection thread of the manager)."""
+
+    def __init__(self, sock: socket.socket, peer: str = "rollout manager"):
+        self.sock, self.peer = sock, peer
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small requests go out at once
+
+    def send(self, msg) -> None:
+        try:
+            self.sock.sendall(b"".join(encode(msg)))
+        except OSError as e:
+            raise ChannelError(f"{self.peer}: send failed ({e})") from None
+
+    def _exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            try:
+                k = self.sock.recv_into(view[got:], n - got)
+            except OSError as e:
+                raise ChannelError(f"{self.peer}: connection lost ({e})") from None
+            if k == 0:
+                raise ChannelError(f"{self.peer}: connection closed")
+            got += k
+        return bytes(buf)
+
+    def recv(self, timeout_s: Optional[float] = None):
+        self.sock.settimeout(timeout_s)
+        try:
+            (n,) = _LEN.unpack(self._exact(_LEN.size))
+            if n > MAX_HEADER:
+                raise ChannelError(f"{self.peer}: header of {n} bytes (not this protocol)")
+            header = self._exact(n)
+            return decode(header, [self._exact(k) for k in array_sizes(header)])
+        except socket.timeout:
+            raise ChannelError(f"{self.peer}: no answer within {timeout_s:.0f} s") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise ChannelError(f"{self.peer}: malformed frame ({e})") from None
+        finally:
+            self.sock.settimeout(None)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class Pending:
+    """A request sent but not answered yet; `result` reads replies in order until its own."""
+
+    def __init__(self, link: "Link", what: str, deferred: bool = False):
+        self.link, self.what, self.deferred = link, what, deferred
+        self.reply: Optional[Reply] = None
+
+    def done(self) -> bool:
+        return self.reply is not None
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        while self.reply is None:
+            self.link._read_one(timeout)
+        if self.reply.error is not None:
+            raise RemoteError(f"{self.what}: {self.reply.error}")
+        return self.reply.value
+
+    def cancel(self) -> None:  # the request is out; its reply is still read in order
+        pass
+
+
+class Link:
+    """The trainer's connection to the manager. ``request`` sends and waits; ``submit`` sends and
+    returns a `Pending`; replies are matched to requests by order."""
+
+    def __init__(self, address: str, role: str, rank: int = 0, connect_timeout_s: float = 60.0):
+        host, port = address.rsplit(":", 1)
+        deadline = time.monotonic() + connect_timeout_s
+        while True:
+            try:
+                sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5.0)
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise ChannelError(f"rollout manager at {address}: cannot connect ({e})") from None
+                time.sleep(0.1)
+        self.address = address
+        self.channel = Channel(sock, f"rollout manager at {address}")
+        self._pending: deque[Pending] = deque()
+        self._errors: list[str] = []  # of deferred requests, for the next settle()
+        self.channel.send(Hello(role, rank))
+
+    def submit(self, msg, what: Optional[str] = None, deferred: bool = False) -> Pending:
+        """Sends ``msg``; its reply is read later, in order. ``deferred``: nobody will ask for the
+        result - an error is kept for the next `settle`."""
+        self.channel.send(msg)
+        p = Pending(self, what or type(msg).__name__, deferred)
+        self._pending.append(p)
+        return p
+
+    def request(self, msg, timeout_s: Optional[float] = None, what: Optional[str] = None) -> Any:
+        return self.submit(msg, what).result(timeout_s)
+
+    def request_reply(self, msg, timeout_s: Optional[float] = None) -> Reply:
+        """Like `request`, but the whole `Reply` (for its ``elapsed_s``)."""
+        p = self.submit(msg)
+        p.result(timeout_s)
+        return p.reply
+
+    def _read_one(self, timeout: Optional[float]) -> None:
+        if not self._pending:
+            raise ChannelError("no request is waiting for a reply")
+        msg = self.channel.recv(timeout)
+        if isinstance(msg, Batch):  # a batch answers its request directly
+            msg = Reply(value=msg)
+        if not isinstance(msg, Reply):
+            raise ChannelError(f"{self.channel.peer}: expected a reply, got {type(msg).__name__}")
+        p = self._pending.popleft()
+        p.reply = msg
+        if p.deferred and msg.error is not None:
+            self._errors.append(f"{p.what}: {msg.error}")
+
+    def settle(self, timeout_s: Optional[float] = None) -> list[str]:
+        """Reads every outstanding reply; returns the errors of deferred requests (one line each)."""
+        while self._pending:
+            self._read_one(timeout_s)
+        errors, self._errors = self._errors, []
+        return errors
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,297 @@
+"""Trainer ranks' side of the rollout manager (megarl.rollout.manager).
+
+    rank 0                       every rank                          rollout manager
+    ManagerCluster ──Link──────────────────────────────────────────▶ RolloutCluster + controller
+      version (the trainer's count of pushes; the manager publishes it to the servers)
+      pause_for_update()   request: waits (the servers must be paused before bytes arrive)
+      end_push(v)          submitted, not awaited: load-wait, version flip, commit, resume run
+                           on the manager while the next update starts; errors surface at the
+                           next push's settle()
+    next_batch()           rank 0 reads one `Batch`; one tensor broadcast gives every rank the
+                           step (flat arrays), each keeps the samples of its DP rank
+
+`RemoteAdmin` has `AdminRunner`'s interface (``call(lambda c: c.method(...))``), so the weight
+transports are the same code whether the admin connection is local or the manager's: the lambda
+is run against a recorder that turns ``c.method(args)`` into an `AdminCall` message.
+No thread and no event loop of the trainer serves rollout traffic: a link is a blocking socket.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.channel import (AdminCall, BatchRequest, ClusterCall, EvalPoll, EvalSubmit, Init,
+                                    Link, RemoteError, StateRequest)
+from megarl.rollout.types import Trajectory
+
+log = logging.getLogger("megarl.link")
+
+
+class ManagerDied(RuntimeError):
+    """The rollout manager process is gone: the run stops; a resume trains every pending prompt once."""
+
+
+class _Recorder:
+    def __getattr__(self, method: str):
+        return lambda *args, **kwargs: AdminCall(method, list(args), kwargs)
+
+
+class RemoteAdmin:
+    """`AdminRunner`'s interface, run by the manager's admin connection."""
+
+    def __init__(self, link: Link, cluster: "ManagerCluster", timeout_s: float):
+        self.link, self.cluster, self.timeout_s = link, cluster, timeout_s
+
+    def _msg(self, fn, timeout) -> AdminCall:
+        msg = fn(_Recorder())
+        msg.timeout_s = timeout or self.timeout_s
+        return msg
+
+    def call(self, fn, timeout: Optional[float] = None):
+        msg = self._msg(fn, timeout)
+        return self.link.request(msg, msg.timeout_s + 5.0, what=f"/{msg.method}")
+
+    def submit(self, fn):
+        msg = self._msg(fn, None)
+        return self.link.submit(msg, what=f"/{msg.method}")
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self.cluster.addresses)
+
+    def close(self) -> None:
+        pass
+
+
+class ManagerCluster:
+    """The trainer's view of the server set and the one policy-version counter; the driver
+    (global rank 0) forwards the protocol steps to the manager's `RolloutCluster`. Same interface
+    as `RolloutCluster` for `WeightPusher`."""
+
+    def __init__(self, addresses: list[str], *, link: Optional[Link], manager_address: str,
+                 version: int = 0, min_live_servers: int = 1, timeout_s: float = 60.0):
+        self.addresses, self.dead = list(addresses), []
+        self.link, self.manager_address = link, manager_address
+        self.driver = link is not None
+        self.version, self.min_live_servers, self.timeout_s = int(version), min_live_servers, timeout_s
+        self.admin = RemoteAdmin(link, self, timeout_s) if link is not None else None
+        self.last_push: dict = {}
+
+    def get_version(self) -> int:
+        return self.version
+
+    def stage_admin(self, rank: int) -> RemoteAdmin:
+        """A pipeline-stage source's own link (its announces run beside the driver's)."""
+        return RemoteAdmin(Link(self.manager_address, "stage", rank), self, self.timeout_s)
+
+    def _call(self, method: str, *args, timeout_s: Optional[float] = None):
+        return self.link.request(ClusterCall(method, list(args)), timeout_s or self.timeout_s + 10.0,
+                                 what=method)
+
+    # ------------------------------------------------------------------ push protocol (driver)
+    def settle(self) -> None:
+        """Before a push: the tail of the previous one must have succeeded."""
+        errors = self.link.settle(self.timeout_s + 10.0)
+        if errors:
+            raise RemoteError("; ".join(errors))
+
+    def pause_for_update(self) -> None:
+        self.settle()
+        self._call("pause_for_update")
+
+    def end_push(self, version: Optional[int]) -> None:
+        """Not awaited: the manager waits for the loads, flips the version, resumes."""
+        if version is None:
+            self.link.submit(ClusterCall("resume"), what="continue_generation", deferred=True)
+        else:
+            self.link.submit(ClusterCall("finish_push", [version]), what="update_weight_version",
+                             deferred=True)
+
+    def commit(self, version: int) -> None:
+        self.version = int(version)
+
+    # ------------------------------------------------------------------ the server set
+    def unhealthy(self) -> list[str]:
+        return self._call("unhealthy")
+
+    def remove_server(self, address: str) -> None:
+        from megarl.rollout.cluster import ClusterError
+
+        if address in self.addresses:
+            self.addresses.remove(address)
+            self.dead.append(address)
+            if self.driver:
+                self._call("remove_server", address)
+        if len(self.addresses) < self.min_live_servers:
+            raise ClusterError(f"rollout.min_live_servers: {len(self.addresses)} server(s) left "
+                               f"(< {self.min_live_servers}); dead: {', '.join(self.dead)}")
+
+    def add_server(self, address: str) -> None:
+        if address not in self.addresses:
+            self.addresses.append(address)
+        if self.driver:
+            self._call("add_server", address)
+
+    def admitted(self, address: str) -> None:
+        if address in self.dead:
+            self.dead.remove(address)
+        if self.driver:
+            self._call("admitted", address)
+
+    def close(self) -> None:
+        pass
+
+
+class RolloutSide:
+    """Rank 0's handle on the manager process (spawned here unless ``rollout.manager_address``
+    names one already running) and the step hand-off on every rank."""
+
+    def __init__(self, cfg, ps):
+        self.cfg, self.ps = cfg, ps
+        self.proc: Optional[subprocess.Popen] = None
+        self.link: Optional[Link] = None
+        self.address = ""
+
+    def start(self) -> None:
+        """Rank 0: the manager process (it starts the local servers while the engine builds)."""
+        from megarl.net import serving_host
+        from megarl.rollout.local import split_cpus
+        from megarl.rollout.manager import spawn
+
+        if self.ps.rank != 0:
+            return
+        r, t = self.cfg.rollout, self.cfg.train
+        if r.manager_address:
+            self.address = r.manager_address
+        else:
+            server_cpus, trainer_cpus = split_cpus(r.server_cpus) if r.server_cpus else (None, None)
+            self.proc, self.address = spawn(os.path.join(t.run_dir, "config.yaml"), serving_host(),
+                                            os.path.join(t.run_dir, "manager.log"), cpus=server_cpus)
+            if trainer_cpus:  # generation and training on their own cores (docs/demo.md)
+                os.sched_setaffinity(0, trainer_cpus)
+        self.link = Link(self.address, "driver")
+
+    def connect(self, version: int, state: Optional[dict]) -> ManagerCluster:
+        """Every rank: the server set (the manager starts them on Init) and the trainer's cluster."""
+        servers = [None, None]
+        if self.ps.rank == 0:
+            servers = [self._request(Init(self.ps.dp, version, state), 600.0), self.address]
+        dist.broadcast_object_list(servers, src=0)
+        return ManagerCluster(servers[0], link=self.link, manager_address=servers[1], version=version,
+                              min_live_servers=self.cfg.rollout.min_live_servers,
+                              timeout_s=self.cfg.weights.timeout_s)
+
+    def _request(self, msg, timeout_s: Optional[float] = None):
+        try:
+            return self.link.request(msg, timeout_s)
+        except RemoteError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the channel failed: say whether the process died
+            raise self._died(e) from None
+
+    def _died(self, error: BaseException) -> Exception:
+        if self.proc is not None:
+            try:
+                code = self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                code = None
+            if code is not None:
+                return ManagerDied(f"rollout manager (pid {self.proc.pid}) exited with status {code} "
+                                   f"(log {self.cfg.train.run_dir}/manager.log); rerun to resume from the "
+                                   f"last checkpoint")
+        return ManagerDied(f"rollout manager at {self.address}: {error}")
+
+    def start_rollouts(self) -> None:
+        if self.ps.rank == 0:
+            self._request(ClusterCall("start"))
+
+    # ------------------------------------------------------------------ the step hand-off
+    def next_batch(self, n_groups: int, timeout_s: float = 600.0) -> tuple[list[Trajectory], dict, list[str]]:
+        """(every sample of the step, the manager's stats (rank 0), servers to re-admit)."""
+        batch = self._request(BatchRequest(n_groups, timeout_s), timeout_s + 30.0) if self.ps.rank == 0 else None
+        return unpack_step(batch, self.ps)
+
+    def submit_eval(self, step: int, version: int) -> None:
+        if self.ps.rank == 0:
+            self._request(EvalSubmit(step, version))
+
+    def poll_eval(self, wait: bool) -> dict:
+        return self._request(EvalPoll(wait), 3600.0 if wait else 60.0) if self.ps.rank == 0 else {}
+
+    def state_dict(self) -> dict:
+        return self._request(StateRequest(), 120.0) if self.ps.rank == 0 else {}
+
+    def close(self) -> None:
+        """The manager stops its rollouts and the servers it started when the link closes."""
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+class ManagerState:
+    """The manager's exactly-once ledger inside the trainer's checkpoint: rank 0 asks the manager
+    at save time; a resume hands the saved state to the manager at Init."""
+
+    def __init__(self, side: RolloutSide):
+        self.side = side
+        self.loaded: Optional[dict] = None
+
+    def state_dict(self) -> dict:
+        return self.side.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+
+
+_INT_FIELDS = ("input_ids", "loss_mask", "versions")
+_SAMPLE_FIELDS = ("lengths", "group_ids", "dp_rank")
+
+
+def unpack_step(batch, ps) -> tuple[list[Trajectory], dict, list[str]]:
+    """Rank 0's `Batch` -> every rank's trajectories: two tensor broadcasts (ints, floats) plus a
+    small object broadcast (servers to re-admit). Infos and stats stay on rank 0."""
+    if ps.world_size > 1:
+        head = torch.zeros(2, dtype=torch.int64)
+        if ps.rank == 0:
+            head[0], head[1] = len(batch.arrays["input_ids"]), len(batch.arrays["lengths"])
+        dist.broadcast(head, src=0)
+        n_tok, n = int(head[0]), int(head[1])
+        ints = torch.empty(3 * n_tok + 3 * n, dtype=torch.int64)
+        floats = torch.empty(n_tok + n, dtype=torch.float64)
+        if ps.rank == 0:
+            a = batch.arrays
+            ints = torch.cat([torch.from_numpy(a[k].astype("int64")) for k in _INT_FIELDS + _SAMPLE_FIELDS])
+            floats = torch.cat([torch.from_numpy(a["behave_logp"].astype("float64")),
+                                torch.from_numpy(a["rewards"])])
+        dist.broadcast(ints, src=0)
+        dist.broadcast(floats, src=0)
+        rejoin = [batch.rejoin if ps.rank == 0 else None]
+        dist.broadcast_object_list(rejoin, src=0)
+        cols = dict(zip(_INT_FIELDS, ints[:3 * n_tok].view(3, n_tok).tolist()))
+        cols.update(zip(_SAMPLE_FIELDS, ints[3 * n_tok:].view(3, n).tolist()))
+        cols["behave_logp"], cols["rewards"] = floats[:n_tok].tolist(), floats[n_tok:].tolist()
+        infos, stats, rejoin = (batch.infos, batch.stats, rejoin[0]) if ps.rank == 0 else ([{}] * n, {}, rejoin[0])
+    else:
+        cols = {k: v.tolist() for k, v in batch.arrays.items()}
+        infos, stats, rejoin = batch.infos, batch.stats, batch.rejoin
+    trajs, at = [], 0
+    for i, n_i in enumerate(cols["lengths"]):
+        s = slice(at, at + n_i)
+        t = Trajectory(cols["input_ids"][s], cols["loss_mask"][s], cols["behave_logp"][s], cols["versions"][s],
+                       float(cols["rewards"][i]), int(cols["group_ids"][i]), dict(infos[i]))
+        t.info["dp_rank"] = int(cols["dp_rank"][i])
+        trajs.append(t)
+        at += n_i
+    return trajs, stats, rejoin
