@@ -70,7 +70,9 @@ def test_sigusr1_to_the_process_group_saves_and_stops_the_owned_server(tmp_path)
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for_rows(proc, run, 2)
-        servers = [c for c in psutil.Process(proc.pid).children() if "megarl.server" in " ".join(c.cmdline())]
+        # the rollout manager (a child of the trainer) started the server
+        servers = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                   if "megarl.server" in " ".join(c.cmdline())]
         assert len(servers) == 1
         os.killpg(proc.pid, signal.SIGUSR1)  # trainer and server alike
         out, _ = proc.communicate(timeout=300)
