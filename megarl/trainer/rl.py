@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from typing import Any, Optional
 
 import torch
@@ -144,6 +145,8 @@ class StepRunner:
         batch = local_share(trajs, self.ps)
         with self.timer.phase("update"):
             metrics = train_step(self.actor, self.critic, batch, self.cluster.version)
+            # the rollout side lives in the manager process: nothing else runs Python here
+            metrics["trainer/python_threads"] = threading.active_count()
         metrics.update(shaping)
         self.bad_steps = self.bad_steps + 1 if metrics.get("skipped_updates", 0) > 0 else 0
         if self.bad_steps >= cfg.train.max_nonfinite_steps:

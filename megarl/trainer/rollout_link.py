@@ -74,9 +74,9 @@ class ManagerCluster:
     as `RolloutCluster` for `WeightPusher`."""
 
     def __init__(self, addresses: list[str], *, link: Optional[Link], manager_address: str,
-                 version: int = 0, min_live_servers: int = 1, timeout_s: float = 60.0):
+                 version: int = 0, min_live_servers: int = 1, timeout_s: float = 60.0, side=None):
         self.addresses, self.dead = list(addresses), []
-        self.link, self.manager_address = link, manager_address
+        self.link, self.manager_address, self.side = link, manager_address, side
         self.driver = link is not None
         self.version, self.min_live_servers, self.timeout_s = int(version), min_live_servers, timeout_s
         self.admin = RemoteAdmin(link, self, timeout_s) if link is not None else None
@@ -90,13 +90,18 @@ class ManagerCluster:
         return RemoteAdmin(Link(self.manager_address, "stage", rank), self, self.timeout_s)
 
     def _call(self, method: str, *args, timeout_s: Optional[float] = None):
-        return self.link.request(ClusterCall(method, list(args)), timeout_s or self.timeout_s + 10.0,
-                                 what=method)
+        timeout_s = timeout_s or self.timeout_s + 10.0
+        if self.side is not None:  # a dead manager is named as such
+            return self.side._request(ClusterCall(method, list(args)), timeout_s)
+        return self.link.request(ClusterCall(method, list(args)), timeout_s, what=method)
 
     # ------------------------------------------------------------------ push protocol (driver)
     def settle(self) -> None:
         """Before a push: the tail of the previous one must have succeeded."""
-        errors = self.link.settle(self.timeout_s + 10.0)
+        try:
+            errors = self.link.settle(self.timeout_s + 10.0)
+        except Exception as e:  # noqa: BLE001 - the channel itself failed
+            raise (self.side._died(e) if self.side is not None else e) from None
         if errors:
             raise RemoteError("; ".join(errors))
 
@@ -184,7 +189,7 @@ class RolloutSide:
         dist.broadcast_object_list(servers, src=0)
         return ManagerCluster(servers[0], link=self.link, manager_address=servers[1], version=version,
                               min_live_servers=self.cfg.rollout.min_live_servers,
-                              timeout_s=self.cfg.weights.timeout_s)
+                              timeout_s=self.cfg.weights.timeout_s, side=self if self.ps.rank == 0 else None)
 
     def _request(self, msg, timeout_s: Optional[float] = None):
         try:

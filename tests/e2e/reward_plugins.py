@@ -34,3 +34,15 @@ def faulty_reward(prompt: str, completion: str, meta: dict) -> float:
     if first == "4":
         return float("nan")
     return arith_exact_match(prompt, completion, meta)
+
+
+def pid_reward(prompt: str, completion: str, meta: dict) -> float:
+    """The demo's exact-match reward; appends the id of the process that scored it to the file
+    named by $MEGARL_TEST_PID_FILE (which process runs the rewards)."""
+    import os
+
+    from megarl.rewards import arith_exact_match
+
+    with open(os.environ["MEGARL_TEST_PID_FILE"], "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return arith_exact_match(prompt, completion, meta)

@@ -61,8 +61,12 @@ def test_sigkill_and_resume_trains_every_prompt_exactly_once(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     rows2 = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows2] == list(range(saved + 1, 10))
-    gens = gens1 + read_jsonl(run / "generations.jsonl")
+    check_exactly_once(gens1 + read_jsonl(run / "generations.jsonl"), rows1 + rows2)
 
+
+def check_exactly_once(gens: list[dict], rows: list[dict]) -> None:
+    """Over both runs' generations and metrics rows: every draw of the prompt stream trained in
+    exactly one step with its whole group, nothing lost, the staleness bound held."""
     # every draw of the prompt stream is trained in exactly one step, with its whole group
     steps_of = collections.defaultdict(set)
     samples_of = collections.Counter()
@@ -76,5 +80,5 @@ def test_sigkill_and_resume_trains_every_prompt_exactly_once(tmp_path):
     prompts = [g["prompt_index"] for g in gens if g["draw"] < PROMPTS]
     assert collections.Counter(prompts) == {i: GROUP for i in range(PROMPTS)}
     assert len(steps_of) == 9 * GROUPS_PER_STEP  # 9 steps of 4 groups, each a distinct draw
-    for r in rows1 + rows2:
+    for r in rows:
         assert r["staleness_max"] <= 2, r
