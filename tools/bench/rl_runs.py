@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -74,6 +75,55 @@ def summarize(name: str, rows: list[dict], target: Optional[float] = None) -> Ru
         steps_to_target=hit["step"] if hit else None, evals=evals)
 
 
+class CpuSampler:
+    """CPU seconds used by a process tree (the trainer, the rollout manager, the servers, reward
+    workers: every descendant), sampled from /proc every ``interval_s``. A process that exits keeps
+    the CPU time it was last seen with. `utilization(t0, t1)`: used CPU seconds over the window
+    divided by (cores x seconds) - 1.0 means every core of the machine was busy."""
+
+    def __init__(self, pid: int, interval_s: float = 0.5):
+        import psutil
+
+        self.root, self.interval_s = psutil.Process(pid), interval_s
+        self.cores = len(os.sched_getaffinity(0))
+        self.samples: list[tuple[float, float]] = []  # (time.time(), CPU seconds of the tree)
+        self._seen: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree_cpu(self) -> float:
+        import psutil
+
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.Error:
+            procs = []
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                self._seen[p.pid] = t.user + t.system
+            except psutil.Error:
+                pass
+        return sum(self._seen.values())
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self._tree_cpu()))
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def utilization(self, t0: float, t1: float) -> Optional[float]:
+        inside = [(t, c) for t, c in self.samples if t0 <= t <= t1]
+        if len(inside) < 2:
+            return None
+        (ta, ca), (tb, cb) = inside[0], inside[-1]
+        return (cb - ca) / (self.cores * (tb - ta)) if tb > ta else None
+
+
 def run_train(*args, **kwargs) -> RunSummary:
     """`_run_train`, retried (twice) when the run died on a port another process took between
     megarl's free_port() and its bind (seen on the shared benchmark machine)."""
@@ -111,6 +161,7 @@ def _run_train(run_dir: str, overrides: list[str], name: Optional[str] = None,
     with open(log or os.path.join(run_dir, "train.log"), "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=child_env,
                                 start_new_session=budget_s is not None)
+        sampler = CpuSampler(proc.pid)
         while proc.poll() is None:
             time.sleep(2.0)
             if budget_s is not None and os.path.exists(metrics):
@@ -119,10 +170,15 @@ def _run_train(run_dir: str, overrides: list[str], name: Optional[str] = None,
                     os.killpg(proc.pid, signal.SIGKILL)  # the trainer and the servers it started
                     proc.wait()
                     stopped = True
+    sampler.stop()
     if proc.returncode and not stopped:
         raise RuntimeError(f"{name or run_dir}: megarl-train failed (log {out.name})")
-    summary = summarize(name or os.path.basename(run_dir), read_rows(metrics), target)
+    rows = read_rows(metrics)
+    summary = summarize(name or os.path.basename(run_dir), rows, target)
     summary.process_s = time.perf_counter() - t
+    steps = [r for r in rows if r["step"] >= 1]
+    # the training window: first step's start to the last step's end (start-up excluded)
+    summary.extra["cpu_util"] = sampler.utilization(steps[0]["time"] - steps[0]["step_time"], steps[-1]["time"])
     summary.extra["budget_stopped"] = stopped
     return summary
 
