@@ -58,7 +58,7 @@ def _expand_item(item: str, budget: int) -> list[str]:
     pieces = re.split(r"\[([^\]]*)\]", item)  # text, bracket body, text, ...
     texts, groups = pieces[0::2], pieces[1::2]
     if not "".join(texts):
-        raise ValueError(f"{item!r}: empty host name" if not item else f"{item!r}: no name around the range")
+        raise ValueError(f"{item!r}: no name around the range")
     for t in texts:
         if not _NAME.fullmatch(t):
             raise ValueError(f"{item!r}: host names may hold letters, digits, '.', '_' and '-' only")
@@ -79,6 +79,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
     """The hosts of a SLURM hostlist, in order; ValueError on anything malformed (module doc)."""
     hosts: list[str] = []
     for item in _split_items(nodelist.strip()):
+        if not item.strip():
+            raise ValueError(f"{nodelist!r}: empty host name")
         hosts += _expand_item(item.strip(), MAX_HOSTS - len(hosts))
     seen: set[str] = set()
     for h in hosts:
