@@ -21,10 +21,21 @@ from typing import Any, Optional
 import yaml
 
 from megarl.algo.config import AlgoConfig
+from megarl.config_load import (ConfigError, apply_overrides, check_outputs, read_yaml, recipe_keys,
+                                resolve_outputs)
+from megarl.fields import bounded, check_bounds
 
 
-class ConfigError(ValueError):
-    """A bad configuration value; the message starts with the dotted field name."""
+_COLD = ("temperature 0 samples every completion of a group alike: the advantages are all 0 and "
+         "nothing is learned")
+
+
+def _check(section, prefix: str) -> None:
+    """The declared ranges of a section's numeric fields (megarl.fields), as ConfigError."""
+    try:
+        check_bounds(section, prefix)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclass
@@ -35,7 +46,7 @@ class ModelConfig:
     """hf: load the HF safetensors in hf_path; random: fresh init from config.json only."""
     dtype: str = "float32"
     """Parameter/compute dtype: float32 or bfloat16 (bf16 needs a GPU)."""
-    seed: int = 1234
+    seed: int = bounded(1234, ge=0)
     """Seed for weight init and dropout."""
     spec: str = "auto"
     """Layer spec: auto (TE when TE and CUDA are present, else local), te, or local."""
@@ -47,13 +58,13 @@ class ModelConfig:
     ref_hf_path: str = ""
     """Reference policy for the KL term (HF directory, loaded frozen with the same parallel
     layout when algo.kl_coef > 0); empty = the initial weights (model.hf_path)."""
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = bounded(128, ge=1)
     """Megatron pads the embedding and output layer to a multiple of this times parallel.tp (as
     Megatron's trainer does); the padding is stripped from every export and masked in logprobs."""
 
     def validate(self) -> None:
+        _check(self, "model")
         _choice("model.init", self.init, ("hf", "random"))
-        _positive("model.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
         _choice("model.dtype", self.dtype, ("float32", "bfloat16"))
         _choice("model.spec", self.spec, ("auto", "te", "local"))
         _choice("model.attention", self.attention, ("sdpa", "unfused"))
@@ -63,19 +74,19 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
+    tp: int = bounded(1, ge=1)
     """Tensor-parallel size; must divide attention heads and query groups."""
-    pp: int = 1
+    pp: int = bounded(1, ge=1)
     """Pipeline-parallel size, up to the number of layers (uneven splits: docs/models.md)."""
-    first_stage_layers: Optional[int] = None
+    first_stage_layers: Optional[int] = bounded(None, ge=1)
     """Layers on the first pipeline stage (Megatron's num_layers_in_first_pipeline_stage; the
     middle stages split the rest evenly); null = automatic."""
-    last_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = bounded(None, ge=1)
     """Layers on the last pipeline stage (num_layers_in_last_pipeline_stage); null = automatic."""
-    ep: int = 1
+    ep: int = bounded(1, ge=1)
     """Expert-parallel size for MoE models (experts split over this many ranks of the DP
     dimension; must divide the experts and the DP size). 1 for dense models."""
-    vpp: Optional[int] = None
+    vpp: Optional[int] = bounded(None, ge=1)
     """Virtual pipeline stages per rank (interleaved 1F1B): not supported yet, must stay null."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs the TE spec and TP > 1)."""
@@ -83,16 +94,11 @@ class ParallelConfig:
     """Shard optimizer state over DP (Megatron distributed optimizer)."""
     backend: str = "auto"
     """torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo."""
-    world_size: Optional[int] = None
+    world_size: Optional[int] = bounded(None, ge=1)
     """Ranks to start when run directly (not under torchrun/srun/mpirun); default tp*pp."""
 
     def validate(self) -> None:
-        _positive("parallel.tp", self.tp)
-        _positive("parallel.pp", self.pp)
-        _positive("parallel.ep", self.ep)
-        for name in ("first_stage_layers", "last_stage_layers"):
-            if getattr(self, name) is not None:
-                _positive(f"parallel.{name}", getattr(self, name))
+        _check(self, "parallel")
         if self.vpp is not None:
             # Checked on CPU with megatron-core 0.16.1: the interleaved schedule with token-budget
             # micro-batches gave wrong gradients (and hung with fewer micro-batches than stages),
@@ -101,7 +107,6 @@ class ParallelConfig:
                               "supported yet; use parallel.pp without vpp")
         _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
         if self.world_size is not None:
-            _positive("parallel.world_size", self.world_size)
             if self.world_size % (self.tp * self.pp):
                 raise ConfigError(f"parallel.world_size: {self.world_size} is not divisible by "
                                   f"tp*pp={self.tp * self.pp}")
@@ -109,36 +114,31 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-5
+    lr: float = bounded(1e-5, gt=0)
     """Peak learning rate."""
-    min_lr: float = 0.0
+    min_lr: float = bounded(0.0, ge=0)
     """Learning rate at the end of decay."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     """Decoupled weight decay (AdamW)."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = bounded(0.9, ge=0, lt=1)
     """Adam beta1."""
-    adam_beta2: float = 0.999
+    adam_beta2: float = bounded(0.999, ge=0, lt=1)
     """Adam beta2."""
-    adam_eps: float = 1e-8
+    adam_eps: float = bounded(1e-8, gt=0)
     """Adam epsilon."""
-    clip_grad: float = 1.0
+    clip_grad: float = bounded(1.0, ge=0)
     """Global grad-norm clip; 0 disables clipping."""
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = bounded(0, ge=0)
     """Linear warmup steps."""
     lr_decay_style: str = "constant"
     """constant, linear or cosine."""
-    lr_decay_steps: Optional[int] = None
+    lr_decay_steps: Optional[int] = bounded(None, ge=1)
     """Steps over which to decay (default: train.steps)."""
 
     def validate(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr: must be > 0, got {self.lr}")
-        if self.min_lr < 0 or self.min_lr > self.lr:
+        _check(self, "optim")
+        if self.min_lr > self.lr:
             raise ConfigError(f"optim.min_lr: must be in [0, optim.lr], got {self.min_lr}")
-        if self.clip_grad < 0:
-            raise ConfigError(f"optim.clip_grad: must be >= 0, got {self.clip_grad}")
-        if self.lr_warmup_steps < 0:
-            raise ConfigError(f"optim.lr_warmup_steps: must be >= 0, got {self.lr_warmup_steps}")
         _choice("optim.lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine"))
 
 
@@ -147,51 +147,41 @@ class TrainConfig:
     algorithm: str = "sft"
     """sft (supervised fine-tuning) or rl (asynchronous RL: the estimator is algo.advantage, e.g.
     grpo, rloo, reinforce_pp, gae). "grpo" is read as rl (older recipes)."""
-    steps: int = 100
+    steps: int = bounded(100, ge=1)
     """Optimizer steps to run (RL: one step per global batch)."""
-    global_batch_size: int = 32
+    global_batch_size: int = bounded(32, ge=1)
     """Sequences per optimizer step, across all DP ranks."""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = bounded(4096, ge=1)
     """Token budget of one micro-batch (padded length x sequences)."""
-    max_seq_len: int = 512
+    max_seq_len: int = bounded(512, ge=2)
     """Longest sequence (prompt + response) in tokens; longer SFT samples are truncated."""
     run_dir: str = "runs/default"
     """Directory for the resolved config, metrics.jsonl and checkpoints by default."""
-    seed: int = 1234
+    seed: int = bounded(1234, ge=0)
     """Data-order seed (also seeds the PPO mini-batch shuffle)."""
-    torch_threads: int = 0
+    torch_threads: int = bounded(0, ge=0)
     """torch intra-op threads of each trainer rank; 0 = torch's default (OMP_NUM_THREADS, else
     one per core, which oversubscribes the cores a local rollout server also uses)."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = bounded(1, ge=1)
     """RL: passes over each step's trajectories (one optimizer step per mini-batch per pass)."""
-    ppo_mini_batch_size: int = 0
+    ppo_mini_batch_size: int = bounded(0, ge=0)
     """RL: sequences per optimizer step across all DP ranks; 0 = the whole step (one mini-batch)."""
-    require_batches: int = 0
+    require_batches: int = bounded(0, ge=0)
     """RL (verl fully-async): a step takes require_batches x ppo_mini_batch_size sequences (whole
     groups); 0 = global_batch_size. Setting it replaces global_batch_size."""
-    stop_at_eval_accuracy: float = 0.0
+    stop_at_eval_accuracy: float = bounded(0.0, ge=0, le=1)
     """RL: end the run after the first evaluation whose held-out accuracy reaches this (time-to-
     accuracy benchmarks; checkpoint and export are written as at the last step); 0 = off."""
-    max_nonfinite_steps: int = 3
+    max_nonfinite_steps: int = bounded(3, ge=1)
     """An update whose gradient norm is NaN/inf is skipped (weights untouched, counted as
     skipped_updates); this many steps in a row with one stop the run with an error."""
-    trigger_parameter_sync_step: int = 1
+    trigger_parameter_sync_step: int = bounded(1, ge=1)
     """RL (verl fully-async): training steps per weight push; the policy version advances once per
     push, so staleness is counted in pushes of trigger_parameter_sync_step x batch samples."""
 
     def validate(self) -> None:
+        _check(self, "train")
         _choice("train.algorithm", self.algorithm, ("sft", "rl", "grpo"))
-        for name in ("steps", "global_batch_size", "micro_batch_tokens", "max_seq_len", "ppo_epochs",
-                     "trigger_parameter_sync_step", "max_nonfinite_steps"):
-            _positive(f"train.{name}", getattr(self, name))
-        if self.ppo_mini_batch_size < 0:
-            raise ConfigError(f"train.ppo_mini_batch_size: must be >= 0, got {self.ppo_mini_batch_size}")
-        if self.require_batches < 0:
-            raise ConfigError(f"train.require_batches: must be >= 0, got {self.require_batches}")
-        if not 0.0 <= self.stop_at_eval_accuracy <= 1.0:
-            raise ConfigError(f"train.stop_at_eval_accuracy: must be in [0, 1], got {self.stop_at_eval_accuracy}")
-        if self.torch_threads < 0:
-            raise ConfigError(f"train.torch_threads: must be >= 0, got {self.torch_threads}")
         if self.require_batches and not self.ppo_mini_batch_size:
             raise ConfigError("train.require_batches: needs train.ppo_mini_batch_size > 0 "
                               "(a step takes require_batches x ppo_mini_batch_size sequences)")
@@ -227,7 +217,7 @@ class DataConfig:
     chat_template: str = ""
     """RL chat prompts: Jinja chat template as a file path or inline text; empty = the model's own
     (chat_template in tokenizer_config.json or chat_template.jinja)."""
-    max_prompt_length: int = 0
+    max_prompt_length: int = bounded(0, ge=0)
     """RL: longest prompt in tokens (after the chat template); 0 = no limit. See data.truncation."""
     truncation: str = "filter"
     """RL prompts over data.max_prompt_length: filter (drop), error (fail at load), left (keep the
@@ -236,41 +226,37 @@ class DataConfig:
     """RL: shuffle the prompt order each epoch (seeded by train.seed); false = file order."""
 
     def validate(self) -> None:
+        _check(self, "data")
         if not self.train_path:
             raise ConfigError("data.train_path: required")
-        if self.max_prompt_length < 0:
-            raise ConfigError(f"data.max_prompt_length: must be >= 0, got {self.max_prompt_length}")
         _choice("data.truncation", self.truncation, ("filter", "error", "left", "right", "middle"))
 
 
 @dataclass
 class CheckpointConfig:
     save_dir: str = ""
-    """Training checkpoints (Megatron dist-checkpoint); empty = <run_dir>/checkpoints."""
-    save_interval: int = 0
+    """Training checkpoints (Megatron dist-checkpoint); empty = <run_dir>/checkpoints. A relative
+    path is under train.run_dir; a path inside another run's directory is refused."""
+    save_interval: int = bounded(0, ge=0)
     """Save every N steps; 0 = only at the end."""
-    keep_last: int = 2
+    keep_last: int = bounded(2, ge=1)
     """Keep the newest N complete checkpoints."""
     resume: bool = True
     """Resume from the latest complete checkpoint in save_dir if there is one."""
     hf_export_dir: str = ""
-    """Where to write the HF-format model (safetensors + config + tokenizer); empty = off."""
-    hf_export_interval: int = 0
+    """Where to write the HF-format model (safetensors + config + tokenizer); empty = off. A
+    relative path is under train.run_dir (so a run with another run_dir never overwrites this
+    recipe's other runs); an absolute one inside another run's directory is refused."""
+    hf_export_interval: int = bounded(0, ge=0)
     """Export every N steps; 0 = only at the end."""
 
     def validate(self) -> None:
-        if self.save_interval < 0:
-            raise ConfigError(f"checkpoint.save_interval: must be >= 0, got {self.save_interval}")
-        if self.keep_last < 1:
-            raise ConfigError(f"checkpoint.keep_last: must be >= 1, got {self.keep_last}")
-        if self.hf_export_interval < 0:
-            raise ConfigError(
-                f"checkpoint.hf_export_interval: must be >= 0, got {self.hf_export_interval}")
+        _check(self, "checkpoint")
 
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = 1
+    log_interval: int = bounded(1, ge=1)
     """Print a metrics line every N steps (metrics.jsonl gets every step)."""
     tensorboard: bool = False
     """Also write TensorBoard event files under <run_dir>/tb."""
@@ -284,16 +270,16 @@ class LoggingConfig:
     behaviour logprobs) to <run_dir>/generations.jsonl."""
 
     def validate(self) -> None:
-        _positive("logging.log_interval", self.log_interval)
+        _check(self, "logging")
 
 
 @dataclass
 class RolloutConfig:
     servers: list[str] = field(default_factory=list)
     """Rollout server addresses (http://host:port): SGLang servers or megarl-server."""
-    local_servers: int = 1
+    local_servers: int = bounded(1, ge=1)
     """When servers is empty: start this many megarl CPU servers on loopback (the CPU demo)."""
-    server_threads: int = 1
+    server_threads: int = bounded(1, ge=1)
     """torch threads of each local server."""
     server_args: list[str] = field(default_factory=list)
     """Extra megarl-server flags for the local servers, e.g. [--max-running-requests, 1] (one
@@ -309,39 +295,40 @@ class RolloutConfig:
     itself. Trainer rank 0 (and each pipeline stage's weight source) connects to it."""
     api_key: str = ""
     """Bearer token for the servers' admin endpoints; empty = none."""
-    health_timeout_s: float = 120.0
+    health_timeout_s: float = bounded(120.0, gt=0, le=86400)
     """Deadline for every server in rollout.servers to answer /health when the job starts (an
     unreachable server is an error naming it, not a hang; SGLang on CPU takes up to ~80 s to start)."""
-    group_size: int = 8
+    group_size: int = bounded(8, ge=1)
     """Samples per prompt (GRPO group)."""
-    max_new_tokens: int = 64
+    max_new_tokens: int = bounded(64, ge=1)
     """Generation budget per sample."""
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, gt=0, why=_COLD)
     """Sampling temperature (1.0: behave_logp is the policy's own logprob)."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling; < 1 makes behave_logp differ from the sampling distribution."""
-    seed: Optional[int] = None
+    seed: Optional[int] = bounded(None, ge=0)
     """Seed the sampling: prompt draw d samples with seed (seed, d), so two runs with the same seed
     generate the same tokens (with max_staleness 0 the batches, losses and rewards then repeat
     bitwise); null = unseeded."""
     ignore_eos: bool = False
     """Generate max_new_tokens for every sample, past EOS (benchmarks and tests of long rollouts)."""
-    max_staleness: int = 1
+    max_staleness: int = bounded(1, ge=0)
     """Bounded off-policyness (AReaL's eta): an episode started at policy version v is trained by
     version v + max_staleness; 0 = on-policy (each batch generated by the current weights)."""
-    staleness_threshold: float = 0.0
+    staleness_threshold: float = bounded(0.0, ge=0)
     """Fractional staleness (verl fully-async): up to staleness_threshold x samples-per-push may be
-    generated ahead by the previous version. Use it OR max_staleness (set max_staleness: 0)."""
+    generated ahead by the previous version. The same bound as max_staleness: when both are set,
+    the later source wins (command line over recipe over default; see Loading rules)."""
     partial_rollout: bool = True
     """At a weight push, true: in-flight requests are interrupted and continue under the new
     weights (one sample may span versions); false: they finish under the old weights first."""
-    min_live_servers: int = 1
+    min_live_servers: int = bounded(1, ge=1)
     """A server that dies or hangs is dropped (restarted when megarl-train started it, re-admitted
     when its /health answers again) and training goes on; below this many the run stops."""
-    max_retries: int = 2
+    max_retries: int = bounded(2, ge=0)
     """Re-runs of an episode whose workflow raised; then its prompt is recorded as failed
     (<run_dir>/failed_prompts.jsonl)."""
-    max_concurrent: int = 64
+    max_concurrent: int = bounded(64, ge=1)
     """Episodes (prompt groups) generating at once."""
     reward_fn: str = "megarl.rewards:arith_exact_match"
     """Reward import path: fn(prompt, completion, meta) -> float, sync or async; or a class built
@@ -353,53 +340,37 @@ class RolloutConfig:
     workflow_args: dict[str, Any] = field(default_factory=dict)
     """The workflow's own options, passed as keyword arguments (e.g. {max_turns: 4, tools:
     [calculator, python]}); see docs/tasks.md."""
-    eval_interval: int = 0
+    eval_interval: int = bounded(0, ge=0)
     """Evaluate on data.eval_path every N steps (0 = only at the end, if eval_path is set): greedy
     pass@1 with rollout.reward_fn, run beside training and reported with the version it measured."""
-    eval_size: int = 500
+    eval_size: int = bounded(500, ge=1)
     """Held-out prompts per evaluation."""
     eval_at_start: bool = False
     """Also evaluate before the first step of a fresh run, logged as step 0 (the start accuracy of
     the learning curve)."""
-    eval_k: int = 0
+    eval_k: int = bounded(0, ge=0)
     """Also sample k completions per eval prompt (at rollout.temperature) and report their mean
     reward (eval/mean_reward_at_k); 0 = greedy pass@1 only."""
 
     def validate(self) -> None:
+        _check(self, "rollout")
         bad = [c for c in self.server_cpus if not isinstance(c, int) or c < 0]
         if bad:
             raise ConfigError(f"rollout.server_cpus: expected CPU ids >= 0, got {bad}")
         for i, s in enumerate(self.servers):
             if not s.startswith(("http://", "https://")) and ":" not in s:
                 raise ConfigError(f"rollout.servers[{i}]: expected host:port or a URL, got {s!r}")
-        for name in ("local_servers", "server_threads", "group_size", "max_new_tokens", "max_concurrent",
-                     "eval_size", "min_live_servers"):
-            _positive(f"rollout.{name}", getattr(self, name))
-        if self.max_staleness < 0:
-            raise ConfigError(f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
-        if self.staleness_threshold < 0:
-            raise ConfigError(f"rollout.staleness_threshold: must be >= 0, got {self.staleness_threshold}")
-        if self.staleness_threshold and self.max_staleness:
+        if self.staleness_threshold and self.max_staleness and self.staleness_threshold != self.max_staleness:
             raise ConfigError("rollout.staleness_threshold: set either it (verl) or rollout.max_staleness "
                               f"(AReaL), not both (got {self.staleness_threshold} and {self.max_staleness}); "
-                              "see docs/async.md")
-        if self.max_retries < 0:
-            raise ConfigError(f"rollout.max_retries: must be >= 0, got {self.max_retries}")
-        if self.eval_k < 0:
-            raise ConfigError(f"rollout.eval_k: must be >= 0, got {self.eval_k}")
+                              "see docs/configuration.md")
+        if not isinstance(self.workflow_args, dict):
+            raise ConfigError(f"rollout.workflow_args: expected a mapping, got {self.workflow_args!r}")
 
     @property
     def staleness(self) -> float:
         """The effective eta of the capacity formula (integer max_staleness or the fraction)."""
         return float(self.max_staleness or self.staleness_threshold)
-        if self.temperature <= 0:
-            raise ConfigError(f"rollout.temperature: must be > 0 for RL sampling, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.workflow_args, dict):
-            raise ConfigError(f"rollout.workflow_args: expected a mapping, got {self.workflow_args!r}")
-        if not self.health_timeout_s > 0:
-            raise ConfigError(f"rollout.health_timeout_s: must be > 0, got {self.health_timeout_s}")
 
 
 @dataclass
@@ -408,13 +379,13 @@ class RewardConfig:
     """Where sync reward functions run: thread (a daemon thread per call) or process (a pool of
     reward.num_workers worker processes: a CPU-heavy verifier does not hold the trainer's GIL,
     and one that overruns is killed and replaced). Coroutine functions always run on the loop."""
-    num_workers: int = 4
+    num_workers: int = bounded(4, ge=1)
     """Worker processes of reward.executor=process (started on the first call)."""
-    timeout_s: float = 60.0
+    timeout_s: float = bounded(60.0, ge=0)
     """Deadline of one reward call (a batch for batched rewards); 0 = none. A sync function that
     overruns on a thread keeps that thread until it returns; in a process pool the deadline counts
     from when a worker takes the call, and the worker is killed."""
-    on_error_value: Optional[float] = None
+    on_error_value: Optional[float] = bounded(None, unbounded="any finite reward value")
     """Reward used when the reward function raises or times out (counted in reward/errors,
     reward/timeouts); null = the episode fails instead."""
     args: dict[str, Any] = field(default_factory=dict)
@@ -424,10 +395,7 @@ class RewardConfig:
     def validate(self) -> None:
         if self.executor not in ("thread", "process"):
             raise ConfigError(f"reward.executor: must be thread or process, got {self.executor!r}")
-        if self.num_workers < 1:
-            raise ConfigError(f"reward.num_workers: must be >= 1, got {self.num_workers}")
-        if self.timeout_s < 0:
-            raise ConfigError(f"reward.timeout_s: must be >= 0, got {self.timeout_s}")
+        _check(self, "reward")
         if not isinstance(self.args, dict):
             raise ConfigError(f"reward.args: expected a mapping, got {self.args!r}")
 
@@ -436,23 +404,24 @@ class RewardConfig:
 class WeightSyncConfig:
     transport: str = "distributed"
     """distributed (broadcast over a gloo/NCCL group), disk (shared dir) or tensor (HTTP)."""
-    bucket_mb: int = 256
+    bucket_mb: int = bounded(256, ge=1)
     """Bucket size cap in MiB; peak extra memory is about two buckets."""
     dtype: str = "auto"
     """Serving dtype: auto (the training dtype), float32 or bfloat16."""
     pause_mode: str = "abort"
     """How servers pause for a push: abort (partial rollouts resume), retract or in_place."""
-    timeout_s: float = 120.0
+    timeout_s: float = bounded(120.0, gt=0)
     """Deadline of every step of a push (HTTP calls and broadcasts)."""
     master_address: str = "auto"
     """Address the servers use to reach this job's pipeline-stage source ranks (distributed
     transport); auto = each source rank's own address on its route to the servers (never another
     node's loopback), or a fixed address/hostname for single-node jobs with unusual routing."""
     disk_dir: str = ""
-    """Shared directory for the disk transport; empty = <run_dir>/weights."""
-    keep_versions: int = 2
+    """Shared directory for the disk transport; empty = <run_dir>/weights. A relative path is under
+    train.run_dir."""
+    keep_versions: int = bounded(2, ge=1)
     """Versions kept in disk_dir."""
-    verify_interval: int = 0
+    verify_interval: int = bounded(0, ge=0)
     """Every N pushes read every tensor back from the servers and compare it element by element
     with what was pushed; a mismatch stops the run naming the server and tensor (0 = off)."""
     tensor_format: str = "megarl"
@@ -461,16 +430,11 @@ class WeightSyncConfig:
     its tensor payload, one broadcast per tensor)."""
 
     def validate(self) -> None:
+        _check(self, "weights")
         _choice("weights.transport", self.transport, ("distributed", "disk", "tensor"))
         _choice("weights.tensor_format", self.tensor_format, ("megarl", "sglang"))
         _choice("weights.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         _choice("weights.pause_mode", self.pause_mode, ("abort", "retract", "in_place"))
-        _positive("weights.bucket_mb", self.bucket_mb)
-        _positive("weights.keep_versions", self.keep_versions)
-        if self.verify_interval < 0:
-            raise ConfigError(f"weights.verify_interval: must be >= 0, got {self.verify_interval}")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"weights.timeout_s: must be > 0, got {self.timeout_s}")
 
 
 @dataclass
@@ -478,20 +442,15 @@ class CriticConfig:
     hf_path: str = ""
     """Critic backbone (HF directory) for algo.advantage=gae; empty = model.hf_path. Its LM head is
     replaced by a fresh scalar value head."""
-    lr: Optional[float] = None
+    lr: Optional[float] = bounded(None, gt=0)
     """Critic peak learning rate; null = optim.lr (other optimizer settings from optim)."""
-    value_clip: Optional[float] = 0.2
+    value_clip: Optional[float] = bounded(0.2, gt=0)
     """Value clip c: the loss also scores V_old + clip(V - V_old, -c, c); null = off."""
-    warmup_steps: int = 0
+    warmup_steps: int = bounded(0, ge=0)
     """RL steps that train only the critic before the actor starts updating."""
 
     def validate(self) -> None:
-        if self.lr is not None and self.lr <= 0:
-            raise ConfigError(f"critic.lr: must be > 0, got {self.lr}")
-        if self.value_clip is not None and self.value_clip <= 0:
-            raise ConfigError(f"critic.value_clip: must be > 0 or null, got {self.value_clip}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"critic.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        _check(self, "critic")
 
 
 @dataclass
@@ -500,36 +459,31 @@ class LaunchConfig:
     """Server program the launcher (megarl-launch, launch/slurm.sbatch) starts on rollout nodes:
     auto (sglang on GPU nodes, megarl on CPU nodes), sglang (python -m sglang.launch_server) or
     megarl (megarl-server)."""
-    server_tp: int = 1
+    server_tp: int = bounded(1, ge=1)
     """GPUs per rollout server for tensor parallelism (SGLang --tp-size)."""
-    server_dp: int = 1
+    server_dp: int = bounded(1, ge=1)
     """Data-parallel replicas inside one SGLang server (--dp-size); GPUs per server = tp * dp."""
-    servers_per_node: int = 0
+    servers_per_node: int = bounded(0, ge=0)
     """Servers per rollout node; 0 = the node's GPUs // (server_tp * server_dp), 1 on CPU nodes."""
-    server_port: int = 30000
+    server_port: int = bounded(30000, ge=1, le=65535)
     """Port of a node's first server; the node's further servers take the next ports."""
     server_args: list[str] = field(default_factory=list)
     """Extra flags appended to every server command (e.g. ["--mem-fraction-static", "0.8"])."""
-    health_timeout_s: float = 900.0
+    health_timeout_s: float = bounded(900.0, gt=0, le=86400)
     """How long the launcher waits for every server's /health before it gives up."""
     router: bool = False
     """Also start SGLang's router (sglang-router) in front of the servers on the first rollout
     node, for generation clients; weight pushes still go to every server directly."""
-    router_port: int = 30100
+    router_port: int = bounded(30100, ge=1, le=65535)
     """Port of the router."""
     router_policy: str = "cache_aware"
     """Router load-balancing policy: cache_aware, round_robin, random or power_of_two."""
 
     def validate(self) -> None:
+        _check(self, "launch")
         _choice("launch.server", self.server, ("auto", "sglang", "megarl"))
         _choice("launch.router_policy", self.router_policy,
                 ("cache_aware", "round_robin", "random", "power_of_two"))
-        for name in ("server_tp", "server_dp", "server_port", "router_port"):
-            _positive(f"launch.{name}", getattr(self, name))
-        if self.servers_per_node < 0:
-            raise ConfigError(f"launch.servers_per_node: must be >= 0, got {self.servers_per_node}")
-        if self.health_timeout_s <= 0:
-            raise ConfigError(f"launch.health_timeout_s: must be > 0, got {self.health_timeout_s}")
         if self.router and self.server == "megarl":
             raise ConfigError("launch.router: SGLang's router fronts SGLang servers; "
                               "set launch.server to sglang (or auto on GPU nodes)")
@@ -561,7 +515,9 @@ class Config:
             except ValueError as e:  # sections from megarl.algo raise plain ValueError
                 raise ConfigError(str(e)) from None
         validate_against_model(self)
+        check_outputs(self)
         if self.train.is_rl:
+            validate_learning_signal(self)
             if self.algo.overlong_buffer_len > self.rollout.max_new_tokens:
                 raise ConfigError(f"algo.overlong_buffer_len: {self.algo.overlong_buffer_len} is longer than "
                                   f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
@@ -572,6 +528,20 @@ class Config:
             if not self.rollout.partial_rollout and self.weights.pause_mode != "abort":
                 raise ConfigError(f"weights.pause_mode: {self.weights.pause_mode} keeps requests running "
                                   "across the push, which rollout.partial_rollout=false forbids; use abort")
+
+
+def validate_learning_signal(cfg: Config) -> None:
+    """RL settings that run to the end while learning nothing are refused at load."""
+    from megarl.algo.advantages import AdvantageEstimator
+
+    r = cfg.rollout
+    if r.group_size == 1 and AdvantageEstimator(cfg.algo.advantage).group_relative:
+        raise ConfigError(f"rollout.group_size: 1 with algo.advantage={cfg.algo.advantage} (a group-relative "
+                          "baseline) gives every sample advantage 0 and nothing is learned; use group_size "
+                          ">= 2 or algo.advantage=reinforce_pp or gae")
+    if r.group_size == 1 and cfg.algo.dynamic_sampling:
+        raise ConfigError("algo.dynamic_sampling: drops groups whose rewards are all equal, which is every "
+                          "group of rollout.group_size=1: no batch would ever fill")
 
 
 def _check_shape_fields(path: str) -> None:
@@ -642,33 +612,30 @@ def check_world_size(cfg: Config, world_size: int) -> int:
 # ----------------------------------------------------------------------------- loading
 
 def load_config(path: Optional[str], overrides: list[str] = (), validate: bool = True) -> Config:
-    """Reads a YAML recipe, applies ``a.b=c`` overrides (values parsed as YAML), validates."""
-    raw: dict = {}
-    if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config: file not found: {path}")
-        with open(path) as f:
-            try:
-                raw = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"config: {path} is not valid YAML: {str(e).splitlines()[0]}")
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config: {path} must hold a mapping at the top level")
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override: expected a.b=value, got {item!r}")
-        node = raw
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{key}: {p} is not a section")
-        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+    """Reads a YAML recipe, applies ``a.b=c`` overrides (values parsed as YAML; a mapping for a
+    whole section is merged field by field), settles alternatives by source, validates."""
+    raw = read_yaml(path) if path else {}
+    given = recipe_keys(raw)
+    given.update(apply_overrides(raw, overrides, Config))
     cfg = from_dict(Config, raw, prefix="")
+    _settle_staleness(cfg.rollout, given)
+    resolve_outputs(cfg)
     if validate:
         cfg.validate()
     return cfg
+
+
+def _settle_staleness(r: RolloutConfig, given: dict[str, int]) -> None:
+    """max_staleness (AReaL) and staleness_threshold (verl) are two spellings of one bound: when
+    both are non-zero, the one set by the later source (default < recipe < command line) wins
+    and the other becomes 0; set by the same source they must agree (RolloutConfig.validate)."""
+    if not (r.max_staleness and r.staleness_threshold) or r.max_staleness == r.staleness_threshold:
+        return
+    ms, st = given.get("rollout.max_staleness", 0), given.get("rollout.staleness_threshold", 0)
+    if st > ms:
+        r.max_staleness = 0
+    elif ms > st:
+        r.staleness_threshold = 0.0
 
 
 def from_dict(cls, data: Any, prefix: str):
@@ -747,8 +714,3 @@ def save_config(cfg: Config, run_dir: str) -> str:
 def _choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{name}: must be one of {', '.join(map(str, allowed))}; got {value!r}")
-
-
-def _positive(name: str, value) -> None:
-    if value < 1:
-        raise ConfigError(f"{name}: must be >= 1, got {value}")

@@ -16,6 +16,11 @@ weights.dtype, rollout.server_threads) and an :class:`Allocation` it derives
 - the trainer launch: one srun or mpirun for all trainer nodes, or one torchrun per node, with
   MASTER_ADDR = the first trainer node's address, and rollout.servers=[...] appended.
 
+Bad input is one line naming the flag or field, exit status 2, and never a hang: hostlists are
+expanded strictly (megarl/hostlist.py: malformed or backwards ranges, unbalanced brackets, more
+than 65536 hosts), counts per node are bounded (MAX_PER_NODE) and so is the world (MAX_RANKS),
+ports lie in 1..65535 (a node's servers take consecutive ports from launch.server_port).
+
 launch/slurm.sbatch executes what ``--emit servers`` and ``--emit trainer`` print, so a dry run
 shows exactly the commands a job runs. ``--get KEY[,KEY]`` prints resolved config values.
 """
@@ -28,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 LAUNCHERS = ("srun", "torchrun", "mpirun")
+MAX_PER_NODE = 1024  # GPUs or ranks of one node: far above any machine, low enough to plan fast
+MAX_RANKS = 1 << 18  # trainer ranks of one job (a plan lists every rank)
 
 
 class PlanError(ValueError):
@@ -137,6 +144,8 @@ def plan_servers(cfg, alloc: Allocation) -> tuple[str, list[ServerSpec]]:
                             f"server_dp) do not fit a rollout node's {gpus} GPUs")
     else:
         n = L.servers_per_node or 1
+    if L.server_port + n - 1 > 65535:
+        raise PlanError(f"launch.server_port: {L.server_port} + {n} servers per node runs past port 65535")
     servers = []
     for node in alloc.rollout_nodes:
         host = alloc.addr(node)
@@ -181,6 +190,9 @@ def plan_ranks(cfg, alloc: Allocation) -> tuple[int, list[RankSpec]]:
     if not per_node:  # CPU nodes, nothing said: the smallest world that fits TP*PP
         per_node = max(1, -(-(cfg.parallel.world_size or tp * pp) // len(nodes)))
     world = per_node * len(nodes)
+    if world > MAX_RANKS:
+        raise PlanError(f"allocation: {len(nodes)} trainer nodes x {per_node} ranks = {world} ranks, more than "
+                        f"{MAX_RANKS}")
     if world % (tp * pp):
         raise PlanError(f"allocation: {len(nodes)} trainer nodes x {per_node} ranks = {world} ranks is "
                         f"not divisible by parallel.tp * parallel.pp = {tp * pp}")
@@ -230,13 +242,50 @@ def plan_launches(alloc: Allocation, per_node: int, master: str, argv: list[str]
     return out
 
 
+def check_numbers(cfg, alloc: Allocation) -> None:
+    """Every count and port of the allocation means something before anything is planned (and
+    the plan stays small enough to print: no node has more than MAX_PER_NODE GPUs or ranks)."""
+    for flag, value in (("--gpus-per-node", alloc.gpus_per_node), ("--tasks-per-node", alloc.tasks_per_node),
+                        ("--rollout-gpus-per-node", alloc.rollout_gpus_per_node)):
+        if value is not None and not 0 <= value <= MAX_PER_NODE:
+            raise PlanError(f"{flag}: must be in [0, {MAX_PER_NODE}], got {value}")
+    if not 1 <= alloc.master_port <= 65535:
+        raise PlanError(f"--master-port: must be in [1, 65535], got {alloc.master_port}")
+    if alloc.gpus_per_node and alloc.tasks_per_node > alloc.gpus_per_node:
+        raise PlanError(f"--tasks-per-node: {alloc.tasks_per_node} ranks would share the node's "
+                        f"{alloc.gpus_per_node} GPUs (--gpus-per-node)")
+    if not alloc.gpus_per_node and cfg.model.dtype == "bfloat16" and alloc.trainer_nodes:
+        raise PlanError("--gpus-per-node: 0 (CPU trainer nodes), but model.dtype=bfloat16 needs GPUs")
+    rollout_gpus = alloc.gpus_per_node if alloc.rollout_gpus_per_node is None else alloc.rollout_gpus_per_node
+    if alloc.rollout_nodes and cfg.launch.server == "sglang" and not rollout_gpus:
+        raise PlanError("--rollout-gpus-per-node: 0 (CPU rollout nodes), but launch.server=sglang needs GPUs; "
+                        "use launch.server=megarl or auto")
+    known = set(alloc.trainer_nodes) | set(alloc.rollout_nodes)
+    for node, _ in alloc.node_addrs:
+        if node not in known:
+            raise PlanError(f"--node-addr: {node} is neither a trainer nor a rollout node")
+    if rollout_gpus and set(alloc.trainer_nodes) & set(alloc.rollout_nodes):
+        both = sorted(set(alloc.trainer_nodes) & set(alloc.rollout_nodes))[0]
+        raise PlanError(f"--rollout-nodes: {both} is also a trainer node; on GPU nodes the servers and the "
+                        "trainer ranks would claim the same GPUs")
+
+
+def check_ports(cfg, servers: list[ServerSpec]) -> None:
+    """The router's port is not one of the servers' on its node (plan_servers bounds their range)."""
+    L = cfg.launch
+    if L.router and any(s.port == L.router_port and s.node == servers[0].node for s in servers):
+        raise PlanError(f"launch.router_port: {L.router_port} is also a server's port on {servers[0].node}")
+
+
 def make_plan(cfg, config_path: str, overrides: list[str], alloc: Allocation) -> Plan:
     if alloc.launcher not in LAUNCHERS:
         raise PlanError(f"--launcher: one of {', '.join(LAUNCHERS)}; got {alloc.launcher!r}")
+    check_numbers(cfg, alloc)
     if alloc.rollout_nodes and cfg.rollout.servers:
         raise PlanError("rollout.servers: set by the launcher from the rollout nodes; leave it empty "
                         "or give no rollout nodes")
     kind, servers = plan_servers(cfg, alloc)
+    check_ports(cfg, servers)
     per_node, ranks = plan_ranks(cfg, alloc)
     master = alloc.addr(alloc.trainer_nodes[0])
     plan = Plan(alloc, cfg.parallel.tp, cfg.parallel.pp, len(ranks) // (cfg.parallel.tp * cfg.parallel.pp),
@@ -324,9 +373,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)
 
 
-def allocation_from_args(args: argparse.Namespace) -> Allocation:
-    from megarl.parallel import expand_nodelist
+def hosts(flag: str, text: str) -> tuple[str, ...]:
+    """The expanded hostlist of a flag; PlanError naming the flag when it is malformed."""
+    from megarl.hostlist import expand_nodelist
 
+    if not text:
+        return ()
+    try:
+        return tuple(expand_nodelist(text))
+    except ValueError as e:
+        raise PlanError(f"{flag}: {e}") from None
+
+
+def allocation_from_args(args: argparse.Namespace) -> Allocation:
     addrs = []
     for item in args.node_addr:
         node, sep, addr = item.partition("=")
@@ -334,8 +393,8 @@ def allocation_from_args(args: argparse.Namespace) -> Allocation:
             raise PlanError(f"--node-addr: expected NODE=ADDR, got {item!r}")
         addrs.append((node, addr))
     return Allocation(
-        trainer_nodes=tuple(expand_nodelist(args.trainer_nodes)) if args.trainer_nodes else (),
-        rollout_nodes=tuple(expand_nodelist(args.rollout_nodes)) if args.rollout_nodes else (),
+        trainer_nodes=hosts("--trainer-nodes", args.trainer_nodes),
+        rollout_nodes=hosts("--rollout-nodes", args.rollout_nodes),
         gpus_per_node=args.gpus_per_node, rollout_gpus_per_node=args.rollout_gpus_per_node,
         tasks_per_node=args.tasks_per_node, node_addrs=tuple(addrs), master_port=args.master_port,
         launcher=args.launcher, log_dir=args.log_dir, python=args.python)

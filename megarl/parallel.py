@@ -13,7 +13,6 @@ below this module reads Megatron's global getters.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import compat
+from megarl.hostlist import expand_nodelist  # noqa: F401 - megarl.parallel.expand_nodelist
 from megarl.net import LOOPBACK, free_port
 
 
@@ -33,23 +33,6 @@ class RankInfo:
     master_addr: str
     master_port: int
     source: str  # torchrun | ompi | pmix | pmi | slurm | single
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expands a SLURM hostlist: ``"gpu[01-03,07],cpu1"`` -> gpu01 gpu02 gpu03 gpu07 cpu1."""
-    hosts: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not hi:
-                hosts.append(prefix + lo)
-                continue
-            width = len(lo)
-            hosts.extend(f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
-    return hosts
 
 
 def discover_ranks(env: Optional[dict] = None) -> RankInfo:

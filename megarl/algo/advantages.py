@@ -38,6 +38,11 @@ class AdvantageEstimator(str, Enum):
     REINFORCE_PP = "reinforce_pp"
     GAE = "gae"
 
+    @property
+    def group_relative(self) -> bool:
+        """The baseline comes from the other samples of the prompt's group (a group of one: A = 0)."""
+        return self in (AdvantageEstimator.GRPO, AdvantageEstimator.DRGRPO, AdvantageEstimator.RLOO)
+
 
 @dataclass(frozen=True)
 class AdvantageConfig:

@@ -8,7 +8,6 @@ Formulas for every option are in docs/algorithms.md.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -18,6 +17,7 @@ from megarl.algo.correction import RolloutCorrection
 from megarl.algo.kl import KLEstimator
 from megarl.algo.losses import CapMode, OldLogp, PolicyLossConfig, PolicyLossKind
 from megarl.algo.prox import ProxLogpMode
+from megarl.fields import bounded, check_bounds
 
 
 @dataclass
@@ -28,50 +28,50 @@ class AlgoConfig:
     """ppo | decoupled_ppo. decoupled_ppo: trust region at pi_prox, times pi_prox / pi_behave."""
     old_logp: str = "prox"
     """prox | behave. pi_old of standard PPO (ignored by decoupled_ppo, which always uses prox)."""
-    eps_clip_low: float = 0.2
+    eps_clip_low: float = bounded(0.2, ge=0.0, lt=1.0)
     """Ratio clipped below at 1 - eps_clip_low; in [0, 1)."""
-    eps_clip_high: float = 0.2
+    eps_clip_high: float = bounded(0.2, ge=0.0)
     """Ratio clipped above at 1 + eps_clip_high; >= 0 (DAPO clip-higher: e.g. 0.28)."""
-    dual_clip_c: float | None = None
+    dual_clip_c: float | None = bounded(None, gt=1.0)
     """Dual clip: per-token loss for A < 0 is at most c |A|; c > 1. null = off."""
-    behave_weight_cap: float | None = 5.0
+    behave_weight_cap: float | None = bounded(5.0, ge=1.0)
     """decoupled_ppo: cap on pi_prox / pi_behave; >= 1. null = no cap."""
     behave_weight_cap_mode: str = "mask"
     """mask | clamp. mask drops tokens above the cap, clamp uses the cap as their weight."""
     rollout_correction: str = "none"
     """none | tis_token | tis_seq | mis_token | mis_seq | icepop, on rho = pi_prox / pi_behave."""
-    rollout_correction_low: float = 0.5
+    rollout_correction_low: float = bounded(0.5, ge=0.0, le=1.0)
     """Lower edge of the kept band of rho (mis_*, icepop); in [0, 1]."""
-    rollout_correction_high: float = 2.0
+    rollout_correction_high: float = bounded(2.0, ge=1.0)
     """Upper edge of the band (mis_*, icepop) and truncation C (tis_*); >= 1."""
     prox_logp_mode: str = "recompute"
     """recompute | loglinear | metrics. How log pi_prox is obtained (metrics: recompute and
     report the loglinear approximation error)."""
     loss_agg: str = "token_mean"
     """token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm."""
-    loss_agg_norm_len: int | None = None
+    loss_agg_norm_len: int | None = bounded(None, ge=1)
     """C of seq_mean_token_sum_norm; null = the rollout's max response length."""
     advantage: str = "grpo"
     """grpo | drgrpo | rloo | reinforce_pp | gae."""
     norm_adv_by_std: bool = True
     """grpo: divide by the group std; gae: whiten over the batch. drgrpo never divides."""
-    gamma: float = 1.0
+    gamma: float = bounded(1.0, ge=0.0, le=1.0)
     """Discount over generated tokens (reinforce_pp, gae); in [0, 1]."""
-    lam: float = 1.0
+    lam: float = bounded(1.0, ge=0.0, le=1.0)
     """GAE lambda; in [0, 1]."""
     kl_estimator: str = "k3"
     """k1 | k2 | k2_abs | k3. Estimator of KL(pi_theta || pi_ref); k3 is "low_var_kl"."""
-    kl_coef: float = 0.0
+    kl_coef: float = bounded(0.0, ge=0.0)
     """Weight of the reference KL; 0 = no reference model needed. >= 0."""
     kl_in_reward: bool = False
     """true: subtract kl_coef * KL from the reward; false: add kl_coef * KL to the loss."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = bounded(0.0, ge=0.0)
     """Entropy bonus: per-token loss -entropy_coef * H_t. >= 0."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal."""
-    overlong_buffer_len: int = 0
+    overlong_buffer_len: int = bounded(0, ge=0)
     """DAPO overlong shaping over the last N tokens of the max length; 0 = off."""
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: float = bounded(1.0, ge=0.0)
     """Penalty at (and beyond) the max length; >= 0."""
 
     def validate(self) -> None:
@@ -81,22 +81,7 @@ class AlgoConfig:
         for name in ("norm_adv_by_std", "kl_in_reward", "dynamic_sampling"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"expected true/false, got {getattr(self, name)!r}")
-        _number("eps_clip_low", self.eps_clip_low, lo=0.0, hi=1.0, hi_open=True)
-        _number("eps_clip_high", self.eps_clip_high, lo=0.0)
-        if self.dual_clip_c is not None:
-            _number("dual_clip_c", self.dual_clip_c, lo=1.0, lo_open=True)
-        if self.behave_weight_cap is not None:
-            _number("behave_weight_cap", self.behave_weight_cap, lo=1.0)
-        _number("rollout_correction_low", self.rollout_correction_low, lo=0.0, hi=1.0)
-        _number("rollout_correction_high", self.rollout_correction_high, lo=1.0)
-        _number("gamma", self.gamma, lo=0.0, hi=1.0)
-        _number("lam", self.lam, lo=0.0, hi=1.0)
-        _number("kl_coef", self.kl_coef, lo=0.0)
-        _number("entropy_coef", self.entropy_coef, lo=0.0)
-        _number("overlong_penalty_factor", self.overlong_penalty_factor, lo=0.0)
-        _integer("overlong_buffer_len", self.overlong_buffer_len, lo=0)
-        if self.loss_agg_norm_len is not None:
-            _integer("loss_agg_norm_len", self.loss_agg_norm_len, lo=1)
+        check_bounds(self, "algo")
         uses_prox = self.policy_loss == "decoupled_ppo" or self.old_logp == "prox"
         if self.rollout_correction != "none" and not uses_prox:
             _fail("rollout_correction", "needs old_logp=prox (with pi_old = pi_behave the "
@@ -170,20 +155,3 @@ def _choice(name: str, value: object, enum: type[Enum]) -> None:
     allowed = [e.value for e in enum]
     if not isinstance(value, str) or value not in allowed:
         _fail(name, f"{value!r} is not one of {', '.join(allowed)}")
-
-
-def _number(name: str, value: object, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False, hi_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        _fail(name, f"expected a finite number, got {value!r}")
-    if lo is not None and (value < lo or (lo_open and value == lo)):
-        _fail(name, f"{value} must be {'>' if lo_open else '>='} {lo}")
-    if hi is not None and (value > hi or (hi_open and value == hi)):
-        _fail(name, f"{value} must be {'<' if hi_open else '<='} {hi}")
-
-
-def _integer(name: str, value: object, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(name, f"expected an integer, got {value!r}")
-    if value < lo:
-        _fail(name, f"{value} must be >= {lo}")

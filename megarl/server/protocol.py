@@ -2,6 +2,10 @@
 
 Request: ``{"input_ids": [int] | [[int]], "text": str | [str], "sampling_params": {..} | [{..}],
 "return_logprob": bool, "rid": str | [str], "stream": false}``; exactly one of input_ids / text.
+Any other top-level field is a 400 naming it, except SGLang fields this server does not implement
+sent at their no-op value (`_NOOP_TOP`, e.g. ``"logprob_start_len": -1``); an explicit
+``max_new_tokens`` that, with the prompt, exceeds the context length is a 400 with the numbers (as
+SGLang refuses it; without one the default is capped by the context).
 ``sampling_params.n`` > 1 expands each prompt into n samples; the response is then a list,
 prompt-major (prompt 0 samples 0..n-1, prompt 1 ...). A single prompt with n == 1 returns one
 object, a batch returns a list.
@@ -30,6 +34,15 @@ _KNOWN_SAMPLING = {
     "ignore_eos", "n", "seed", "sampling_seed", "skip_special_tokens", "no_stop_trim",
     "spaces_between_special_tokens", "frequency_penalty", "presence_penalty",
     "repetition_penalty", "min_new_tokens",
+}
+
+
+_KNOWN_TOP = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream"}
+# SGLang GenerateReqInput fields the CPU server does not implement, accepted at these values only
+_NOOP_TOP = {
+    "logprob_start_len": (-1, None), "top_logprobs_num": (0, None), "return_text_in_logprobs": (False, None),
+    "log_metrics": (True, False, None), "return_hidden_states": (False, None), "lora_path": (None,),
+    "image_data": (None,), "custom_logit_processor": (None,), "data_parallel_rank": (None,),
 }
 
 
@@ -121,6 +134,7 @@ def parse_generate(body: Any, vocab: int, tokenizer, context_length: int) -> tup
     """Returns (samples, return_logprob, is_batch). Raises BadRequest naming the field."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    _check_top_level(body)
     if body.get("stream"):
         raise BadRequest("stream: streaming is not supported by the CPU server")
     has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
@@ -145,9 +159,12 @@ def parse_generate(body: Any, vocab: int, tokenizer, context_length: int) -> tup
     if isinstance(sp, list):
         if len(sp) != len(prompts):
             raise BadRequest(f"sampling_params: {len(sp)} entries for {len(prompts)} prompts")
-        parsed = [parse_sampling(s, vocab, tokenizer is not None) for s in sp]
     else:
-        parsed = [parse_sampling(sp, vocab, tokenizer is not None)] * len(prompts)
+        sp = [sp] * len(prompts)
+    parsed = [parse_sampling(s, vocab, tokenizer is not None) for s in sp]
+    for i, (prompt, s, (cfg, _)) in enumerate(zip(prompts, sp, parsed)):
+        if isinstance(s, dict) and s.get("max_new_tokens") is not None:
+            _check_room(len(prompt), cfg.max_new_tokens, context_length, f"[{i}]" if is_batch else "")
     rids = body.get("rid")
     if rids is None:
         rids = [uuid.uuid4().hex for _ in prompts]
@@ -169,6 +186,22 @@ def parse_generate(body: Any, vocab: int, tokenizer, context_length: int) -> tup
             c = cfg if seed == cfg.seed else SamplingConfig(**{**cfg.__dict__, "seed": seed})
             samples.append(SampleSpec(rid if n == 1 else f"{rid}-{j}", rid, list(prompt), c))
     return samples, return_logprob, is_batch or any(n > 1 for _, n in parsed)
+
+
+def _check_top_level(body: dict) -> None:
+    unknown = sorted(k for k in body if k not in _KNOWN_TOP and k not in _NOOP_TOP)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown} (known: {', '.join(sorted(_KNOWN_TOP))})")
+    for key in sorted(set(body) & set(_NOOP_TOP)):
+        if not any(body[key] is a or (type(body[key]) is type(a) and body[key] == a) for a in _NOOP_TOP[key]):
+            raise BadRequest(f"{key}={body[key]!r} is not supported by the CPU server "
+                             f"(accepted: {', '.join(map(repr, _NOOP_TOP[key]))})")
+
+
+def _check_room(prompt_len: int, max_new: int, context_length: int, where: str) -> None:
+    if prompt_len + max_new > context_length:
+        raise BadRequest(f"input_ids{where}: prompt of {prompt_len} tokens + sampling_params.max_new_tokens="
+                         f"{max_new} = {prompt_len + max_new} tokens exceeds the context length {context_length}")
 
 
 def build_response(seq, return_logprob: bool, tokenizer, weight_version: str, now: float) -> dict:

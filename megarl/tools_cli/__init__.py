@@ -72,7 +72,18 @@ def temp_output_dir(out: str) -> str:
     return os.path.join(os.path.dirname(out), f".tmp-{os.path.basename(out)}")
 
 
-def check_output_dir(out: str, force: bool) -> None:
+def check_output_dir(out: str, force: bool, inputs: dict[str, str] = {}) -> None:
+    """``out`` can be written (atomically: ``.tmp-<out>`` then a rename) without touching an input:
+    it may not be, contain or lie inside any of ``inputs`` ({flag: path}), --force or not."""
+    real = os.path.realpath(out)
+    for flag, path in inputs.items():
+        src = os.path.realpath(path)
+        if real == src:
+            raise ToolError(f"--out {out}: is the input ({flag} {path}); write somewhere else")
+        if _inside(real, src):
+            raise ToolError(f"--out {out}: lies inside the input ({flag} {path}); write somewhere else")
+        if _inside(src, real):
+            raise ToolError(f"--out {out}: contains the input ({flag} {path}), which replacing it would delete")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ToolError(f"--out {out}: exists and is not a directory")
     if os.path.isdir(out) and os.listdir(out) and not force:
@@ -80,6 +91,10 @@ def check_output_dir(out: str, force: bool) -> None:
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise ToolError(f"--out {out}: parent directory {parent} does not exist")
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path.startswith(parent.rstrip(os.sep) + os.sep)
 
 
 def discard(path: str) -> None:

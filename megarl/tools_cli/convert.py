@@ -16,7 +16,8 @@ directory (its latest complete checkpoint) of any layout, and writes HF safetens
 
 Inputs are checked before anything is written (config.json vs tensor shapes, missing/unexpected
 tensors by name, vocab size, TP/PP vs the head and layer counts); output appears atomically
-(written to a temp directory, renamed at the end). Errors are one line on stderr, exit status 1
+(written to a temp directory, renamed at the end); an --out that is, contains or lies inside the
+input is refused, with --force too. Errors are one line on stderr, exit status 1
 (``--debug``: the traceback).
 """
 from __future__ import annotations
@@ -77,7 +78,7 @@ def hf_to_mcore(a: argparse.Namespace, argv: list[str]) -> int:
         raise ToolError(f"--make-vocab-size-divisible-by must be >= 1, got {a.make_vocab_size_divisible_by}")
     stored = check_hf(a.hf, args)
     dtype = DTYPES[a.dtype] if a.dtype else stored
-    check_output_dir(a.out, a.force)
+    check_output_dir(a.out, a.force, {"--hf": a.hf})
     tmp = temp_output_dir(a.out)
     if needs_launch(a.tp * a.pp):
         from megarl import parallel
@@ -158,7 +159,7 @@ def mcore_to_hf(a: argparse.Namespace, argv: list[str]) -> int:
     stored = check_mcore(ckpt, args)
     args = stored_args(ckpt, args)  # the original vocab (megarl.json) and the stored padding
     dtype = DTYPES[a.dtype] if a.dtype else stored
-    check_output_dir(a.out, a.force)
+    check_output_dir(a.out, a.force, {"--ckpt": a.ckpt})
     tmp = temp_output_dir(a.out)
     print(f"[{PROG}] reading {ckpt}", flush=True)
     return _run_ranks(1, 1, tmp, lambda ps: _write_hf(a, ckpt, args, dtype, tmp))

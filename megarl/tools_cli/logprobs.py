@@ -102,6 +102,8 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
         raise ToolError(f"--make-vocab-size-divisible-by must be >= 1, got {a.make_vocab_size_divisible_by}")
     (check_hf if source.kind == "hf" else check_mcore)(source.path, args)
     rows = read_input(a.input, args.vocab_size, args.max_position_embeddings)
+    if os.path.realpath(a.output) == os.path.realpath(a.input):
+        raise ToolError(f"--output {a.output}: is the --input file; write somewhere else")
     out_parent = os.path.dirname(os.path.abspath(a.output))
     if not os.path.isdir(out_parent):
         raise ToolError(f"--output {a.output}: directory {out_parent} does not exist")

@@ -3,8 +3,8 @@ a directory of broken models, tokenizers and datasets built from the tiny demo m
 HTTP servers, and a runner for the real console entry points as subprocesses.
 
 Each corpus CLI case is a `CliCase`: argv with ``{name}`` placeholders filled from `World.paths`,
-the exact exit status, substrings the one error line must contain, and paths that must not exist
-afterwards (no half-written output).
+the exact exit status, substrings the one error line must contain, paths that must not exist
+afterwards (no half-written output) and inputs that must still exist (nothing clobbered).
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(REPO, "examples", "tiny")
 MODULES = {"megarl-train": "megarl.train", "megarl-convert": "megarl.tools_cli.convert",
-           "megarl-logprobs": "megarl.tools_cli.logprobs", "megarl-server": "megarl.server"}
+           "megarl-logprobs": "megarl.tools_cli.logprobs", "megarl-server": "megarl.server",
+           "megarl-launch": "megarl.launch_plan"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class CliCase:
     needles: tuple[str, ...]
     absent: tuple[str, ...] = ()  # paths (placeholders allowed) that must not exist afterwards
     doc: str = ""  # what the product does, for docs/reliability.md
+    present: tuple[str, ...] = ()  # inputs that must still exist afterwards (not clobbered)
 
 
 @dataclass
@@ -151,6 +153,14 @@ class World:
         _edit_config(p["vocab_mismatch"], vocab_size=20)
         p["a_file"] = _write(j("a_file"), "x")
         p["bad_yaml"] = _write(j("bad.yaml"), "model: [unclosed\n")
+        p["dup_yaml"] = _write(j("dup.yaml"), open(p["grpo_yaml"]).read() + "train:\n  steps: 3\n")
+        # another run's directory (its resolved config.yaml), and inputs a conversion must not clobber
+        p["other_run"] = j("other_run")
+        os.makedirs(p["other_run"])
+        _write(j("other_run", "config.yaml"), "train: {run_dir: other_run}\ncheckpoint: {}\nrollout: {}\n")
+        p["conv_in"] = _copy(p["model"], j("conv_in"))
+        p["conv_parent"] = j("conv_parent")
+        _copy(p["model"], j("conv_parent", "model"))
         p["list_yaml"] = _write(j("list.yaml"), "- 1\n- 2\n")
         # datasets
         good = open(p["sft"]).read().splitlines()[:2]

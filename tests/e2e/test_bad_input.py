@@ -91,6 +91,50 @@ TRAIN = [
       base=GRPO),
     T("server_malformed_json", ["rollout.servers=[{junk_json}]"], "rollout.servers[0]", "/model_info",
       "JSON object", base=GRPO),
+    # config that silently meant something else: checks a misplaced return had cut off, declared
+    # ranges of every section, duplicate keys, whole-section overrides, alternatives of one knob
+    T("dead_check_temperature_zero", ["rollout.temperature=0"], "rollout.temperature: must be > 0, got 0.0",
+      "nothing is learned", base=GRPO),
+    T("dead_check_temperature_negative", ["rollout.temperature=-1"], "rollout.temperature: must be > 0, got -1.0",
+      base=GRPO),
+    T("dead_check_top_p", ["rollout.top_p=5"], "rollout.top_p: must be > 0 and <= 1, got 5.0", base=GRPO),
+    T("dead_check_workflow_args", ["rollout.workflow_args=3"], "rollout.workflow_args: expected a mapping, got 3",
+      base=GRPO),
+    T("dead_check_health_timeout", ["rollout.health_timeout_s=-1"], "rollout.health_timeout_s: must be > 0",
+      base=GRPO),
+    T("health_timeout_huge", ["rollout.health_timeout_s=1e9"], "rollout.health_timeout_s: must be > 0 and "
+      "<= 86400, got 1000000000.0", base=GRPO),
+    T("range_adam_beta", ["optim.adam_beta1=1"], "optim.adam_beta1: must be >= 0 and < 1, got 1.0"),
+    T("range_eval_interval", ["rollout.eval_interval=-1"], "rollout.eval_interval: must be >= 0, got -1"),
+    T("range_algo_gamma", ["algo.gamma=2"], "algo.gamma: must be >= 0 and <= 1, got 2.0"),
+    T("range_port", ["launch.server_port=70000"], "launch.server_port: must be >= 1 and <= 65535, got 70000"),
+    T("range_seed_negative", ["rollout.seed=-1"], "rollout.seed: must be >= 0, got -1"),
+    T("range_max_seq_len", ["train.max_seq_len=1"], "train.max_seq_len: must be >= 2, got 1"),
+    T("wrong_type_float", ["rollout.temperature=hot"], "rollout.temperature: expected a number, got 'hot'"),
+    T("wrong_type_optional_int", ["rollout.seed=1.5"], "rollout.seed: expected an integer, got 1.5"),
+    T("config_duplicate_key", (), "config: ", "dup.yaml: duplicate key 'train' at line", "(first at line 7)",
+      base=("{dup_yaml}",)),
+    T("override_duplicate_key", ["train={{steps: 3, steps: 4}}"], "override", "duplicate key 'steps'"),
+    T("section_override_merges", ["train={{steps: 3}}", "rollout.group_size=1"],
+      "rollout.group_size: 1 with algo.advantage=grpo", base=GRPO),  # train.algorithm=rl kept
+    T("section_override_not_a_mapping", ["train=3"], "train: expected a mapping, got 3"),
+    T("staleness_both_set_disagree", ["rollout.staleness_threshold=0.5", "rollout.max_staleness=2"],
+      "rollout.staleness_threshold: set either it", "(got 0.5 and 2)", base=GRPO),
+    # settings that cannot learn
+    T("cannot_learn_group_of_one", ["rollout.group_size=1"], "rollout.group_size: 1 with algo.advantage=grpo",
+      "advantage 0", base=GRPO),
+    T("cannot_learn_rloo_group_of_one", ["rollout.group_size=1", "algo.advantage=rloo"],
+      "rollout.group_size: 1 with algo.advantage=rloo", base=GRPO),
+    T("cannot_learn_dynamic_sampling", ["rollout.group_size=1", "algo.advantage=reinforce_pp",
+                                        "algo.dynamic_sampling=true"], "algo.dynamic_sampling: drops groups",
+      base=GRPO),
+    # outputs that clobber another run
+    T("export_into_another_run", ["checkpoint.hf_export_dir={other_run}/model"], "checkpoint.hf_export_dir: ",
+      "inside the directory of another run", base=GRPO),
+    T("save_dir_into_another_run", ["checkpoint.save_dir={other_run}/checkpoints"], "checkpoint.save_dir: ",
+      "inside the directory of another run", base=GRPO),
+    T("export_dir_contains_run_dir", ["checkpoint.hf_export_dir={root}/runs"], "checkpoint.hf_export_dir: ",
+      "is or contains train.run_dir", base=GRPO),
 ]
 
 OUT = ("{root}/outs/{id}",)
@@ -101,7 +145,18 @@ def C(id, args, rc, *needles, base=CONV):  # noqa: N802
     return CliCase(id, "megarl-convert", base + tuple(args), rc, needles, OUT + ("{root}/outs/.tmp-{id}",))
 
 
+def C2(id, args, *needles, present):  # noqa: N802 - an --out that would clobber the input
+    return CliCase(id, "megarl-convert", ("hf-to-mcore",) + tuple(args), 1, needles,
+                   ("{root}/.tmp-conv_in", "{conv_in}/sub", "{root}/.tmp-conv_parent"), present=present)
+
+
 CONVERT = [
+    C2("out_is_input", ["--hf", "{conv_in}", "--out", "{conv_in}", "--force"], "--out", "is the input (--hf",
+       present=("{conv_in}/model.safetensors",)),
+    C2("out_inside_input", ["--hf", "{conv_in}", "--out", "{conv_in}/sub"], "--out", "lies inside the input",
+       present=("{conv_in}/model.safetensors",)),
+    C2("out_contains_input", ["--hf", "{conv_parent}/model", "--out", "{conv_parent}", "--force"], "--out",
+       "contains the input (--hf", present=("{conv_parent}/model/model.safetensors",)),
     C("hf_dir_missing", ["{root}/nope"], 1, "--hf", "no such directory"),
     C("hf_config_corrupt", ["{bad_json}"], 1, "config.json", "not valid JSON"),
     C("hf_unsupported_architecture", ["{gpt2}"], 1, "GPT2LMHeadModel", "not supported"),
@@ -144,6 +199,8 @@ LOGPROBS = [
     L("output_dir_missing", ["{lp_ok}"], "--output", "does not exist",
       base=("--ckpt", "{model}", "--output", "{root}/nope/x.jsonl", "--input")),
     L("batch_size_zero", ["{lp_ok}", "--batch-size", "0"], "--batch-size"),
+    CliCase("output_is_input", "megarl-logprobs", ("--ckpt", "{model}", "--input", "{lp_ok}", "--output", "{lp_ok}"),
+            1, ("--output", "is the --input file"), ("{lp_ok}.tmp",), present=("{lp_ok}",)),
 ]
 
 SV = ("--log-level", "WARNING", "--model")
@@ -169,7 +226,39 @@ SERVER = [
 ]
 SERVER.append(CliCase("model_flag_missing", "megarl-server", ("--log-level", "WARNING"), 2, ("--model", "required")))
 
-CLI_CASES = {f"{c.prog}:{c.id}": c for c in TRAIN + CONVERT + LOGPROBS + SERVER}
+LAUNCH_BASE = ("--dry-run", "{grpo_yaml}", "model.hf_path={model}")
+
+
+def P(id, args, *needles):  # noqa: N802 - megarl-launch: hostlists and numbers, one line, exit 2
+    return CliCase(id, "megarl-launch", LAUNCH_BASE + tuple(args), 2, needles)
+
+
+LAUNCH = [
+    P("hostlist_backwards", ["--trainer-nodes", "gpu[05-01]"], "--trainer-nodes: 'gpu[05-01]': range 05-01 runs "
+      "backwards"),
+    P("hostlist_not_numeric", ["--trainer-nodes", "gpu[a-b]"], "--trainer-nodes", "[a-b] is not a list of numbers"),
+    P("hostlist_unclosed", ["--trainer-nodes", "a", "--rollout-nodes", "gpu[01-04"], "--rollout-nodes",
+      "unclosed '['"),
+    P("hostlist_stray_bracket", ["--trainer-nodes", "gpu01]"], "--trainer-nodes", "']' without '['"),
+    P("hostlist_empty_item", ["--trainer-nodes", "a,,b"], "--trainer-nodes: 'a,,b': empty host name"),
+    P("hostlist_duplicate", ["--trainer-nodes", "n[1-2],n2"], "--trainer-nodes", "n2 is listed twice"),
+    P("hostlist_huge_range", ["--trainer-nodes", "gpu[0-99999999999999]"], "--trainer-nodes",
+      "more than 65536 hosts"),
+    P("gpus_negative", ["--trainer-nodes", "a", "--gpus-per-node", "-8"], "--gpus-per-node: must be in [0, 1024], "
+      "got -8"),
+    P("tasks_per_node_huge", ["--trainer-nodes", "a", "--tasks-per-node", "1000000000"], "--tasks-per-node: must be "
+      "in [0, 1024]"),
+    P("master_port_out_of_range", ["--trainer-nodes", "a", "--master-port", "70000"], "--master-port: must be in "
+      "[1, 65535], got 70000"),
+    P("server_port_out_of_range", ["--trainer-nodes", "a", "launch.server_port=0"], "launch.server_port: must be "
+      ">= 1 and <= 65535, got 0"),
+    P("servers_past_last_port", ["--trainer-nodes", "a", "--rollout-nodes", "r", "launch.server_port=65535",
+                                 "launch.servers_per_node=2"], "launch.server_port: 65535 + 2 servers per node"),
+    P("world_too_large", ["--trainer-nodes", "a", "parallel.world_size=1000000000"], "allocation: 1 trainer nodes x "
+      "1000000000 ranks"),
+]
+
+CLI_CASES = {f"{c.prog}:{c.id}": c for c in TRAIN + CONVERT + LOGPROBS + SERVER + LAUNCH}
 DEBUG_CASES = {  # the same bad input with --debug: the traceback instead of one line
     "megarl-train": ["{sft_yaml}", "trian.steps=3", "--debug"],
     "megarl-convert": ["hf-to-mcore", "--hf", "{root}/nope", "--out", "{root}/outs/dbg", "--debug"],
@@ -208,6 +297,8 @@ def test_cli_case(key, cli_results, world):
         assert needle in lines[0], lines[0]
     for path in case.absent:  # nothing half-written
         assert not os.path.exists(world.fill(path.replace("{id}", case.id))), path
+    for path in case.present:  # no input clobbered
+        assert os.path.exists(world.fill(path)), path
 
 
 def test_corpus_size():
@@ -268,7 +359,23 @@ HTTP_CASES = [
     ("max_new_tokens_string", "POST", G, sp(max_new_tokens="10"), 400, "max_new_tokens"),
     ("max_new_tokens_fraction", "POST", G, sp(max_new_tokens=1.5), 400, "max_new_tokens"),
     ("max_new_tokens_bool", "POST", G, sp(max_new_tokens=True), 400, "max_new_tokens"),
-    ("max_new_tokens_huge", "POST", G, sp(max_new_tokens=10**12, temperature=0, ignore_eos=True), 200, None),
+    ("max_new_tokens_huge", "POST", G, sp(max_new_tokens=10**12), 400,
+     "prompt of 3 tokens + sampling_params.max_new_tokens=1000000000000 = 1000000000003 tokens exceeds the "
+     "context length 64"),
+    ("prompt_plus_max_new_tokens_over_context", "POST", G, sp(max_new_tokens=62), 400,
+     "3 tokens + sampling_params.max_new_tokens=62 = 65 tokens exceeds the context length 64"),
+    ("batch_entry_over_context", "POST", G, {"input_ids": [[1, 2], [1] * 40], "sampling_params": [
+        {"max_new_tokens": 8}, {"max_new_tokens": 30}]}, 400, "input_ids[1]: prompt of 40 tokens"),
+    ("max_new_tokens_default_capped", "POST", G, {"input_ids": [1, 2, 3], "sampling_params": {
+        "temperature": 0, "ignore_eos": True}}, 200, None),
+    ("unknown_top_level_field", "POST", G, {"input_ids": [1], "bogus": 1}, 400, "unknown field(s) ['bogus']"),
+    ("top_level_typo", "POST", G, {"input_ids": [1], "sampling_param": {"temperature": 0}}, 400,
+     "unknown field(s) ['sampling_param']"),
+    ("sglang_field_unsupported_value", "POST", G, {"input_ids": [1], "top_logprobs_num": 5}, 400,
+     "top_logprobs_num=5 is not supported by the CPU server"),
+    ("sglang_field_noop_value", "POST", G, {"input_ids": [1], "logprob_start_len": -1,
+                                            "return_text_in_logprobs": False, "sampling_params": {
+                                                "max_new_tokens": 2}}, 200, None),
     ("temperature_nan", "POST", G, NAN, 400, "temperature"),
     ("top_p_infinity", "POST", G, INF, 400, "top_p"),
     ("temperature_beyond_float", "POST", G, BIG, 400, "temperature"),
@@ -371,7 +478,7 @@ def test_http_case(case, corpus_server):
     assert code == status, out
     if needle is not None:
         assert isinstance(out, dict) and needle in out["message"], out
-    if cid == "max_new_tokens_huge":  # bounded by the context: 64 - 3 prompt tokens
+    if cid == "max_new_tokens_default_capped":  # no max_new_tokens: the context bounds it, 64 - 3
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 61}
     # the server is up, not paused, and answers exactly as before
     assert http("GET", srv.url + "/health_generate")[0] == 200

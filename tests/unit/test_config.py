@@ -1,4 +1,5 @@
 """Config loading: YAML + dotted overrides, and one-line errors that name the field."""
+import os
 import subprocess
 import sys
 
@@ -7,6 +8,8 @@ import yaml
 
 from megarl.config import ConfigError, check_world_size, load_config, save_config
 from megarl.models.random_hf import tiny_config, write_random_hf
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +129,101 @@ def test_moe_parallel_fields(tmp_path, hf):
         assert str(e.value).startswith(msg)
     with pytest.raises(ConfigError, match="^parallel.ep: 2 does not divide the data-parallel size 3"):
         check_world_size(load(moe, "parallel.ep=2"), 3)
+
+
+def test_duplicate_yaml_key_is_refused(tmp_path, hf):
+    path = tmp_path / "dup.yaml"
+    path.write_text(f"model:\n  hf_path: {hf}\ndata:\n  train_path: x\ntrain:\n  steps: 3\n"
+                    "train:\n  algorithm: rl\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert str(e.value) == f"config: {path}: duplicate key 'train' at line 7 (first at line 5)"
+    path.write_text(f"model:\n  hf_path: {hf}\n  hf_path: other\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'hf_path' at line 3 \(first at line 2\)$"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match=r"^override 'train=\{steps: 3, steps: 4\}': duplicate key 'steps'"):
+        load(hf, "train={steps: 3, steps: 4}")
+
+
+def test_whole_section_override_merges_field_by_field(tmp_path, hf):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"hf_path": hf}, "data": {"train_path": "t.jsonl"},
+                                    "train": {"algorithm": "rl", "steps": 9, "global_batch_size": 16},
+                                    "rollout": {"workflow_args": {"max_turns": 4, "tools": ["calculator"]}}}))
+    cfg = load_config(str(path), ["train={steps: 3, seed: 7}", "rollout.workflow_args={max_turns: 2}"])
+    # the recipe's other train fields stay; a mapping-valued field is replaced whole
+    assert (cfg.train.algorithm, cfg.train.steps, cfg.train.seed, cfg.train.global_batch_size) == ("rl", 3, 7, 16)
+    assert cfg.rollout.workflow_args == {"max_turns": 2}
+    with pytest.raises(ConfigError, match=r"^train\.stepz: unknown key"):
+        load_config(str(path), ["train={stepz: 3}"])
+    with pytest.raises(ConfigError, match=r"^train: expected a mapping, got 3"):
+        load_config(str(path), ["train=3"])
+
+
+def test_staleness_threshold_alone_and_precedence(tmp_path, hf):
+    rl = ["train.algorithm=rl", "train.global_batch_size=16"]
+    cfg = load(hf, *rl, "rollout.staleness_threshold=0.5")  # the default max_staleness=1 yields
+    assert (cfg.rollout.max_staleness, cfg.rollout.staleness_threshold, cfg.rollout.staleness) == (0, 0.5, 0.5)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"hf_path": hf}, "data": {"train_path": "t"},
+                                    "rollout": {"max_staleness": 2}}))
+    cfg = load_config(str(path), ["rollout.staleness_threshold=0.25"])  # command line over recipe
+    assert (cfg.rollout.max_staleness, cfg.rollout.staleness) == (0, 0.25)
+    path.write_text(yaml.safe_dump({"model": {"hf_path": hf}, "data": {"train_path": "t"},
+                                    "rollout": {"staleness_threshold": 0.25}}))
+    cfg = load_config(str(path), ["rollout.max_staleness=3"])
+    assert (cfg.rollout.staleness_threshold, cfg.rollout.staleness) == (0.0, 3.0)
+    assert load_config(str(path)).rollout.staleness == 0.25  # recipe over default
+    again = load_config(save_config(load_config(str(path)), str(tmp_path / "run")))
+    assert (again.rollout.max_staleness, again.rollout.staleness_threshold) == (0, 0.25)
+    with pytest.raises(ConfigError, match=r"^rollout.staleness_threshold: set either it .* \(got 0.5 and 2\)"):
+        load(hf, "rollout.staleness_threshold=0.5", "rollout.max_staleness=2")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.group_size=1", "train.global_batch_size=8"],
+     "rollout.group_size: 1 with algo.advantage=grpo (a group-relative baseline) gives every sample advantage 0"),
+    (["rollout.group_size=1", "train.global_batch_size=8", "algo.advantage=rloo"],
+     "rollout.group_size: 1 with algo.advantage=rloo"),
+    (["rollout.group_size=1", "train.global_batch_size=8", "algo.advantage=reinforce_pp",
+      "algo.dynamic_sampling=true"], "algo.dynamic_sampling: drops groups whose rewards are all equal"),
+    (["rollout.temperature=0"], "rollout.temperature: must be > 0, got 0.0 (temperature 0 samples every"),
+])
+def test_settings_that_cannot_learn_are_refused(hf, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load(hf, "train.algorithm=rl", *overrides)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    # a group of one is fine where the baseline is not the group's (and for SFT)
+    assert load(hf, "train.algorithm=rl", "rollout.group_size=1", "train.global_batch_size=8",
+                "algo.advantage=reinforce_pp").rollout.group_size == 1
+    assert load(hf, "rollout.group_size=1").rollout.group_size == 1
+
+
+def test_outputs_resolve_under_the_run_dir(tmp_path, hf):
+    run = tmp_path / "runs" / "b"
+    cfg = load(hf, f"train.run_dir={run}", "checkpoint.hf_export_dir=model", "checkpoint.save_dir=ck",
+               "weights.disk_dir=w")
+    assert cfg.checkpoint.hf_export_dir == str(run / "model") and cfg.checkpoint.save_dir == str(run / "ck")
+    assert cfg.weights.disk_dir == str(run / "w")
+    assert load_config(save_config(cfg, str(run))) == cfg  # resolved once: absolute in config.yaml
+    # the recipes export to <run_dir>/model: another run_dir moves the export with it
+    demo = load_config(os.path.join(REPO, "configs", "tiny_grpo.yaml"), [f"model.hf_path={hf}", f"train.run_dir={tmp_path}/x"])
+    assert demo.checkpoint.hf_export_dir == f"{tmp_path}/x/model"
+
+
+def test_output_inside_another_run_is_refused(tmp_path, hf):
+    other = tmp_path / "runs" / "a"
+    save_config(load(hf, f"train.run_dir={other}"), str(other))  # run a exists
+    mine = f"train.run_dir={tmp_path}/runs/b"
+    for override in (f"checkpoint.hf_export_dir={other}/model", f"checkpoint.save_dir={other}/ck",
+                     f"checkpoint.hf_export_dir={other}/exports/step_{{step}}"):
+        with pytest.raises(ConfigError) as e:
+            load(hf, mine, override)
+        field = override.split("=")[0]
+        assert str(e.value).startswith(f"{field}: {other}/") and f"inside the directory of another run ({other})" \
+            in str(e.value)
+    with pytest.raises(ConfigError, match=r"^checkpoint.hf_export_dir: .* is or contains train.run_dir"):
+        load(hf, mine, f"checkpoint.hf_export_dir={tmp_path}/runs")
+    # its own outputs, and a resume of run a, are fine
+    assert load(hf, f"train.run_dir={other}", f"checkpoint.hf_export_dir={other}/model").checkpoint.hf_export_dir
+    assert load(hf, mine, f"checkpoint.hf_export_dir={tmp_path}/exports/b").checkpoint.hf_export_dir

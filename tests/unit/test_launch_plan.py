@@ -184,3 +184,94 @@ def test_cli_dry_run_emit_and_get(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip() == ("megarl-launch: allocation: 1 trainer nodes x 3 ranks = 3 ranks is not "
                                   "divisible by parallel.tp * parallel.pp = 2")
+
+
+@pytest.mark.parametrize("text, hosts", [
+    ("gpu[01-03,07],cpu1", ["gpu01", "gpu02", "gpu03", "gpu07", "cpu1"]),
+    ("n[8-10]", ["n8", "n9", "n10"]),
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+    ("gpu[01-02]-ib", ["gpu01-ib", "gpu02-ib"]),
+    (" a, b[2] ", ["a", "b2"]),
+])
+def test_hostlists(text, hosts):
+    from megarl.hostlist import expand_nodelist
+
+    assert expand_nodelist(text) == hosts
+
+
+@pytest.mark.parametrize("text, message", [
+    ("gpu[05-01]", "'gpu[05-01]': range 05-01 runs backwards"),
+    ("gpu[a-b]", "'gpu[a-b]': [a-b] is not a list of numbers and ranges like 01-04"),
+    ("gpu[01-03", "'gpu[01-03': unclosed '['"),
+    ("gpu01-03]", "'gpu01-03]': ']' without '['"),
+    ("gpu[[1]]", "'gpu[[1]]': nested '['"),
+    ("gpu[1--3]", "is not a list of numbers"),
+    ("gpu[]", "is not a list of numbers"),
+    ("a,,b", "'a,,b': empty host name"),
+    ("", "'': empty host name"),
+    ("[1-2]", "'[1-2]': no name around the range"),
+    ("gpu 01", "host names may hold letters, digits"),
+    ("a,b,a", "'a,b,a': a is listed twice"),
+    ("n[1-2],n[2-3]", "n2 is listed twice"),
+    ("gpu[0-99999999999999]", "more than 65536 hosts"),
+    ("a[0-999]b[0-999]", "more than 65536 hosts"),
+])
+def test_malformed_hostlists(text, message):
+    from megarl.hostlist import expand_nodelist
+
+    with pytest.raises(ValueError) as e:
+        expand_nodelist(text)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, alloc, message", [
+    ([], dict(trainer_nodes=("a",), gpus_per_node=-8), "--gpus-per-node: must be in [0, 1024], got -8"),
+    ([], dict(trainer_nodes=("a",), tasks_per_node=-1), "--tasks-per-node: must be in [0, 1024], got -1"),
+    ([], dict(trainer_nodes=("a",), tasks_per_node=10**9), "--tasks-per-node: must be in [0, 1024]"),
+    ([], dict(trainer_nodes=("a",), rollout_nodes=("r",), rollout_gpus_per_node=-1),
+     "--rollout-gpus-per-node: must be in [0, 1024], got -1"),
+    ([], dict(trainer_nodes=("a",), master_port=70000), "--master-port: must be in [1, 65535], got 70000"),
+    ([], dict(trainer_nodes=("a",), master_port=0), "--master-port: must be in [1, 65535], got 0"),
+    ([], dict(trainer_nodes=("a",), gpus_per_node=8, tasks_per_node=16),
+     "--tasks-per-node: 16 ranks would share the node's 8 GPUs"),
+    (["model.dtype=bfloat16"], dict(trainer_nodes=("a",)), "--gpus-per-node: 0 (CPU trainer nodes), but "
+                                                           "model.dtype=bfloat16 needs GPUs"),
+    (["launch.server=sglang"], dict(trainer_nodes=("a",), rollout_nodes=("r",)),
+     "--rollout-gpus-per-node: 0 (CPU rollout nodes), but launch.server=sglang needs GPUs"),
+    ([], dict(trainer_nodes=("a",), node_addrs=(("zz", "10.0.0.9"),)), "--node-addr: zz is neither"),
+    ([], dict(trainer_nodes=("a", "b"), rollout_nodes=("b",), gpus_per_node=8),
+     "--rollout-nodes: b is also a trainer node"),
+    (["launch.server_port=65535", "launch.servers_per_node=2"], dict(trainer_nodes=("a",), rollout_nodes=("r",)),
+     "launch.server_port: 65535 + 2 servers per node runs past port 65535"),
+    (["launch.server_port=30000", "launch.servers_per_node=100000"], dict(trainer_nodes=("a",), rollout_nodes=("r",)),
+     "launch.server_port: 30000 + 100000 servers per node runs past port 65535"),
+    (["launch.router=true", "launch.server=sglang", "launch.router_port=30001", "launch.server_tp=2"],
+     dict(trainer_nodes=("a",), rollout_nodes=("r",), gpus_per_node=8),
+     "launch.router_port: 30001 is also a server's port on r"),
+    (["parallel.world_size=1000000000"], dict(trainer_nodes=("a",)),
+     "allocation: 1 trainer nodes x 1000000000 ranks = 1000000000 ranks, more than 262144"),
+])
+def test_numbers_that_cannot_mean_anything(big, overrides, alloc, message):
+    cfg = load_config(DEMO, [f"model.hf_path={big}", *overrides])
+    with pytest.raises(PlanError) as e:
+        make_plan(cfg, "c.yaml", [], Allocation(**alloc))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--trainer-nodes", "gpu[05-01]"], "megarl-launch: --trainer-nodes: 'gpu[05-01]': range 05-01 runs backwards"),
+    (["--trainer-nodes", "a", "--rollout-nodes", "gpu[a-b]"], "megarl-launch: --rollout-nodes: 'gpu[a-b]': [a-b]"),
+    (["--trainer-nodes", "gpu[0-99999999999999]"], "megarl-launch: --trainer-nodes: 'gpu[0-99999999999999]': "
+                                                   "more than 65536 hosts"),
+    (["--trainer-nodes", "a", "--tasks-per-node", "1000000000"], "megarl-launch: --tasks-per-node: must be in"),
+    (["--trainer-nodes", "a", "--master-port", "99999"], "megarl-launch: --master-port: must be in [1, 65535]"),
+    (["--trainer-nodes", "a", "launch.server_port=0"], "megarl-launch: launch.server_port: must be >= 1 and "
+                                                       "<= 65535, got 0"),
+])
+def test_cli_refuses_bad_allocations_in_one_line(args, message):
+    # each of these hung, made a traceback or planned nonsense before; now: one line, exit 2, fast
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-m", "megarl.launch_plan", "--dry-run", DEMO, f"model.hf_path={TINY}",
+                          *args], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().startswith(message) and len(out.stderr.strip().splitlines()) == 1, out.stderr
