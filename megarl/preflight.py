@@ -13,8 +13,9 @@ torchrun job:
     rollout.reward_fn    RL: the plugins import and have the right shape
     rollout.workflow
     train.run_dir        writable (probed, then put back as it was)
-    checkpoint.save_dir  the checkpoint a resume would load holds tensors only (no pickled
-                         objects, `checkpoint.safe.check_safe`)
+    checkpoint.save_dir  the checkpoint a resume would load: the newest intact one
+                         (`checkpoint.verify`: every file there and whole), tensors only (no
+                         pickled objects, `checkpoint.safe.check_safe`), the shapes of this model
     rollout.servers      RL: each answers /health (200) and /model_info (a JSON object) within
                          rollout.health_timeout_s - an unreachable server is an error, not a hang
 
@@ -44,7 +45,7 @@ def check_inputs(cfg: Config, *, cleanup_run_dir: bool = True) -> None:
     if rl:
         check_plugins(cfg)
     check_writable("train.run_dir", cfg.train.run_dir, cleanup=cleanup_run_dir)
-    check_resume(cfg)
+    check_resume(cfg, args)
     if rl and cfg.rollout.servers:
         check_servers(cfg.rollout.servers, cfg.rollout.api_key or None, cfg.rollout.health_timeout_s)
 
@@ -176,20 +177,45 @@ def check_writable(field: str, path: str, cleanup: bool = True) -> None:
                     break
 
 
-def check_resume(cfg: Config) -> None:
-    """The checkpoint a resume would load is refused now, not after the model is built, if
-    loading it could unpickle objects (an untrusted checkpoint must never run code)."""
-    from megarl.checkpoint import CheckpointError, check_safe, find_latest
+def check_resume(cfg: Config, args) -> None:
+    """The checkpoint a resume would load (the newest intact one: ``checkpoint.find_resumable``;
+    the ranks say which and why when they pass a damaged one over) is refused now, not after the
+    model is built, when none is intact, when loading it could unpickle objects (an untrusted
+    checkpoint must never run code), or when it holds another model (``_check_same_model``)."""
+    from megarl.checkpoint import CheckpointError, check_safe, find_resumable
 
     if not cfg.checkpoint.resume:
         return
     field = "checkpoint.save_dir"
-    latest = find_latest(cfg.checkpoint.save_dir or os.path.join(cfg.train.run_dir, "checkpoints"))
-    if latest is not None:
-        try:
-            check_safe(latest)
-        except CheckpointError as e:
-            raise ConfigError(f"{field}: {e}") from None
+    try:
+        path, _ = find_resumable(cfg.checkpoint.save_dir or os.path.join(cfg.train.run_dir, "checkpoints"))
+        if path is not None:
+            check_safe(path)
+    except CheckpointError as e:
+        raise ConfigError(f"{field}: {e}; checkpoint.resume=false starts over") from None
+    if path is not None:
+        _check_same_model(field, path, cfg, args)
+
+
+def _check_same_model(field: str, ckpt: str, cfg: Config, args) -> None:
+    """Every model tensor of the checkpoint has the global shape model.hf_path's config.json
+    gives it (the vocabulary rows may differ: Megatron pads them per TP size)."""
+    from megarl.models.layouts import mcore_key, mcore_shapes, pad_vocab
+    from megarl.models.registry import VOCAB, param_table
+    from megarl.tools_cli.conversion import tensor_metadata
+
+    stored = tensor_metadata(ckpt)
+    want = mcore_shapes(pad_vocab(args, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp))
+    vocab = {mcore_key(p) for _, p in param_table(args) if p.kind == VOCAB}
+    source = f"model.hf_path={cfg.model.hf_path}"
+    for key, shape in want.items():
+        if key not in stored:
+            raise ConfigError(f"{field}: {ckpt} holds another model: it has no tensor {key}, "
+                              f"which {source} needs")
+        have = stored[key][0]
+        if (have[1:] != shape[1:] or have[0] < args.vocab_size) if key in vocab else have != shape:
+            raise ConfigError(f"{field}: {ckpt} holds another model: tensor {key} has shape {have} "
+                              f"there, {shape} for {source}")
 
 
 # ----------------------------------------------------------------------------- rollout servers
