@@ -213,15 +213,13 @@ def check_resume(cfg: Config, args) -> None:
     the ranks say which and why when they pass a damaged one over) is refused now, not after the
     model is built, when none is intact, when loading it could unpickle objects (an untrusted
     checkpoint must never run code), or when it holds another model (``_check_same_model``)."""
-    from megarl.checkpoint import CheckpointError, check_safe, find_resumable
+    from megarl.checkpoint import CheckpointError, find_resumable
 
     if not cfg.checkpoint.resume:
         return
     field = "checkpoint.save_dir"
-    try:
+    try:  # intact includes safe: verify_checkpoint runs check_safe first
         path, _ = find_resumable(cfg.checkpoint.save_dir or os.path.join(cfg.train.run_dir, "checkpoints"))
-        if path is not None:
-            check_safe(path)
     except CheckpointError as e:
         raise ConfigError(f"{field}: {e}; checkpoint.resume=false starts over") from None
     if path is not None:

@@ -6,6 +6,8 @@ when every file loading it will read is there and whole. ``verify_checkpoint`` c
 reading tensor data:
 
 - megarl.json parses and is marked complete;
+- nothing in it would unpickle objects (``safe.check_safe``, first, so that a planted pickle is
+  reported as refused);
 - per dist-checkpoint directory (the checkpoint, and ``<name>/`` of each extra engine):
   ``metadata.json``, ``.metadata`` (through the allow-list unpickler) and ``common.pt`` exist,
   and every shard file the DCP index points into exists and is at least as long as the index's
@@ -104,11 +106,16 @@ def verify_checkpoint(path: str) -> dict:
         raise CheckpointError(f"{os.path.join(path, META)}: missing or not a JSON object")
     if meta.get("complete") is not True:
         raise CheckpointError(f"{os.path.join(path, META)}: not marked complete")
+    from megarl.checkpoint.safe import check_safe
+
+    engines = meta.get("engines") if isinstance(meta.get("engines"), dict) else {}
+    dcp_dirs = [path] + [os.path.join(path, name) for name in engines]
+    for d in dcp_dirs:  # first: a planted pickle is refused as such, never reported as "changed"
+        check_safe(d)
     files = meta.get(MANIFEST)
     if isinstance(files, dict):
         _check_manifest(path, files)
-    engines = meta.get("engines") if isinstance(meta.get("engines"), dict) else {}
-    for d in [path] + [os.path.join(path, name) for name in engines]:
+    for d in dcp_dirs:
         _check_dcp_dir(d)
     layout = meta.get("layout") if isinstance(meta.get("layout"), dict) else {}
     if meta.get("kind") == "training" and isinstance(layout.get("world_size"), int):

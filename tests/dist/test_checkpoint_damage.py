@@ -54,6 +54,15 @@ def _edit_meta(ckpt, fn):
     json.dump(meta, open(path, "w"))
 
 
+def _flip_tail(path):
+    """Inverts 8 bytes near the end (tensor data: the file still parses, with other values)."""
+    with open(path, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        data = f.read(8)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes(255 - b for b in data))
+
+
 DAMAGE = {  # what is done to step 2 -> (file the error names, words in it)
     "shard_truncated": (lambda d: os.truncate(os.path.join(d, SHARD), 1000), SHARD, "1000 bytes"),
     "shard_deleted": (lambda d: os.remove(os.path.join(d, SHARD)), SHARD, "missing"),
@@ -61,8 +70,8 @@ DAMAGE = {  # what is done to step 2 -> (file the error names, words in it)
     "index_missing": (lambda d: os.remove(os.path.join(d, ".metadata")), ".metadata", "missing"),
     "rng_missing": (lambda d: os.remove(os.path.join(d, "rng", "rank_00000.safetensors")),
                     "rank_00000.safetensors", "missing"),
-    "common_altered": (lambda d: open(os.path.join(d, "common.pt"), "r+b").write(b"\0" * 16),
-                       "common.pt", "CRC32"),
+    "rng_altered": (lambda d: _flip_tail(os.path.join(d, "rng", "rank_00000.safetensors")),
+                    "rank_00000.safetensors", "CRC32"),
     # a checkpoint from before the manifest: the DCP index still finds a short shard
     "shard_truncated_no_manifest": (lambda d: (_edit_meta(d, lambda m: m.pop("files")),
                                                os.truncate(os.path.join(d, SHARD), 1000)),

@@ -48,7 +48,10 @@ CASES = {f"{c.prog}:{c.id}": c for c in [
     T("ckpt_none_intact_shard_deleted", "deleted", "{root}/deleted/step_00000002/__0_0.distcp: missing"),
     T("ckpt_none_intact_common_missing", "common", "{root}/common/step_00000002/common.pt: missing"),
     T("ckpt_none_intact_index_missing", "index", "{root}/index/step_00000002/.metadata: missing"),
-    T("ckpt_none_intact_meta_altered", "altered", "{root}/altered/step_00000002/common.pt: contents changed"),
+    T("ckpt_none_intact_rng_altered", "altered", "{root}/altered/step_00000002/rng/rank_00000.safetensors: "
+      "contents changed since saved (CRC32 mismatch)"),
+    T("ckpt_none_intact_common_pickle_refused", "pickled", "{root}/pickled/step_00000002/common.pt: refused by "
+      "weights_only loading"),
     T("ckpt_latest_garbage_none_intact", "garbage", "{root}/garbage/step_00000002/common.pt: missing"),
     T("ckpt_other_model_size", "good", "{root}/good/step_00000002 holds another model: tensor "
       "decoder.layers.mlp.linear_fc1.weight has shape (4, 512, 128) there, (4, 1024, 128) for "
@@ -71,8 +74,21 @@ def _both(save: str, fn) -> None:
 
 
 def _altered(d: str) -> None:
-    with open(os.path.join(d, "common.pt"), "r+b") as f:
-        f.write(b"\0" * 8)
+    """8 bytes of the RNG states inverted: still a valid file, with other values."""
+    with open(os.path.join(d, "rng", "rank_00000.safetensors"), "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        data = f.read(8)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes(255 - b for b in data))
+
+
+def _pickled_common(d: str) -> None:
+    """common.pt replaced by a pickle of a plain object: refused before the manifest is read."""
+    import datetime
+
+    import torch
+
+    torch.save({"x": datetime.date(2020, 1, 1)}, os.path.join(d, "common.pt"))
 
 
 def _drop_manifest(d: str) -> None:
@@ -104,7 +120,8 @@ def world(tmp_path_factory):
               "deleted": lambda d: os.remove(os.path.join(d, SHARD)),
               "common": lambda d: os.remove(os.path.join(d, "common.pt")),
               "index": lambda d: os.remove(os.path.join(d, ".metadata")), "altered": _altered,
-              "garbage": lambda d: os.remove(os.path.join(d, "common.pt")), "nomanifest": _drop_manifest}
+              "garbage": lambda d: os.remove(os.path.join(d, "common.pt")), "nomanifest": _drop_manifest,
+              "pickled": _pickled_common}
     for name, fn in damage.items():
         save = os.path.join(root, name)
         shutil.copytree(os.path.join(root, "run", "checkpoints"), save)
