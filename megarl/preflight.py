@@ -8,15 +8,19 @@ torchrun job:
     model.hf_path        config.json parses, architecture supported, (init=hf) every safetensors
                          header readable with the right names and shapes
     data.tokenizer_path  the tokenizer loads and its vocabulary fits the model's embedding
-    data.train_path      JSONL readable, not empty (errors name file:line); no prompt that leaves
-    data.eval_path (RL)  no room for a response under the context (train.max_seq_len)
+    data.train_path      every record, streamed: JSONL/Parquet readable, not empty; the prompt a
+    data.eval_path (RL)  non-empty string (or chat), the SFT response, the RL answer (data.answer_key)
+                         present; no prompt that leaves no room for a response under the context
+                         (train.max_seq_len); errors name file:line (file:row N) and the key
     rollout.reward_fn    RL: the plugins import and have the right shape
     rollout.workflow
     train.run_dir        writable (probed, then put back as it was)
-    checkpoint.save_dir  the checkpoint a resume would load holds tensors only (no pickled
-                         objects, `checkpoint.safe.check_safe`)
+    checkpoint.save_dir  the checkpoint a resume would load: the newest intact one
+                         (`checkpoint.verify`: every file there and whole), tensors only (no
+                         pickled objects, `checkpoint.safe.check_safe`), the shapes of this model
     rollout.servers      RL: each answers /health (200) and /model_info (a JSON object) within
-                         rollout.health_timeout_s - an unreachable server is an error, not a hang
+                         rollout.health_timeout_s (at most an hour), a progress line while it
+                         waits - an unreachable server is an error, not a hang
 
 Nothing here imports Megatron or starts torch.distributed.
 """
@@ -44,7 +48,7 @@ def check_inputs(cfg: Config, *, cleanup_run_dir: bool = True) -> None:
     if rl:
         check_plugins(cfg)
     check_writable("train.run_dir", cfg.train.run_dir, cleanup=cleanup_run_dir)
-    check_resume(cfg)
+    check_resume(cfg, args)
     if rl and cfg.rollout.servers:
         check_servers(cfg.rollout.servers, cfg.rollout.api_key or None, cfg.rollout.health_timeout_s)
 
@@ -102,36 +106,64 @@ def check_tokenizer(cfg: Config, model_vocab: int):
 # ----------------------------------------------------------------------------- data
 
 def check_dataset(field: str, path: str, cfg: Config, tok, max_positions: int) -> int:
-    """Number of samples; errors name ``field`` and ``file:line`` (JSONL) or ``file:row N``."""
-    from megarl.data.readers import get_field, read_records
+    """Every record of the file, streamed (about 0.1 s per 1000 short prompts): the fields the
+    datasets read (``check_record``) and room for a response. Returns the number of samples;
+    errors name ``field`` and ``file:line`` (JSONL) or ``file:row N`` (Parquet), and the key."""
+    from megarl.data.readers import get_field, iter_records
 
     if not os.path.isfile(path):
         raise ConfigError(f"{field}: no such file: {path}")
     sft = not cfg.train.is_rl
-    # RL needs the prompt; the answer field is the reward function's business (data.answer_key)
-    keys = (cfg.data.prompt_key, cfg.data.response_key) if sft else (cfg.data.prompt_key,)
+    # A prompt must leave room for at least one response token: SFT would train on nothing
+    # (samples are cut at max_seq_len), RL would be refused by the rollout server.
+    limit = cfg.train.max_seq_len if sft else min(cfg.train.max_seq_len, max_positions)
+    count_tokens = sft or not cfg.data.max_prompt_length  # else data.truncation decides
+    n = 0
     try:
-        rows = read_records(path, keys)
+        for where, row in iter_records(path):  # where = "file:line" or "file:row N"
+            n += 1
+            check_record(where, row, cfg)
+            prompt = get_field(row, cfg.data.prompt_key)
+            if not isinstance(prompt, str) or not count_tokens:
+                continue  # chat messages: rendered by the template
+            length = len(tok.encode(prompt, add_bos=True))
+            if length >= limit:
+                raise ValueError(f"{where}: the prompt is {length} tokens, no room for a response under "
+                                 f"train.max_seq_len={cfg.train.max_seq_len}"
+                                 + ("" if sft else f" / max_position_embeddings={max_positions}"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{field}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except (ValueError, KeyError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         raise ConfigError(f"{field}: {msg}") from None
-    if not rows:
+    except Exception as e:  # noqa: BLE001 - pyarrow's own errors on a file that is not Parquet
+        raise ConfigError(f"{field}: {path}: cannot read ({type(e).__name__}: "
+                          f"{(str(e).strip().splitlines() or [''])[0][:200]})") from None
+    if not n:
         raise ConfigError(f"{field}: {path} has no samples (empty file)")
-    # A prompt must leave room for at least one response token: SFT would train on nothing
-    # (samples are cut at max_seq_len), RL would be refused by the rollout server.
-    limit = cfg.train.max_seq_len if sft else min(cfg.train.max_seq_len, max_positions)
-    for where, row in rows:  # where = "file:line" or "file:row N"
-        prompt = get_field(row, cfg.data.prompt_key)
-        if not isinstance(prompt, str) or (not sft and cfg.data.max_prompt_length):
-            continue  # chat messages: rendered by the template; or data.truncation decides
-        n = len(tok.encode(prompt, add_bos=True))
-        if n >= limit:
-            raise ConfigError(f"{field}: {where}: the prompt is {n} tokens, no room for a "
-                              f"response under train.max_seq_len={cfg.train.max_seq_len}"
-                              + ("" if sft else f" / max_position_embeddings={max_positions}"))
-    return len(rows)
+    return n
+
+
+def check_record(where: str, row: dict, cfg: Config) -> None:
+    """What the datasets will read from one record, checked the way they check it: SFT a string
+    prompt and a non-empty response (``datasets.check_sft_record``); RL a non-empty string or
+    chat prompt and, when ``data.answer_key`` is set, the answer the reward receives."""
+    from megarl.data.datasets import check_sft_record
+    from megarl.data.readers import get_field, has_field, text_field_problem
+
+    d = cfg.data
+    for key in (d.prompt_key,) + ((d.response_key,) if not cfg.train.is_rl else ()):
+        if not has_field(row, key):
+            raise KeyError(f"{where}: missing key(s) [{key!r}]; has {sorted(row)}")
+    if not cfg.train.is_rl:
+        check_sft_record(where, row, d.prompt_key, d.response_key)
+        return
+    problem = text_field_problem(get_field(row, d.prompt_key), chat=True)
+    if problem:
+        raise ValueError(f"{where}: {d.prompt_key!r} {problem}")
+    if d.answer_key and not has_field(row, d.answer_key):
+        raise KeyError(f"{where}: missing key(s) [{d.answer_key!r}]; has {sorted(row)} (data.answer_key: "
+                       "the answer the reward receives; data.answer_key= when the reward needs none)")
 
 
 # ----------------------------------------------------------------------------- plugins, run dir
@@ -176,49 +208,67 @@ def check_writable(field: str, path: str, cleanup: bool = True) -> None:
                     break
 
 
-def check_resume(cfg: Config) -> None:
-    """The checkpoint a resume would load is refused now, not after the model is built, if
-    loading it could unpickle objects (an untrusted checkpoint must never run code)."""
-    from megarl.checkpoint import CheckpointError, check_safe, find_latest
+def check_resume(cfg: Config, args) -> None:
+    """The checkpoint a resume would load (the newest intact one: ``checkpoint.find_resumable``;
+    the ranks say which and why when they pass a damaged one over) is refused now, not after the
+    model is built, when none is intact, when loading it could unpickle objects (an untrusted
+    checkpoint must never run code), or when it holds another model (``_check_same_model``)."""
+    from megarl.checkpoint import CheckpointError, find_resumable
 
     if not cfg.checkpoint.resume:
         return
     field = "checkpoint.save_dir"
-    latest = find_latest(cfg.checkpoint.save_dir or os.path.join(cfg.train.run_dir, "checkpoints"))
-    if latest is not None:
-        try:
-            check_safe(latest)
-        except CheckpointError as e:
-            raise ConfigError(f"{field}: {e}") from None
+    try:  # intact includes safe: verify_checkpoint runs check_safe first
+        path, _ = find_resumable(cfg.checkpoint.save_dir or os.path.join(cfg.train.run_dir, "checkpoints"))
+    except CheckpointError as e:
+        raise ConfigError(f"{field}: {e}; checkpoint.resume=false starts over") from None
+    if path is not None:
+        _check_same_model(field, path, cfg, args)
+
+
+def _check_same_model(field: str, ckpt: str, cfg: Config, args) -> None:
+    """Every model tensor of the checkpoint has the global shape model.hf_path's config.json
+    gives it (the vocabulary rows may differ: Megatron pads them per TP size)."""
+    from megarl.models.layouts import mcore_key, mcore_shapes, pad_vocab
+    from megarl.models.registry import VOCAB, param_table
+    from megarl.tools_cli.conversion import tensor_metadata
+
+    stored = tensor_metadata(ckpt)
+    want = mcore_shapes(pad_vocab(args, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp))
+    vocab = {mcore_key(p) for _, p in param_table(args) if p.kind == VOCAB}
+    source = f"model.hf_path={cfg.model.hf_path}"
+    for key, shape in want.items():
+        if key not in stored:
+            raise ConfigError(f"{field}: {ckpt} holds another model: it has no tensor {key}, "
+                              f"which {source} needs")
+        have = stored[key][0]
+        if (have[1:] != shape[1:] or have[0] < args.vocab_size) if key in vocab else have != shape:
+            raise ConfigError(f"{field}: {ckpt} holds another model: tensor {key} has shape {have} "
+                              f"there, {shape} for {source}")
 
 
 # ----------------------------------------------------------------------------- rollout servers
 
+HEALTH_WAIT_CAP_S = 3600.0  # the longest preflight waits for a server, whatever the config says
+PROGRESS_FIRST_S = 5.0  # first "still waiting" line; then every doubling, at most a minute apart
+
+
 def check_servers(servers: list[str], api_key, timeout_s: float) -> None:
     """Every server answers ``/health`` with 200 and ``/model_info`` with a JSON object before
-    one shared deadline. Servers that are still starting are retried until the deadline; a
-    server that answers but wrongly (HTTP 5xx, not JSON) fails at once."""
+    one shared deadline: rollout.health_timeout_s, at most ``HEALTH_WAIT_CAP_S``. Servers that
+    are still starting are retried until the deadline, with a progress line on stdout every
+    5, 10, 20, 40, 60, 60 ... s; a server that answers but wrongly (HTTP 5xx, not JSON) fails at once."""
     from megarl.rollout.http import normalize_address
 
-    deadline = time.monotonic() + timeout_s
+    wait = min(timeout_s, HEALTH_WAIT_CAP_S)
+    limit = (f"rollout.health_timeout_s={timeout_s:g} s" if wait == timeout_s else
+             f"{wait:g} s (rollout.health_timeout_s={timeout_s:g}, capped at {HEALTH_WAIT_CAP_S:g} s)")
+    t0 = time.monotonic()
+    deadline = t0 + wait
     for i, address in enumerate(servers):
         url = normalize_address(address)
         field = f"rollout.servers[{i}]"
-        last = None
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                status, body = _get(url + "/health", None, max(0.1, min(5.0, left)))
-            except OSError as e:  # refused, unreachable, timed out: maybe not up yet
-                last = f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
-            else:
-                if status != 200:
-                    raise ConfigError(f"{field}: {url}/health answered HTTP {status}")
-                break
-            if time.monotonic() + 0.5 > deadline:
-                raise ConfigError(f"{field}: {url} did not answer /health within "
-                                  f"rollout.health_timeout_s={timeout_s:g} s ({last})")
-            time.sleep(0.5)
+        _wait_health(field, url, t0, deadline, limit)
         try:
             status, body = _get(url + "/model_info", api_key, max(1.0, deadline - time.monotonic()))
         except OSError as e:
@@ -233,6 +283,30 @@ def check_servers(servers: list[str], api_key, timeout_s: float) -> None:
             info = None
         if not isinstance(info, dict):
             raise ConfigError(f"{field}: {url}/model_info did not answer a JSON object: {body[:60]!r}")
+
+
+def _wait_health(field: str, url: str, t0: float, deadline: float, limit: str) -> None:
+    """Polls ``url``/health every 0.5 s until it answers 200 (returns), answers anything else
+    (raises) or the deadline passes (raises); says on stdout that it is still waiting."""
+    last, report = None, PROGRESS_FIRST_S
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            status, _ = _get(url + "/health", None, max(0.1, min(5.0, left)))
+        except OSError as e:  # refused, unreachable, timed out: maybe not up yet
+            last = f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
+        else:
+            if status != 200:
+                raise ConfigError(f"{field}: {url}/health answered HTTP {status}")
+            return
+        now = time.monotonic()
+        if now + 0.5 > deadline:
+            raise ConfigError(f"{field}: {url} did not answer /health within {limit} ({last})")
+        if now - t0 >= report:
+            print(f"[megarl] preflight: waiting for {field} {url}/health: {now - t0:.0f} s of "
+                  f"{deadline - t0:.0f} s ({last})", flush=True)
+            report = min(report * 2, report + 60.0)
+        time.sleep(0.5)
 
 
 # No proxies from the environment: the rollout client (aiohttp) does not use them either.

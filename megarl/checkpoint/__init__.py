@@ -4,6 +4,8 @@ in any TP/PP/DP layout, and safe to load.
     layout.py   step directory naming, megarl.json, is_complete / find_latest / resolve_checkpoint,
                 atomic commit helpers (write_synced, commit_dir, copy_hf_side_files)
     safe.py     allow-list unpickler for DCP metadata; check_safe refuses pickled content
+    verify.py   verify_checkpoint (every file there and whole, cheaply, before a load; the manifest
+                in megarl.json), find_resumable (the newest intact checkpoint, saying what it passed over)
     mcore.py    the only module touching megatron-core internals (pinned to 0.16.1): the sync
                 torch_dist save strategy, sharded state dicts, loading, optimizer fixes
     rng.py      per-rank RNG states as safetensors
@@ -21,11 +23,13 @@ from megarl.checkpoint.layout import (
 from megarl.checkpoint.manager import CheckpointManager
 from megarl.checkpoint.mcore import load_model_weights, model_sharded_state_dict, sync_save_strategy
 from megarl.checkpoint.safe import check_safe, read_dcp_metadata
+from megarl.checkpoint.verify import file_manifest, find_resumable, verify_checkpoint
 
 __all__ = [
     "FORMAT", "HF_SIDE_FILES", "LATEST", "META", "TMP_PREFIX", "CheckpointError", "CheckpointManager",
-    "check_safe", "commit_dir", "copy_hf_side_files", "find_latest", "hf_export_due", "is_complete",
+    "check_safe", "commit_dir", "copy_hf_side_files", "file_manifest", "find_latest", "find_resumable",
+    "hf_export_due", "is_complete",
     "list_checkpoints", "load_model_weights", "maybe_export_hf", "model_sharded_state_dict",
     "read_dcp_metadata", "read_meta", "resolve_checkpoint", "step_dir_name", "sync_save_strategy",
-    "write_synced",
+    "verify_checkpoint", "write_synced",
 ]

@@ -11,15 +11,18 @@ Layout of ``checkpoint.save_dir`` (default ``<run_dir>/checkpoints``)::
       rng/rank_00000.safetensors  per-rank RNG states (restored only when the layout is unchanged)
       config.json, tokenizer.*    the HF config and tokenizer (mcore-to-hf and megarl-logprobs)
       megarl.json                 step, policy version, layout, vocab_size (the original one; the
-                                  tensors hold padded_vocab_size rows), scheduler, registered state (JSON);
+                                  tensors hold padded_vocab_size rows), scheduler, registered state (JSON),
+                                  the manifest (every file's size, CRC32 of small ones: verify.py)
+                                  and the run's per-step log sizes (megarl/runlogs.py);
                                   written last: a directory without it is not a checkpoint
     .tmp-step_00000400/           a save in progress, or killed: never resumed from, removed later
 
 Everything here is plain file-system work (no torch, no Megatron) so that tools can find and
 validate checkpoints cheaply, and so that the one invariant every reader relies on lives in one
 place: a directory counts as a checkpoint only when ``megarl.json`` says ``complete`` and
-Megatron's own markers are present. Resume takes ``latest`` when it names a complete checkpoint,
-else the newest complete ``step_*``.
+Megatron's own markers are present. ``find_latest`` takes ``latest`` when it names a complete
+checkpoint, else the newest complete ``step_*``; whether its files are intact is ``verify.py``'s
+question (resume passes over damaged ones).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ META = "megarl.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 FORMAT = "megarl-checkpoint"
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.model", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json")
 
@@ -75,7 +78,7 @@ def list_checkpoints(save_dir: str) -> list[tuple[int, str]]:
         return []
     found = []
     for name in os.listdir(save_dir):
-        m = _STEP_DIR.match(name)
+        m = STEP_DIR_RE.match(name)
         path = os.path.join(save_dir, name)
         if m and is_complete(path):
             found.append((int(m.group(1)), path))
@@ -87,9 +90,9 @@ def find_latest(save_dir: str) -> Optional[str]:
     # ``latest`` is only a hint: it is replaced after the commit, so a crash in between leaves it
     # one checkpoint behind, and a hand-edited or damaged one must not block resuming.
     try:
-        with open(os.path.join(save_dir, LATEST)) as f:
-            name = f.read().strip()
-        if _STEP_DIR.match(name) and is_complete(os.path.join(save_dir, name)):
+        with open(os.path.join(save_dir, LATEST), "rb") as f:  # bytes: it may hold garbage
+            name = f.read(256).decode("utf-8", "replace").strip()
+        if STEP_DIR_RE.match(name) and is_complete(os.path.join(save_dir, name)):
             return os.path.join(save_dir, name)
     except OSError:
         pass
@@ -101,8 +104,8 @@ def resolve_checkpoint(path: str) -> str:
     """A checkpoint directory itself, or the latest complete checkpoint of a save directory."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such directory")
-    if is_complete(path):
-        return path
+    if is_complete(path) or (read_meta(path) or {}).get("complete") is True:
+        return path  # committed; whether it is still intact is verify_checkpoint's to say
     latest = find_latest(path)
     if latest is None:
         raise CheckpointError(f"{path}: not a complete megarl checkpoint (no {META} marking it "

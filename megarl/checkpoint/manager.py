@@ -23,12 +23,14 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from megarl import runlogs
 from megarl.checkpoint import mcore
 from megarl.checkpoint.layout import (
     FORMAT, HF_SIDE_FILES, LATEST, META, TMP_PREFIX, CheckpointError, commit_dir, copy_hf_side_files,
-    find_latest, is_complete, list_checkpoints, read_meta, step_dir_name, write_synced)
+    is_complete, list_checkpoints, read_meta, step_dir_name, write_synced)
 from megarl.checkpoint.rng import load_rng, save_rng
 from megarl.checkpoint.safe import check_safe
+from megarl.checkpoint.verify import MANIFEST, file_manifest, find_resumable, verify_checkpoint
 
 
 class CheckpointManager:
@@ -75,20 +77,47 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ resume
     def resume(self) -> int:
-        """Loads the latest complete checkpoint of save_dir; returns its step (0 if none)."""
+        """Loads the newest intact checkpoint of save_dir (``verify.find_resumable``: a damaged
+        newer one is passed over with one line saying why); returns its step (0 if none). The
+        run's per-step logs are cut back to what they held when that checkpoint was saved
+        (``megarl.runlogs``), emptied when there is none."""
         if not self.cfg.checkpoint.resume:
             return 0
-        found = [find_latest(self.save_dir) if self.ps.rank == 0 else None]
+        found: list = [None]
+        if self.ps.rank == 0:
+            try:
+                found = [find_resumable(self.save_dir)]
+            except CheckpointError as e:  # raised on every rank, not only here
+                found = [e]
         dist.broadcast_object_list(found, src=0)
-        if found[0] is None:
-            return 0
-        return self.load(found[0])
+        if isinstance(found[0], Exception):
+            raise found[0]
+        path, notes = found[0]
+        for note in notes if self.ps.rank == 0 else ():
+            print(f"[checkpoint] {note}", flush=True)
+        step = self.load(path) if path is not None else 0
+        if self.ps.rank == 0:
+            self._rollback_logs(read_meta(path) if path is not None else {})
+        return step
+
+    def _rollback_logs(self, meta: dict) -> None:
+        """Rank 0: per-step logs back to their sizes at the save (only for the run that saved)."""
+        run_dir = os.path.abspath(self.cfg.train.run_dir)
+        saved = meta.get("run_logs")
+        if saved is None and meta:  # saved before sizes were recorded: leave the logs alone
+            return
+        if saved is not None and saved.get("run_dir") != run_dir:
+            return  # another run's checkpoint: its sizes say nothing about this run's logs
+        cut = runlogs.rollback(run_dir, (saved or {}).get("sizes", {}))
+        if cut:
+            print(f"[checkpoint] per-step logs rolled back to the checkpoint: {'; '.join(cut)}", flush=True)
 
     def load(self, path: str) -> int:
         """Restores the full training state from checkpoint directory ``path``; returns its step."""
         meta = read_meta(path)
         if not meta or not is_complete(path):
             raise CheckpointError(f"{path}: not a complete checkpoint")
+        verify_checkpoint(path)
         if meta.get("kind") != "training":
             raise CheckpointError(f"{path}: a {meta.get('kind')} checkpoint holds no optimizer state")
         want = bool(self.cfg.parallel.distributed_optimizer)
@@ -183,7 +212,13 @@ class CheckpointManager:
         tok = self.cfg.data.tokenizer_path
         if tok and os.path.isdir(tok):  # a separate tokenizer dir wins over the model's
             copy_hf_side_files(tok, tmp, [n for n in HF_SIDE_FILES if n.startswith("tokenizer")])
-        write_synced(os.path.join(tmp, META), meta_text)
+        meta = json.loads(meta_text)
+        # last, so that they describe the directory as committed: what verify_checkpoint checks,
+        # and how far the per-step logs had got (what a resume from here rolls them back to)
+        meta[MANIFEST] = file_manifest(tmp)
+        run_dir = os.path.abspath(self.cfg.train.run_dir)
+        meta["run_logs"] = {"run_dir": run_dir, "sizes": runlogs.sizes(run_dir)}
+        write_synced(os.path.join(tmp, META), json.dumps(meta, indent=1))
         self._stage("committing", step)
         commit_dir(tmp, final)
         self._stage("committed", step)

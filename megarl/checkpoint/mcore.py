@@ -183,14 +183,45 @@ def save_sharded(sharded: dict, ckpt_dir: str) -> None:
 
 # ----------------------------------------------------------------------------- format: load
 
+def check_shapes(sharded: dict, ckpt_dir: str) -> None:
+    """Every tensor of ``sharded`` that the checkpoint holds has the same global shape there
+    (a checkpoint of another model size fails here, naming the tensor and both shapes, instead
+    of deep inside DCP). Tensors Megatron allows to differ (the padded vocabulary) are skipped."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from megarl.checkpoint.safe import read_dcp_metadata
+
+    stored = read_dcp_metadata(ckpt_dir).state_dict_metadata
+    tensors = sorted((sh for sh in nested_values(sharded) if isinstance(sh, ShardedTensor)),
+                     key=lambda sh: sh.key)  # the first mismatch by name: a stable message
+    for sh in tensors:
+        if sh.allow_shape_mismatch:
+            continue
+        have = stored.get(sh.key)
+        if isinstance(have, TensorStorageMetadata) and tuple(have.size) != tuple(sh.global_shape):
+            raise CheckpointError(f"{ckpt_dir}: tensor {sh.key} has shape {tuple(have.size)} in the "
+                                  f"checkpoint but {tuple(sh.global_shape)} in this model "
+                                  "(a checkpoint of another model size?)")
+
+
 def load_sharded(sharded: dict, ckpt_dir: str) -> dict:
-    """dist_checkpointing.load that lists missing keys by name instead of failing inside DCP."""
+    """dist_checkpointing.load that checks shapes first and lists missing keys by name instead of
+    failing inside DCP; any other failure of the load is one line naming the checkpoint."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    check_shapes(sharded, ckpt_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        state, missing, _ = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.RETURN_ALL)
+        try:
+            state, missing, _ = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.RETURN_ALL)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - damage verify_checkpoint cannot see (same-size junk)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise CheckpointError(f"{ckpt_dir}: cannot load ({type(e).__name__}: {first[:300]})") from e
     if missing:
         names = sorted({m.split("/")[0] for m in missing})
         raise CheckpointError(f"{ckpt_dir}: missing {len(names)} tensor(s): {', '.join(names[:8])}"

@@ -13,7 +13,7 @@ import heapq
 from typing import Sequence
 
 from megarl.data.prompts import PromptDataset, PromptSample
-from megarl.data.readers import read_jsonl, read_records
+from megarl.data.readers import get_field, read_jsonl, read_records, text_field_problem
 from megarl.data.sampler import ResumableSampler
 from megarl.data.tokenizer import Tokenizer
 
@@ -26,6 +26,14 @@ __all__ = [
     "pack_microbatches",
     "balance_across_ranks",
 ]
+
+
+def check_sft_record(where: str, row: dict, prompt_key: str, response_key: str) -> None:
+    """A string prompt (may be empty) and a non-empty string response; errors name where and the key."""
+    for key, empty_ok in ((prompt_key, True), (response_key, False)):
+        problem = text_field_problem(get_field(row, key), empty_ok=empty_ok)
+        if problem:
+            raise ValueError(f"{where}: {key!r} {problem}")
 
 
 class SFTDataset:
@@ -49,9 +57,10 @@ class SFTDataset:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
         self.path = path
         self.samples: list[dict[str, list[int]]] = []
-        for _, row in read_records(path, (prompt_key, response_key)):
-            prompt = tokenizer.encode(str(row[prompt_key]), add_bos=add_bos)
-            response = tokenizer.encode(str(row[response_key])) + [tokenizer.eos_id]
+        for where, row in read_records(path, (prompt_key, response_key)):
+            check_sft_record(where, row, prompt_key, response_key)
+            prompt = tokenizer.encode(get_field(row, prompt_key), add_bos=add_bos)
+            response = tokenizer.encode(get_field(row, response_key)) + [tokenizer.eos_id]
             ids = (prompt + response)[:max_seq_len]
             mask = ([0] * len(prompt) + [1] * len(response))[:max_seq_len]
             self.samples.append({"input_ids": ids, "loss_mask": mask})

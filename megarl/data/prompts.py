@@ -108,8 +108,10 @@ class PromptDataset:
         self.stats["kept"] = len(self.samples)
 
     def _render(self, where: str, value: Any) -> tuple[str, Optional[list[dict]]]:
-        if isinstance(value, str):
+        if isinstance(value, str) and value.strip():
             return value, None
+        if isinstance(value, str):
+            raise ValueError(f"{where}: the prompt is empty")
         if isinstance(value, (list, tuple)):
             messages = _as_messages(value, where)
             if self.chat_template is None:

@@ -15,9 +15,10 @@ mcore-to-hf takes a converted checkpoint, a training checkpoint directory or a w
 directory (its latest complete checkpoint) of any layout, and writes HF safetensors.
 
 Inputs are checked before anything is written (config.json vs tensor shapes, missing/unexpected
-tensors by name, vocab size, TP/PP vs the head and layer counts); output appears atomically
-(written to a temp directory, renamed at the end); an --out that is, contains or lies inside the
-input is refused, with --force too. Errors are one line on stderr, exit status 1
+tensors by name, vocab size, TP/PP vs the head and layer counts; a checkpoint's files present
+and whole, ``checkpoint.verify_checkpoint``); output appears atomically (written to a temp
+directory, renamed at the end); an --out that is, contains or lies inside the input is refused,
+with --force too. Errors are one line on stderr, exit status 1
 (``--debug``: the traceback).
 """
 from __future__ import annotations
@@ -91,7 +92,8 @@ def hf_to_mcore(a: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _write_mcore(a, args, ps, dtype, tmp) -> None:
-    from megarl.checkpoint import FORMAT, META, commit_dir, copy_hf_side_files, write_synced
+    from megarl.checkpoint import FORMAT, META, commit_dir, copy_hf_side_files, file_manifest, write_synced
+    from megarl.checkpoint.verify import MANIFEST
     from megarl.models.layouts import pad_vocab
     from megarl.tools_cli.conversion import write_mcore
 
@@ -105,7 +107,7 @@ def _write_mcore(a, args, ps, dtype, tmp) -> None:
             "format": FORMAT, "version": 1, "kind": "converted", "complete": True,
             "source": os.path.abspath(a.hf), "dtype": str(dtype).replace("torch.", ""),
             "layout": {"tp": ps.tp, "pp": ps.pp}, "vocab_size": args.vocab_size,
-            "padded_vocab_size": padded.mcore_vocab_size}, indent=1))
+            "padded_vocab_size": padded.mcore_vocab_size, MANIFEST: file_manifest(tmp)}, indent=1))
         commit_dir(tmp, os.path.abspath(a.out))
         print(f"[{PROG}] wrote {a.out} ({time.perf_counter() - t0:.1f}s)", flush=True)
 
@@ -147,12 +149,13 @@ def _run_ranks(tp: int, pp: int, tmp: str, body) -> int:
 
 def mcore_to_hf(a: argparse.Namespace, argv: list[str]) -> int:
     from megarl import parallel
-    from megarl.checkpoint import resolve_checkpoint
+    from megarl.checkpoint import resolve_checkpoint, verify_checkpoint
     from megarl.tools_cli.conversion import DTYPES, check_mcore, model_args, stored_args
 
     if parallel.discover_ranks().world_size > 1:
         raise ToolError("mcore-to-hf runs in one process (it reads any layout); start it without torchrun")
     ckpt = resolve_checkpoint(a.ckpt)
+    verify_checkpoint(ckpt)  # a missing or truncated file: one line naming it, before any read
     if not os.path.isfile(os.path.join(ckpt, "config.json")):
         raise ToolError(f"{ckpt}: no config.json (megarl writes one into every checkpoint)")
     args = model_args(ckpt)

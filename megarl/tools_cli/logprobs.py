@@ -30,13 +30,14 @@ class ModelSource:
 
 
 def resolve_source(path: str) -> ModelSource:
-    from megarl.checkpoint import is_complete, resolve_checkpoint
+    from megarl.checkpoint import is_complete, resolve_checkpoint, verify_checkpoint
 
     has_weights = any(os.path.isfile(os.path.join(path, n))
                       for n in ("model.safetensors", "model.safetensors.index.json"))
     if has_weights and not is_complete(path):
         return ModelSource("hf", path)
     ckpt = resolve_checkpoint(path)
+    verify_checkpoint(ckpt)  # a missing or truncated file: one line naming it, before any read
     if not os.path.isfile(os.path.join(ckpt, "config.json")):
         raise ToolError(f"{ckpt}: no config.json next to the checkpoint")
     return ModelSource("mcore", ckpt)

@@ -202,3 +202,35 @@ class World:
             s.shutdown()
         for s in self._keep:
             s.close()
+
+
+def check_cli_result(case: CliCase, res: CliResult, fill) -> None:
+    """What every corpus CLI case promises: the exit status, ONE line ``<prog>: ...`` on stderr
+    holding every needle, no traceback, nothing half-written. ``fill`` expands placeholders."""
+    import re
+
+    lines = res.stderr.strip().splitlines()
+    assert res.rc == case.rc, (res.rc, res.stderr[-3000:])
+    assert len(lines) == 1, res.stderr[-3000:]
+    assert re.match(rf"{case.prog}( [a-z-]+)?: ", lines[0]), lines[0]
+    assert "Traceback" not in res.stdout + res.stderr
+    for needle in case.needles:
+        assert fill(needle) in lines[0], lines[0]
+    for path in case.absent:
+        assert not os.path.exists(fill(path.replace("{id}", case.id))), path
+
+
+def run_cases(cases: dict, fill, cwd: str, workers: int = 3) -> dict:
+    """Every case of ``cases`` ({key: CliCase}) as a subprocess, a few at a time; {key: CliResult}."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futs = {k: pool.submit(run_cli, c.prog, [fill(a.replace("{id}", c.id)) for a in c.args], cwd)
+                for k, c in cases.items()}
+        return {k: f.result() for k, f in futs.items()}
+
+
+def docs_missing(keys) -> list[str]:
+    """Case keys docs/reliability.md does not list."""
+    text = open(os.path.join(REPO, "docs", "reliability.md")).read()
+    return [k for k in keys if f"`{k}`" not in text]

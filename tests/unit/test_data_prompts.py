@@ -142,7 +142,10 @@ def test_parquet_row_locations_sft_and_missing_pyarrow(tmp_path, model_dir, monk
     assert [w for w, _ in read_records(path)] == [f"{path}:row 1", f"{path}:row 2"]
     with pytest.raises(KeyError, match=r"s.parquet:row 1: missing key\(s\) \['answer'\]"):
         PromptDataset(path)
-    sft = SFTDataset(path, load_tokenizer(model_dir), max_seq_len=16)
+    with pytest.raises(ValueError, match=r"s.parquet:row 2: 'response' is null"):  # not trained as "None"
+        SFTDataset(path, load_tokenizer(model_dir), max_seq_len=16)
+    good = write_parquet(tmp_path / "g.parquet", [{"prompt": "ab", "response": "c"}])
+    sft = SFTDataset(good, load_tokenizer(model_dir), max_seq_len=16)
     assert sft[0]["input_ids"] == [1] + ids("ab") + ids("c") + [IM_END]
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if pyarrow were not installed
     with pytest.raises(ImportError, match=r'reading the Parquet file .*s.parquet needs the optional '
