@@ -35,23 +35,30 @@ class EvalResult:
 
 async def evaluate_samples(client, samples: Sequence[PromptSample], reward_fn: RewardFn,
                            sampling: SamplingParams, tokenizer, correct_at: float = 1.0,
-                           k: int = 0) -> EvalResult:
+                           k: int = 0, max_len: Optional[int] = None) -> EvalResult:
     """Greedy completion of every sample (concurrently), scored by ``reward_fn``; with ``k`` > 0
     also k completions per prompt at ``sampling``'s temperature (mean reward at k).
 
     Requests are marked atomic: a weight push waits for them instead of interrupting them, so
     one evaluation reports one policy version. ``samples`` need ``prompt_ids`` (a
     `PromptDataset` built with a tokenizer); ``tokenizer`` decodes the completions. Raises
-    ValueError on an empty sample list.
+    ValueError on an empty sample list. ``max_len``: prompt + completion at most this many tokens
+    (train.max_seq_len; a server refuses a budget past its context).
     """
     if not samples:
         raise ValueError("evaluation needs at least one prompt sample")
+
+    def request(s, params: SamplingParams) -> ModelRequest:
+        if max_len is not None:
+            params = dataclasses.replace(params, max_new_tokens=max(
+                1, min(params.max_new_tokens, max_len - len(s.prompt_ids))))
+        return ModelRequest(list(s.prompt_ids), params, metadata={"atomic": True})
+
     greedy = dataclasses.replace(sampling, temperature=0.0)
-    atomic = {"atomic": True}
-    reqs = [(s, ModelRequest(list(s.prompt_ids), greedy, metadata=dict(atomic))) for s in samples]
+    reqs = [(s, request(s, greedy)) for s in samples]
     for i in range(k):
         seeded = dataclasses.replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
-        reqs += [(s, ModelRequest(list(s.prompt_ids), seeded, metadata=dict(atomic))) for s in samples]
+        reqs += [(s, request(s, seeded)) for s in samples]
     responses = await asyncio.gather(*(client.agenerate(r) for _, r in reqs))
     texts = [completion_text(tokenizer, r.output_tokens) for r in responses]
     # sync rewards run on the caller's threads (the contract allows blocking code), async ones here
@@ -72,14 +79,14 @@ class PeriodicEval:
     metrics of those that finished, tagged with the version they measured."""
 
     def __init__(self, samples: Sequence[PromptSample], reward_fn: RewardFn, sampling: SamplingParams,
-                 tokenizer, k: int = 0):
+                 tokenizer, k: int = 0, max_len: Optional[int] = None):
         self.samples, self.reward_fn, self.sampling = list(samples), reward_fn, sampling
-        self.tokenizer, self.k = tokenizer, k
+        self.tokenizer, self.k, self.max_len = tokenizer, k, max_len
         self._running: list[tuple[int, int, object]] = []  # (step, version, future)
 
     def submit(self, controller, step: int, version: int) -> None:
         fut = controller.submit(lambda client: evaluate_samples(
-            client, self.samples, self.reward_fn, self.sampling, self.tokenizer, k=self.k))
+            client, self.samples, self.reward_fn, self.sampling, self.tokenizer, k=self.k, max_len=self.max_len))
         self._running.append((step, version, fut))
 
     def poll(self, wait: bool = False, timeout_s: float = 600.0) -> dict:

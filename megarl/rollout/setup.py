@@ -67,4 +67,4 @@ def build_eval(cfg, reward: RewardCaller) -> Optional[PeriodicEval]:
     samples = prompt_dataset(cfg, cfg.data.eval_path, tok, template).samples[:cfg.rollout.eval_size]
     if cfg.rollout.ignore_eos:  # evaluation answers stop at EOS whatever the training rollouts do
         sampling = dataclasses.replace(sampling, ignore_eos=False, stop_token_ids=[tok.eos_id])
-    return PeriodicEval(samples, reward, sampling, tok, k=cfg.rollout.eval_k)
+    return PeriodicEval(samples, reward, sampling, tok, k=cfg.rollout.eval_k, max_len=cfg.train.max_seq_len)

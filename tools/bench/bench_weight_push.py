@@ -3,6 +3,13 @@ of the same bytes over the same weight-update group, to the same real megarl CPU
 
     python tools/bench/bench_weight_push.py [--tp 1] [--hidden 1024 --layers 8 --vocab 16384]
         [--bucket-mb 128] [--repeats 3] [--out docs/benchmarks.md]
+    python tools/bench/bench_weight_push.py --manager --hidden 128 --layers 4 --vocab 16 --repeats 30
+
+``--manager``: the product's path - a rollout manager process holds the admin connection (as in
+megarl-train) and the push's tail is not awaited. Reports, per push (medians), the trainer's time
+split into gather, convert, send (the broadcast, which also waits for the server to enter its
+receive) and the fixed cost (everything else: the pause round trip through the manager, the
+announce), apart from the bytes.
 
 Starts its own ranks (torchrun on loopback) and server. The raw baseline announces the same
 bucket sizes as flat uint8 tensors and broadcasts them: same HTTP announce, same group, same
@@ -37,6 +44,7 @@ def parse(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"))
     p.add_argument("--work", default="")
+    p.add_argument("--manager", action="store_true", help="push through a rollout manager (megarl-train's path)")
     return p.parse_args(argv)
 
 
@@ -95,11 +103,14 @@ def worker(args):
     compat.quiet_megatron_warnings()
     parallel.init_distributed()
     hf, server = os.environ["BENCH_HF"], os.environ["BENCH_SERVER"]
-    cfg = load_config(None, [f"model.hf_path={hf}", "data.train_path=x", f"parallel.tp={args.tp}",
+    cfg = load_config(None, [f"model.hf_path={hf}", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
+                             f"data.tokenizer_path={REPO}/examples/tiny/model", f"parallel.tp={args.tp}",
                              f"weights.bucket_mb={args.bucket_mb}", f"rollout.servers=[{server}]",
-                             "weights.timeout_s=300"])
+                             "weights.timeout_s=300", f"train.run_dir={os.environ['BENCH_WORK']}/run"])
     ps = parallel.init_model_parallel(args.tp, 1)
     engine = Engine.build(cfg, ps, trainable=False)
+    if args.manager:
+        return manager_pushes(args, cfg, ps, engine)
     pusher = WeightPusher(cfg, engine, RolloutCluster.from_config(cfg, [server], driver=ps.rank == 0))
     pusher.push()  # warm-up: groups, first allocation
     push_s, raw_s, extra, metrics = [], [], [], None
@@ -130,6 +141,41 @@ def worker(args):
     os._exit(0)
 
 
+def manager_pushes(args, cfg, ps, engine):
+    """The push as megarl-train runs it: through a rollout manager process."""
+    from megarl.config import save_config
+    from megarl.trainer.rollout_link import RolloutSide
+    from megarl.weights.push import WeightPusher
+
+    if ps.rank == 0:
+        save_config(cfg, cfg.train.run_dir)
+    dist.barrier()
+    side = RolloutSide(cfg, ps)
+    side.start()
+    pusher = WeightPusher(cfg, engine, side.connect(0, None))
+    pusher.push()  # warm-up: groups, first allocation
+    rows = []
+    for _ in range(args.repeats):
+        dist.barrier()
+        rows.append(pusher.push())
+    pusher.cluster.settle() if ps.rank == 0 else None  # the last tail finished too
+    if ps.rank == 0:
+        med = lambda f: statistics.median(f(m) for m in rows)  # noqa: E731
+        total = med(lambda m: m.total_s)
+        row = (f"| push through the rollout manager, TP={args.tp}, {rows[0].bytes / 2**20:.1f} MiB, "
+               f"{rows[0].buckets} bucket(s), {args.repeats} pushes | {1e3 * total:.1f} ms | "
+               f"{1e3 * med(lambda m: m.gather_s):.1f} + {1e3 * med(lambda m: m.convert_s):.1f} ms | "
+               f"{1e3 * med(lambda m: m.send_s):.1f} ms | **{1e3 * med(lambda m: m.fixed_s):.1f} ms** "
+               f"(pause {1e3 * med(lambda m: m.pause_s):.1f} ms) |")
+        print(row)
+        with open(args.out, "a") as f:
+            f.write(row + "\n")
+    pusher.close()
+    side.close()
+    dist.barrier()
+    os._exit(0)
+
+
 def main():
     args = parse()
     if "RANK" in os.environ:
@@ -146,7 +192,7 @@ def main():
 
     url, proc = start_server(hf, os.path.join(work, "server.log"))
     try:
-        env = dict(os.environ, BENCH_HF=hf, BENCH_SERVER=url, OMP_NUM_THREADS="1")
+        env = dict(os.environ, BENCH_HF=hf, BENCH_SERVER=url, BENCH_WORK=work, OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.tp),
                "--master_port", str(free_port()), os.path.abspath(__file__), *sys.argv[1:]]
         return subprocess.call(cmd, env=env)
