@@ -69,6 +69,14 @@ class AdminClient(HttpClient):
     async def begin_weight_update(self) -> dict:
         return await self._admin("/begin_weight_update", {})
 
+    async def flush_and_begin(self) -> None:
+        """``/flush_cache`` and ``/begin_weight_update`` at once (after a pause; neither depends on
+        the other): one round trip of a push's fixed cost instead of two."""
+        results = await asyncio.gather(self.flush_cache(), self.begin_weight_update(), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
     async def end_weight_update(self) -> dict:
         return await self._admin("/end_weight_update", {})
 

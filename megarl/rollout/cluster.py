@@ -181,8 +181,7 @@ class RolloutCluster:
         except AdminError as e:
             self.unresponsive = set(e.failures)  # a hung server would stall resume() as well
             raise
-        self.admin.call(lambda c: c.flush_cache())
-        self.admin.call(lambda c: c.begin_weight_update())
+        self.admin.call(lambda c: c.flush_and_begin())  # one round trip: the two are independent
 
     def publish(self, version: int) -> None:
         """After every bucket landed: servers flip to ``version`` at once, then close the update."""

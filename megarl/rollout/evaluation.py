@@ -89,6 +89,10 @@ class PeriodicEval:
             client, self.samples, self.reward_fn, self.sampling, self.tokenizer, k=self.k, max_len=self.max_len))
         self._running.append((step, version, fut))
 
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
     def poll(self, wait: bool = False, timeout_s: float = 600.0) -> dict:
         """Metrics of the finished evaluations (the newest wins when several finished at once);
         ``wait``: block until all submitted ones are done (the last step)."""

@@ -44,8 +44,8 @@ class _Recorder:
 class RemoteAdmin:
     """`AdminRunner`'s interface, run by the manager's admin connection."""
 
-    def __init__(self, link: Link, cluster: "ManagerCluster", timeout_s: float):
-        self.link, self.cluster, self.timeout_s = link, cluster, timeout_s
+    def __init__(self, link: Link, cluster: "ManagerCluster", timeout_s: float, owns_link: bool = False):
+        self.link, self.cluster, self.timeout_s, self.owns_link = link, cluster, timeout_s, owns_link
 
     def _msg(self, fn, timeout) -> AdminCall:
         msg = fn(_Recorder())
@@ -65,7 +65,8 @@ class RemoteAdmin:
         return list(self.cluster.addresses)
 
     def close(self) -> None:
-        pass
+        if self.owns_link:  # a stage source's own link (the driver's belongs to RolloutSide)
+            self.link.close()
 
 
 class ManagerCluster:
@@ -87,7 +88,7 @@ class ManagerCluster:
 
     def stage_admin(self, rank: int) -> RemoteAdmin:
         """A pipeline-stage source's own link (its announces run beside the driver's)."""
-        return RemoteAdmin(Link(self.manager_address, "stage", rank), self, self.timeout_s)
+        return RemoteAdmin(Link(self.manager_address, "stage", rank), self, self.timeout_s, owns_link=True)
 
     def _call(self, method: str, *args, timeout_s: Optional[float] = None):
         timeout_s = timeout_s or self.timeout_s + 10.0
@@ -161,6 +162,7 @@ class RolloutSide:
         self.proc: Optional[subprocess.Popen] = None
         self.link: Optional[Link] = None
         self.address = ""
+        self.evals_pending = 0  # submitted evaluations not reported yet (rank 0)
 
     def start(self) -> None:
         """Rank 0: the manager process (it starts the local servers while the engine builds)."""
@@ -224,9 +226,16 @@ class RolloutSide:
     def submit_eval(self, step: int, version: int) -> None:
         if self.ps.rank == 0:
             self._request(EvalSubmit(step, version))
+            self.evals_pending += 1
 
     def poll_eval(self, wait: bool) -> dict:
-        return self._request(EvalPoll(wait), 3600.0 if wait else 60.0) if self.ps.rank == 0 else {}
+        """Finished evaluations' metrics; a round trip only while one is running."""
+        if self.ps.rank != 0 or not self.evals_pending:
+            return {}
+        out = self._request(EvalPoll(wait), 3600.0 if wait else 60.0)
+        if out:
+            self.evals_pending = int(out.pop("eval/running", 0))
+        return out
 
     def state_dict(self) -> dict:
         return self._request(StateRequest(), 120.0) if self.ps.rank == 0 else {}

@@ -1,7 +1,7 @@
 """Asynchronous vs synchronous GRPO on a workload shaped like real RL (generation >= 65% of a
 synchronous step): trained samples/s, time to a held-out accuracy, final accuracy, CPU use.
 
-    python tools/bench/bench_async.py [--steps 60] [--seeds 1,2] [--modes sync_colo,sync_disagg,async]
+    python tools/bench/bench_async.py [--steps 40] [--seeds 1,2] [--modes sync_colo,sync_disagg,async_s4,async_s4_shared]
 
 Workload: the demo task and start point (configs/tiny_grpo.yaml, examples/tiny/model) with
 long-tailed response lengths: `LongTailWorkflow` gives every sample its own budget,
@@ -16,9 +16,11 @@ Modes, all on the same cores (the machine's two):
                   is slower on 2 threads: measured 1.45 s vs 0.92 s per step at cap 1024)
     sync_disagg   on-policy; server (and the rollout manager) pinned to CPU 1, trainer to CPU 0,
                   one thread each: a cluster with rollout and trainer GPUs
-    async         max_staleness --staleness with partial rollouts (weights.pause_mode in_place:
+    async_sK      max_staleness K with partial rollouts (weights.pause_mode in_place:
                   in-flight requests keep their KV cache and continue under the new weights,
                   each token stamped with its version), pinned like sync_disagg
+    async_s4_shared   max_staleness 4 as above, nothing pinned, two local servers: a generation-
+                  bound trainer's idle core serves requests too
 
 Reported per run: trained samples/s (evaluation excluded), seconds to --target, final accuracy,
 CPU utilisation of the job's whole process tree over its training window (/proc), the phase times;
@@ -61,14 +63,19 @@ def workload(cap: int, model: str) -> list[str]:
             "train.global_batch_size=64", "train.micro_batch_tokens=1024"]
 
 
-def modes(staleness: int) -> dict[str, list[str]]:
+def modes() -> dict[str, list[str]]:
     pinned = ["rollout.server_cpus=[1]", "rollout.server_threads=1", "train.torch_threads=1"]
+    asynchronous = lambda k: [f"rollout.max_staleness={k}", "rollout.partial_rollout=true",  # noqa: E731
+                              "weights.pause_mode=in_place", *pinned]
     return {
         "sync_colo": ["rollout.max_staleness=0", "rollout.partial_rollout=false", "rollout.server_cpus=[]",
                       "rollout.server_threads=1", "train.torch_threads=2"],
         "sync_disagg": ["rollout.max_staleness=0", "rollout.partial_rollout=false", *pinned],
-        "async": [f"rollout.max_staleness={staleness}", "rollout.partial_rollout=true", "weights.pause_mode=in_place",
-                  *pinned],
+        **{f"async_s{k}": asynchronous(k) for k in (1, 2, 4, 8)},
+        # nothing pinned and two servers: whichever process has work gets a core (CPU use >= 90%)
+        "async_s4_shared": ["rollout.max_staleness=4", "rollout.partial_rollout=true",
+                            "weights.pause_mode=in_place", "rollout.server_cpus=[]", "rollout.local_servers=2",
+                            "rollout.server_threads=1", "train.torch_threads=1"],
     }
 
 
@@ -84,7 +91,7 @@ def phase_means(rows: list[dict]) -> dict:
 
 def run_all(args) -> dict:
     results: dict = {}
-    table = modes(args.staleness)
+    table = modes()
     model = long_context_model(args.out, args.cap + 16)
     for seed in [int(s) for s in args.seeds.split(",")]:
         for mode in args.modes.split(","):
@@ -135,11 +142,10 @@ def summarize(results: dict, args) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "bench_async"))
-    ap.add_argument("--modes", default="sync_colo,sync_disagg,async")
+    ap.add_argument("--modes", default="sync_colo,sync_disagg,async_s4,async_s4_shared")
     ap.add_argument("--seeds", default="1,2")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--cap", type=int, default=1024, help="longest response (tokens)")
-    ap.add_argument("--staleness", type=int, default=2, help="max_staleness of the async mode")
     ap.add_argument("--target", type=float, default=0.4, help="held-out accuracy for time-to-target")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--override", action="append", default=[], metavar="A.B=C")

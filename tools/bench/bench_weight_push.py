@@ -45,6 +45,7 @@ def parse(argv=None):
     p.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"))
     p.add_argument("--work", default="")
     p.add_argument("--manager", action="store_true", help="push through a rollout manager (megarl-train's path)")
+    p.add_argument("--gap-s", type=float, default=0.25, help="--manager: seconds between pushes (an update)")
     return p.parse_args(argv)
 
 
@@ -158,12 +159,13 @@ def manager_pushes(args, cfg, ps, engine):
     for _ in range(args.repeats):
         dist.barrier()
         rows.append(pusher.push())
+        time.sleep(args.gap_s)  # the update between two pushes, while the manager finishes the tail
     pusher.cluster.settle() if ps.rank == 0 else None  # the last tail finished too
     if ps.rank == 0:
         med = lambda f: statistics.median(f(m) for m in rows)  # noqa: E731
         total = med(lambda m: m.total_s)
         row = (f"| push through the rollout manager, TP={args.tp}, {rows[0].bytes / 2**20:.1f} MiB, "
-               f"{rows[0].buckets} bucket(s), {args.repeats} pushes | {1e3 * total:.1f} ms | "
+               f"{rows[0].buckets} bucket(s), {args.repeats} pushes {args.gap_s} s apart | {1e3 * total:.1f} ms | "
                f"{1e3 * med(lambda m: m.gather_s):.1f} + {1e3 * med(lambda m: m.convert_s):.1f} ms | "
                f"{1e3 * med(lambda m: m.send_s):.1f} ms | **{1e3 * med(lambda m: m.fixed_s):.1f} ms** "
                f"(pause {1e3 * med(lambda m: m.pause_s):.1f} ms) |")
