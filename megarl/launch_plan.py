@@ -93,7 +93,7 @@ class RankSpec:
 
     @property
     def roles(self) -> list[str]:
-        out = ["controller"] if self.rank == 0 else []
+        out = ["starts the rollout manager"] if self.rank == 0 else []
         if self.tp == 0 and self.dp == 0:
             out.append(f"weights source of stage {self.pp}")
         return out

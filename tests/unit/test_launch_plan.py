@@ -45,7 +45,7 @@ def test_cpu_demo_one_rollout_node_one_trainer_node():
         "--output=runs/x/logs/trainer.log --open-mode=append --export=ALL,MASTER_ADDR=127.0.0.3,"
         f"MASTER_PORT=20007 python -m megarl.train configs/tiny_grpo.yaml model.hf_path={TINY} "
         "train.steps=3 parallel.pp=2 'rollout.servers=[http://127.0.0.2:30000]'",
-        "rank 0 n2 local 0 tp 0 pp 0 dp 0 [controller, weights source of stage 0]: SLURM_PROCID=0 "
+        "rank 0 n2 local 0 tp 0 pp 0 dp 0 [starts the rollout manager, weights source of stage 0]: SLURM_PROCID=0 "
         "SLURM_LOCALID=0 SLURM_NODEID=0 SLURM_NTASKS=2 MASTER_ADDR=127.0.0.3 MASTER_PORT=20007",
         "rank 1 n2 local 1 tp 0 pp 1 dp 0 [weights source of stage 1]: SLURM_PROCID=1 SLURM_LOCALID=1 "
         "SLURM_NODEID=0 SLURM_NTASKS=2 MASTER_ADDR=127.0.0.3 MASTER_PORT=20007",
@@ -76,7 +76,7 @@ def test_four_trainer_four_rollout_nodes_tp4_pp2_rollout_tp2(big):
         f"configs/tiny_grpo.yaml model.hf_path={big} model.dtype=bfloat16 parallel.tp=4 parallel.pp=2 "
         f"launch.server_tp=2 'rollout.servers=[{urls}]'")
     env = "SLURM_NTASKS=32 MASTER_ADDR=gpu01 MASTER_PORT=29500"
-    assert ranks[0] == ("rank 0 gpu01 local 0 tp 0 pp 0 dp 0 [controller, weights source of stage 0]: "
+    assert ranks[0] == ("rank 0 gpu01 local 0 tp 0 pp 0 dp 0 [starts the rollout manager, weights source of stage 0]: "
                         f"SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NODEID=0 {env}")
     assert ranks[5] == f"rank 5 gpu01 local 5 tp 1 pp 0 dp 1: SLURM_PROCID=5 SLURM_LOCALID=5 SLURM_NODEID=0 {env}"
     assert ranks[16] == ("rank 16 gpu03 local 0 tp 0 pp 1 dp 0 [weights source of stage 1]: SLURM_PROCID=16 "
