@@ -168,8 +168,8 @@ def test_http_routes_and_expert_weight_update(tmp_path):
 
     hf_a = build(tmp_path / "a", "qwen3_moe", seed=5, norm_topk_prob=True)
     hf_b = build(tmp_path / "b", "qwen3_moe", seed=6, norm_topk_prob=True)
-    prompt = [5, 17, 33, 2, 90, 64, 11]
-    req = {"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
+    prompts = [[5, 17, 33, 2, 90, 64, 11], [40], [8, 9, 100, 3]]  # one batch: rows of 3 lengths
+    req = {"input_ids": prompts, "return_logprob": True, "return_routed_experts": True,
            "sampling_params": {"max_new_tokens": 9, "temperature": 0.0, "ignore_eos": True}}
 
     async def scenario(http, url):
@@ -184,7 +184,8 @@ def test_http_routes_and_expert_weight_update(tmp_path):
 
     state = build_state(str(tmp_path / "a"), enable_return_routed_experts=True)
     first, second = asyncio.run(_serve(state, scenario))
-    for res, hf in ((first, hf_a), (second, hf_b)):
+    pairs = [(p, res, hf_a) for p, res in zip(prompts, first)] + [(p, res, hf_b) for p, res in zip(prompts, second)]
+    for prompt, res, hf in pairs:
         meta = res["meta_info"]
         ids = prompt + res["output_ids"]
         want_lp, want_ids, want_w = hf_forward(hf, ids)
@@ -194,8 +195,7 @@ def test_http_routes_and_expert_weight_update(tmp_path):
         assert routes.rows == meta["prompt_tokens"] + meta["completion_tokens"] - 1 == len(ids) - 1
         assert np.array_equal(routes.ids, want_ids[:-1].numpy())
         assert np.abs(routes.weights - want_w[:-1].numpy()).max() <= 1e-6
-    assert first["output_ids"] != second["output_ids"] or first["meta_info"]["routed_experts"] != \
-        second["meta_info"]["routed_experts"]
+    assert first[0]["meta_info"]["routed_experts"] != second[0]["meta_info"]["routed_experts"]
 
 
 def test_routes_need_the_server_flag_and_an_moe_model(tmp_path):
