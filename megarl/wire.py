@@ -7,13 +7,24 @@ token-aligned: ``output_tokens``, ``output_logprobs`` and ``output_versions`` ha
 span several versions when a weight update interrupted it (partial rollout). The admin messages
 (`PauseRequest`, `WeightsUpdateGroup`, `DistributedWeightsMeta`, ...) serialize to the exact SGLang
 JSON bodies with `to_json()`.
+
+MoE routing (`RoutedExperts`): a /generate segment asked with ``return_routed_experts`` carries
+``meta_info["routed_experts"]`` (base64 int32 [rows, layers, top_k], SGLang) and, from
+megarl-server, ``meta_info["routed_expert_weights"]`` (base64 float32, same layout); rows =
+prompt + output - 1, row j the routing of the forward that fed token j. A resubmitted segment
+(prompt + tokens so far) recomputes the rows of its prefix; `RoutedExperts.extend` keeps the rows
+already held and appends only the new ones, so row j always comes from the segment that sampled
+token j + 1 (the version ``output_versions`` gives that token).
 """
 
 from __future__ import annotations
 
+import base64
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
+
+import numpy as np
 
 StopReason = Literal["stop", "length", "abort", "tool_calls"]
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -63,6 +74,55 @@ class ModelRequest:
 
 
 @dataclass
+class RoutedExperts:
+    """Per-token MoE routing of a sample: ``ids`` int32 [rows, layers, top_k] (expert ids, -1 on
+    a layer without experts) and ``weights`` float32 in the same layout, or None when a segment
+    came from a server that returns ids only (SGLang); row j = the position of token j."""
+
+    ids: np.ndarray
+    weights: Optional[np.ndarray] = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.ids.shape[0])
+
+    @classmethod
+    def from_meta(cls, meta: dict, num_layers: int, top_k: int) -> "RoutedExperts":
+        """Decodes a /generate ``meta_info``; ValueError when the routes are absent or malformed."""
+        if not isinstance(meta.get("routed_experts"), str):
+            raise ValueError("meta_info has no routed_experts (start the server with "
+                             "--enable-return-routed-experts and send return_routed_experts: true)")
+        ids = _b64_rows(meta["routed_experts"], np.int32, num_layers, top_k, "routed_experts")
+        weights = meta.get("routed_expert_weights")
+        if weights is not None:
+            weights = _b64_rows(weights, np.float32, num_layers, top_k, "routed_expert_weights")
+            if weights.shape != ids.shape:
+                raise ValueError(f"routed_expert_weights {weights.shape} != routed_experts {ids.shape}")
+        return cls(ids, weights)
+
+    def extend(self, seg: "RoutedExperts") -> "RoutedExperts":
+        """This sample's routing followed by the rows of ``seg`` beyond ``self.rows`` (``seg``
+        covers the same positions from 0: a resubmitted segment's prompt is the sample so far)."""
+        new = slice(self.rows, None)
+        weights = None
+        if self.weights is not None and seg.weights is not None:
+            weights = np.concatenate([self.weights, seg.weights[new]])
+        return RoutedExperts(np.concatenate([self.ids, seg.ids[new]]), weights)
+
+
+def _b64_rows(text, dtype, num_layers: int, top_k: int, what: str) -> np.ndarray:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{what} is not base64: {e}") from None
+    item = np.dtype(dtype).newbyteorder("<")
+    per_row = item.itemsize * num_layers * top_k
+    if len(raw) % per_row:
+        raise ValueError(f"{what}: {len(raw)} bytes is not a whole number of [{num_layers}, {top_k}] rows")
+    return np.frombuffer(raw, dtype=item).astype(dtype).reshape(-1, num_layers, top_k)
+
+
+@dataclass
 class ModelResponse:
     """A finished sample; output_* lists are token-aligned (one entry per generated token)."""
 
@@ -77,6 +137,7 @@ class ModelResponse:
     latency: float = 0.0  # seconds from submit to the final segment
     num_segments: int = 1  # /generate calls made (> 1 after interruptions)
     server: str = ""  # address of the server that produced the last segment
+    routed_experts: Optional[RoutedExperts] = None  # MoE routing, when the client asked for it
 
     @property
     def input_len(self) -> int:

@@ -18,6 +18,11 @@ as SGLang's spans ``[{"version", "start", "end"}]`` or megarl-server's per-token
 segment's ``meta_info.weight_version`` - parsed as an int; a non-numeric version maps to the
 trainer's current policy version (``version_fn()``, the cluster's counter).
 
+MoE routing: a client made with ``routed_experts=(num_hidden_layers, num_experts_per_tok)`` asks
+every segment for it (``return_routed_experts: true``) and returns it decoded and stitched across
+segments in `ModelResponse.routed_experts` (`megarl.wire.RoutedExperts`: ids, and the weights
+when the server sends them - megarl-server does, SGLang does not).
+
 Health: a server is marked dead after `dead_after` consecutive failures; a background probe
 re-admits it when ``/health`` answers 200 and (given ``version_fn``) its ``weight_version``
 equals the current policy version, so a server that missed an update never serves.
@@ -31,9 +36,10 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
+import numpy as np
 from megarl.rollout.http import (AdminError, HttpClient, RolloutError, Server, ServerRequestError,
                                  Transient, backoff_delay, normalize_address)
-from megarl.rollout.types import ModelRequest, ModelResponse, SamplingParams
+from megarl.rollout.types import ModelRequest, ModelResponse, RoutedExperts, SamplingParams
 
 __all__ = ["RolloutClient", "RolloutError", "ServerRequestError", "AdminError"]
 
@@ -59,6 +65,7 @@ class RolloutClient(HttpClient):
         health_interval: float = 1.0,
         max_idle_aborts: int = 16,
         timeline=None,
+        routed_experts: Optional[tuple[int, int]] = None,
     ):
         super().__init__(addresses, api_key, connect_timeout)
         self.version_fn = version_fn
@@ -72,6 +79,7 @@ class RolloutClient(HttpClient):
         self._rr = 0
         self.stats: collections.Counter = collections.Counter()  # segments, retries, resubmits, ...
         self.timeline = timeline  # optional span recorder (megarl.timeline.Timeline)
+        self.routed_experts = routed_experts  # (layers, top_k): ask for and decode MoE routing
         self._inflight = self._atomic_inflight = 0
         self._busy_since, self._busy_total = 0.0, 0.0
         self._drained: Optional[asyncio.Event] = None
@@ -274,11 +282,21 @@ class RolloutClient(HttpClient):
             return [self._to_version(v) for v in given]
         return [fallback] * n
 
+    def _routes(self, res: dict, srv: Server) -> RoutedExperts:
+        try:
+            return RoutedExperts.from_meta(res["meta_info"], *self.routed_experts)
+        except ValueError as e:
+            raise RolloutError(f"/generate from {srv.address}: {e}") from None
+
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Generate one sample to completion across interruptions (see module docstring)."""
         t0 = time.perf_counter()
         sp: SamplingParams = req.sampling
         resp = ModelResponse(input_tokens=list(req.input_ids), rid=req.rid, num_segments=0)
+        if self.routed_experts is not None:
+            layers, top_k = self.routed_experts
+            resp.routed_experts = RoutedExperts(np.zeros((0, layers, top_k), np.int32),
+                                                np.zeros((0, layers, top_k), np.float32))
         prefer: Optional[Server] = None
         idle_aborts = 0
         try:
@@ -296,6 +314,8 @@ class RolloutClient(HttpClient):
                     "return_logprob": True,
                     "rid": f"{req.rid}#{resp.num_segments}",
                 }
+                if self.routed_experts is not None:
+                    payload["return_routed_experts"] = True
                 srv, res = await self._segment(payload, prefer, req.rid, bool(req.metadata.get("atomic")))
                 prefer, resp.server = srv, srv.address
                 resp.num_segments += 1
@@ -306,6 +326,8 @@ class RolloutClient(HttpClient):
                 resp.output_logprobs += lps
                 resp.output_versions += vers
                 resp.text = res.get("text")
+                if resp.routed_experts is not None:
+                    resp.routed_experts = resp.routed_experts.extend(self._routes(res, srv))
                 kind = finish.get("type")
                 if kind in ("stop", "length"):
                     resp.stop_reason, resp.stop_matched = kind, finish.get("matched")

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megarl.wire import (SAFETENSORS_B64, DiskWeightsUpdate, DistributedWeightsMeta,
-                         ModelRequest, ModelResponse, PauseMode, PauseRequest, SamplingParams,
-                         StopReason, TensorWeightsUpdate, WeightsUpdateGroup)
+                         ModelRequest, ModelResponse, PauseMode, PauseRequest, RoutedExperts,
+                         SamplingParams, StopReason, TensorWeightsUpdate, WeightsUpdateGroup)
 
 __all__ = ["SAFETENSORS_B64", "DiskWeightsUpdate", "DistributedWeightsMeta", "ModelRequest", "ModelResponse",
-           "PauseMode", "PauseRequest", "SamplingParams", "StopReason", "TensorWeightsUpdate",
+           "PauseMode", "PauseRequest", "RoutedExperts", "SamplingParams", "StopReason", "TensorWeightsUpdate",
            "WeightsUpdateGroup", "Trajectory"]
 
 

@@ -2,10 +2,12 @@
 
     megarl-server --model HF_DIR [--host 127.0.0.1 --port 30000] [--dtype float32|bfloat16]
                   [--api-key KEY] [--max-running-requests N] [--context-length N] [--threads N]
+                  [--enable-return-routed-experts]
 
 It exists so that the whole RL loop (partial rollouts, weight pushes over gloo/disk/tensor) runs
 and is tested on a CPU-only machine with the same client that drives real SGLang servers.
-Modules: `model` (HF Llama/Mistral/Qwen2/Qwen3 forward + KV cache), `sampling` (batched sampler),
+Modules: `model` (HF Llama/Mistral/Qwen2/Qwen3 forward + KV cache, sliding windows), `moe` (the
+Qwen3-MoE / Qwen2-MoE expert MLP and its routing record), `sampling` (batched sampler),
 `engine` (continuous batching thread), `protocol` (/generate JSON), `app` + `weight_routes`
 (HTTP endpoints, both built on `state`), `weights` (safetensors dirs, tensor payloads, broadcast
 receive).
@@ -69,11 +71,13 @@ def build_state(
     weight_version: str = "0",
     seed: Optional[int] = None,
     weights_roots: Optional[list[str]] = None,
+    enable_return_routed_experts: bool = False,
 ):
     """Load config, weights and tokenizer; start the engine thread; return the app state.
     Bad input raises OSError/ValueError naming the file. ``weights_roots``: directories
     /update_weights_from_disk may read under (default: the model dir's parent, see
-    `state.default_weights_roots`)."""
+    `state.default_weights_roots`). ``enable_return_routed_experts``: requests may ask for the
+    MoE routing (an MoE model only)."""
     from megarl.server.engine import GenerationEngine
     from megarl.server.model import CausalLM, DecoderConfig
     from megarl.server.state import ServerState, default_weights_roots
@@ -94,11 +98,9 @@ def build_state(
         raise ValueError(f"{config}: {e.args[0]!r} is missing") from None
     except (ValueError, TypeError, AttributeError) as e:  # ValueError: bad JSON, unsupported model
         raise ValueError(f"{config}: {e}") from None
+    if enable_return_routed_experts and cfg.moe is None:
+        raise ValueError(f"--enable-return-routed-experts: {cfg.architecture} has no experts")
     ctx = int(context_length or cfg.max_position_embeddings)
-    if cfg.sliding_window and ctx > cfg.sliding_window:
-        # No sliding-window attention here: cap the context where full attention is still exact.
-        log.warning("context length capped at sliding_window=%d", cfg.sliding_window)
-        ctx = int(cfg.sliding_window)
     model = CausalLM(cfg, parse_dtype(dtype), max_len=ctx)
     tensors = read_hf_dir(model_dir)
     missing = model.missing(tensors)
@@ -117,4 +119,5 @@ def build_state(
                               seed)
     engine.start()
     return ServerState(engine, model_dir, tok, model_dir if tok is not None else None, api_key,
-                       weights_roots=tuple(dict.fromkeys([os.path.realpath(model_dir), *roots])))
+                       weights_roots=tuple(dict.fromkeys([os.path.realpath(model_dir), *roots])),
+                       return_routed_experts=enable_return_routed_experts)

@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--weight-version", default="0", help="initial weight_version")
     p.add_argument("--seed", type=int, default=None, help="seed for requests without a seed")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="MoE models: requests may set return_routed_experts (SGLang's flag)")
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     add_debug_flag(p)
@@ -69,6 +71,7 @@ def serve(args) -> int:
         state = build_state(
             args.model, args.dtype, args.api_key, args.max_running_requests, args.context_length,
             args.max_prefill_tokens, args.weight_version, args.seed, args.weights_root,
+            args.enable_return_routed_experts,
         )
     except (OSError, ValueError, KeyError) as e:
         raise StartupError(f"cannot load {args.model}: {e}") from e

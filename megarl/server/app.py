@@ -67,13 +67,14 @@ async def generate(request: web.Request) -> web.Response:
     eng = state.engine
     body = await read_body(request)
     samples, return_logprob, is_batch = parse_generate(
-        body, eng.model.cfg.vocab_size, state.tokenizer, eng.context_length
+        body, eng.model.cfg.vocab_size, state.tokenizer, eng.context_length, state.return_routed_experts
     )
     loop = asyncio.get_running_loop()
     futs, seqs = [], []
     for spec in samples:
         fut = loop.create_future()
-        seq = Sequence(spec.rid, spec.input_ids, spec.params, functools.partial(_resolve, loop, fut), group=spec.group)
+        seq = Sequence(spec.rid, spec.input_ids, spec.params, functools.partial(_resolve, loop, fut), group=spec.group,
+                       want_routes=spec.return_routed_experts)
         if spec.params.max_new_tokens == 0:
             seq.finish = {"type": "length", "length": 0}
             fut.set_result(seq)
@@ -131,6 +132,7 @@ async def model_info(request: web.Request) -> web.Response:
         "max_running_requests": eng.max_running,
         "paused": eng.paused,
         "updating_weights": eng.updating,
+        "enable_return_routed_experts": state.return_routed_experts,
     })
 
 

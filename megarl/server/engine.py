@@ -13,6 +13,12 @@ Invariants
   (`_compact`), so a decode step reads contiguous cache views.
 - `seq.kv_len` tokens of `seq.tokens()` are in the cache; the last sampled token is not yet.
 - Every output token records the weight version that produced it (`seq.out_versions`).
+- MoE routing (requests with ``return_routed_experts``): `seq.route_ids` / `seq.route_weights`
+  hold one row [layers, k] per position fed through the model, in position order. A row is
+  recorded by the forward that FIRST fed its position (prefill or decode) and never replaced, so
+  row j is the routing under which token j+1 was sampled, under version ``out_versions`` of that
+  token; a retracted request's re-prefill only adds the rows it did not have. The response
+  carries ``prompt + output - 1`` rows (the last sampled token is never fed), as SGLang does.
 
 Pause modes (SGLang's): "abort" finishes every request with finish_reason abort and its partial
 output; "retract" keeps requests (queued, outputs kept) but drops their KV, recomputed on continue
@@ -57,9 +63,31 @@ class Sequence:
     slot: int = -1
     kv_len: int = 0
     created: float = field(default_factory=time.perf_counter)
+    want_routes: bool = False  # record MoE routing (return_routed_experts)
+    route_ids: list[torch.Tensor] = field(default_factory=list)  # int32 [rows, layers, k] pieces
+    route_weights: list[torch.Tensor] = field(default_factory=list)  # float32, same layout
+    route_rows: int = 0
 
     def tokens(self) -> list[int]:
         return self.prompt + self.out_ids
+
+    def add_routes(self, ids: torch.Tensor, weights: torch.Tensor, start: int) -> None:
+        """Record ``ids``/``weights`` [n, layers, k], the routing of positions start..start+n-1;
+        rows already recorded are kept (first computation wins)."""
+        skip = self.route_rows - start
+        if skip < 0:
+            raise RuntimeError(f"{self.rid}: routing rows {self.route_rows}..{start - 1} were never computed")
+        if skip < ids.shape[0]:
+            self.route_ids.append(ids[skip:].clone())  # not a view: the batch's record is freed
+            self.route_weights.append(weights[skip:].clone())
+            self.route_rows = start + ids.shape[0]
+
+    def routes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids int32, weights float32) [rows, layers, k], rows = min(fed, prompt + output - 1)."""
+        n = min(self.route_rows, len(self.prompt) + len(self.out_ids) - 1)
+        if not self.route_ids:
+            return torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.float32)
+        return torch.cat(self.route_ids)[:n], torch.cat(self.route_weights)[:n]
 
 
 class GenerationEngine:
@@ -216,9 +244,15 @@ class GenerationEngine:
             longest = max(longest, n)
         first = len(self.running)
         seqs = [s.tokens() for s in batch]
-        logits = self.model.prefill(seqs, first, self.cache)
+        routes = self._routes_for(batch, (len(batch), longest))
+        logits = self.model.prefill(seqs, first, self.cache, routes=routes)
         for i, s in enumerate(batch):
             s.slot, s.kv_len = first + i, len(seqs[i])
+        if routes is not None:
+            ids, weights = routes.ids(), routes.weights()
+            for i, s in enumerate(batch):
+                if s.want_routes:
+                    s.add_routes(ids[i, :len(seqs[i])], weights[i, :len(seqs[i])], 0)
         self.running.extend(batch)
         self.stats["prefill_tokens"] += sum(map(len, seqs))
         self._sample_and_finish(batch, logits, [len(t) for t in seqs])
@@ -227,10 +261,22 @@ class GenerationEngine:
         run = self.running
         tokens = torch.tensor([s.out_ids[-1] for s in run])
         pos = [s.kv_len for s in run]
-        logits = self.model.decode(tokens, torch.tensor(pos), self.cache)
+        routes = self._routes_for(run, (len(run),))
+        logits = self.model.decode(tokens, torch.tensor(pos), self.cache, routes=routes)
+        if routes is not None:
+            ids, weights = routes.ids(), routes.weights()
+            for b, s in enumerate(run):
+                if s.want_routes:
+                    s.add_routes(ids[b:b + 1], weights[b:b + 1], pos[b])
         for s in run:
             s.kv_len += 1
         self._sample_and_finish(run, logits, [p + 1 for p in pos])
+
+    def _routes_for(self, seqs: list[Sequence], token_shape: tuple[int, ...]):
+        """A routing record for this forward when some sequence asked for its routes."""
+        if any(s.want_routes for s in seqs):
+            return self.model.new_routes(token_shape)
+        return None
 
     def _sample_and_finish(self, seqs: list[Sequence], logits, positions: list[int]) -> None:
         tokens, logps = self.sampler.sample(logits, [s.params for s in seqs], positions)

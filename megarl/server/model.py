@@ -1,4 +1,5 @@
-"""Compact decoder-only transformer for the CPU rollout server (Llama / Mistral / Qwen2 / Qwen3).
+"""Compact decoder-only transformer for the CPU rollout server (Llama / Mistral / Qwen2 / Qwen3 and
+the Qwen3-MoE / Qwen2-MoE mixture-of-experts models, whose MLP is `megarl.server.moe`).
 
 Why our own forward: the server must start in seconds without `transformers`, run a batched
 decode step as a handful of torch ops, and produce logprobs that match the trainer's fp32
@@ -7,7 +8,10 @@ recomputation to <= 1e-5. So everything is plain torch, in the HF conventions:
 - RMSNorm in fp32: ``w * (x * rsqrt(mean(x^2) + eps))``;
 - RoPE "rotate half": ``q * cos + rotate_half(q) * sin`` with ``inv_freq = theta^(-2i/d)``;
 - GQA: ``num_key_value_heads`` K/V heads, each shared by ``heads / kv_heads`` query heads;
-- SwiGLU MLP ``down(silu(gate(x)) * up(x))``; logits are cast to fp32 before any softmax.
+- SwiGLU MLP ``down(silu(gate(x)) * up(x))``; logits are cast to fp32 before any softmax;
+- sliding-window attention per layer (`layer_windows`, transformers' rules in `_layer_windows`):
+  query i attends to keys j with ``i - W < j <= i``, in prefill and in decode (the cache keeps
+  every position; a decode step reads only the last W of a windowed layer).
 
 Weights are held fused (q|k|v rows in one matrix, gate|up in another) to save ops per step; every
 HF tensor name maps to a *view* into the fused storage (`CausalLM.params`), so a weight update by
@@ -29,6 +33,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megarl.server.moe import MOE_ARCHITECTURES, MoESpec, Routes, alloc_layer, moe_mlp
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -36,13 +42,16 @@ class ArchSpec:
 
     qkv_bias: Optional[bool]  # None: follow config["attention_bias"]
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    window: str = "none"  # how transformers picks windowed layers, see `_layer_windows`
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec(qkv_bias=None, qk_norm=False),
-    "MistralForCausalLM": ArchSpec(qkv_bias=None, qk_norm=False),
-    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, qk_norm=False),
-    "Qwen3ForCausalLM": ArchSpec(qkv_bias=None, qk_norm=True),
+    "MistralForCausalLM": ArchSpec(qkv_bias=False, qk_norm=False, window="all"),  # no biases at all
+    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, qk_norm=False, window="from_max_window_layers"),
+    "Qwen3ForCausalLM": ArchSpec(qkv_bias=None, qk_norm=True, window="from_max_window_layers"),
+    "Qwen3MoeForCausalLM": ArchSpec(qkv_bias=None, qk_norm=True, window="all_if_used"),
+    "Qwen2MoeForCausalLM": ArchSpec(qkv_bias=True, qk_norm=False, window="even_below_max_window_layers"),
 }
 
 
@@ -69,7 +78,8 @@ class DecoderConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     bos_token_id: Optional[int]
-    sliding_window: Optional[int] = None  # attention is exact only up to this many positions
+    layer_windows: tuple[Optional[int], ...] = ()  # per layer: sliding window W, or None (full)
+    moe: Optional[MoESpec] = None  # experts (Qwen3-MoE, Qwen2-MoE); None for dense models
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DecoderConfig":
@@ -84,7 +94,12 @@ class DecoderConfig:
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} (only 'silu')")
         heads = int(cfg["num_attention_heads"])
+        layers = int(cfg["num_hidden_layers"])
+        if spec.qkv_bias is True and "qkv_bias" in cfg:  # Qwen2-MoE names its switch qkv_bias
+            spec = ArchSpec(bool(cfg["qkv_bias"]), spec.qk_norm, spec.window)
         attention_bias = bool(cfg.get("attention_bias", False))
+        # transformers >= 5 writes RoPE settings into "rope_parameters"; older configs at top level
+        rope = cfg["rope_parameters"] if isinstance(cfg.get("rope_parameters"), dict) else {}
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -92,22 +107,23 @@ class DecoderConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_scaling=cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=attention_bias if spec.qkv_bias is None else spec.qkv_bias,
-            o_bias=attention_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM"),
+            o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=spec.qk_norm,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            sliding_window=_sliding_window(arch, cfg),
+            layer_windows=_layer_windows(spec.window, cfg, layers),
+            moe=MoESpec.from_hf(arch, cfg, layers) if arch in MOE_ARCHITECTURES else None,
         )
 
     @classmethod
@@ -116,10 +132,29 @@ class DecoderConfig:
             return cls.from_hf(json.load(f))
 
 
-def _sliding_window(arch: str, cfg: dict) -> Optional[int]:
-    if arch == "MistralForCausalLM" or cfg.get("use_sliding_window"):
-        return cfg.get("sliding_window")
-    return None
+def _layer_windows(rule: str, cfg: dict, num_layers: int) -> tuple[Optional[int], ...]:
+    """Each layer's sliding window as transformers 5 builds the model from this config.json:
+    Mistral windows every layer (its ``layer_types`` are ignored); the Qwen models window nothing
+    without ``use_sliding_window``; with it, Qwen3-MoE windows every layer and Qwen2/Qwen3/Qwen2-MoE
+    follow ``layer_types`` when the config lists them, else their ``max_window_layers`` default
+    (Qwen2/3: layers >= it; Qwen2-MoE: even-indexed layers below it)."""
+    window = cfg.get("sliding_window")
+    if rule == "none" or not window or (rule != "all" and not cfg.get("use_sliding_window")):
+        return (None,) * num_layers
+    if int(window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    types = cfg.get("layer_types")
+    if rule in ("all", "all_if_used"):
+        on = [True] * num_layers
+    elif isinstance(types, list):
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        on = [t == "sliding_attention" for t in types]
+    elif rule == "from_max_window_layers":
+        on = [i >= int(cfg.get("max_window_layers", 28)) for i in range(num_layers)]
+    else:  # even_below_max_window_layers (transformers' Qwen2-MoE default)
+        on = [(i + 1) % 2 == 1 and i < int(cfg.get("max_window_layers", 28)) for i in range(num_layers)]
+    return tuple(int(window) if o else None for o in on)
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
@@ -201,11 +236,9 @@ class CausalLM:
     def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32, max_len: int = 4096):
         self.cfg, self.dtype = cfg, dtype
         c = cfg
-        q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        z = lambda *shape: torch.zeros(shape, dtype=dtype)  # noqa: E731
-        self.embed = z(c.vocab_size, c.hidden_size)
-        self.norm = z(c.hidden_size)
-        self.lm_head = self.embed if c.tie_word_embeddings else z(c.vocab_size, c.hidden_size)
+        self.embed = self._zeros(c.vocab_size, c.hidden_size)
+        self.norm = self._zeros(c.hidden_size)
+        self.lm_head = self.embed if c.tie_word_embeddings else self._zeros(c.vocab_size, c.hidden_size)
         self.params: dict[str, torch.Tensor] = {
             "model.embed_tokens.weight": self.embed,
             "model.norm.weight": self.norm,
@@ -214,50 +247,72 @@ class CausalLM:
             self.params["lm_head.weight"] = self.lm_head
         self.layers: list[dict[str, Optional[torch.Tensor]]] = []
         for i in range(c.num_layers):
-            L = {
-                "in_norm": z(c.hidden_size),
-                "post_norm": z(c.hidden_size),
-                "qkv": z(q_rows + 2 * kv_rows, c.hidden_size),
-                "qkv_b": z(q_rows + 2 * kv_rows) if c.qkv_bias else None,
-                "o": z(c.hidden_size, q_rows),
-                "o_b": z(c.hidden_size) if c.o_bias else None,
-                "gate_up": z(2 * c.intermediate_size, c.hidden_size),
-                "gate_up_b": z(2 * c.intermediate_size) if c.mlp_bias else None,
-                "down": z(c.hidden_size, c.intermediate_size),
-                "down_b": z(c.hidden_size) if c.mlp_bias else None,
-                "q_norm": z(c.head_dim) if c.qk_norm else None,
-                "k_norm": z(c.head_dim) if c.qk_norm else None,
-            }
-            self.layers.append(L)
             p = f"model.layers.{i}."
-            splits = (q_rows, kv_rows, kv_rows)
-            for proj, w in zip("qkv", L["qkv"].split(splits)):
-                self.params[f"{p}self_attn.{proj}_proj.weight"] = w
-            if L["qkv_b"] is not None:
-                for proj, b in zip("qkv", L["qkv_b"].split(splits)):
-                    self.params[f"{p}self_attn.{proj}_proj.bias"] = b
-            self.params[f"{p}self_attn.o_proj.weight"] = L["o"]
-            if L["o_b"] is not None:
-                self.params[f"{p}self_attn.o_proj.bias"] = L["o_b"]
-            gate, up = L["gate_up"].split(c.intermediate_size)
-            self.params[f"{p}mlp.gate_proj.weight"] = gate
-            self.params[f"{p}mlp.up_proj.weight"] = up
-            if L["gate_up_b"] is not None:
-                gb, ub = L["gate_up_b"].split(c.intermediate_size)
-                self.params[f"{p}mlp.gate_proj.bias"] = gb
-                self.params[f"{p}mlp.up_proj.bias"] = ub
-            self.params[f"{p}mlp.down_proj.weight"] = L["down"]
-            if L["down_b"] is not None:
-                self.params[f"{p}mlp.down_proj.bias"] = L["down_b"]
+            L = {"in_norm": self._zeros(c.hidden_size), "post_norm": self._zeros(c.hidden_size)}
             self.params[f"{p}input_layernorm.weight"] = L["in_norm"]
             self.params[f"{p}post_attention_layernorm.weight"] = L["post_norm"]
-            if c.qk_norm:
-                self.params[f"{p}self_attn.q_norm.weight"] = L["q_norm"]
-                self.params[f"{p}self_attn.k_norm.weight"] = L["k_norm"]
+            L.update(self._alloc_attention(p + "self_attn."))
+            if c.moe is not None and c.moe.moe_layers[i]:
+                moe, names = alloc_layer(c.moe, c.hidden_size, dtype, p + "mlp.")
+                L.update(moe, moe_layer=True)
+                self.params.update(names)
+            else:
+                L.update(self._alloc_mlp(p + "mlp."), moe_layer=False)
+            self.layers.append(L)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(c))
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         self.max_len = max_len
+
+    def _zeros(self, *shape) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype)
+
+    def _alloc_attention(self, p: str) -> dict:
+        """q|k|v fused (rows in that order), o, optional biases and q/k norms; HF names as views."""
+        c, z = self.cfg, self._zeros
+        q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        A = {
+            "qkv": z(q_rows + 2 * kv_rows, c.hidden_size),
+            "qkv_b": z(q_rows + 2 * kv_rows) if c.qkv_bias else None,
+            "o": z(c.hidden_size, q_rows),
+            "o_b": z(c.hidden_size) if c.o_bias else None,
+            "q_norm": z(c.head_dim) if c.qk_norm else None,
+            "k_norm": z(c.head_dim) if c.qk_norm else None,
+        }
+        splits = (q_rows, kv_rows, kv_rows)
+        for proj, w in zip("qkv", A["qkv"].split(splits)):
+            self.params[f"{p}{proj}_proj.weight"] = w
+        if A["qkv_b"] is not None:
+            for proj, b in zip("qkv", A["qkv_b"].split(splits)):
+                self.params[f"{p}{proj}_proj.bias"] = b
+        self.params[f"{p}o_proj.weight"] = A["o"]
+        if A["o_b"] is not None:
+            self.params[f"{p}o_proj.bias"] = A["o_b"]
+        if c.qk_norm:
+            self.params[f"{p}q_norm.weight"] = A["q_norm"]
+            self.params[f"{p}k_norm.weight"] = A["k_norm"]
+        return A
+
+    def _alloc_mlp(self, p: str) -> dict:
+        """The dense SwiGLU MLP, gate|up fused."""
+        c, z = self.cfg, self._zeros
+        M = {
+            "gate_up": z(2 * c.intermediate_size, c.hidden_size),
+            "gate_up_b": z(2 * c.intermediate_size) if c.mlp_bias else None,
+            "down": z(c.hidden_size, c.intermediate_size),
+            "down_b": z(c.hidden_size) if c.mlp_bias else None,
+        }
+        gate, up = M["gate_up"].split(c.intermediate_size)
+        self.params[f"{p}gate_proj.weight"] = gate
+        self.params[f"{p}up_proj.weight"] = up
+        if M["gate_up_b"] is not None:
+            gb, ub = M["gate_up_b"].split(c.intermediate_size)
+            self.params[f"{p}gate_proj.bias"] = gb
+            self.params[f"{p}up_proj.bias"] = ub
+        self.params[f"{p}down_proj.weight"] = M["down"]
+        if M["down_b"] is not None:
+            self.params[f"{p}down_proj.bias"] = M["down_b"]
+        return M
 
     # ---- weights -------------------------------------------------------------------------------
     def check_update(self, name: str, shape) -> str:
@@ -294,19 +349,33 @@ class CausalLM:
             k = rms_norm(k, L["k_norm"], c.rms_norm_eps)
         return q, k, v
 
-    def _mlp(self, L, x):
+    def _mlp(self, L, x, routes: Optional[Routes]):
         c = self.cfg
         h = rms_norm(x, L["post_norm"], c.rms_norm_eps)
+        if L["moe_layer"]:
+            return x + moe_mlp(c.moe, L, h, routes)
+        if routes is not None:
+            routes.add_dense()
         gate, up = F.linear(h, L["gate_up"], L["gate_up_b"]).split(c.intermediate_size, dim=-1)
         return x + F.linear(F.silu(gate) * up, L["down"], L["down_b"])
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
+    def new_routes(self, token_shape: tuple[int, ...]) -> Optional[Routes]:
+        """An empty routing record for a forward over ``token_shape`` tokens (None: dense model)."""
+        return Routes(token_shape, self.cfg.moe.top_k) if self.cfg.moe is not None else None
+
+    def _window(self, li: int) -> Optional[int]:
+        w = self.cfg.layer_windows[li] if self.cfg.layer_windows else None
+        return w if w is not None and w < self.max_len else None  # a window past the context is full attention
+
     @torch.inference_mode()
-    def prefill(self, seqs: list[list[int]], first_slot: int, cache: KVCache, all_logits: bool = False):
+    def prefill(self, seqs: list[list[int]], first_slot: int, cache: KVCache, all_logits: bool = False,
+                routes: Optional[Routes] = None):
         """Run prompts (right-padded) into slots first_slot.. ; returns fp32 logits of each last
-        token [m, V] (or of every position [m, L, V] with all_logits)."""
+        token [m, V] (or of every position [m, L, V] with all_logits). ``routes`` (from
+        `new_routes((m, max_len))`) records the MoE routing of every position, pads included."""
         c, m = self.cfg, len(seqs)
         lens = [len(s) for s in seqs]
         T = max(lens)
@@ -315,6 +384,7 @@ class CausalLM:
             ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         cache.ensure(first_slot + m, T)
         cos, sin = self.cos[:T], self.sin[:T]
+        pos = torch.arange(T)
         x = F.embedding(ids, self.embed)
         for li, L in enumerate(self.layers):
             h = rms_norm(x, L["in_norm"], c.rms_norm_eps)
@@ -325,25 +395,30 @@ class CausalLM:
             cache.k[li][first_slot : first_slot + m, :, :T] = k
             cache.v[li][first_slot : first_slot + m, :, :T] = v
             # Right padding + causal mask: a real query never sees a pad key (pads come later).
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            W = self._window(li)
+            if W is None or W >= T:
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:  # query i sees keys i-W < j <= i
+                d = pos.unsqueeze(1) - pos.unsqueeze(0)
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=(d >= 0) & (d < W), enable_gqa=True)
             x = x + F.linear(a.transpose(1, 2).reshape(m, T, -1), L["o"], L["o_b"])
-            x = self._mlp(L, x)
+            x = self._mlp(L, x, routes)
         if all_logits:
             return self._logits(x)
         last = x[torch.arange(m), torch.tensor(lens) - 1]
         return self._logits(last)
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token for each running slot 0..B-1 at `positions` [B]; returns fp32 logits [B, V]."""
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+               routes: Optional[Routes] = None) -> torch.Tensor:
+        """One token for each running slot 0..B-1 at `positions` [B]; returns fp32 logits [B, V].
+        ``routes`` (from `new_routes((B,))`) records the MoE routing of each row's token."""
         c, B = self.cfg, tokens.shape[0]
         T = int(positions.max()) + 1
         cache.ensure(B, T)
         rows = torch.arange(B)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        # Additive mask: -inf where t > positions[b] (another row's longer history or stale slots).
-        future = torch.arange(T).unsqueeze(0) > positions.unsqueeze(1)
-        mask = torch.zeros(B, 1, 1, T, dtype=self.dtype).masked_fill_(future.view(B, 1, 1, T), float("-inf"))
+        masks = self._decode_masks(positions, T)
         x = F.embedding(tokens, self.embed)
         for li, L in enumerate(self.layers):
             h = rms_norm(x, L["in_norm"], c.rms_norm_eps)
@@ -353,9 +428,25 @@ class CausalLM:
             kc, vc = cache.k[li], cache.v[li]
             kc[rows, :, positions] = k
             vc[rows, :, positions] = v
+            lo, mask = masks[self._window(li)]
             a = F.scaled_dot_product_attention(
-                q.unsqueeze(2), kc[:B, :, :T], vc[:B, :, :T], attn_mask=mask, enable_gqa=True
+                q.unsqueeze(2), kc[:B, :, lo:T], vc[:B, :, lo:T], attn_mask=mask, enable_gqa=True
             )
             x = x + F.linear(a.reshape(B, -1), L["o"], L["o_b"])
-            x = self._mlp(L, x)
+            x = self._mlp(L, x, routes)
         return self._logits(x)
+
+    def _decode_masks(self, positions: torch.Tensor, T: int) -> dict:
+        """{window or None: (first key read, additive mask [B, 1, 1, T - first])}. Keys after a
+        row's position (another row's longer history, stale slots) and, in a windowed layer, keys
+        at or before ``position - W`` get -inf; keys before every row's window are not read."""
+        B, out = positions.shape[0], {}
+        for W in {self._window(li) for li in range(self.cfg.num_layers)}:
+            lo = 0 if W is None else max(0, int(positions.min()) - W + 1)
+            t = torch.arange(lo, T).unsqueeze(0)
+            hide = t > positions.unsqueeze(1)
+            if W is not None:
+                hide |= t <= (positions - W).unsqueeze(1)
+            mask = torch.zeros(B, 1, 1, T - lo, dtype=self.dtype)
+            out[W] = (lo, mask.masked_fill_(hide.view(B, 1, 1, T - lo), float("-inf")))
+        return out

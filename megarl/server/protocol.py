@@ -18,6 +18,15 @@ with logprob = log_softmax of the raw fp32 logits (temperature 1, before top-k/t
 it; ``weight_version`` is the server's version when the response was built. Tokens that stopped
 generation (EOS, stop_token_ids, the token completing a stop string) stay in output_ids; ``text``
 is cut before a matched stop string.
+
+MoE routing (server started with ``--enable-return-routed-experts``, request
+``"return_routed_experts": true``; a 400 otherwise): ``meta_info["routed_experts"]`` is base64 of
+the int32 array [rows, num_hidden_layers, num_experts_per_tok] (C order, little-endian) - the
+expert ids each position was routed to, SGLang's field and layout - and, a megarl extension,
+``meta_info["routed_expert_weights"]`` the float32 routing weights in the same layout (the
+weights the MoE layer multiplied the experts' outputs by). rows = prompt_tokens +
+completion_tokens - 1: row j is the routing of the forward that fed token j (and sampled token
+j + 1); the last output token is never fed. Layers without experts have ids -1 and weights 0.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megarl.server.moe import b64_array
 from megarl.server.sampling import SamplingConfig
 
 _KNOWN_SAMPLING = {
@@ -37,7 +47,7 @@ _KNOWN_SAMPLING = {
 }
 
 
-_KNOWN_TOP = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream"}
+_KNOWN_TOP = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream", "return_routed_experts"}
 # SGLang GenerateReqInput fields the CPU server does not implement, accepted at these values only
 _NOOP_TOP = {
     "logprob_start_len": (-1, None), "top_logprobs_num": (0, None), "return_text_in_logprobs": (False, None),
@@ -56,6 +66,7 @@ class SampleSpec:
     group: str
     input_ids: list[int]
     params: SamplingConfig
+    return_routed_experts: bool = False
 
 
 def _num(d: dict, key: str, kind, default, lo=None, hi=None, where="sampling_params"):
@@ -130,8 +141,10 @@ def _token_list(v: Any, where: str, vocab: int) -> list[int]:
     return v
 
 
-def parse_generate(body: Any, vocab: int, tokenizer, context_length: int) -> tuple[list[SampleSpec], bool, bool]:
-    """Returns (samples, return_logprob, is_batch). Raises BadRequest naming the field."""
+def parse_generate(body: Any, vocab: int, tokenizer, context_length: int,
+                   routes_enabled: bool = False) -> tuple[list[SampleSpec], bool, bool]:
+    """Returns (samples, return_logprob, is_batch). Raises BadRequest naming the field.
+    ``routes_enabled``: the server was started with --enable-return-routed-experts."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     _check_top_level(body)
@@ -175,6 +188,7 @@ def parse_generate(body: Any, vocab: int, tokenizer, context_length: int) -> tup
     return_logprob = body.get("return_logprob", False)
     if not isinstance(return_logprob, bool):
         raise BadRequest("return_logprob must be a bool")
+    want_routes = _routes_flag(body, routes_enabled)
     samples = []
     for rid, prompt, (cfg, n) in zip(rids, prompts, parsed):
         if len(prompt) >= context_length:
@@ -184,8 +198,17 @@ def parse_generate(body: Any, vocab: int, tokenizer, context_length: int) -> tup
             if n > 1 and seed is not None:
                 seed = seed * 1_000_003 + j  # distinct, reproducible streams per sample
             c = cfg if seed == cfg.seed else SamplingConfig(**{**cfg.__dict__, "seed": seed})
-            samples.append(SampleSpec(rid if n == 1 else f"{rid}-{j}", rid, list(prompt), c))
+            samples.append(SampleSpec(rid if n == 1 else f"{rid}-{j}", rid, list(prompt), c, want_routes))
     return samples, return_logprob, is_batch or any(n > 1 for _, n in parsed)
+
+
+def _routes_flag(body: dict, routes_enabled: bool) -> bool:
+    want = body.get("return_routed_experts", False)
+    if not isinstance(want, bool):
+        raise BadRequest("return_routed_experts must be a bool")
+    if want and not routes_enabled:
+        raise BadRequest("return_routed_experts: the server was started without --enable-return-routed-experts")
+    return want
 
 
 def _check_top_level(body: dict) -> None:
@@ -223,4 +246,8 @@ def build_response(seq, return_logprob: bool, tokenizer, weight_version: str, no
     }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.out_logprobs, seq.out_ids)]
+    if seq.want_routes:
+        ids, weights = seq.routes()
+        meta["routed_experts"] = b64_array(ids, "int32")
+        meta["routed_expert_weights"] = b64_array(weights, "float32")
     return {"text": text, "output_ids": list(seq.out_ids), "meta_info": meta}

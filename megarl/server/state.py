@@ -38,6 +38,7 @@ class ServerState:
     groups: dict = field(default_factory=dict)  # group_name -> process group
     started: float = field(default_factory=time.time)
     weights_roots: tuple[str, ...] = ()  # real paths /update_weights_from_disk may read under
+    return_routed_experts: bool = False  # --enable-return-routed-experts (MoE models only)
 
 
 def default_weights_roots(model_dir: str) -> list[str]:

@@ -5,13 +5,15 @@ dead servers, admin errors, the gate."""
 from __future__ import annotations
 
 import asyncio
+import base64
 
+import numpy as np
 import pytest
 from aiohttp import web
 
 from megarl.rollout.admin import AdminClient
-from megarl.rollout.client import AdminError, RolloutClient, ServerRequestError
-from megarl.rollout.types import DiskWeightsUpdate, ModelRequest, SamplingParams
+from megarl.rollout.client import AdminError, RolloutClient, RolloutError, ServerRequestError
+from megarl.rollout.types import DiskWeightsUpdate, ModelRequest, RoutedExperts, SamplingParams
 
 
 class Fake:
@@ -144,3 +146,69 @@ def test_admin_failure_names_the_server_and_pause_gates_new_segments():
             await f.runner.cleanup()
 
     run(main())
+
+
+def _routes(rows: int, base: int, layers: int = 2, top_k: int = 2) -> np.ndarray:
+    """int32 [rows, layers, top_k] whose entry is base + row (so the source of each row shows)."""
+    return np.broadcast_to((base + np.arange(rows, dtype=np.int32))[:, None, None], (rows, layers, top_k)).copy()
+
+
+def _with_routes(reply: dict, ids: np.ndarray, weights=None) -> dict:
+    reply["meta_info"]["routed_experts"] = base64.b64encode(ids.astype("<i4").tobytes()).decode()
+    if weights is not None:
+        reply["meta_info"]["routed_expert_weights"] = base64.b64encode(weights.astype("<f4").tobytes()).decode()
+    return reply
+
+
+def test_routed_experts_are_requested_decoded_and_stitched_across_segments():
+    """Segment 1 (prompt 2 + 3 tokens, aborted) covers rows 0..3; the resubmitted segment 2 covers
+    rows 0..8 of the longer prompt: rows 0..3 stay segment 1's, rows 4..8 come from segment 2. The
+    second server sends ids only (as SGLang does), so the sample has no weights."""
+    def script(fake, body):
+        assert body["return_routed_experts"] is True
+        n_in = len(body["input_ids"])
+        if len(fake.calls) == 1:
+            ids = _routes(n_in + 3 - 1, 100)
+            return 200, _with_routes(sglang_reply([10, 11, 12], {"type": "abort"}, "4"), ids, ids * 0.5)
+        return 200, _with_routes(sglang_reply([20] * 5, {"type": "length", "length": 5}, "5"), _routes(n_in + 4, 200))
+
+    async def main():
+        fake = await Fake(script).start()
+        async with RolloutClient([fake.url], routed_experts=(2, 2)) as c:
+            r = await c.agenerate(ModelRequest([1, 2], SamplingParams(max_new_tokens=8)))
+        await fake.runner.cleanup()
+        return r
+
+    r = run(main())
+    routes = r.routed_experts
+    assert routes.rows == r.input_len + r.output_len - 1 == 9 and routes.ids.dtype == np.int32
+    assert routes.ids[:, 0, 0].tolist() == [100, 101, 102, 103, 204, 205, 206, 207, 208]
+    assert routes.ids.shape == (9, 2, 2) and routes.weights is None
+
+
+def test_routed_experts_decode_checks_and_errors():
+    ids, w = _routes(3, 7, layers=4, top_k=2), np.full((3, 4, 2), 0.25, np.float32)
+    meta = _with_routes({"meta_info": {}}, ids, w)["meta_info"]
+    got = RoutedExperts.from_meta(meta, 4, 2)
+    assert np.array_equal(got.ids, ids) and np.array_equal(got.weights, w) and got.rows == 3
+    with pytest.raises(ValueError, match="whole number"):
+        RoutedExperts.from_meta(meta, 5, 2)  # 24 values are no whole number of [5, 2] rows
+    with pytest.raises(ValueError, match="no routed_experts"):
+        RoutedExperts.from_meta({}, 4, 2)
+    first = RoutedExperts(ids[:2], w[:2])
+    both = first.extend(RoutedExperts(_routes(5, 50, 4, 2), np.zeros((5, 4, 2), np.float32)))
+    assert both.ids[:, 0, 0].tolist() == [7, 8, 52, 53, 54] and both.weights[:2].tolist() == w[:2].tolist()
+
+    def script(fake, body):  # a server that ignores return_routed_experts
+        return 200, sglang_reply([3], {"type": "length", "length": 1}, "0")
+
+    async def main():
+        fake = await Fake(script).start()
+        try:
+            async with RolloutClient([fake.url], routed_experts=(4, 2)) as c:
+                await c.agenerate(ModelRequest([1], SamplingParams(max_new_tokens=1)))
+        finally:
+            await fake.runner.cleanup()
+
+    with pytest.raises(RolloutError, match="enable-return-routed-experts"):
+        run(main())
