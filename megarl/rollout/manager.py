@@ -220,7 +220,9 @@ class RolloutManager:
                 self.evaluator.submit(self.controller, msg.step, msg.version)
             return None
         if isinstance(msg, EvalPoll):
-            return self.evaluator.poll(wait=msg.wait) if self.evaluator is not None else {}
+            if self.evaluator is None:
+                return {}
+            return self.evaluator.poll(wait=msg.wait, timeout_s=msg.timeout_s, diagnose=self.controller.diagnose)
         if isinstance(msg, StateRequest):
             return self.controller.state_dict()
         if isinstance(msg, Close):

@@ -225,8 +225,12 @@ class RolloutSide:
         if self.ps.rank == 0:
             self._request(EvalSubmit(step, version))
 
-    def poll_eval(self, wait: bool) -> dict:
-        return self._request(EvalPoll(wait), 3600.0 if wait else 60.0) if self.ps.rank == 0 else {}
+    def poll_eval(self, wait: bool, timeout_s: float = 600.0) -> dict:
+        """Finished evaluations' metrics; ``wait``: all of them, within ``timeout_s`` (the manager
+        raises past it, naming what the evaluation waits on)."""
+        if self.ps.rank != 0:
+            return {}
+        return self._request(EvalPoll(wait, timeout_s), timeout_s + 30.0 if wait else 60.0)
 
     def state_dict(self) -> dict:
         return self._request(StateRequest(), 120.0) if self.ps.rank == 0 else {}

@@ -70,3 +70,14 @@ def test_greedy_accuracy_through_generate(tmp_path):
 def test_empty_sample_list_is_an_error():
     with pytest.raises(ValueError, match="at least one"):
         asyncio.run(evaluate_samples(None, [], arith_exact_match, SamplingParams(), None))
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    from megarl.rollout.evaluation import pass_at_k
+
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2) / C(5,2)
+    assert pass_at_k(10, 1, 1) == pytest.approx(0.1) and pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert pass_at_k(4, 0, 2) == 0.0 and pass_at_k(4, 3, 2) == 1.0  # 1 wrong cannot fill k=2
+    assert pass_at_k(8, 2, 4) == pytest.approx(1 - 15 / 70)  # C(6,4) / C(8,4)
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(2, 1, 3)
