@@ -37,7 +37,10 @@ def train(tmp_path, *extra, env=None) -> tuple[subprocess.CompletedProcess, floa
 
 
 def last_line(proc) -> str:
-    return proc.stderr.strip().splitlines()[-1]
+    """The run's error: exactly one line of stderr starts with the program's name."""
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("megarl-train: ")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
 
 
 def assert_nothing_saved(tmp_path) -> None:
@@ -52,7 +55,7 @@ def test_reward_that_never_returns_stops_the_run_as_a_reward_stall(tmp_path):
                        "reward.executor=thread")
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = last_line(proc)
-    assert line.startswith("megarl-train: ") and "rollout stalled: 0/4 groups of the step after 5 s" in line
+    assert "rollout stalled: 0/4 groups of the step after 5 s" in line, line
     assert "(train.stall_timeout_s); phase: reward (16 call(s) running" in line, line
     assert "requests in flight: none" in line
     assert took < 60

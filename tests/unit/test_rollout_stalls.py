@@ -208,3 +208,30 @@ def test_push_waiting_for_a_hung_server_fails_within_the_push_deadline(silent_se
     msg = str(e.value)
     assert msg.startswith("weight push stalled: requests still running under the old weights after 1 s")
     assert "phase: held for a weight push" in msg and silent_server in msg
+
+
+class _Cluster:
+    timeout_s = 0.3
+
+    def __init__(self):
+        self.ended = []
+
+    def end_push(self, version):
+        self.ended.append(version)
+
+
+def test_push_tail_does_not_publish_a_version_whose_load_is_still_running():
+    """The manager's finish_push: with a weight-update call still in flight past weights.timeout_s
+    the version is not flipped (end_push(None): resume only) and the push's tail fails, naming it."""
+    from megarl.rollout.manager import RolloutManager
+
+    m = RolloutManager(cfg=None)
+    m.cluster = _Cluster()
+    m._inflight = 1  # an /update_weights_from_* call that never returned
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"weight push stalled: 1 weight-update call\(s\) still running after "
+                                           r"0.3 s \(weights.timeout_s\); version 4 not published"):
+        m.finish_push(4)
+    assert 0.3 <= time.monotonic() - t0 < 2.0 and m.cluster.ended == [None]
+    m._inflight = 0
+    assert "commit_s" in m.finish_push(5) and m.cluster.ended == [None, 5]
