@@ -147,7 +147,9 @@ def test_refused_requests_stop_the_run_with_the_servers_message(http_server, tmp
 
 def test_a_success_in_between_resets_the_failure_count(http_server):
     """One episode at a time; the 2nd and 4th prompts drawn fail: never 2 in a row, no stop."""
-    c = make(http_server(refuse=False), max_consecutive_failures=2, max_retries=0, max_concurrent=1)
+    # max_staleness 3: room for 4 batches at version 0 (the stand-in server reports version 0)
+    c = make(http_server(refuse=False), max_consecutive_failures=2, max_retries=0, max_concurrent=1,
+             max_staleness=3)
     order = ResumableSampler(32, seed=0)
     failing = [order.next_index() for _ in range(4)][1::2]
     run = c.workflow.arun_episode
@@ -162,7 +164,6 @@ def test_a_success_in_between_resets_the_failure_count(http_server):
     try:
         for _ in range(3):
             assert len(c.next_batch(2, timeout_s=20.0)) == 4
-            c.versions.commit(c.versions.version + 1)  # the push: the staleness window moves
     finally:
         c.stop()
     assert c.counters["failed"] == 2
