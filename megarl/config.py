@@ -178,6 +178,10 @@ class TrainConfig:
     trigger_parameter_sync_step: int = bounded(1, ge=1)
     """RL (verl fully-async): training steps per weight push; the policy version advances once per
     push, so staleness is counted in pushes of trigger_parameter_sync_step x batch samples."""
+    stall_timeout_s: float = bounded(600.0, gt=0, le=86400)
+    """RL: longest wait for a step's batch and for an evaluation the step waits on; past it the
+    run stops with one line naming the stalled phase (generate, reward, held for a push, ...), the
+    servers with requests in flight and the last errors (docs/reliability.md). Nothing is saved."""
 
     def validate(self) -> None:
         _check(self, "train")
@@ -268,6 +272,9 @@ class LoggingConfig:
     dump_generations: bool = False
     """RL: append every trained sample (prompt index, completion, reward, per-token versions and
     behaviour logprobs) to <run_dir>/generations.jsonl."""
+    dump_eval_generations: bool = False
+    """RL: append every evaluation episode (step, version, prompt, completion, reward, greedy or
+    sampled) to <run_dir>/eval_generations.jsonl when the evaluation is reported."""
 
     def validate(self) -> None:
         _check(self, "logging")
@@ -327,7 +334,11 @@ class RolloutConfig:
     when its /health answers again) and training goes on; below this many the run stops."""
     max_retries: int = bounded(2, ge=0)
     """Re-runs of an episode whose workflow raised; then its prompt is recorded as failed
-    (<run_dir>/failed_prompts.jsonl)."""
+    (<run_dir>/failed_prompts.jsonl). A request the server refused (HTTP 4xx) is not re-run."""
+    max_consecutive_failures: int = bounded(8, ge=1)
+    """Prompts failing in a row with the same error (none trained in between) before the run
+    stops with that error: a server refusing every request (HTTP 4xx) or a reward that always
+    raises ends the run in seconds, not after train.stall_timeout_s of retries."""
     max_concurrent: int = bounded(64, ge=1)
     """Episodes (prompt groups) generating at once."""
     reward_fn: str = "megarl.rewards:arith_exact_match"
@@ -341,16 +352,18 @@ class RolloutConfig:
     """The workflow's own options, passed as keyword arguments (e.g. {max_turns: 4, tools:
     [calculator, python]}); see docs/tasks.md."""
     eval_interval: int = bounded(0, ge=0)
-    """Evaluate on data.eval_path every N steps (0 = only at the end, if eval_path is set): greedy
-    pass@1 with rollout.reward_fn, run beside training and reported with the version it measured."""
+    """Evaluate on data.eval_path every N steps (0 = only at the end, if eval_path is set): the
+    configured rollout.workflow (turns, tools and their schemas) run greedily (temperature 0),
+    pass@1 with rollout.reward_fn, beside training, reported with the version it measured."""
     eval_size: int = bounded(500, ge=1)
     """Held-out prompts per evaluation."""
     eval_at_start: bool = False
     """Also evaluate before the first step of a fresh run, logged as step 0 (the start accuracy of
     the learning curve)."""
     eval_k: int = bounded(0, ge=0)
-    """Also sample k completions per eval prompt (at rollout.temperature) and report their mean
-    reward (eval/mean_reward_at_k); 0 = greedy pass@1 only."""
+    """Also run the workflow k times per eval prompt at rollout.temperature and report the
+    unbiased pass@k (eval/pass@k) and their mean reward (eval/mean_reward_at_k); 0 = greedy
+    pass@1 only."""
 
     def validate(self) -> None:
         _check(self, "rollout")

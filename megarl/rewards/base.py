@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import math
 import threading
+import time
 from typing import Any, Optional, Protocol
 
 from megarl.rewards.loader import is_async_callable, load_reward_fn
@@ -93,6 +95,13 @@ class RewardCaller:
         self.pool = None if self.is_async else pool  # coroutines never block the loop
         self._threads = _DaemonThreads(max_threads, "megarl-reward")
         self.counts: collections.Counter = collections.Counter()
+        self._calls: dict[int, float] = {}  # in-flight call -> start (monotonic): what a stall waits on
+        self._ids = itertools.count()
+
+    def in_flight(self) -> tuple[int, float]:
+        """(reward calls running now, seconds the oldest of them has run)."""
+        starts = list(self._calls.values())
+        return len(starts), (time.monotonic() - min(starts)) if starts else 0.0
 
     @classmethod
     def from_config(cls, path: str, reward_cfg) -> "RewardCaller":
@@ -113,6 +122,8 @@ class RewardCaller:
 
     async def __call__(self, prompt: str, completion: str, meta: dict) -> float:
         self.counts["calls"] += 1
+        call_id = next(self._ids)
+        self._calls[call_id] = time.monotonic()
         try:
             call = self._run(prompt, completion, meta)
             if self.timeout_s > 0 and self.pool is None:  # a pool times its calls itself
@@ -130,6 +141,8 @@ class RewardCaller:
         except Exception as e:  # noqa: BLE001 - user code: any failure is mapped the same way
             self.counts["errors"] += 1
             return self._failed(f"reward failed: {type(e).__name__}: {e}")
+        finally:
+            self._calls.pop(call_id, None)
 
     def _failed(self, message: str) -> float:
         if self.on_error_value is None:

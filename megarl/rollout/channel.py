@@ -100,7 +100,10 @@ class EvalSubmit:
 
 @dataclass
 class EvalPoll:
+    """Driver -> manager: metrics of finished evaluations; ``wait``: block until all submitted
+    ones are done, at most ``timeout_s`` (then the error names what the evaluation waits on)."""
     wait: bool = False
+    timeout_s: float = 600.0
 
 
 @dataclass

@@ -16,10 +16,16 @@
                                              rollouts under the new version.
 
 Every prompt the controller draws ends as exactly one of: trained (handed to the trainer),
-filtered (counted per filter) or failed (the workflow raised ``max_retries + 1`` times; recorded
-with its error). Until then it is *pending*: running, buffered or waiting to be re-issued. A
+filtered (counted per filter) or failed (the workflow raised ``max_retries + 1`` times, or once
+when a server refused the request with a 4xx; recorded with its error). Until then it is
+*pending*: running, buffered or waiting to be re-issued. A
 checkpoint stores the pending prompt indices, so a restarted run re-issues exactly the prompts
 that were not trained yet - none twice, none lost.
+
+Nothing waits forever: ``max_consecutive_failures`` prompts failing in a row with the same error
+stop the run with that error (a server refusing every request), and a batch not ready within
+``next_batch``'s deadline raises `RolloutStalled`, whose message says what the rollouts were
+doing (`diagnose`: the phase, requests in flight per server, reward calls, the last errors).
 
 The trainer thread only talks to the controller through these thread-safe methods; every call
 into the event loop goes through ``run_coroutine_threadsafe`` with a deadline. The policy version
@@ -39,11 +45,27 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megarl.data.datasets import PromptDataset, ResumableSampler
-from megarl.rollout.client import RolloutClient
+from megarl.rollout.client import RolloutClient, ServerRequestError
 from megarl.rollout.staleness import EpisodeState, StalenessManager, VersionProvider
 from megarl.rollout.types import Trajectory
 
 log = logging.getLogger("megarl.controller")
+
+
+class RolloutStalled(TimeoutError):
+    """No batch within the deadline (train.stall_timeout_s); the message names the stalled phase."""
+
+
+class RolloutFailed(RuntimeError):
+    """Prompts keep failing with one error (rollout.max_consecutive_failures): the run stops."""
+
+
+def error_key(e: BaseException) -> str:
+    """What makes two failures "the same error": a server's refusal by its status and message
+    (whichever server said it), anything else by its type and text."""
+    if isinstance(e, ServerRequestError):
+        return f"HTTP {e.status}: {e.message}"
+    return f"{type(e).__name__}: {e}"
 
 
 @dataclass
@@ -60,7 +82,8 @@ class RolloutController:
                  *, batch_groups: int, max_staleness: float, max_concurrent: int, seed: int = 0,
                  api_key: Optional[str] = None, dynamic_sampling: bool = False,
                  partial_rollout: bool = True, max_retries: int = 2, failed_log: Optional[str] = None,
-                 timeline=None, sampling_seed: Optional[int] = None, client_kwargs: Optional[dict] = None):
+                 timeline=None, sampling_seed: Optional[int] = None, client_kwargs: Optional[dict] = None,
+                 max_consecutive_failures: int = 8, hold_timeout_s: float = 600.0):
         self.dataset, self.workflow, self.versions = dataset, workflow, versions
         self.sampler = (dataset.make_sampler(seed) if hasattr(dataset, "make_sampler")  # honours data.shuffle
                         else ResumableSampler(len(dataset), seed=seed))
@@ -68,6 +91,9 @@ class RolloutController:
         self.dynamic_sampling, self.partial_rollout = dynamic_sampling, partial_rollout
         self.max_retries, self.failed_log, self.timeline = max_retries, failed_log, timeline
         self.sampling_seed = sampling_seed
+        self.max_consecutive_failures, self.hold_timeout_s = max_consecutive_failures, hold_timeout_s
+        self._failing: tuple[str, int] = ("", 0)  # (error key, prompts failed in a row with it)
+        self._fatal: Optional[str] = None  # set once the failures in a row reach the bound
         self._servers, self._api_key, self._client_kwargs = servers, api_key, client_kwargs or {}
         self._episode = 0
         self._draws = 0  # prompts drawn from the sampler so far: draw d is epoch d // n, slot d % n
@@ -135,7 +161,8 @@ class RolloutController:
 
     async def _executor(self) -> None:
         while not self._stopping:
-            for _ in range(self.staleness.try_start(self.staleness.max_concurrent)):
+            # once prompts keep failing the run stops: no more prompts are spent on it
+            for _ in range(0 if self._fatal else self.staleness.try_start(self.staleness.max_concurrent)):
                 self._episode += 1
                 draw, index = self._next_prompt()
                 self._running[self._episode] = (draw, index)
@@ -169,7 +196,8 @@ class RolloutController:
 
     async def _attempts(self, index: int, draw: int) -> Optional[list[Trajectory]]:
         """The workflow on one prompt, retried when it raises (a transient server or reward
-        error must not lose the prompt); None when filtered or failed for good."""
+        error must not lose the prompt); None when filtered or failed for good. A request the
+        server refused (4xx) fails at once: the same request would be refused again."""
         sample = self.dataset[index]
         if self.sampling_seed is not None:  # a seeded run: the draw decides the sampled tokens
             sample = dataclasses.replace(sample, seed=(self.sampling_seed * 1_000_003 + draw) % 2**62)
@@ -181,38 +209,52 @@ class RolloutController:
             except Exception as e:  # noqa: BLE001 - one bad episode must not stop the executor
                 error = f"{type(e).__name__}: {e}"
                 self._errors.append(error)
-                if attempt < self.max_retries:
+                if attempt < self.max_retries and not isinstance(e, ServerRequestError):
                     self.counters["retries"] += 1
                     log.warning("prompt %d attempt %d failed (retrying): %s", index, attempt + 1, error)
                     continue
-                self._record_failure(index, error)
+                self._record_failure(index, error, attempt + 1, error_key(e))
                 return None
+            self._failing = ("", 0)  # a prompt got through: the failures are not systematic
             if group is None:  # the workflow's own filter
                 self.counters["filtered/workflow"] += 1
             return group
         return None
 
-    def _record_failure(self, index: int, error: str) -> None:
+    def _record_failure(self, index: int, error: str, attempts: int, key: str) -> None:
         self.counters["failed"] += 1
-        log.warning("prompt %d failed after %d attempts: %s", index, self.max_retries + 1, error)
+        log.warning("prompt %d failed after %d attempt(s): %s", index, attempts, error)
         if self.failed_log:
             with open(self.failed_log, "a") as f:
-                f.write(json.dumps({"prompt_index": index, "attempts": self.max_retries + 1,
+                f.write(json.dumps({"prompt_index": index, "attempts": attempts,
                                     "error": error, "version": self.versions.get_version()}) + "\n")
+        same = self._failing[1] + 1 if self._failing[0] == key else 1
+        self._failing = (key, same)
+        if same >= self.max_consecutive_failures and self._fatal is None:
+            self._fatal = (f"rollout: {same} prompts in a row failed with the same error "
+                           f"(rollout.max_consecutive_failures), last {' '.join(error.split())[:500]}")
+            with self._ready:
+                self._ready.notify_all()
 
     # ------------------------------------------------------------------ trainer-thread API
     def next_batch(self, n_groups: int, timeout_s: float = 600.0) -> list[Trajectory]:
         """The oldest ``n_groups`` finished groups, flattened; blocks until they exist. The
-        prompts of the returned groups count as trained from here on."""
+        prompts of the returned groups count as trained from here on. Raises `RolloutFailed`
+        when prompts keep failing, `RolloutStalled` after ``timeout_s`` without the batch."""
         deadline = time.monotonic() + timeout_s
         groups: list[Group] = []
         with self._ready:
             while len(groups) < n_groups:
                 while not self._buffer:
                     left = deadline - time.monotonic()
+                    if self._fatal is not None or left <= 0:
+                        self._buffer.extendleft(reversed(groups))  # nothing taken: none trained
+                    if self._fatal is not None:
+                        raise RolloutFailed(self._fatal)
                     if left <= 0:
-                        raise TimeoutError(f"rollout: {len(groups)}/{n_groups} groups after "
-                                           f"{timeout_s:.0f} s; recent errors: {list(self._errors)}")
+                        raise RolloutStalled(f"rollout stalled: {len(groups)}/{n_groups} groups of the "
+                                             f"step after {timeout_s:g} s (train.stall_timeout_s); "
+                                             f"{self.diagnose()}")
                     self._ready.wait(timeout=min(left, 1.0))
                 group = self._buffer.popleft()
                 if self._too_stale(group):
@@ -222,6 +264,34 @@ class RolloutController:
         # in draw order, not completion order: the same groups make the same batch (seeded runs)
         groups.sort(key=lambda g: g.draw)
         return [t for g in groups for t in g.trajectories]
+
+    def diagnose(self) -> str:
+        """What the rollouts are doing now, in one line: the phase they wait in, the requests in
+        flight per server, the reward calls running and the last errors."""
+        c = self.client
+        per_server = {s.address: s.inflight for s in c.servers if s.inflight} if c is not None else {}
+        held = c is not None and c.held
+        rewards, oldest = self.reward.in_flight() if self.reward is not None else (0, 0.0)
+        running = len(self._running)
+        if held:
+            phase = "held for a weight push (generation paused)"
+        elif per_server:
+            phase = "generate (requests sent, no answer yet)"
+        elif rewards:
+            phase = f"reward ({rewards} call(s) running, oldest {oldest:.0f} s)"
+        elif running == 0:
+            phase = "no episode running (staleness window or max_concurrent used up)"
+        else:
+            phase = "workflow (episodes running, no request or reward in flight)"
+        servers = ", ".join(f"{a} ({n})" for a, n in per_server.items()) or "none"
+        dead = [s.address for s in c.servers if not s.alive] if c is not None else []
+        return (f"phase: {phase}; {running} episode(s) running, requests in flight: {servers}"
+                + (f"; dead servers: {', '.join(dead)}" if dead else "")
+                + f"; last errors: {self._last_errors()}")
+
+    def _last_errors(self, n: int = 3) -> str:
+        recent = list(dict.fromkeys(" ".join(e.split())[:200] for e in reversed(self._errors)))[:n]
+        return "; ".join(recent) if recent else "none"
 
     def _too_stale(self, group: Group) -> bool:
         """A group started under the bound but finished late (its server died and its requests
@@ -255,15 +325,22 @@ class RolloutController:
     def hold(self) -> None:
         """Before the servers pause: close the client's gate; without partial rollouts also wait
         until every in-flight request finished under the old weights (evaluation requests are
-        always let finish: they report one version)."""
+        always let finish: they report one version). That wait ends after ``hold_timeout_s``
+        (weights.timeout_s) with `RolloutStalled` naming the servers that still hold requests:
+        the push fails, and its recovery drops the hung servers and retries."""
         if self._thread is None:
             return
 
         async def hold():
             self.client.hold()
-            await self.client.drain(atomic_only=self.partial_rollout)
+            try:
+                await asyncio.wait_for(self.client.drain(atomic_only=self.partial_rollout), self.hold_timeout_s)
+            except asyncio.TimeoutError:
+                raise RolloutStalled(f"weight push stalled: requests still running under the old "
+                                     f"weights after {self.hold_timeout_s:g} s (weights.timeout_s); "
+                                     f"{self.diagnose()}") from None
 
-        self._call(hold)
+        self._call(hold, self.hold_timeout_s + 5.0)
 
     def release(self) -> None:
         if self._thread is not None:

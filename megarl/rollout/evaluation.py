@@ -1,113 +1,222 @@
-"""Held-out evaluation as a rollout workflow: greedy completions through the async client, scored
-by a reward function.
+"""Held-out evaluation through the run's own workflow: the task training is scored on.
 
-Every sample is one greedy request (temperature 0, whatever the given params say) sent at once
-through :class:`~megarl.rollout.client.RolloutClient`, so evaluation gets the client's load
-balancing, retries and partial-rollout resubmission and the servers batch the requests
-themselves. A completion is decoded up to its first EOS (as in training,
-:func:`~megarl.rollout.workflow.completion_text`) and scored with the reward contract
-``reward_fn(prompt, completion, meta)``. With a 0/1 verifier such as
-:func:`~megarl.rewards.arith_exact_match`, ``accuracy`` is the exact-answer rate.
+    eval prompts (data.eval_path, rendered with the workflow's tool schemas, as training's are)
+        |  greedy workflow: group of 1, temperature 0  -> eval_accuracy (greedy pass@1), mean reward
+        |  sampled workflow: group of k, rollout temperature (rollout.eval_k > 0) -> pass@1, pass@k
+        v
+    workflow.arun_episode(AtomicClient(client), sample)     turns, tool calls, rewards: as in training
+        v
+    EvalResult -> metrics (eval/*) and, when asked, rows of <run_dir>/eval_generations.jsonl
+
+The workflow is the configured ``rollout.workflow`` built a second (and third) time with an
+evaluation context, so a multi-turn or tool-calling run is evaluated on the same conversation it
+trains on, not on one greedy completion of a bare prompt. Requests go through
+:class:`AtomicClient`: a weight push waits for them instead of interrupting them, so one
+evaluation measures one policy version. A sample counts as correct when its reward (the
+workflow's, e.g. discounted over turns) is >= ``correct_at``.
+
+pass@k is the unbiased estimator over the n >= k samples of each prompt, c of them correct:
+``1 - C(n - c, k) / C(n, k)``, averaged over prompts (a prompt the workflow rejected scores 0).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import math
 import statistics
+import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from megarl.data.datasets import PromptSample
 from megarl.rewards import RewardFn
 from megarl.rewards.base import RewardCaller
-from megarl.rollout.types import ModelRequest, SamplingParams
-from megarl.rollout.workflows.base import completion_text
+from megarl.rollout.types import SamplingParams, Trajectory
+from megarl.rollout.workflows.base import WorkflowContext
+from megarl.rollout.workflows.single_turn import SingleTurnWorkflow
+
+
+class EvalStalled(TimeoutError):
+    """An evaluation the step waits for did not finish within train.stall_timeout_s."""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that k of the n samples, drawn without replacement, include one of the c
+    correct ones: ``1 - C(n - c, k) / C(n, k)`` (unbiased for pass@k). Needs 1 <= k <= n."""
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+class AtomicClient:
+    """The rollout client as evaluation hands it to a workflow: every request is marked atomic."""
+
+    def __init__(self, client):
+        self.client = client
+
+    @staticmethod
+    def _mark(req):
+        return dataclasses.replace(req, metadata={**req.metadata, "atomic": True})
+
+    async def agenerate(self, req):
+        return await self.client.agenerate(self._mark(req))
+
+    async def agenerate_n(self, req, n: int):
+        return await self.client.agenerate_n(self._mark(req), n)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+@dataclass
+class EvalWorkflows:
+    """The workflow twice: ``greedy`` (group of 1, temperature 0) and ``sampled`` (group of k at
+    the rollout temperature; None when k == 0). ``tokenizer`` decodes the dumped completions."""
+
+    greedy: object
+    sampled: Optional[object]
+    tokenizer: object
+    k: int = 0
+    correct_at: float = 1.0
 
 
 @dataclass(frozen=True)
 class EvalResult:
-    n: int  # samples scored
-    accuracy: float  # fraction with reward >= correct_at (1.0: a full-credit answer): pass@1 greedy
-    mean_reward: float
-    mean_reward_at_k: Optional[float] = None  # mean reward of k sampled completions per prompt
+    n: int  # prompts evaluated
+    accuracy: float  # greedy pass@1: fraction with reward >= correct_at
+    mean_reward: float  # of the greedy episodes
+    k: int = 0
+    pass_at_k: Optional[float] = None  # over the k sampled episodes per prompt
+    pass_at_1: Optional[float] = None  # the same samples, pass@1 (mean fraction correct)
+    mean_reward_at_k: Optional[float] = None
     versions: tuple[int, ...] = ()  # policy versions that produced the completions
+    mean_turns: Optional[float] = None  # greedy episodes of a multi-turn workflow
+    tool_calls: Optional[float] = None  # tool calls per greedy episode (tool-calling workflows)
+    rows: tuple[dict, ...] = ()  # one per episode: what eval_generations.jsonl records
+
+
+def _row(tok, s: PromptSample, t: Trajectory, kind: str) -> dict:
+    turns = t.info.get("turns") or []
+    return {"index": s.index, "kind": kind, "prompt": s.prompt,
+            "completion": tok.decode(t.input_ids[len(s.prompt_ids):]),  # every turn after the prompt
+            "final": t.info.get("completion"), "reward": t.reward, "version": t.min_version,
+            "turns": t.info.get("num_turns", 1), "tool_calls": sum(x.get("tool_calls", 0) for x in turns)}
+
+
+async def evaluate(client, samples: Sequence[PromptSample], wfs: EvalWorkflows) -> EvalResult:
+    """Every sample through the greedy workflow (and the sampled one with k > 0), concurrently."""
+    if not samples:
+        raise ValueError("evaluation needs at least one prompt sample")
+    atomic = AtomicClient(client)
+    runs = [wfs.greedy.arun_episode(atomic, s) for s in samples]
+    if wfs.sampled is not None:
+        runs += [wfs.sampled.arun_episode(atomic, s) for s in samples]
+    groups = [g or [] for g in await asyncio.gather(*runs)]  # None: rejected by the workflow
+    n, tok = len(samples), wfs.tokenizer
+    greedy = [g[:1] for g in groups[:n]]
+    rows = [_row(tok, s, t, "greedy") for s, g in zip(samples, greedy) for t in g]
+    rewards = [g[0].reward if g else 0.0 for g in greedy]
+    out = {"n": n, "accuracy": sum(r >= wfs.correct_at for r in rewards) / n,
+           "mean_reward": statistics.fmean(rewards)}
+    if wfs.sampled is not None:
+        sampled = groups[n:]
+        rows += [_row(tok, s, t, "sampled") for s, g in zip(samples, sampled) for t in g]
+        out["k"] = wfs.k
+        out["pass_at_1"], out["pass_at_k"] = (statistics.fmean(
+            pass_at_k(len(g), sum(t.reward >= wfs.correct_at for t in g), j) if len(g) >= j else 0.0
+            for g in sampled) for j in (1, wfs.k))
+        out["mean_reward_at_k"] = statistics.fmean([t.reward for g in sampled for t in g] or [0.0])
+    firsts = [g[0] for g in greedy if g]
+    if firsts and "num_turns" in firsts[0].info:
+        out["mean_turns"] = statistics.fmean(t.info["num_turns"] for t in firsts)
+        out["tool_calls"] = statistics.fmean(r["tool_calls"] for r in rows if r["kind"] == "greedy")
+    out["versions"] = tuple(sorted({v for g in groups for t in g for v, m in zip(t.versions, t.loss_mask) if m}))
+    return EvalResult(rows=tuple(rows), **out)
+
+
+def single_turn_workflows(reward: RewardCaller, sampling: SamplingParams, tokenizer, k: int = 0,
+                          max_len: Optional[int] = None, correct_at: float = 1.0) -> EvalWorkflows:
+    """Evaluation of plain prompts with `SingleTurnWorkflow` (no chat template, no tools)."""
+    def ctx(params: SamplingParams, group: int) -> WorkflowContext:
+        return WorkflowContext(tokenizer, reward, params, group, None, max_len)
+
+    greedy = SingleTurnWorkflow(ctx(dataclasses.replace(sampling, temperature=0.0), 1))
+    sampled = SingleTurnWorkflow(ctx(sampling, k)) if k else None
+    return EvalWorkflows(greedy, sampled, tokenizer, k, correct_at)
 
 
 async def evaluate_samples(client, samples: Sequence[PromptSample], reward_fn: RewardFn,
                            sampling: SamplingParams, tokenizer, correct_at: float = 1.0,
                            k: int = 0, max_len: Optional[int] = None) -> EvalResult:
-    """Greedy completion of every sample (concurrently), scored by ``reward_fn``; with ``k`` > 0
-    also k completions per prompt at ``sampling``'s temperature (mean reward at k).
-
-    Requests are marked atomic: a weight push waits for them instead of interrupting them, so
-    one evaluation reports one policy version. ``samples`` need ``prompt_ids`` (a
-    `PromptDataset` built with a tokenizer); ``tokenizer`` decodes the completions. Raises
-    ValueError on an empty sample list. ``max_len``: prompt + completion at most this many tokens
-    (train.max_seq_len; a server refuses a budget past its context).
-    """
+    """Single-turn evaluation of plain prompts (tools/make_tiny_model.py): one greedy completion
+    per sample (temperature 0, whatever ``sampling`` says), k sampled ones with ``k`` > 0.
+    ``max_len``: prompt + completion at most this many tokens."""
     if not samples:
         raise ValueError("evaluation needs at least one prompt sample")
-
-    def request(s, params: SamplingParams) -> ModelRequest:
-        if max_len is not None:
-            params = dataclasses.replace(params, max_new_tokens=max(
-                1, min(params.max_new_tokens, max_len - len(s.prompt_ids))))
-        return ModelRequest(list(s.prompt_ids), params, metadata={"atomic": True})
-
-    greedy = dataclasses.replace(sampling, temperature=0.0)
-    reqs = [(s, request(s, greedy)) for s in samples]
-    for i in range(k):
-        seeded = dataclasses.replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
-        reqs += [(s, request(s, seeded)) for s in samples]
-    responses = await asyncio.gather(*(client.agenerate(r) for _, r in reqs))
-    texts = [completion_text(tokenizer, r.output_tokens) for r in responses]
-    # sync rewards run on the caller's threads (the contract allows blocking code), async ones here
     caller = reward_fn if isinstance(reward_fn, RewardCaller) else RewardCaller(reward_fn)
-    rewards = await asyncio.gather(*(caller(s.prompt, t, s.meta) for (s, _), t in zip(reqs, texts)))
-    n = len(samples)
-    greedy_rewards, sampled = rewards[:n], rewards[n:]
-    versions = tuple(sorted({v for r in responses for v in r.output_versions}))
-    return EvalResult(n=n, accuracy=sum(r >= correct_at for r in greedy_rewards) / n,
-                      mean_reward=statistics.fmean(greedy_rewards),
-                      mean_reward_at_k=statistics.fmean(sampled) if sampled else None,
-                      versions=versions)
+    wfs = single_turn_workflows(caller, sampling, tokenizer, k, max_len, correct_at)
+    return await evaluate(client, samples, wfs)
 
 
 class PeriodicEval:
     """Evaluation that does not block training: ``submit`` starts one on the rollout controller's
     event loop (its client, all servers) at the current policy version; ``poll`` returns the
-    metrics of those that finished, tagged with the version they measured."""
+    metrics of those that finished, tagged with the version they measured, and appends their
+    episodes to ``dump_path`` (logging.dump_eval_generations)."""
 
-    def __init__(self, samples: Sequence[PromptSample], reward_fn: RewardFn, sampling: SamplingParams,
-                 tokenizer, k: int = 0, max_len: Optional[int] = None):
-        self.samples, self.reward_fn, self.sampling = list(samples), reward_fn, sampling
-        self.tokenizer, self.k, self.max_len = tokenizer, k, max_len
+    def __init__(self, samples: Sequence[PromptSample], workflows: EvalWorkflows, dump_path: Optional[str] = None):
+        self.samples, self.workflows, self.dump_path = list(samples), workflows, dump_path
         self._running: list[tuple[int, int, object]] = []  # (step, version, future)
 
     def submit(self, controller, step: int, version: int) -> None:
-        fut = controller.submit(lambda client: evaluate_samples(
-            client, self.samples, self.reward_fn, self.sampling, self.tokenizer, k=self.k, max_len=self.max_len))
+        fut = controller.submit(lambda client: evaluate(client, self.samples, self.workflows))
         self._running.append((step, version, fut))
 
     @property
     def running(self) -> int:
         return len(self._running)
 
-    def poll(self, wait: bool = False, timeout_s: float = 600.0) -> dict:
+    def poll(self, wait: bool = False, timeout_s: float = 600.0,
+             diagnose: Optional[Callable[[], str]] = None) -> dict:
         """Metrics of the finished evaluations (the newest wins when several finished at once);
-        ``wait``: block until all submitted ones are done (the last step)."""
+        ``wait``: block until all submitted ones are done, at most ``timeout_s`` in all (then
+        `EvalStalled`, with ``diagnose()``'s account of what the rollouts wait on)."""
         out: dict = {}
         still = []
+        deadline = time.monotonic() + timeout_s
         for step, version, fut in self._running:
             if not (wait or fut.done()):
                 still.append((step, version, fut))
                 continue
-            res: EvalResult = fut.result(timeout=timeout_s)
-            # atomic requests finish under the version they started with: normally just one
-            measured = res.versions[-1] if len(res.versions) == 1 else version
-            out = {"eval_accuracy": res.accuracy, "eval/mean_reward": res.mean_reward,
-                   "eval/version": measured, "eval/step": step, "eval/n": res.n}
-            if res.mean_reward_at_k is not None:
-                out[f"eval/mean_reward_at_{self.k}"] = res.mean_reward_at_k
+            try:
+                res: EvalResult = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise EvalStalled(f"evaluation stalled: the evaluation of step {step} not done after "
+                                  f"{timeout_s:g} s (train.stall_timeout_s); "
+                                  f"{diagnose() if diagnose else ''}") from None
+            out = self.metrics(res, step, version)
+            self._dump(res, step, out["eval/version"])
         self._running = still
         return out
+
+    def metrics(self, res: EvalResult, step: int, version: int) -> dict:
+        # atomic requests finish under the version they started with: normally just one
+        measured = res.versions[-1] if len(res.versions) == 1 else version
+        out = {"eval_accuracy": res.accuracy, "eval/greedy_pass@1": res.accuracy,
+               "eval/mean_reward": res.mean_reward, "eval/version": measured, "eval/step": step, "eval/n": res.n}
+        if res.pass_at_k is not None:  # over the k sampled episodes per prompt
+            out["eval/pass@1"], out[f"eval/pass@{res.k}"] = res.pass_at_1, res.pass_at_k
+            out[f"eval/mean_reward_at_{res.k}"] = res.mean_reward_at_k
+        if res.mean_turns is not None:
+            out["eval/mean_turns"], out["eval/tool_calls"] = res.mean_turns, res.tool_calls
+        return out
+
+    def _dump(self, res: EvalResult, step: int, version: int) -> None:
+        if not self.dump_path:
+            return
+        with open(self.dump_path, "a") as f:
+            for row in res.rows:
+                f.write(json.dumps({"step": step, "eval_version": version, **row}) + "\n")

@@ -197,13 +197,21 @@ class RolloutManager:
     def finish_push(self, version: int) -> dict:
         """The tail of a push, off the trainer's critical path: wait until every announced bucket
         is loaded (stage sources announce on their own links), flip the servers' version, end the
-        update, commit the version (the staleness window moves), resume generation."""
+        update, commit the version (the staleness window moves), resume generation. A load still
+        running after weights.timeout_s is no version the servers hold: generation resumes on
+        the old one and the error surfaces at the next push (which then checks the servers)."""
         t0 = time.perf_counter()
+        loaded = False
         try:
             with self._updates:
-                self._updates.wait_for(lambda: self._inflight == 0, timeout=self.cluster.timeout_s)
+                loaded = self._updates.wait_for(lambda: self._inflight == 0, timeout=self.cluster.timeout_s)
         finally:
-            self.cluster.end_push(version)
+            # a load still running is not a version the servers hold: resume without the flip
+            self.cluster.end_push(version if loaded else None)
+        if not loaded:
+            raise TimeoutError(f"weight push stalled: {self._inflight} weight-update call(s) still running "
+                               f"after {self.cluster.timeout_s:g} s (weights.timeout_s); version {version} "
+                               f"not published, generation resumed on the previous one")
         return {"commit_s": time.perf_counter() - t0}
 
     def handle(self, msg):
@@ -222,7 +230,7 @@ class RolloutManager:
         if isinstance(msg, EvalPoll):
             if self.evaluator is None:
                 return {"eval/running": 0}
-            out = self.evaluator.poll(wait=msg.wait)
+            out = self.evaluator.poll(wait=msg.wait, timeout_s=msg.timeout_s, diagnose=self.controller.diagnose)
             return {**out, "eval/running": self.evaluator.running} if out else {}
         if isinstance(msg, StateRequest):
             return self.controller.state_dict()

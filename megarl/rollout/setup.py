@@ -1,6 +1,7 @@
 """Builds the rollout side of a run from its config: the task parts (tokenizer, template, reward,
-sampling), the prompt datasets, the controller and the held-out evaluation. Runs in the rollout
-manager's process (megarl.rollout.manager); nothing here touches a trainer rank."""
+sampling), the workflow, the prompt datasets, the controller and the held-out evaluation (the
+same workflow, greedy). Runs in the rollout manager's process (megarl.rollout.manager); nothing
+here touches a trainer rank."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,7 @@ from megarl.data.datasets import PromptDataset
 from megarl.data.tokenizer import load_tokenizer
 from megarl.rewards import RewardCaller
 from megarl.rollout.controller import RolloutController
-from megarl.rollout.evaluation import PeriodicEval
+from megarl.rollout.evaluation import EvalWorkflows, PeriodicEval
 from megarl.rollout.types import SamplingParams
 from megarl.rollout.workflows import WorkflowContext, load_workflow
 
@@ -41,11 +42,20 @@ def prompt_dataset(cfg, path: str, tok, template, tools=None) -> PromptDataset:
                          tools=tools, shuffle=d.shuffle)
 
 
+def make_workflow(cfg, tok, template, reward: Optional[RewardCaller], sampling: SamplingParams,
+                  group_size: int, for_eval: bool = False):
+    """``rollout.workflow`` built with ``rollout.workflow_args``. Evaluation builds it with its own
+    group size and sampling (a ``group_size`` in workflow_args is training's, so it is left out)."""
+    r = cfg.rollout
+    args = {k: v for k, v in r.workflow_args.items() if not (for_eval and k == "group_size")}
+    ctx = WorkflowContext(tok, reward, sampling, group_size, template, cfg.train.max_seq_len)
+    return load_workflow(r.workflow, ctx, args)
+
+
 def build_controller(cfg, cluster, timeline=None) -> RolloutController:
     r = cfg.rollout
     tok, template, reward, sampling = task_parts(cfg)
-    workflow = load_workflow(r.workflow, WorkflowContext(tok, reward, sampling, r.group_size, template,
-                                                         cfg.train.max_seq_len), r.workflow_args)
+    workflow = make_workflow(cfg, tok, template, reward, sampling, r.group_size)
     dataset = prompt_dataset(cfg, cfg.data.train_path, tok, template, getattr(workflow, "tool_schemas", None))
     # the staleness clock ticks once per push, which covers trigger_parameter_sync_step steps
     per_version = groups_per_step(cfg) * cfg.train.trigger_parameter_sync_step
@@ -55,16 +65,24 @@ def build_controller(cfg, cluster, timeline=None) -> RolloutController:
         api_key=r.api_key or None, dynamic_sampling=cfg.algo.dynamic_sampling,
         partial_rollout=r.partial_rollout, max_retries=r.max_retries,
         failed_log=os.path.join(cfg.train.run_dir, "failed_prompts.jsonl"), timeline=timeline,
-        sampling_seed=r.seed)
+        sampling_seed=r.seed, max_consecutive_failures=r.max_consecutive_failures,
+        hold_timeout_s=cfg.weights.timeout_s)
 
 
 def build_eval(cfg, reward: RewardCaller) -> Optional[PeriodicEval]:
-    """Held-out evaluation with the configured dataset fields and the training rollouts' reward
-    caller (one set of reward threads / worker processes; its counts include eval)."""
+    """Held-out evaluation through the configured workflow (greedy, and k sampled episodes with
+    rollout.eval_k), its prompts rendered with the workflow's tool schemas as training's are;
+    the training rollouts' reward caller (one set of reward threads / worker processes)."""
     if not cfg.data.eval_path:
         return None
+    r = cfg.rollout
     tok, template, _, sampling = task_parts(cfg, with_reward=False)
-    samples = prompt_dataset(cfg, cfg.data.eval_path, tok, template).samples[:cfg.rollout.eval_size]
-    if cfg.rollout.ignore_eos:  # evaluation answers stop at EOS whatever the training rollouts do
+    if r.ignore_eos:  # evaluation answers stop at EOS whatever the training rollouts do
         sampling = dataclasses.replace(sampling, ignore_eos=False, stop_token_ids=[tok.eos_id])
-    return PeriodicEval(samples, reward, sampling, tok, k=cfg.rollout.eval_k, max_len=cfg.train.max_seq_len)
+    greedy = make_workflow(cfg, tok, template, reward, dataclasses.replace(sampling, temperature=0.0), 1,
+                           for_eval=True)
+    sampled = make_workflow(cfg, tok, template, reward, sampling, r.eval_k, for_eval=True) if r.eval_k else None
+    samples = prompt_dataset(cfg, cfg.data.eval_path, tok, template,
+                             getattr(greedy, "tool_schemas", None)).samples[:r.eval_size]
+    dump = os.path.join(cfg.train.run_dir, "eval_generations.jsonl") if cfg.logging.dump_eval_generations else None
+    return PeriodicEval(samples, EvalWorkflows(greedy, sampled, tok, r.eval_k), dump_path=dump)

@@ -133,7 +133,8 @@ class StepRunner:
     def _next_batch(self) -> tuple[list[Trajectory], dict]:
         with self.timer.phase("wait"):
             # the batch, and the dropped servers that answer /health again
-            trajs, stats, rejoin = self.side.next_batch(groups_per_step(self.cfg))
+            trajs, stats, rejoin = self.side.next_batch(groups_per_step(self.cfg),
+                                                        self.cfg.train.stall_timeout_s)
         for address in rejoin:  # current weights first, then work
             with self.timer.phase("rejoin"):
                 self.pusher.add_server(address)
@@ -172,7 +173,7 @@ class StepRunner:
         if interval and step % interval == 0 or last:
             self.side.submit_eval(step, self.cluster.version)  # runs beside training, in the manager
         with self.timer.phase("eval"):  # only the last step waits for its evaluation
-            metrics.update(self.side.poll_eval(wait=last))
+            metrics.update(self.side.poll_eval(wait=last, timeout_s=self.cfg.train.stall_timeout_s))
 
     def _reached(self, metrics: dict, last: bool) -> bool:
         target = self.cfg.train.stop_at_eval_accuracy
@@ -222,7 +223,8 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None, side: Optional[RolloutSide]
         side.start_rollouts()  # after the first push: nothing to pause before
         if cfg.data.eval_path and r.eval_at_start and start == 0:  # the learning curve's step 0
             side.submit_eval(0, cluster.version)
-            logger.log({**side.poll_eval(wait=True), "policy_version": cluster.version}, 0)
+            first = side.poll_eval(wait=True, timeout_s=t.stall_timeout_s)
+            logger.log({**first, "policy_version": cluster.version}, 0)
         runner = StepRunner(cfg, ps, cluster, side, actor, critic, pusher, StepTimer(timeline))
         step = start
         for step in progress(range(start + 1, t.steps + 1), desc="grpo", total=t.steps - start):

@@ -228,11 +228,12 @@ class RolloutSide:
             self._request(EvalSubmit(step, version))
             self.evals_pending += 1
 
-    def poll_eval(self, wait: bool) -> dict:
-        """Finished evaluations' metrics; a round trip only while one is running."""
+    def poll_eval(self, wait: bool, timeout_s: float = 600.0) -> dict:
+        """Finished evaluations' metrics, a round trip only while one is running; ``wait``: all of
+        them, within ``timeout_s`` (the manager raises past it, naming what the evaluation waits on)."""
         if self.ps.rank != 0 or not self.evals_pending:
             return {}
-        out = self._request(EvalPoll(wait), 3600.0 if wait else 60.0)
+        out = self._request(EvalPoll(wait, timeout_s), timeout_s + 30.0 if wait else 60.0)
         if out:
             self.evals_pending = int(out.pop("eval/running", 0))
         return out

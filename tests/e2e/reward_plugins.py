@@ -46,3 +46,28 @@ def pid_reward(prompt: str, completion: str, meta: dict) -> float:
     with open(os.environ["MEGARL_TEST_PID_FILE"], "a") as f:
         f.write(f"{os.getpid()}\n")
     return arith_exact_match(prompt, completion, meta)
+
+
+def never_returns(prompt: str, completion: str, meta: dict) -> float:
+    """A verifier that hangs for good (with reward.timeout_s=0 nothing ends the call)."""
+    import threading
+
+    threading.Event().wait()
+    return 0.0
+
+
+def even_length(prompt: str, completion: str, meta: dict) -> float:
+    """1 when the completion has an even number of characters: a mix of right and wrong answers
+    for any model, decided by the text alone (so the tests can recompute every score)."""
+    return 1.0 if len(completion) % 2 == 0 else 0.0
+
+
+def stop_server_at_first_reward(prompt: str, completion: str, meta: dict) -> float:
+    """SIGSTOPs the process $MEGARL_TEST_STOP_PID at its first call (the other requests of the
+    step are still on that server): a server that hangs in the middle of a step."""
+    import os
+    import signal
+
+    pid = int(os.environ["MEGARL_TEST_STOP_PID"])
+    os.kill(pid, signal.SIGSTOP)
+    return 0.0

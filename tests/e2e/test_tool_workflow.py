@@ -137,3 +137,56 @@ def test_grpo_trains_on_tool_trajectories(chat_models, tmp_path):
     for r in rows_out:
         assert r["reward"] >= 0.0 and 2 <= r["response_len"] <= 16  # two turns of at most 8 tokens
         assert r["optimizer_steps"] == 1
+
+
+def test_eval_runs_the_tool_workflow_greedily_with_pass_at_k_and_dumps(chat_models, tmp_path):
+    """Evaluation through the configured ToolCallingWorkflow: eval prompts rendered with the tool
+    schemas, the forced tool call answered by the calculator, a second (final) turn scored; greedy
+    pass@1 and pass@2 over two sampled episodes per prompt, every episode in eval_generations.jsonl."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+
+    def write(name, pairs):
+        rows = [{"messages": [{"role": "user", "content": f"What is {a}*{b}?"}], "answer": str(a * b)}
+                for a, b in pairs]
+        pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / name))
+        return tmp_path / name
+
+    train_data = write("train.parquet", ((2, 3), (4, 5), (6, 7), (8, 9)))
+    eval_data = write("eval.parquet", ((2, 3), (3, 4), (2, 3)))  # a repeated prompt: greedy twice
+    run = tmp_path / "run"
+    args = json.dumps({"tools": ["calculator"], "max_turns": 2, "forced_prefix": FORCED, "group_size": 2})
+    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
+           f"model.hf_path={chat_models[0]}", f"data.train_path={train_data}", f"data.eval_path={eval_data}",
+           "data.prompt_key=messages", f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.steps=1",
+           "train.global_batch_size=4", "train.max_seq_len=1024", "train.micro_batch_tokens=8192",
+           "rollout.group_size=2", "rollout.max_concurrent=2", "rollout.max_new_tokens=6",
+           "rollout.workflow=megarl.rollout.workflows:ToolCallingWorkflow", f"rollout.workflow_args={args}",
+           "rollout.reward_fn=reward_plugins:even_length", "rollout.eval_at_start=true", "rollout.eval_k=2",
+           "logging.dump_eval_generations=true"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    dumps = [json.loads(x) for x in (run / "eval_generations.jsonl").read_text().splitlines()]
+    assert sorted({d["step"] for d in dumps}) == [0, 1]
+    for step in (0, 1):
+        m, rows = metrics[step], [d for d in dumps if d["step"] == step]
+        greedy = sorted((d for d in rows if d["kind"] == "greedy"), key=lambda d: d["index"])
+        sampled = [d for d in rows if d["kind"] == "sampled"]
+        assert len(greedy) == 3 and len(sampled) == 6 and m["eval/n"] == 3
+        for d in rows:
+            assert {"prompt", "completion", "reward", "version", "step"} <= set(d)
+            assert '"name": "calculator"' in d["prompt"]  # the tool schemas, as training renders them
+            assert "<tool_response>\n84\n</tool_response>" in d["completion"]  # the calculator answered
+            assert d["turns"] == 2 and d["tool_calls"] == 1 and d["version"] == m["eval/version"]
+            assert d["reward"] == (1.0 if len(d["final"]) % 2 == 0 else 0.0)  # the final turn, scored
+        assert m["eval/mean_turns"] == 2.0 and m["eval/tool_calls"] == 1.0
+        assert m["eval_accuracy"] == pytest.approx(sum(d["reward"] for d in greedy) / 3)
+        assert greedy[0]["completion"] == greedy[2]["completion"]  # temperature 0: the same answer
+        per_prompt = [[d["reward"] for d in sampled if d["index"] == i] for i in range(3)]
+        assert all(len(r) == 2 for r in per_prompt)
+        assert m["eval/pass@2"] == pytest.approx(sum(max(r) for r in per_prompt) / 3)  # n = k: any correct
+        assert m["eval/pass@1"] == pytest.approx(sum(sum(r) / 2 for r in per_prompt) / 3)
+    assert metrics[0]["eval/version"] == 0 and metrics[1]["eval/version"] == 1

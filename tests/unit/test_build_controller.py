@@ -79,3 +79,32 @@ def test_controller_counts_rejected_samples_as_filtered():
         assert c.counters["filtered/workflow"] >= 1 and c.counters["failed"] == 0
     finally:
         c.stop()
+
+
+def test_eval_is_built_from_the_configured_workflow(tmp_path, model_dir):
+    """build_eval: the run's ToolCallingWorkflow twice (greedy group of 1 at temperature 0; k
+    sampled at the rollout temperature; workflow_args' group_size is training's), eval prompts
+    rendered with its tool schemas, the training reward caller, the dump path when asked."""
+    from megarl.rollout.setup import build_eval
+
+    rows = [{"q": [{"role": "user", "content": "What is 2*3?"}], "gt": "6"}] * 3
+    data = tmp_path / "eval.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), str(data))
+    cfg = load_config(None, [
+        f"model.hf_path={model_dir}", f"data.train_path={data}", f"data.eval_path={data}",
+        "train.algorithm=grpo", f"train.run_dir={tmp_path / 'run'}", "train.max_seq_len=1024",
+        "data.prompt_key=q", "data.answer_key=gt", "rollout.temperature=0.8", "rollout.eval_k=4",
+        "rollout.eval_size=2", "rollout.workflow=megarl.rollout.workflows:ToolCallingWorkflow",
+        "rollout.workflow_args={tools: [calculator], max_turns: 3, group_size: 16}",
+        "logging.dump_eval_generations=true"])
+    c = build_controller(cfg, RolloutCluster([], driver=False))
+    ev = build_eval(cfg, c.reward)
+    greedy, sampled = ev.workflows.greedy, ev.workflows.sampled
+    assert isinstance(greedy, ToolCallingWorkflow) and isinstance(sampled, ToolCallingWorkflow)
+    assert (greedy.group_size, greedy.ctx.sampling.temperature, greedy.max_turns) == (1, 0.0, 3)
+    assert (sampled.group_size, sampled.ctx.sampling.temperature, ev.workflows.k) == (4, 0.8, 4)
+    assert c.workflow.group_size == 16  # training keeps its own
+    assert greedy.ctx.reward is c.reward and sampled.ctx.reward is c.reward
+    assert len(ev.samples) == 2 and all(s.prompt.startswith("<|im_start|>system\nTools:\n") for s in ev.samples)
+    assert '"name": "calculator"' in ev.samples[0].prompt
+    assert ev.dump_path == str(tmp_path / "run" / "eval_generations.jsonl")

@@ -70,3 +70,58 @@ def test_greedy_accuracy_through_generate(tmp_path):
 def test_empty_sample_list_is_an_error():
     with pytest.raises(ValueError, match="at least one"):
         asyncio.run(evaluate_samples(None, [], arith_exact_match, SamplingParams(), None))
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    from megarl.rollout.evaluation import pass_at_k
+
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2) / C(5,2)
+    assert pass_at_k(10, 1, 1) == pytest.approx(0.1) and pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert pass_at_k(4, 0, 2) == 0.0 and pass_at_k(4, 3, 2) == 1.0  # 1 wrong cannot fill k=2
+    assert pass_at_k(8, 2, 4) == pytest.approx(1 - 15 / 70)  # C(6,4) / C(8,4)
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(2, 1, 3)
+
+
+class _CharTok:
+    eos_id = 2
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + ord(c) % 128 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i - 3) for i in ids if i >= 3)
+
+
+@pytest.mark.parametrize("answer, correct", [("7", True), ("5", False)])
+def test_eval_runs_the_workflows_turns_greedily_and_atomically(answer, correct):
+    """MultiTurnWorkflow (answer feedback, 2 turns) as the eval workflow: a right first answer is
+    one turn, a wrong one gets the feedback turn; greedy requests at temperature 0, the k sampled
+    ones at the rollout temperature, all of them atomic (a push waits for them)."""
+    from scripted_client import ScriptedClient
+
+    from megarl.data.datasets import PromptSample
+    from megarl.rollout.evaluation import EvalWorkflows, evaluate
+    from megarl.rollout.workflows import MultiTurnWorkflow, WorkflowContext
+
+    from megarl.rewards import RewardCaller
+
+    tok = _CharTok()
+    caller = RewardCaller(lambda p, c, m: 1.0 if c == "7" else 0.0)
+    sampling = SamplingParams(max_new_tokens=4, temperature=0.7, stop_token_ids=[tok.eos_id])
+
+    def wf(params, group):
+        return MultiTurnWorkflow(WorkflowContext(tok, caller, params, group, None, 64), max_turns=2)
+
+    wfs = EvalWorkflows(wf(SamplingParams(**{**sampling.__dict__, "temperature": 0.0}), 1), wf(sampling, 3), tok, k=3)
+    samples = [PromptSample(i, f"q{i}", {}, tok.encode(f"q{i}")) for i in range(2)]
+    client = ScriptedClient(tok, [answer])
+    res = asyncio.run(evaluate(client, samples, wfs))
+    turns = 1 if correct else 2
+    assert len(client.calls) == 2 * (1 + 3) * turns  # per prompt: 1 greedy + k sampled episodes
+    assert all(req.metadata.get("atomic") for req, _ in client.calls)
+    assert sorted(req.sampling.temperature for req, _ in client.calls) == [0.0] * 2 * turns + [0.7] * 6 * turns
+    want = 1.0 if correct else 0.0
+    assert (res.n, res.accuracy, res.pass_at_k, res.pass_at_1, res.mean_turns) == (2, want, want, want, turns)
+    assert len(res.rows) == 2 * 4 and {r["kind"] for r in res.rows} == {"greedy", "sampled"}
+    assert all(r["final"] == answer and r["turns"] == turns for r in res.rows)
