@@ -59,6 +59,24 @@ class _SentencePiece:
         return self.sp.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
 
+def check_device(device: str) -> str:
+    """'cpu', 'cuda' or 'cuda:N' that this machine has; anything else is a ValueError."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"--device {device!r}: {e}") from None
+    if dev.type == "cpu":
+        return device
+    if dev.type != "cuda":
+        raise ValueError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0 or (dev.index or 0) >= n:
+        raise ValueError(f"--device {device!r}: this machine has {n} CUDA device(s)")
+    return device
+
+
 def build_state(
     model_dir: str,
     dtype: str = "float32",
@@ -69,11 +87,13 @@ def build_state(
     weight_version: str = "0",
     seed: Optional[int] = None,
     weights_roots: Optional[list[str]] = None,
+    device: str = "cpu",
 ):
     """Load config, weights and tokenizer; start the engine thread; return the app state.
     Bad input raises OSError/ValueError naming the file. ``weights_roots``: directories
     /update_weights_from_disk may read under (default: the model dir's parent, see
-    `state.default_weights_roots`)."""
+    `state.default_weights_roots`). ``device``: where weights, KV cache and compute live ("cpu",
+    "cuda", "cuda:N"); a CUDA device on a machine without one is a ValueError."""
     from megarl.server.engine import GenerationEngine
     from megarl.server.model import CausalLM, DecoderConfig
     from megarl.server.state import ServerState, default_weights_roots
@@ -99,7 +119,7 @@ def build_state(
         # No sliding-window attention here: cap the context where full attention is still exact.
         log.warning("context length capped at sliding_window=%d", cfg.sliding_window)
         ctx = int(cfg.sliding_window)
-    model = CausalLM(cfg, parse_dtype(dtype), max_len=ctx)
+    model = CausalLM(cfg, parse_dtype(dtype), max_len=ctx, device=check_device(device))
     tensors = read_hf_dir(model_dir)
     missing = model.missing(tensors)
     if missing:

@@ -158,8 +158,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 class KVCache:
     """Per-layer K/V tensors [slots, kv_heads, capacity, head_dim], grown by doubling."""
 
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, max_slots: int, max_len: int):
-        self.cfg, self.dtype = cfg, dtype
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, max_slots: int, max_len: int,
+                 device: torch.device | str = "cpu"):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.max_slots, self.max_len = max_slots, max_len
         self.slots, self.capacity = 0, 0
         self.k: list[torch.Tensor] = []
@@ -175,7 +176,7 @@ class KVCache:
         old_s, old_t = self.slots, self.capacity
         for cache in (self.k, self.v):
             for i in range(self.cfg.num_layers):
-                new = torch.zeros(shape, dtype=self.dtype)
+                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 if old_s:
                     new[:old_s, :, :old_t] = cache[i]
                 if i < len(cache):
@@ -186,7 +187,7 @@ class KVCache:
 
     def move(self, src: list[int], dst: list[int], length: int) -> None:
         """Copy slots `src` into slots `dst` (first `length` positions)."""
-        s, d = torch.tensor(src), torch.tensor(dst)
+        s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
         for cache in (self.k, self.v):
             for t in cache:
                 t[d, :, :length] = t[s, :, :length]
@@ -198,11 +199,12 @@ class KVCache:
 class CausalLM:
     """Weights + batched prefill/decode over a `KVCache`. Not thread-safe: one owner thread."""
 
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32, max_len: int = 4096):
-        self.cfg, self.dtype = cfg, dtype
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32, max_len: int = 4096,
+                 device: torch.device | str = "cpu"):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         c = cfg
         q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        z = lambda *shape: torch.zeros(shape, dtype=dtype)  # noqa: E731
+        z = lambda *shape: torch.zeros(shape, dtype=dtype, device=self.device)  # noqa: E731
         self.embed = z(c.vocab_size, c.hidden_size)
         self.norm = z(c.hidden_size)
         self.lm_head = self.embed if c.tie_word_embeddings else z(c.vocab_size, c.hidden_size)
@@ -256,7 +258,7 @@ class CausalLM:
                 self.params[f"{p}self_attn.k_norm.weight"] = L["k_norm"]
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(c))
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.cos, self.sin = emb.cos().to(self.device, dtype), emb.sin().to(self.device, dtype)
         self.max_len = max_len
 
     # ---- weights -------------------------------------------------------------------------------
@@ -313,6 +315,7 @@ class CausalLM:
         ids = torch.zeros(m, T, dtype=torch.long)
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        ids = ids.to(self.device)
         cache.ensure(first_slot + m, T)
         cos, sin = self.cos[:T], self.sin[:T]
         x = F.embedding(ids, self.embed)
@@ -330,7 +333,7 @@ class CausalLM:
             x = self._mlp(L, x)
         if all_logits:
             return self._logits(x)
-        last = x[torch.arange(m), torch.tensor(lens) - 1]
+        last = x[torch.arange(m, device=self.device), torch.tensor(lens, device=self.device) - 1]
         return self._logits(last)
 
     @torch.inference_mode()
@@ -339,11 +342,12 @@ class CausalLM:
         c, B = self.cfg, tokens.shape[0]
         T = int(positions.max()) + 1
         cache.ensure(B, T)
-        rows = torch.arange(B)
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        rows = torch.arange(B, device=self.device)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         # Additive mask: -inf where t > positions[b] (another row's longer history or stale slots).
-        future = torch.arange(T).unsqueeze(0) > positions.unsqueeze(1)
-        mask = torch.zeros(B, 1, 1, T, dtype=self.dtype).masked_fill_(future.view(B, 1, 1, T), float("-inf"))
+        future = torch.arange(T, device=self.device).unsqueeze(0) > positions.unsqueeze(1)
+        mask = torch.zeros(B, 1, 1, T, dtype=self.dtype, device=self.device).masked_fill_(future.view(B, 1, 1, T), float("-inf"))
         x = F.embedding(tokens, self.embed)
         for li, L in enumerate(self.layers):
             h = rms_norm(x, L["in_norm"], c.rms_norm_eps)
