@@ -2,6 +2,7 @@
 
     megarl-server --model HF_DIR [--host 127.0.0.1 --port 30000] [--dtype float32|bfloat16]
                   [--api-key KEY] [--max-running-requests N] [--context-length N] [--threads N]
+                  [--device cpu|cuda|cuda:N]
 
 It exists so that the whole RL loop (partial rollouts, weight pushes over gloo/disk/tensor) runs
 and is tested on a CPU-only machine with the same client that drives real SGLang servers.
