@@ -11,7 +11,9 @@ pytestmark = requires_cuda
 
 # Two bf16 implementations of one model (Megatron local spec vs megarl-server's decoder, each
 # rounding activations to 8 mantissa bits in its own order), 16 greedy tokens of a tiny Llama.
-BF16_MAX_ABS, BF16_MEAN_ABS = 0.1, 0.03
+# Measured on CPU with this worker: server bf16 vs trainer fp32 max 0.058, mean 0.023 (fp32 vs
+# fp32: 2.4e-6); two bf16 sides may add their errors, hence about twice that.
+BF16_MAX_ABS, BF16_MEAN_ABS = 0.15, 0.05
 STD = 0.15  # weights large enough that two random models' logprobs differ by far more than that
 
 
@@ -32,7 +34,7 @@ def _push(tmp_path, record_property, transport: str, server_device: str) -> dict
     return r
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2,
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
                     reason=f"NCCL refuses two ranks on one GPU; needs 2, found {torch.cuda.device_count()}")
 def test_nccl_push_into_gpu_server(tmp_path, record_property):
     """Trainer on cuda:0, server on cuda:1, transport "distributed" (NCCL on a CUDA trainer)."""
