@@ -2,7 +2,7 @@
 
     megarl-server --model HF_DIR [--host 127.0.0.1 --port 30000] [--dtype float32|bfloat16]
                   [--api-key KEY] [--max-running-requests N] [--context-length N] [--threads N]
-                  [--enable-return-routed-experts]
+                  [--enable-return-routed-experts] [--device cpu|cuda|cuda:N]
 
 It exists so that the whole RL loop (partial rollouts, weight pushes over gloo/disk/tensor) runs
 and is tested on a CPU-only machine with the same client that drives real SGLang servers.
@@ -61,6 +61,24 @@ class _SentencePiece:
         return self.sp.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
 
+def check_device(device: str) -> str:
+    """'cpu', 'cuda' or 'cuda:N' that this machine has; anything else is a ValueError."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"--device {device!r}: {e}") from None
+    if dev.type == "cpu":
+        return device
+    if dev.type != "cuda":
+        raise ValueError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0 or (dev.index or 0) >= n:
+        raise ValueError(f"--device {device!r}: this machine has {n} CUDA device(s)")
+    return device
+
+
 def build_state(
     model_dir: str,
     dtype: str = "float32",
@@ -72,12 +90,14 @@ def build_state(
     seed: Optional[int] = None,
     weights_roots: Optional[list[str]] = None,
     enable_return_routed_experts: bool = False,
+    device: str = "cpu",
 ):
     """Load config, weights and tokenizer; start the engine thread; return the app state.
     Bad input raises OSError/ValueError naming the file. ``weights_roots``: directories
     /update_weights_from_disk may read under (default: the model dir's parent, see
     `state.default_weights_roots`). ``enable_return_routed_experts``: requests may ask for the
-    MoE routing (an MoE model only)."""
+    MoE routing (an MoE model only). ``device``: where weights, KV cache and compute live ("cpu",
+    "cuda", "cuda:N"); a CUDA device on a machine without one is a ValueError."""
     from megarl.server.engine import GenerationEngine
     from megarl.server.model import CausalLM, DecoderConfig
     from megarl.server.state import ServerState, default_weights_roots
@@ -101,7 +121,7 @@ def build_state(
     if enable_return_routed_experts and cfg.moe is None:
         raise ValueError(f"--enable-return-routed-experts: {cfg.architecture} has no experts")
     ctx = int(context_length or cfg.max_position_embeddings)
-    model = CausalLM(cfg, parse_dtype(dtype), max_len=ctx)
+    model = CausalLM(cfg, parse_dtype(dtype), max_len=ctx, device=check_device(device))
     tensors = read_hf_dir(model_dir)
     missing = model.missing(tensors)
     if missing:

@@ -1,4 +1,4 @@
-"""`megarl-server` / `python -m megarl.server`: serve an HF checkpoint dir on CPU.
+"""`megarl-server` / `python -m megarl.server`: serve an HF checkpoint dir on CPU (or ``--device cuda``).
 
 Security defaults: binds 127.0.0.1 unless ``--host`` says otherwise (a non-loopback bind without
 ``--api-key`` is logged as a warning: every admin endpoint would be open to the network);
@@ -30,6 +30,7 @@ def parse_args(argv=None):
     p.add_argument("--model", "--model-path", dest="model", required=True, help="HF checkpoint dir")
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: where the model runs")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--weights-root", action="append", default=None, metavar="DIR",
@@ -71,7 +72,7 @@ def serve(args) -> int:
         state = build_state(
             args.model, args.dtype, args.api_key, args.max_running_requests, args.context_length,
             args.max_prefill_tokens, args.weight_version, args.seed, args.weights_root,
-            args.enable_return_routed_experts,
+            args.enable_return_routed_experts, args.device,
         )
     except (OSError, ValueError, KeyError) as e:
         raise StartupError(f"cannot load {args.model}: {e}") from e

@@ -193,8 +193,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 class KVCache:
     """Per-layer K/V tensors [slots, kv_heads, capacity, head_dim], grown by doubling."""
 
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, max_slots: int, max_len: int):
-        self.cfg, self.dtype = cfg, dtype
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, max_slots: int, max_len: int,
+                 device: torch.device | str = "cpu"):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.max_slots, self.max_len = max_slots, max_len
         self.slots, self.capacity = 0, 0
         self.k: list[torch.Tensor] = []
@@ -210,7 +211,7 @@ class KVCache:
         old_s, old_t = self.slots, self.capacity
         for cache in (self.k, self.v):
             for i in range(self.cfg.num_layers):
-                new = torch.zeros(shape, dtype=self.dtype)
+                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 if old_s:
                     new[:old_s, :, :old_t] = cache[i]
                 if i < len(cache):
@@ -221,7 +222,7 @@ class KVCache:
 
     def move(self, src: list[int], dst: list[int], length: int) -> None:
         """Copy slots `src` into slots `dst` (first `length` positions)."""
-        s, d = torch.tensor(src), torch.tensor(dst)
+        s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
         for cache in (self.k, self.v):
             for t in cache:
                 t[d, :, :length] = t[s, :, :length]
@@ -233,8 +234,9 @@ class KVCache:
 class CausalLM:
     """Weights + batched prefill/decode over a `KVCache`. Not thread-safe: one owner thread."""
 
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32, max_len: int = 4096):
-        self.cfg, self.dtype = cfg, dtype
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32, max_len: int = 4096,
+                 device: torch.device | str = "cpu"):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         c = cfg
         self.embed = self._zeros(c.vocab_size, c.hidden_size)
         self.norm = self._zeros(c.hidden_size)
@@ -261,7 +263,7 @@ class CausalLM:
             self.layers.append(L)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(c))
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.cos, self.sin = emb.cos().to(self.device, dtype), emb.sin().to(self.device, dtype)
         self.max_len = max_len
 
     def _zeros(self, *shape) -> torch.Tensor:
@@ -382,9 +384,10 @@ class CausalLM:
         ids = torch.zeros(m, T, dtype=torch.long)
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        ids = ids.to(self.device)
         cache.ensure(first_slot + m, T)
         cos, sin = self.cos[:T], self.sin[:T]
-        pos = torch.arange(T)
+        pos = torch.arange(T, device=self.device)
         x = F.embedding(ids, self.embed)
         for li, L in enumerate(self.layers):
             h = rms_norm(x, L["in_norm"], c.rms_norm_eps)
@@ -405,7 +408,7 @@ class CausalLM:
             x = self._mlp(L, x, routes)
         if all_logits:
             return self._logits(x)
-        last = x[torch.arange(m), torch.tensor(lens) - 1]
+        last = x[torch.arange(m, device=self.device), torch.tensor(lens, device=self.device) - 1]
         return self._logits(last)
 
     @torch.inference_mode()
@@ -416,7 +419,8 @@ class CausalLM:
         c, B = self.cfg, tokens.shape[0]
         T = int(positions.max()) + 1
         cache.ensure(B, T)
-        rows = torch.arange(B)
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        rows = torch.arange(B, device=self.device)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         masks = self._decode_masks(positions, T)
         x = F.embedding(tokens, self.embed)
@@ -443,10 +447,10 @@ class CausalLM:
         B, out = positions.shape[0], {}
         for W in {self._window(li) for li in range(self.cfg.num_layers)}:
             lo = 0 if W is None else max(0, int(positions.min()) - W + 1)
-            t = torch.arange(lo, T).unsqueeze(0)
+            t = torch.arange(lo, T, device=self.device).unsqueeze(0)
             hide = t > positions.unsqueeze(1)
             if W is not None:
                 hide |= t <= (positions - W).unsqueeze(1)
-            mask = torch.zeros(B, 1, 1, T - lo, dtype=self.dtype)
+            mask = torch.zeros(B, 1, 1, T - lo, dtype=self.dtype, device=self.device)
             out[W] = (lo, mask.masked_fill_(hide.view(B, 1, 1, T - lo), float("-inf")))
         return out

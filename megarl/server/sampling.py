@@ -78,29 +78,29 @@ class BatchSampler:
         if all(t == 1.0 for t in temps):
             z = logits
         else:
-            z = logits / torch.tensor(temps, dtype=logits.dtype).unsqueeze(1)
+            z = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device).unsqueeze(1)
         ks = [p.top_k if (p.top_k > 0 and not g) else 0 for p, g in zip(params, greedy)]
         if any(ks):
             kmax = min(max(ks), V)
             top = torch.topk(z, kmax, dim=-1).values
-            kidx = torch.tensor([min(k, kmax) - 1 if k > 0 else kmax - 1 for k in ks])
+            kidx = torch.tensor([min(k, kmax) - 1 if k > 0 else kmax - 1 for k in ks], device=logits.device)
             thresh = top.gather(1, kidx.unsqueeze(1))
-            off = torch.tensor([k == 0 for k in ks]).unsqueeze(1)
+            off = torch.tensor([k == 0 for k in ks], device=logits.device).unsqueeze(1)
             z = z.masked_fill((z < thresh) & ~off, float("-inf"))
         probs = torch.softmax(z, dim=-1)
         min_ps = [p.min_p for p in params]
         if any(m > 0 for m in min_ps):
-            m = torch.tensor(min_ps, dtype=probs.dtype).unsqueeze(1)
+            m = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device).unsqueeze(1)
             probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, 0.0)
         top_ps = [p.top_p for p in params]
         if any(tp < 1.0 for tp in top_ps):
             probs = _top_p_filter(probs, top_ps)
         cdf = probs.cumsum(dim=-1)
-        u = self._uniforms(params, positions)
+        u = self._uniforms(params, positions).to(cdf.device)
         target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=V - 1)
         if any(greedy):
-            tokens = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), tokens)
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), tokens)
         return tokens
 
     def _uniforms(self, params, positions) -> torch.Tensor:
@@ -117,7 +117,7 @@ def _top_p_filter(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     sub = probs[rows]
     sorted_p, idx = sub.sort(dim=-1, descending=True)
     before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly before each entry
-    tp = torch.tensor([top_ps[i] for i in rows], dtype=probs.dtype).unsqueeze(1)
+    tp = torch.tensor([top_ps[i] for i in rows], dtype=probs.dtype, device=probs.device).unsqueeze(1)
     sorted_p = sorted_p.masked_fill(before >= tp, 0.0)  # the first entry always survives
     out = probs.clone()
     out[rows] = torch.zeros_like(sub).scatter_(1, idx, sorted_p)

@@ -125,7 +125,8 @@ async def from_distributed(request: web.Request) -> web.Response:
     if pg is None:
         return result(False, f"no weight update group {name!r}; call /init_weights_update_group")
     try:
-        tensors = await on_engine(state, lambda: W.receive_broadcast(pg, names, dtypes, shapes, load_format))
+        tensors = await on_engine(state, lambda: W.receive_broadcast(pg, names, dtypes, shapes, load_format,
+                                                                       state.engine.model.device))
     except Exception as e:  # noqa: BLE001
         return result(False, f"broadcast receive failed: {type(e).__name__}: {e}")
     return await _update(state, tensors, body)

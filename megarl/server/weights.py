@@ -95,20 +95,21 @@ def destroy_weight_update_group(pg) -> None:
     dist.destroy_process_group(pg)
 
 
-def receive_broadcast(pg, names, dtypes, shapes, load_format=None) -> dict[str, torch.Tensor]:
+def receive_broadcast(pg, names, dtypes, shapes, load_format=None, device="cpu") -> dict[str, torch.Tensor]:
     """Receive one announced bucket: broadcast(src=0) per tensor, in announced order, or with
-    ``load_format`` "flattened_bucket" one broadcast of the whole bucket (views into it)."""
+    ``load_format`` "flattened_bucket" one broadcast of the whole bucket (views into it).
+    Buffers live on ``device`` (the model's: an NCCL group needs CUDA tensors)."""
     import torch.distributed as dist
 
     if load_format == FLATTENED_BUCKET:
         layout, total = flat_layout(dtypes, shapes)
-        buf = torch.empty(total, dtype=torch.uint8)
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
         dist.broadcast(buf, src=0, group=pg)
         return {name: buf[off:off + n].view(parse_dtype(dt)).reshape([int(s) for s in shape])
                 for name, dt, shape, (off, n) in zip(names, dtypes, shapes, layout)}
     out = {}
     for name, dt, shape in zip(names, dtypes, shapes):
-        t = torch.empty([int(s) for s in shape], dtype=parse_dtype(dt))
+        t = torch.empty([int(s) for s in shape], dtype=parse_dtype(dt), device=device)
         dist.broadcast(t, src=0, group=pg)
         out[name] = t
     return out

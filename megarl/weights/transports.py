@@ -70,7 +70,9 @@ class DistributedTransport:
                                       flush_cache=False, load_format=FLATTENED_BUCKET if self.flat else None)
         announced = self.admin.submit(lambda c: c.update_weights_from_distributed(meta))
         try:
-            for t in ([flatten(bucket)] if self.flat else bucket.tensors):
+            # NCCL moves CUDA tensors only; gloo takes the flat buffer in host memory
+            dev = bucket.tensors[0].device if self.backend == "nccl" else torch.device("cpu")
+            for t in ([flatten(bucket, dev)] if self.flat else bucket.tensors):
                 dist.broadcast(t, group=self.group, group_src=0)
         except Exception as e:  # noqa: BLE001
             announced.cancel()
@@ -99,10 +101,11 @@ class DistributedTransport:
             self.group = None
 
 
-def flatten(bucket: Bucket) -> torch.Tensor:
-    """The bucket's bytes in `megarl.wire.flat_layout` (what the server's flat receive expects)."""
+def flatten(bucket: Bucket, device=None) -> torch.Tensor:
+    """The bucket's bytes in `megarl.wire.flat_layout` (what the server's flat receive expects),
+    in one buffer on ``device`` (default: host memory)."""
     layout, total = flat_layout(bucket.dtypes, bucket.shapes)
-    buf = torch.empty(total, dtype=torch.uint8)
+    buf = torch.empty(total, dtype=torch.uint8, device=device or "cpu")
     for t, (off, n) in zip(bucket.tensors, layout):
         buf[off:off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
     return buf
