@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 from megarl.wire import (SAFETENSORS_B64, DiskWeightsUpdate, DistributedWeightsMeta,
                          ModelRequest, ModelResponse, PauseMode, PauseRequest, SamplingParams,
-                         StopReason, TensorWeightsUpdate, WeightsUpdateGroup)
+                         StopReason, TensorWeightsUpdate, WeightsChecksumRequest, WeightsUpdateGroup)
 
 __all__ = ["SAFETENSORS_B64", "DiskWeightsUpdate", "DistributedWeightsMeta", "ModelRequest", "ModelResponse",
            "PauseMode", "PauseRequest", "SamplingParams", "StopReason", "TensorWeightsUpdate",
-           "WeightsUpdateGroup", "Trajectory"]
+           "WeightsChecksumRequest", "WeightsUpdateGroup", "Trajectory"]
 
 
 @dataclass
