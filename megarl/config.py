@@ -267,7 +267,7 @@ class LoggingConfig:
     log_interval: int = bounded(1, ge=1)
     """Print a metrics line every N steps (metrics.jsonl gets every step)."""
     tensorboard: bool = False
-    """Also write TensorBoard event files under <run_dir>/tb."""
+    """Also write TensorBoard event files under <run_dir>/tensorboard."""
     wandb_project: str = ""
     """Weights & Biases project; empty = off (WANDB_MODE=offline works without a network)."""
     timeline: bool = True

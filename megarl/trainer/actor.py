@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from megarl.algo import (AdvantageConfig, AlgoSpec, ProxLogpMode, Stat, aggregate,
                          compute_advantages, entropy_loss, kl_loss, kl_penalty,
-                         loglinear_prox_logp, onpolicy_mismatch, policy_loss, prox_approx_stats, step_denominators,
-                         token_weights)
+                         loglinear_prox_logp, onpolicy_mismatch, policy_loss, prox_approx_stats,
+                         step_denominators, token_weights)
 from megarl.algo.aggregation import LossAgg, StepDenominators
 from megarl.metrics import StatsTracker
 from megarl.trainer.batch import MicroBatch, TensorBatch, cat_padded

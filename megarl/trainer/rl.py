@@ -10,6 +10,9 @@
         every train.trigger_parameter_sync_step steps: pusher.push(): pause rollouts -> push
         weights -> cluster.version + 1 -> resume (in-flight samples continue as partial
         rollouts, or finished under the old weights first without rollout.partial_rollout)
+        and, every weights.verify_interval pushes, compare per-tensor checksums with the servers'
+        gates (megarl/trainer/gates.py): the step's metrics are logged, then train.mismatch_gate
+        stops the run if tokens of the step's own version disagree with the trainer's logprobs
         every rollout.eval_interval steps (and at step 0 with rollout.eval_at_start): greedy
         held-out accuracy, run beside training and reported with the version it measured;
         train.stop_at_eval_accuracy ends the run once a reported accuracy reaches it
