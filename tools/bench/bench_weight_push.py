@@ -12,7 +12,8 @@ receive) and the fixed cost (everything else: the pause round trip through the m
 announce), apart from the bytes. ``--verify`` (with ``--manager``): every push is also checked by
 checksum (``weights.verify_interval=1``, megarl-train's default) and the row adds its two costs:
 the trainer's sha256 of the sent buckets (``push/digest_s``) and ``WeightPusher.verify`` (one
-``/weights_checksum`` call through the manager; the servers hash what they hold). Without it,
+``/weights_checksum`` call through the manager, after the push's tail; the servers hash what
+they hold). Without it,
 verification is off so that the push alone is timed.
 
 Starts its own ranks (torchrun on loopback) and server. The raw baseline announces the same
@@ -165,6 +166,9 @@ def manager_pushes(args, cfg, ps, engine):
         dist.barrier()
         rows.append(pusher.push())
         if args.verify:
+            if ps.rank == 0:
+                pusher.cluster.settle()  # the push's tail first: time the check alone
+            dist.barrier()
             t0 = time.perf_counter()
             assert pusher.verify() == []
             verify_s.append(time.perf_counter() - t0)
