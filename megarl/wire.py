@@ -20,6 +20,7 @@ token j + 1 (the version ``output_versions`` gives that token).
 from __future__ import annotations
 
 import base64
+import hashlib
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
@@ -240,3 +241,30 @@ class DiskWeightsUpdate:
 
     def to_json(self) -> dict:
         return _without_unset_version(self)
+
+
+@dataclass
+class WeightsChecksumRequest:
+    """/weights_checksum body (a megarl-server extension; real SGLang has no such endpoint): the
+    server answers ``{"success": true, "checksums": {name: hex}}`` with `tensor_digest` of each
+    named tensor as it holds it, cast to ``dtypes[i]`` (the dtype the trainer pushed it in; a
+    server holding fewer bits than were pushed cannot match). No tensor data crosses HTTP."""
+
+    names: list[str]
+    dtypes: list[str]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def tensor_digest(t, dtype=None) -> str:
+    """sha256 (hex) of a tensor's bytes, row-major, in ``dtype`` (default its own): the weight
+    checksum both the trainer (what it pushed) and megarl-server (what it holds) compute. Equal
+    digests mean bitwise-equal tensors; shape is checked by name on the server's side."""
+    import torch
+
+    x = t.detach()
+    if dtype is not None and x.dtype != dtype:
+        x = x.to(dtype)
+    flat = x.contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(flat.numpy()).hexdigest()

@@ -20,7 +20,8 @@ from megarl.algo.advantages import (AdvantageConfig, AdvantageEstimator, Advanta
 from megarl.algo.aggregation import (LossAgg, StepDenominators, aggregate, step_denominators,
                                      step_token_weights, token_weights)
 from megarl.algo.config import AlgoConfig, AlgoSpec
-from megarl.algo.correction import CorrectionOutput, RolloutCorrection, rollout_correction
+from megarl.algo.correction import (CorrectionOutput, RolloutCorrection, onpolicy_mismatch,
+                                    rollout_correction)
 from megarl.algo.filters import (dynamic_sampling_indices, dynamic_sampling_keep,
                                  overlong_penalty, response_lengths)
 from megarl.algo.kl import KLEstimator, entropy_loss, kl_loss, kl_penalty
@@ -38,7 +39,7 @@ __all__ = [
     "compute_advantages", "discounted_returns", "dynamic_sampling_indices",
     "dynamic_sampling_keep", "entropy_loss", "gae_advantages", "grpo_advantages", "group_stats",
     "kl_loss", "kl_penalty", "loglinear_alpha", "loglinear_prox_logp", "masked_whiten",
-    "merge_stats", "overlong_penalty", "policy_loss", "prox_approx_stats",
+    "merge_stats", "onpolicy_mismatch", "overlong_penalty", "policy_loss", "prox_approx_stats",
     "reinforce_pp_advantages", "response_lengths", "rloo_advantages", "rollout_correction",
     "stats_results", "step_denominators", "step_token_weights", "token_level_rewards",
     "token_weights",

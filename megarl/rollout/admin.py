@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable, Collection, Optional
 
 from megarl.rollout.http import AdminError, HttpClient, Server, ServerRequestError, Transient
 from megarl.rollout.types import (DiskWeightsUpdate, DistributedWeightsMeta, PauseMode, PauseRequest,
-                                  TensorWeightsUpdate, WeightsUpdateGroup)
+                                  TensorWeightsUpdate, WeightsChecksumRequest, WeightsUpdateGroup)
 
 
 class AdminClient(HttpClient):
@@ -109,6 +109,13 @@ class AdminClient(HttpClient):
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict[str, list]:
         return await self._admin("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
+    async def weights_checksum(self, names: list[str], dtypes: list[str]) -> dict[str, dict[str, str]]:
+        """{address: {name: sha256 hex}} of the named tensors as each server holds them, in the
+        pushed dtypes (megarl-server's /weights_checksum; real SGLang answers 404)."""
+        body = WeightsChecksumRequest(list(names), list(dtypes)).to_json()
+        replies = await self._admin("/weights_checksum", body, timeout=self.weight_timeout)
+        return {addr: r.get("checksums", {}) for addr, r in replies.items()}
 
     async def health(self) -> dict[str, bool]:
         """{address: /health answered 200} (never raises)."""

@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 
 from megarl.wire import (SAFETENSORS_B64, DiskWeightsUpdate, DistributedWeightsMeta,
                          ModelRequest, ModelResponse, PauseMode, PauseRequest, RoutedExperts,
-                         SamplingParams, StopReason, TensorWeightsUpdate, WeightsUpdateGroup)
+                         SamplingParams, StopReason, TensorWeightsUpdate, WeightsChecksumRequest,
+                         WeightsUpdateGroup)
 
 __all__ = ["SAFETENSORS_B64", "DiskWeightsUpdate", "DistributedWeightsMeta", "ModelRequest", "ModelResponse",
            "PauseMode", "PauseRequest", "RoutedExperts", "SamplingParams", "StopReason", "TensorWeightsUpdate",
-           "WeightsUpdateGroup", "Trajectory"]
+           "WeightsChecksumRequest", "WeightsUpdateGroup", "Trajectory"]
 
 
 @dataclass

@@ -255,7 +255,7 @@ class CausalLM:
             self.params[f"{p}post_attention_layernorm.weight"] = L["post_norm"]
             L.update(self._alloc_attention(p + "self_attn."))
             if c.moe is not None and c.moe.moe_layers[i]:
-                moe, names = alloc_layer(c.moe, c.hidden_size, dtype, p + "mlp.")
+                moe, names = alloc_layer(c.moe, c.hidden_size, dtype, p + "mlp.", self.device)
                 L.update(moe, moe_layer=True)
                 self.params.update(names)
             else:
@@ -267,7 +267,7 @@ class CausalLM:
         self.max_len = max_len
 
     def _zeros(self, *shape) -> torch.Tensor:
-        return torch.zeros(shape, dtype=self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _alloc_attention(self, p: str) -> dict:
         """q|k|v fused (rows in that order), o, optional biases and q/k norms; HF names as views."""

@@ -59,13 +59,13 @@ class MoESpec:
                    shared, layers)
 
 
-def alloc_layer(spec: MoESpec, hidden: int, dtype: torch.dtype, prefix: str):
+def alloc_layer(spec: MoESpec, hidden: int, dtype: torch.dtype, prefix: str, device="cpu"):
     """(tensors of one MoE layer, {HF name: view}) with ``prefix`` = ``model.layers.{i}.mlp.``."""
     E, inter = spec.num_experts, spec.expert_intermediate
     L = {
-        "router": torch.zeros(E, hidden, dtype=dtype),
-        "experts_gate_up": torch.zeros(E, 2 * inter, hidden, dtype=dtype),
-        "experts_down": torch.zeros(E, hidden, inter, dtype=dtype),
+        "router": torch.zeros(E, hidden, dtype=dtype, device=device),
+        "experts_gate_up": torch.zeros(E, 2 * inter, hidden, dtype=dtype, device=device),
+        "experts_down": torch.zeros(E, hidden, inter, dtype=dtype, device=device),
         "shared_gate_up": None, "shared_down": None, "shared_gate": None,
     }
     names = {prefix + "gate.weight": L["router"]}
@@ -76,9 +76,9 @@ def alloc_layer(spec: MoESpec, hidden: int, dtype: torch.dtype, prefix: str):
         names[f"{prefix}experts.{e}.down_proj.weight"] = L["experts_down"][e]
     if spec.shared_intermediate:
         s = spec.shared_intermediate
-        L["shared_gate_up"] = torch.zeros(2 * s, hidden, dtype=dtype)
-        L["shared_down"] = torch.zeros(hidden, s, dtype=dtype)
-        L["shared_gate"] = torch.zeros(1, hidden, dtype=dtype)
+        L["shared_gate_up"] = torch.zeros(2 * s, hidden, dtype=dtype, device=device)
+        L["shared_down"] = torch.zeros(hidden, s, dtype=dtype, device=device)
+        L["shared_gate"] = torch.zeros(1, hidden, dtype=dtype, device=device)
         gate, up = L["shared_gate_up"].split(s)
         names[prefix + "shared_expert.gate_proj.weight"] = gate
         names[prefix + "shared_expert.up_proj.weight"] = up

@@ -13,6 +13,10 @@
   weight_version}: see `weights.decode_named_tensors`; never unpickles.
 - ``/destroy_weights_update_group`` {group_name}; ``/get_weights_by_name`` {name, truncate_size};
   ``/update_weight_version`` {new_version}.
+- ``/weights_checksum`` {names, dtypes} (a megarl extension, not in SGLang): ``{"success": true,
+  "checksums": {name: sha256 hex}}`` of each named tensor as this server holds it, cast to
+  ``dtypes[i]`` (`megarl.wire.tensor_digest`), so the trainer checks a push without reading any
+  tensor back (``weights.verify_interval``); computed on the engine thread, between batches.
 A given ``weight_version`` becomes the server's version once the tensors are loaded; without one
 the version is unchanged (SGLang semantics).
 """
@@ -25,7 +29,7 @@ from aiohttp import web
 
 from megarl.net import new_process_group
 from megarl.server import weights as W
-from megarl.wire import FLATTENED_BUCKET
+from megarl.wire import FLATTENED_BUCKET, tensor_digest
 from megarl.server.state import (BadRequest, ServerState, allowed_weights_path, body_field, on_engine,
                                          read_body, result)
 
@@ -164,17 +168,45 @@ async def from_tensor(request: web.Request) -> web.Response:
     return await _update(state, tensors, body)
 
 
+def _param(model, name: str, field: str) -> str:
+    """The key of HF tensor ``name`` in the model's params (a tied lm_head is the embedding)."""
+    canon = "model.embed_tokens.weight" if name == "lm_head.weight" and model.cfg.tie_word_embeddings else name
+    if canon not in model.params:
+        raise BadRequest(f"{field}: unknown parameter {name!r}")
+    return canon
+
+
 async def get_weights_by_name(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     body = await read_body(request)
     name = body_field(body, "name", str, required=True)
     k = body_field(body, "truncate_size", int, 100)
     model = state.engine.model
-    canon = "model.embed_tokens.weight" if name == "lm_head.weight" and model.cfg.tie_word_embeddings else name
-    if canon not in model.params:
-        raise BadRequest(f"name: unknown parameter {name!r}")
+    canon = _param(model, name, "name")
     t = await on_engine(state, lambda: model.params[canon][:k].float().clone())
     return web.json_response(t.tolist())
+
+
+async def weights_checksum(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    body = await read_body(request)
+    names = body_field(body, "names", list, required=True)
+    dtypes = body_field(body, "dtypes", list, None)
+    if not all(isinstance(n, str) for n in names):
+        raise BadRequest("names must be a list of strings")
+    if dtypes is not None and len(dtypes) != len(names):
+        raise BadRequest(f"dtypes: {len(dtypes)} given for {len(names)} names")
+    try:
+        casts = [None if d is None else W.parse_dtype(d) for d in (dtypes or [None] * len(names))]
+    except ValueError as e:
+        raise BadRequest(f"dtypes: {e}") from e
+    model = state.engine.model
+    canon = {n: _param(model, n, "names") for n in names}
+
+    def digests():  # on the engine thread: never between the tensors of a load
+        return {n: tensor_digest(model.params[canon[n]], d) for n, d in zip(names, casts)}
+
+    return result(True, f"{len(names)} checksums", checksums=await on_engine(state, digests))
 
 
 async def update_weight_version(request: web.Request) -> web.Response:
@@ -196,3 +228,4 @@ def setup(r: web.UrlDispatcher) -> None:
     r.add_post("/update_weights_from_tensor", from_tensor)
     r.add_post("/get_weights_by_name", get_weights_by_name)
     r.add_post("/update_weight_version", update_weight_version)
+    r.add_post("/weights_checksum", weights_checksum)

@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from megarl.algo import (AdvantageConfig, AlgoSpec, ProxLogpMode, Stat, aggregate,
                          compute_advantages, entropy_loss, kl_loss, kl_penalty,
-                         loglinear_prox_logp, policy_loss, prox_approx_stats, step_denominators,
-                         token_weights)
+                         loglinear_prox_logp, onpolicy_mismatch, policy_loss, prox_approx_stats,
+                         step_denominators, token_weights)
 from megarl.algo.aggregation import LossAgg, StepDenominators
 from megarl.metrics import StatsTracker
 from megarl.trainer.batch import MicroBatch, TensorBatch, cat_padded
@@ -239,7 +239,7 @@ class Actor:
         if missing:
             raise ValueError(f"Actor.ppo_update: batch lacks field(s) {missing}")
         acc = StatsTracker()
-        full = self._step_inputs(batch, acc)
+        full = self._step_inputs(batch, acc, version)
         # Same on every DP rank (from the gathered counts): all ranks step the optimizer together.
         n_mini = num_minibatches(dp_counts(len(batch), self.ps), cfg.train.ppo_mini_batch_size)
         clock = _Clock(0, max(1, n_mini * cfg.train.ppo_epochs), float(version))
@@ -270,9 +270,10 @@ class Actor:
         self.updates += 1
         return metrics
 
-    def _step_inputs(self, batch: TensorBatch, acc: StatsTracker) -> TensorBatch:
+    def _step_inputs(self, batch: TensorBatch, acc: StatsTracker, version: int) -> TensorBatch:
         """The batch plus ref_logp (KL loss) and prox_logp (recompute / metrics), both computed
-        once per step on the step-start weights; the entropy metric comes free with prox."""
+        once per step on the step-start weights; the entropy metric comes free with prox, and so
+        does the train-rollout mismatch over the whole step (without prox: `_loss_fn`)."""
         spec = self.spec
         # with_advantages may have computed ref_logp already (kl_in_reward): never twice.
         if self.ref is not None and spec.kl_loss_coef > 0 and "ref_logp" not in batch.fields:
@@ -281,6 +282,8 @@ class Actor:
         if spec.prox_logp_mode != ProxLogpMode.LOGLINEAR and spec.policy_loss.needs_prox_logp:
             res = self.engine.compute_logp(batch, with_entropy=not train_entropy)
             batch = batch.with_fields(prox_logp=res.logp)
+            acc.add_stats(onpolicy_mismatch(res.logp, batch["behave_logp"], batch["versions"],
+                                            batch["loss_mask"], version))
             if res.entropy is not None:  # the entropy metric without paying for it in backward
                 acc.add_stats({"entropy": Stat.masked_mean(res.entropy, batch["loss_mask"])})
         return batch
@@ -313,10 +316,12 @@ class Actor:
         # mini-batch's tokens, so the reduced result is the mean over optimizer steps.
         share = m.sum() / mb.step_tokens
         stats["pg_loss"] = Stat(aggregate(out.loss, w).detach(), share.detach())
-        if clock.k == 0:  # trainer vs rollout engine on the same weights: ~0 when in sync
+        if clock.k == 0:  # the step-start weights: pi_theta = pi_prox
             gap = (logp.detach() - behave).abs()
             stats["logp_gap"] = Stat.masked_mean(gap, m)
             stats["logp_gap_max"] = Stat.masked_max(gap, m)
+            if "prox_logp" not in mb.fields:  # else measured on the whole step by _step_inputs
+                stats.update(onpolicy_mismatch(logp, behave, mb["versions"], m, clock.prox_version))
         acc.add_stats(stats)
         return loss, {}
 

@@ -10,6 +10,9 @@
         every train.trigger_parameter_sync_step steps: pusher.push(): pause rollouts -> push
         weights -> cluster.version + 1 -> resume (in-flight samples continue as partial
         rollouts, or finished under the old weights first without rollout.partial_rollout)
+        and, every weights.verify_interval pushes, compare per-tensor checksums with the servers'
+        gates (megarl/trainer/gates.py): the step's metrics are logged, then train.mismatch_gate
+        stops the run if tokens of the step's own version disagree with the trainer's logprobs
         every rollout.eval_interval steps (and at step 0 with rollout.eval_at_start): greedy
         held-out accuracy, run beside training and reported with the version it measured;
         train.stop_at_eval_accuracy ends the run once a reported accuracy reaches it
@@ -45,10 +48,10 @@ from megarl.timeline import Timeline
 from megarl.trainer.actor import Actor
 from megarl.trainer.batch import TensorBatch
 from megarl.trainer.critic import Critic
+from megarl.trainer.gates import check_mismatch, mismatch_threshold, verify_push
 from megarl.trainer.rollout_link import ManagerCluster, ManagerState, RolloutSide
 from megarl.trainer.rollout_stats import StepTimer, batch_metrics, dump_generations
 from megarl.weights.push import WeightPusher
-from megarl.weights.transports import PushError
 
 
 def _broadcast(obj, src: int = 0):
@@ -93,15 +96,6 @@ def train_step(actor: Actor, critic: Optional[Critic], batch: TensorBatch, versi
     return metrics
 
 
-def verify_push(pusher: WeightPusher) -> int:
-    """weights.verify_interval: the servers must hold exactly the pushed tensors."""
-    bad = sorted(pusher.verify())
-    if bad:
-        raise PushError(f"weights.verify_interval: {len(bad)} tensor(s) differ on the servers after "
-                        f"version {pusher.version}: {', '.join(bad[:5])}")
-    return 0
-
-
 @dataclasses.dataclass
 class StepRunner:
     """One RL step on every rank: wait for a batch, update, push, evaluate, collect the metrics.
@@ -116,6 +110,11 @@ class StepRunner:
     pusher: WeightPusher
     timer: StepTimer
     bad_steps: int = 0  # consecutive steps with a skipped (non-finite) update
+    trained_version: int = 0  # the policy version the last step started from
+
+    def check_gates(self, metrics: dict, step: int) -> None:
+        """train.mismatch_gate on a logged step (every rank holds the same reduced metrics)."""
+        check_mismatch(mismatch_threshold(self.cfg), metrics, step, self.trained_version)
 
     def run(self, step: int, last: bool) -> tuple[dict, bool]:
         """This step's metrics, and whether train.stop_at_eval_accuracy was reached."""
@@ -144,6 +143,7 @@ class StepRunner:
         cfg = self.cfg
         shaping = shape_rewards(trajs, self.actor.spec, cfg.rollout.max_new_tokens)
         batch = local_share(trajs, self.ps)
+        self.trained_version = self.cluster.version
         with self.timer.phase("update"):
             metrics = train_step(self.actor, self.critic, batch, self.cluster.version)
             # the rollout side lives in the manager process: nothing else runs Python here
@@ -163,10 +163,9 @@ class StepRunner:
     def _push(self, metrics: dict) -> None:
         with self.timer.phase("push"):
             metrics.update(self.pusher.push().as_dict())
-        every = self.cfg.weights.verify_interval
-        if every and self.cluster.version % every == 0:
+        if self.pusher.verify_due(self.cluster.version):  # weights.verify_interval
             with self.timer.phase("verify"):
-                metrics["push/verify_mismatches"] = verify_push(self.pusher)
+                metrics["push/verify_mismatches"] = verify_push(self.pusher, self.cfg.weights.verify_mode)
 
     def _evaluate(self, step: int, last: bool, metrics: dict) -> None:
         interval = self.cfg.rollout.eval_interval
@@ -220,6 +219,8 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None, side: Optional[RolloutSide]
         pusher = WeightPusher(cfg, engine, cluster)
         stack.callback(pusher.close)
         pusher.push(bump=False)  # servers hold exactly the trainer's weights before any rollout
+        if pusher.verify_due(cluster.version):  # a server that cannot hold them fails here, before work
+            verify_push(pusher, cfg.weights.verify_mode)
         side.start_rollouts()  # after the first push: nothing to pause before
         if cfg.data.eval_path and r.eval_at_start and start == 0:  # the learning curve's step 0
             side.submit_eval(0, cluster.version)
@@ -231,6 +232,7 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None, side: Optional[RolloutSide]
             last = step == t.steps
             metrics, reached = runner.run(step, last)
             logger.log(metrics, step)
+            runner.check_gates(metrics, step)  # after the log: the numbers are in metrics.jsonl
             # megarl.signals: same condition on every rank (the all-reduce runs on all or none)
             if stop is not None and not last and stop.should_stop():
                 ckpt.save(step, policy_version=cluster.version)  # the next start resumes here

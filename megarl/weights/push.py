@@ -13,6 +13,7 @@ from megarl.rollout.cluster import RolloutCluster
 from megarl.weights.resharder import Resharder
 from megarl.weights.transports import (DiskTransport, DistributedTransport, PushError,
                                        TensorTransport)
+from megarl.wire import tensor_digest
 
 
 @dataclass
@@ -25,12 +26,13 @@ class PushMetrics:
     send_s: float
     total_s: float
     pause_s: float = 0.0  # the driver's wait for the servers to pause (step 1)
+    digest_s: float = 0.0  # checksums of the sent tensors (pushes that weights.verify_interval checks)
 
     @property
     def fixed_s(self) -> float:
         """The protocol's share of the trainer's push time: everything but gathering, converting
         and sending bytes (pause, announces' replies, the tail when it is awaited)."""
-        return max(0.0, self.total_s - self.gather_s - self.convert_s - self.send_s)
+        return max(0.0, self.total_s - self.gather_s - self.convert_s - self.send_s - self.digest_s)
 
     @property
     def gbps(self) -> float:
@@ -40,7 +42,7 @@ class PushMetrics:
         return {"push/bytes": self.bytes, "push/buckets": self.buckets, "push/gather_s": self.gather_s,
                 "push/convert_s": self.convert_s, "push/send_s": self.send_s,
                 "push/total_s": self.total_s, "push/gbps": self.gbps, "push/pause_s": self.pause_s,
-                "push/fixed_s": self.fixed_s}
+                "push/fixed_s": self.fixed_s, "push/digest_s": self.digest_s}
 
 
 class WeightPusher:
@@ -55,6 +57,10 @@ class WeightPusher:
         self.resharder = Resharder(engine, bucket_bytes=w.bucket_mb * 2**20, dtype=self.dtype)
         self.admin, self.transport = None, None
         self._own_admin = False
+        self.verify_every = w.verify_every
+        # {name: (dtype, sha256)} of what this rank sent in the last push, when it is verified
+        self.digests: dict[str, tuple[str, str]] = {}
+        self.digest_s, self._recording = 0.0, False
         self._connect()
 
     @property
@@ -171,6 +177,8 @@ class WeightPusher:
         new_version = self.cluster.version + int(bump)
         if not self._ready:
             self._setup()
+        self.digests, self.digest_s = {}, 0.0
+        self._recording = self.verify_due(new_version)
         ok, pause_s = False, 0.0
         try:
             tp = time.perf_counter()
@@ -200,10 +208,11 @@ class WeightPusher:
         nbytes = t.bytes
         if isinstance(self.transport, DiskTransport) and self.ps.rank == 0:
             nbytes = self.resharder.total_bytes()
-        stats = torch.tensor([nbytes, t.buckets, t.gather_s, t.convert_s, send_s], dtype=torch.float64)
+        stats = torch.tensor([nbytes, t.buckets, t.gather_s, t.convert_s, send_s, self.digest_s],
+                             dtype=torch.float64)
         dist.all_reduce(stats)  # sources hold the counts; times summed over stages
-        b, n, g, c, s = stats.tolist()
-        return PushMetrics(new_version, int(b), int(n), g, c, s, time.perf_counter() - t0, pause_s)
+        b, n, g, c, s, h = stats.tolist()
+        return PushMetrics(new_version, int(b), int(n), g, c, s, time.perf_counter() - t0, pause_s, h)
 
     def _send_stages(self, version: str) -> float:
         send_s = 0.0
@@ -219,6 +228,8 @@ class WeightPusher:
                     except Exception as e:  # noqa: BLE001
                         err = e
                     send_s += time.perf_counter() - ts
+                    if self._recording:
+                        self._record(bucket)
             self._agree(err)
         return send_s
 
@@ -232,31 +243,64 @@ class WeightPusher:
                 err = PushError(f"{step}: {e}")
         self._agree(err)
 
-    def verify(self) -> dict[str, bool]:
-        """Checks that the servers hold exactly what the trainer holds: every HF tensor is read
-        back whole (``/get_weights_by_name``, which real SGLang serves too) and compared element
-        by element with the serving-dtype tensor that was pushed. Collective (the stage gathers
-        run on every rank; only the stage sources ask the servers); returns {"addr:name": False}
-        for each mismatch, on every rank. Costs a full read-back: run it every
-        ``weights.verify_interval`` pushes."""
-        mismatches: list[str] = []
+    def verify(self) -> list[str]:
+        """Checks that the servers hold exactly what the last push sent, without reading tensors
+        back: the trainer's sha256 of every pushed tensor (recorded from the buckets as they were
+        sent; the disk transport gathers them again here) against the checksums the servers
+        compute of what they hold, in the pushed dtype (megarl-server's ``/weights_checksum``).
+        One HTTP call per server, from the driver. Collective; returns ``["addr:name", ...]``, one
+        entry per differing tensor and server, on every rank; raises `PushError` when a server
+        cannot answer (real SGLang has no such endpoint)."""
+        local = self._gather_digests() if isinstance(self.transport, DiskTransport) else self.digests
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+        want = {name: d for part in parts for name, d in part.items()}
+        if not want:  # same on every rank
+            raise PushError("weights.verify_interval: verify() needs a push that recorded checksums "
+                            "(one whose version verify_due)")
+        box: list = [None]
+        if self.cluster.driver:
+            try:
+                box = [("ok", self._compare(want))]
+            except Exception as e:  # noqa: BLE001 - every rank raises the same error below
+                box = [("error", f"{type(e).__name__}: {e}")]
+        dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "error":
+            raise PushError(f"weights.verify_interval: /weights_checksum failed ({value}); a server "
+                            "without it (real SGLang) needs weights.verify_interval=0")
+        return value
+
+    def _compare(self, want: dict[str, tuple[str, str]]) -> list[str]:
+        """Driver: the servers' checksums of every name in ``want`` ({name: (dtype, hex)})."""
+        names = sorted(want)
+        dtypes = [want[n][0] for n in names]
+        got = self.admin.call(lambda c: c.weights_checksum(names, dtypes), self.timeout_s)
+        return [f"{addr}:{n}" for addr in sorted(got) for n in names if got[addr].get(n) != want[n][1]]
+
+    def verify_due(self, version: int) -> bool:
+        """Whether the push of ``version`` is checked (``weights.verify_interval``)."""
+        return bool(self.verify_every) and version % self.verify_every == 0
+
+    def _record(self, bucket) -> None:
+        """Checksums of a bucket as it is sent (stage sources, pushes that `verify_due`)."""
+        t0 = time.perf_counter()
+        for name, dtype, t in zip(bucket.names, bucket.dtypes, bucket.tensors):
+            self.digests[name] = (dtype, tensor_digest(t.cpu()))
+        self.digest_s += time.perf_counter() - t0
+
+    def _gather_digests(self) -> dict[str, tuple[str, str]]:
+        """The checksums of every tensor the resharder yields (stage by stage; TP peers gather
+        with their source, which hashes). For the disk transport, whose push never sees buckets."""
+        out: dict[str, tuple[str, str]] = {}
         for stage in range(self.ps.pp):
             if self.ps.pp_rank == stage:
                 for bucket in self.resharder.iter_buckets():
-                    if self.admin is None:
-                        continue  # a TP peer: it gathered with the source, which compares
-                    for name, t in zip(bucket.names, bucket.tensors):
-                        got = self.admin.call(lambda c: c.get_weights_by_name(name, t.numel()),
-                                              self.timeout_s)
-                        want = t.float().reshape(-1)
-                        for addr, values in got.items():
-                            have = torch.tensor(values, dtype=torch.float32).reshape(-1)
-                            if not torch.equal(have, want):
-                                mismatches.append(f"{addr}:{name}")
+                    if self.ps.is_pp_source:
+                        out.update((n, (d, tensor_digest(t.cpu())))
+                                   for n, d, t in zip(bucket.names, bucket.dtypes, bucket.tensors))
             dist.barrier()
-        out: list = [None] * dist.get_world_size()
-        dist.all_gather_object(out, mismatches)
-        return {m: False for ms in out for m in ms}
+        return out
 
     def close(self) -> None:
         self.transport.close()

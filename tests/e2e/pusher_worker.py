@@ -1,6 +1,7 @@
 """torchrun worker (one rank) for test_client_protocol: the trainer-side WeightPusher pushes the
 weights of HF dir B to one rollout server that holds A, once per transport, and records (JSON)
-the server's greedy continuation with its logprobs and weight_version after each push.
+the server's greedy continuation with its logprobs and weight_version after each push, and (megarl
+format) what `WeightPusher.verify` found.
 
     pusher_worker.py SERVER_URL API_KEY HF_A HF_B TENSOR_FORMAT WORK_DIR OUT_JSON
 """
@@ -44,13 +45,16 @@ def main():
         cluster = RolloutCluster.from_config(cfg, [server], driver=True)
         pusher = WeightPusher(cfg, Engine.build(cfg, ps, trainable=False), cluster)
         metrics = pusher.push()
+        # checksums of what was sent (disk: gathered again) against the server's /weights_checksum
+        checked = pusher.verify() if tensor_format == "megarl" else None
         pusher.close()
         cluster.close()
         res = post(server + "/generate", key, {"input_ids": PROMPT, "return_logprob": True, "sampling_params": {
             "temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})
         lps = res["meta_info"]["output_token_logprobs"]
         results[transport] = {"ids": PROMPT + [t for _, t, _ in lps], "logprobs": [lp for lp, _, _ in lps],
-                              "version": res["meta_info"]["weight_version"], "pushed": metrics.version}
+                              "version": res["meta_info"]["weight_version"], "pushed": metrics.version,
+                              "verify": checked}
     with open(out, "w") as f:
         json.dump(results, f)
     os._exit(0)  # the update group's sockets may linger; don't wait on them

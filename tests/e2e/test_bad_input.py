@@ -428,6 +428,12 @@ HTTP_CASES = [
     ("weights_by_name_bad_size", "POST", "/get_weights_by_name", {"name": "model.norm.weight",
                                                                   "truncate_size": "x"}, 400, "truncate_size"),
     ("weight_version_wrong_type", "POST", "/update_weight_version", {"new_version": [1]}, 400, "new_version"),
+    ("checksum_names_missing", "POST", "/weights_checksum", {}, 400, "names is required"),
+    ("checksum_name_unknown", "POST", "/weights_checksum", {"names": ["nope"]}, 400, "nope"),
+    ("checksum_dtypes_length", "POST", "/weights_checksum", {"names": ["model.norm.weight"],
+                                                            "dtypes": []}, 400, "dtypes"),
+    ("checksum_dtype_unknown", "POST", "/weights_checksum", {"names": ["model.norm.weight"],
+                                                            "dtypes": ["int4"]}, 400, "dtypes"),
 ]
 GOOD = {"input_ids": [1, 5, 9], "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}
 

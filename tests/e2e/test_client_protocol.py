@@ -364,5 +364,6 @@ def test_weight_pusher_all_transports(srv, models, tmp_path):
     path, sd = models["new"]
     for transport, r in results.items():
         assert r["version"] == "1" and r["pushed"] == 1, transport
+        assert r["verify"] == ([] if wire == "megarl" else None), transport  # checksums agree
         want = reference_logprobs(path, sd, r["ids"])[len(r["ids"]) - len(r["logprobs"]):]
         assert max(abs(a - b) for a, b in zip(r["logprobs"], want)) <= TOL, transport

@@ -27,7 +27,7 @@ from e2e_servers import http
 ADMIN = {"/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
          "/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed",
          "/init_weights_update_group", "/destroy_weights_update_group", "/update_weight_version",
-         "/begin_weight_update", "/end_weight_update", "/get_weights_by_name"}
+         "/begin_weight_update", "/end_weight_update", "/get_weights_by_name", "/weights_checksum"}
 
 
 class Evil:

@@ -176,3 +176,35 @@ def test_update_from_disk_and_tensor_and_bad_updates(tiny_model, new_weights, se
             await _generate_and_check(c, old_path, sd0, 2)
 
     asyncio.run(main())
+
+
+def test_weights_checksum_is_of_what_the_server_holds(tiny_model, new_weights, servers):
+    """/weights_checksum (megarl extension): the sha256 of every tensor as the server holds it, in
+    the asked dtype; a tensor changed through the server's own update endpoint changes its
+    checksum and no other; a bf16-rounded push matches in bf16 only."""
+    from megarl.wire import tensor_digest
+
+    (old_path, sd0), (new_path, sd1) = tiny_model, new_weights
+    names = sorted(sd0)
+    fp32 = ["float32"] * len(names)
+
+    async def main():
+        async with AdminClient([s.url for s in servers], api_key=API_KEY) as a:
+            got = await a.weights_checksum(names, fp32)
+            assert set(got) == {s.url for s in servers}
+            for sums in got.values():
+                assert sums == {n: tensor_digest(sd0[n]) for n in names}
+            one = {"model.norm.weight": sd1["model.norm.weight"]}
+            await a.update_weights_from_tensor(TensorWeightsUpdate([encode_megarl(one)]))
+            after = await a.weights_checksum(names, fp32)
+            for sums in after.values():
+                assert [n for n in names if sums[n] != tensor_digest(sd0[n])] == ["model.norm.weight"]
+                assert sums["model.norm.weight"] == tensor_digest(sd1["model.norm.weight"])
+            bf = {n: t.to(torch.bfloat16) for n, t in sd0.items()}
+            await a.update_weights_from_tensor(TensorWeightsUpdate([encode_megarl(bf)]))
+            held = await a.weights_checksum(names, ["bfloat16"] * len(names))
+            for sums in held.values():  # the fp32 server holds the bf16 values exactly
+                assert sums == {n: tensor_digest(bf[n]) for n in names}
+            await a.update_weights_from_tensor(TensorWeightsUpdate([encode_megarl(sd0)]))
+
+    asyncio.run(main())

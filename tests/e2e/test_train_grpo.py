@@ -35,6 +35,13 @@ def test_grpo_steps(tmp_path, layout):
         assert r["optimizer_steps"] == 1
     # step 1 trains on rollouts of the very weights it starts from: no training-inference gap
     assert rows[0]["logp_gap"] <= 1e-5 and rows[0]["staleness_max"] == 0
+    # train.mismatch_gate (on by default) never trips on the demo: tokens of the version each step
+    # starts from get the trainer's logprob to well under its fp32 threshold (1e-4 nats, mean)
+    # (later steps hold tokens of their own version only when generation overlapped the push)
+    assert rows[0]["mismatch/onpolicy_frac"] == 1.0
+    assert all(r["mismatch/mean"] <= 1e-5 and r["mismatch/max"] <= 1e-4 for r in rows), rows
+    # checksum verification (on by default): every push holds exactly on the server
+    assert all(r["push/verify_mismatches"] == 0 and r["push/digest_s"] > 0 for r in rows)
     # evaluations run beside training and are reported with the version they measured: the one
     # started at step 2 lands at step 2 or 3, the last step waits for its own
     evals = [r for r in rows if "eval_accuracy" in r]

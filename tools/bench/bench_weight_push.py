@@ -9,7 +9,12 @@ of the same bytes over the same weight-update group, to the same real megarl CPU
 megarl-train) and the push's tail is not awaited. Reports, per push (medians), the trainer's time
 split into gather, convert, send (the broadcast, which also waits for the server to enter its
 receive) and the fixed cost (everything else: the pause round trip through the manager, the
-announce), apart from the bytes.
+announce), apart from the bytes. ``--verify`` (with ``--manager``): every push is also checked by
+checksum (``weights.verify_interval=1``, megarl-train's default) and the row adds its two costs:
+the trainer's sha256 of the sent buckets (``push/digest_s``) and ``WeightPusher.verify`` (one
+``/weights_checksum`` call through the manager, after the push's tail; the servers hash what
+they hold). Without it,
+verification is off so that the push alone is timed.
 
 Starts its own ranks (torchrun on loopback) and server. The raw baseline announces the same
 bucket sizes as flat uint8 tensors and broadcasts them: same HTTP announce, same group, same
@@ -46,6 +51,7 @@ def parse(argv=None):
     p.add_argument("--work", default="")
     p.add_argument("--manager", action="store_true", help="push through a rollout manager (megarl-train's path)")
     p.add_argument("--gap-s", type=float, default=0.25, help="--manager: seconds between pushes (an update)")
+    p.add_argument("--verify", action="store_true", help="with --manager: time checksum verification too")
     return p.parse_args(argv)
 
 
@@ -107,7 +113,8 @@ def worker(args):
     cfg = load_config(None, [f"model.hf_path={hf}", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
                              f"data.tokenizer_path={REPO}/examples/tiny/model", f"parallel.tp={args.tp}",
                              f"weights.bucket_mb={args.bucket_mb}", f"rollout.servers=[{server}]",
-                             "weights.timeout_s=300", f"train.run_dir={os.environ['BENCH_WORK']}/run"])
+                             "weights.timeout_s=300", f"train.run_dir={os.environ['BENCH_WORK']}/run",
+                             f"weights.verify_interval={int(args.verify)}"])
     ps = parallel.init_model_parallel(args.tp, 1)
     engine = Engine.build(cfg, ps, trainable=False)
     if args.manager:
@@ -155,11 +162,18 @@ def manager_pushes(args, cfg, ps, engine):
     side.start()
     pusher = WeightPusher(cfg, engine, side.connect(0, None))
     pusher.push()  # warm-up: groups, first allocation
-    rows = []
+    rows, verify_s = [], []
     for _ in range(args.repeats):
         dist.barrier()
         rows.append(pusher.push())
         time.sleep(args.gap_s)  # the update between two pushes, while the manager finishes the tail
+        if args.verify:
+            if ps.rank == 0:
+                pusher.cluster.settle()  # the push's tail first: time the check alone
+            dist.barrier()
+            t0 = time.perf_counter()
+            assert pusher.verify() == []
+            verify_s.append(time.perf_counter() - t0)
     pusher.cluster.settle() if ps.rank == 0 else None  # the last tail finished too
     if ps.rank == 0:
         med = lambda f: statistics.median(f(m) for m in rows)  # noqa: E731
@@ -169,6 +183,9 @@ def manager_pushes(args, cfg, ps, engine):
                f"{1e3 * med(lambda m: m.gather_s):.1f} + {1e3 * med(lambda m: m.convert_s):.1f} ms | "
                f"{1e3 * med(lambda m: m.send_s):.1f} ms | **{1e3 * med(lambda m: m.fixed_s):.1f} ms** "
                f"(pause {1e3 * med(lambda m: m.pause_s):.1f} ms) |")
+        if args.verify:
+            row += (f" checksums: trainer {1e3 * med(lambda m: m.digest_s):.1f} ms, verify call "
+                    f"{1e3 * statistics.median(verify_s):.1f} ms |")
         print(row)
         with open(args.out, "a") as f:
             f.write(row + "\n")

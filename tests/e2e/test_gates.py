@@ -1,0 +1,120 @@
+"""The run-time gates on real runs (real trainer, rollout manager and megarl-server; short demo
+runs): the train-rollout mismatch gate stops a run whose server computes another model, and
+checksum verification catches a server tensor changed behind the trainer's back."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from e2e_servers import ForwardingProxy, ServerProc, http
+
+from megarl.weights.tensor_wire import tensor_update
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = f"{REPO}/examples/tiny/model"
+
+
+def train(tmp_path, *overrides, steps: int = 3):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
+           f"model.hf_path={MODEL}", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
+           "data.eval_path=", f"train.run_dir={run}", "checkpoint.hf_export_dir=",
+           "checkpoint.save_interval=0", "train.global_batch_size=64", "rollout.eval_at_start=false",
+           f"train.steps={steps}", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    path = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return proc, rows
+
+
+def last_line(proc) -> str:
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_mismatch_gate_stops_a_run_whose_server_runs_another_model(tmp_path):
+    """The server loads the demo model with rope_theta 100 instead of 10000 (a config the weight
+    push does not carry): its weights are bitwise the trainer's (the checksums agree), its
+    logprobs are not, and the run stops at step 1 with one line."""
+    wrong = tmp_path / "wrong_rope"
+    shutil.copytree(MODEL, wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    cfg["rope_theta"] = 100.0
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    server = ServerProc(str(wrong)).wait_ready()
+    try:
+        proc, rows = train(tmp_path, f"rollout.servers=[{server.url}]")
+    finally:
+        server.stop()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = last_line(proc)
+    assert line.startswith("megarl-train: MismatchError: train.mismatch_gate: at step 1"), line
+    assert "likely causes" in line and "> 0.0001 nats" in line
+    assert [r["step"] for r in rows] == [1]  # the offending step is logged, no later one runs
+    r = rows[0]
+    assert r["mismatch/onpolicy_frac"] == 1.0  # step 1: every token from the pushed version 0
+    assert r["mismatch/mean"] > 1e-2 and r["mismatch/max"] >= r["mismatch/mean"]
+    assert r["push/verify_mismatches"] == 0  # the weights are right; the model around them is not
+
+
+def test_a_bf16_server_fails_verification_before_any_rollout(tmp_path):
+    """A server that rounds the fp32 push to bf16 cannot hold it: the checksums of the initial
+    push differ and the run stops before step 1, naming the server and a tensor."""
+    proc, rows = train(tmp_path, "rollout.server_args=[--dtype,bfloat16]")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = last_line(proc)
+    assert "weights.verify_interval: server http://127.0.0.1:" in line, line
+    assert "than the trainer pushed as version 0" in line and "tensor(s) differ" in line
+    assert rows == []
+
+
+def test_mismatch_gate_catches_a_bf16_server_when_verification_is_off(tmp_path):
+    proc, rows = train(tmp_path, "rollout.server_args=[--dtype,bfloat16]", "weights.verify_interval=0")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "train.mismatch_gate: at step 1" in last_line(proc)
+    assert 1e-4 < rows[0]["mismatch/mean"] and "push/verify_mismatches" not in rows[0]
+
+
+class TamperingProxy(ForwardingProxy):
+    """Forwards everything to the server; just before the n-th /weights_checksum it changes
+    model.norm.weight on the server itself (its own /update_weights_from_tensor endpoint)."""
+
+    def __init__(self, target: str, n: int):
+        self.calls, self.n = 0, n
+        super().__init__(target, self.on_path)
+
+    def on_path(self, path: str) -> None:
+        if path == "/weights_checksum":
+            self.calls += 1
+            if self.calls == self.n:
+                body = tensor_update({"model.norm.weight": torch.full((128,), 0.5)}).to_json()
+                code, out = http("POST", self.target + "/update_weights_from_tensor", body)
+                assert code == 200, out
+
+
+@pytest.mark.parametrize("mode", ["warn", "fail"])
+def test_checksum_verify_detects_a_tampered_server_tensor(tmp_path, mode):
+    server = ServerProc(MODEL).wait_ready()
+    try:
+        proxy = TamperingProxy(server.url, n=2)  # 1: the initial push, 2: step 1's push
+        # the tampered server generates until the next push: the mismatch gate would stop the warn
+        # run at step 2 (that is its job); off here, to see what verification alone does
+        proc, rows = train(tmp_path, f"rollout.servers=[{proxy.url}]", f"weights.verify_mode={mode}",
+                           "weights.transport=tensor", f"train.mismatch_gate={mode == 'fail'}")
+    finally:
+        server.stop()
+    if mode == "fail":
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        line = last_line(proc)
+        assert f"weights.verify_interval: server {proxy.url} holds a different model.norm.weight " \
+               "than the trainer pushed as version 1 (1 tensor(s) differ on 1 server(s)" in line, line
+        assert rows == []  # step 1 stops before its metrics are logged
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # counted at step 1; step 2's push overwrites the tampered tensor and verifies clean
+    assert [r["push/verify_mismatches"] for r in rows] == [1, 0, 0]
+    assert "WARNING weights.verify_interval" in proc.stdout
+    assert proxy.calls == 4 and all(r["push/digest_s"] > 0 for r in rows)

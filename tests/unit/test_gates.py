@@ -1,0 +1,125 @@
+"""The run-time gates in their pure parts: the on-policy mismatch statistic, the gate's threshold
+by dtype and its one-line error, checksum verification's warn / fail handling, the config rules."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megarl.algo import onpolicy_mismatch
+from megarl.config import Config, ConfigError, load_config
+from megarl.metrics import StatsTracker
+from megarl.models.random_hf import tiny_config, write_random_hf
+from megarl.trainer.actor import Actor, _Clock
+from megarl.trainer.batch import MicroBatch
+from megarl.trainer.gates import MismatchError, check_mismatch, mismatch_threshold, verify_push
+from megarl.weights.transports import PushError
+from megarl.wire import tensor_digest
+
+MASK = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]])
+VERSIONS = torch.tensor([[-1, 4, 5, 5], [-1, -1, 5, 4]])
+TRAINER = torch.tensor([[0.0, -1.0, -2.0, -0.5], [0.0, 0.0, -1.0, -3.0]])
+BEHAVE = torch.tensor([[0.0, -1.9, -2.25, -0.5], [0.0, 0.0, -0.875, -2.0]])
+
+
+def test_onpolicy_mismatch_counts_only_tokens_of_the_current_version():
+    s = onpolicy_mismatch(TRAINER, BEHAVE, VERSIONS, MASK, 5.0)
+    # version-5 loss tokens: |-2 + 2.25| = 0.25, |-0.5 + 0.5| = 0, |-1 + 0.875| = 0.125
+    assert s["mismatch/mean"].result() == pytest.approx(0.375 / 3)
+    assert s["mismatch/max"].result() == pytest.approx(0.25)
+    assert s["mismatch/onpolicy_frac"].result() == pytest.approx(3 / 5)
+    none = onpolicy_mismatch(TRAINER, BEHAVE, VERSIONS, MASK, 6.0)  # nothing on-policy yet
+    assert none["mismatch/mean"].result() == none["mismatch/max"].result() == 0.0
+    assert none["mismatch/onpolicy_frac"].result() == 0.0
+
+
+def test_loss_fn_reports_the_mismatch_at_the_first_optimizer_step_without_prox():
+    cfg = Config()
+    cfg.algo.prox_logp_mode = "loglinear"
+    cfg.algo.behave_weight_cap = None
+    actor = Actor(cfg, ps=None, engine=None)
+    fields = {"loss_mask": MASK, "behave_logp": BEHAVE, "advantages": torch.ones(2, 4),
+              "versions": VERSIONS.float(), "loss_weight": MASK / 5}
+    z = torch.zeros(2, 4, dtype=torch.long)
+    mb = MicroBatch(z, z, fields, torch.full((2,), 4), torch.arange(2), 5.0)
+    for k, reported in ((0, True), (1, False)):
+        acc = StatsTracker()
+        actor._loss_fn(_Clock(k=k, total=2, prox_version=5.0), acc, TRAINER.clone(), None, mb)
+        assert ("mismatch/mean" in acc.stats) == reported
+    acc = StatsTracker()
+    actor._loss_fn(_Clock(k=0, total=2, prox_version=5.0), acc, TRAINER.clone(), None, mb)
+    assert acc.stats["mismatch/max"].result() == pytest.approx(0.25)
+    assert acc.stats["logp_gap_max"].result() == pytest.approx(1.0)  # the stale token counts there
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return write_random_hf(str(tmp_path_factory.mktemp("hf")), tiny_config())
+
+
+def load(hf, *overrides):
+    return load_config(None, [f"model.hf_path={hf}", "data.train_path=x.jsonl", *overrides])
+
+
+def test_threshold_by_dtype(hf):
+    assert mismatch_threshold(load(hf)) == 1e-4
+    assert mismatch_threshold(load(hf, "weights.dtype=bfloat16")) == 5e-2
+    assert mismatch_threshold(load(hf, "train.mismatch_threshold=0.3")) == 0.3
+    assert mismatch_threshold(load(hf, "train.mismatch_gate=false")) is None
+
+
+def test_gate_raises_one_line_naming_the_numbers_and_causes():
+    row = {"mismatch/mean": 2.5e-3, "mismatch/max": 0.04, "mismatch/onpolicy_frac": 0.5}
+    with pytest.raises(MismatchError) as e:
+        check_mismatch(1e-4, row, step=3, version=2)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("train.mismatch_gate: at step 3")
+    assert "version 2" in msg and "0.0025 > 0.0001" in msg and "max 0.04" in msg
+    for cause in ("conversion", "tokenizer", "chat template", "dtype"):
+        assert cause in msg
+    check_mismatch(1e-2, row, 3, 2)  # under the threshold
+    check_mismatch(None, row, 3, 2)  # gate off
+    check_mismatch(1e-4, {**row, "mismatch/onpolicy_frac": 0.0}, 3, 2)  # no on-policy token
+
+
+class FakePusher:
+    def __init__(self, bad):
+        self.bad, self.version, self.ps = bad, 7, SimpleNamespace(rank=0)
+
+    def verify(self):
+        return self.bad
+
+
+def test_verify_push_warns_or_fails(capsys):
+    bad = ["http://127.0.0.1:3001:model.norm.weight", "http://127.0.0.1:3001:lm_head.weight"]
+    assert verify_push(FakePusher([]), "fail") == 0
+    assert verify_push(FakePusher(bad), "warn") == 2
+    assert "model.norm.weight" in capsys.readouterr().out
+    with pytest.raises(PushError) as e:
+        verify_push(FakePusher(bad), "fail")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "server http://127.0.0.1:3001 holds a different model.norm.weight" in msg
+    assert "version 7" in msg and "2 tensor(s) differ on 1 server(s)" in msg
+
+
+def test_verify_config(hf):
+    assert load(hf).weights.verify_every == 1  # on by default with megarl-server
+    assert load(hf, "weights.tensor_format=sglang").weights.verify_every == 0
+    assert load(hf, "weights.verify_interval=0").weights.verify_every == 0
+    assert load(hf, "weights.verify_interval=3").weights.verify_every == 3
+    with pytest.raises(ConfigError, match="weights.verify_interval: real SGLang"):
+        load(hf, "weights.tensor_format=sglang", "weights.verify_interval=1")
+    with pytest.raises(ConfigError, match="weights.verify_mode"):
+        load(hf, "weights.verify_mode=ignore")
+
+
+def test_tensor_digest_is_of_the_bytes_in_the_given_dtype():
+    x = torch.randn(4, 6)
+    assert tensor_digest(x) == tensor_digest(x.t().contiguous().t())  # layout does not matter
+    assert tensor_digest(x) != tensor_digest(x.t())  # values in another order do
+    bf = x.to(torch.bfloat16)
+    assert tensor_digest(bf.float(), torch.bfloat16) == tensor_digest(bf)  # upcast holds bf16 exactly
+    assert tensor_digest(bf, torch.float32) != tensor_digest(x)  # bf16 lost bits of the fp32 push
+    y = x.clone()
+    y[2, 3] = torch.nextafter(y[2, 3], torch.tensor(10.0))  # one ulp of one element
+    assert tensor_digest(y) != tensor_digest(x)
