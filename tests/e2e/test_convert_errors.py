@@ -151,6 +151,7 @@ def fake_checkpoint(path, hf_dir, shapes, complete=True, payload=None):
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(payload if payload is not None else Metadata(state_dict_metadata=entries), f)
     open(os.path.join(path, "metadata.json"), "w").write('{"sharded_backend": "torch_dist"}')
+    torch.save({}, os.path.join(path, "common.pt"))  # every Megatron dist-checkpoint has one
     if complete:
         json.dump({"complete": True, "kind": "converted"}, open(os.path.join(path, "megarl.json"), "w"))
     if hf_dir:
