@@ -111,17 +111,26 @@ class StepRunner:
     timer: StepTimer
     bad_steps: int = 0  # consecutive steps with a skipped (non-finite) update
     trained_version: int = 0  # the policy version the last step started from
+    updates_since_push: int = 0  # optimizer updates the servers' weights lag behind the trainer's
+    pushed_weights: bool = True  # the last step started from exactly the weights the servers hold
 
     def check_gates(self, metrics: dict, step: int) -> None:
-        """train.mismatch_gate on a logged step (every rank holds the same reduced metrics)."""
-        check_mismatch(mismatch_threshold(self.cfg), metrics, step, self.trained_version)
+        """train.mismatch_gate on a logged step (every rank holds the same reduced metrics). Only
+        a step that started from the weights last pushed compares like with like: with
+        train.trigger_parameter_sync_step = k the trainer updates k-1 times between pushes while
+        the version (and the servers' weights) stay."""
+        if self.pushed_weights:
+            check_mismatch(mismatch_threshold(self.cfg), metrics, step, self.trained_version)
 
     def run(self, step: int, last: bool) -> tuple[dict, bool]:
         """This step's metrics, and whether train.stop_at_eval_accuracy was reached."""
         trajs, stats = self._next_batch()
+        self.pushed_weights = self.updates_since_push == 0
         metrics = self._update(trajs, step)
+        self.updates_since_push += 1
         if step % self.cfg.train.trigger_parameter_sync_step == 0 or last:
             self._push(metrics)
+            self.updates_since_push = 0
         metrics["policy_version"] = self.cluster.version
         if self.cfg.data.eval_path:
             self._evaluate(step, last, metrics)
