@@ -252,9 +252,9 @@ class RolloutController:
                     if self._fatal is not None:
                         raise RolloutFailed(self._fatal)
                     if left <= 0:
-                        raise RolloutStalled(f"rollout stalled: {len(groups)}/{n_groups} groups of the "
-                                             f"step after {timeout_s:g} s (train.stall_timeout_s); "
-                                             f"{self.diagnose()}")
+                        raise RolloutStalled(f"rollout stalled: {len(groups)}/{n_groups} groups after "
+                                             f"{timeout_s:g} s of waiting for the step "
+                                             f"(train.stall_timeout_s); {self.diagnose()}")
                     self._ready.wait(timeout=min(left, 1.0))
                 group = self._buffer.popleft()
                 if self._too_stale(group):

@@ -55,7 +55,7 @@ def test_reward_that_never_returns_stops_the_run_as_a_reward_stall(tmp_path):
                        "reward.executor=thread")
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = last_line(proc)
-    assert "rollout stalled: 0/4 groups of the step after 5 s" in line, line
+    assert "rollout stalled: 0/4 groups after 5 s of waiting for the step" in line, line
     assert "(train.stall_timeout_s); phase: reward (16 call(s) running" in line, line
     assert "requests in flight: none" in line
     assert took < 60

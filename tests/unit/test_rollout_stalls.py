@@ -121,7 +121,7 @@ def test_silent_server_is_a_stall_naming_the_phase_and_the_server(silent_server)
         c.stop()
     assert 2.0 <= time.monotonic() - t0 < 5.0
     msg = str(e.value)
-    assert "\n" not in msg and "0/2 groups of the step after 2 s (train.stall_timeout_s)" in msg
+    assert "\n" not in msg and "0/2 groups after 2 s of waiting for the step (train.stall_timeout_s)" in msg
     assert "phase: generate" in msg and f"{silent_server} (8)" in msg  # 4 episodes x 2 samples
     assert "4 episode(s) running" in msg
 
