@@ -24,6 +24,7 @@ from megarl.algo.config import AlgoConfig
 from megarl.config_load import (ConfigError, apply_overrides, check_outputs, read_yaml, recipe_keys,
                                 resolve_outputs)
 from megarl.fields import bounded, check_bounds
+from megarl.models.moe_config import MoEConfig
 
 
 _COLD = ("temperature 0 samples every completion of a group alike: the advantages are all 0 and "
@@ -536,6 +537,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
