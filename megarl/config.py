@@ -630,9 +630,13 @@ def validate_against_model(cfg: Config) -> None:
                              f"({args.architecture} is dense)")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if args.num_experts and cfg.train.is_rl and not cfg.rollout.servers:
-        raise ConfigError(f"rollout.servers: the local megarl CPU rollout server does not serve MoE "
-                          f"models ({args.architecture}); list SGLang servers")
+    if cfg.moe.routing_replay != "none" and not args.num_experts:
+        raise ConfigError(f"moe.routing_replay: {cfg.moe.routing_replay} needs an MoE model "
+                          f"({args.architecture} is dense)")
+    if cfg.moe.routing_replay != "none" and cfg.model.recompute and cfg.parallel.pp > 1:
+        # a recomputed layer reads the routes of the micro-batch last fed to its stage, which under
+        # 1F1B is not the one being recomputed
+        raise ConfigError("moe.routing_replay: not supported with model.recompute and parallel.pp > 1")
 
 
 def check_world_size(cfg: Config, world_size: int) -> int:

@@ -10,11 +10,23 @@ from dataclasses import dataclass
 
 from megarl.fields import check_bounds
 
+ROUTING_REPLAY = ("none", "rollout")
+
 
 @dataclass
 class MoEConfig:
     """Mixture-of-experts options (`moe.*`); dense models ignore them."""
 
+    routing_replay: str = "none"
+    """Routing replay (R3): none (the trainer's router picks the experts) or rollout (the rollout
+    servers return every token's expert ids and weights per MoE layer - local servers are started
+    with --enable-return-routed-experts - and the trainer's forward, backward and prox-logprob
+    recompute use them; ids-only servers such as SGLang: the weights are recomputed by the
+    trainer's router over the replayed ids). docs/models.md, "Routing replay"."""
+
     def validate(self) -> None:
         """Raise ValueError("moe.<field>: <problem>") on the first bad value."""
         check_bounds(self, "moe")
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise ValueError(f"moe.routing_replay: must be one of {', '.join(ROUTING_REPLAY)}; "
+                             f"got {self.routing_replay!r}")
