@@ -113,7 +113,8 @@ class TokenTrace:
         ids = np.full((n_new, layers, k), -1, np.int32)
         w = np.full((n_new, layers, k), np.nan, np.float32)
         if self.routes is not None:
-            ids[:n_old], w[:n_old] = self.routes.ids, self.routes.weights
+            held = self.routes.rows  # context added since then has no rows yet
+            ids[:held], w[:held] = self.routes.ids, self.routes.weights
         first = 0 if resp.input_tokens == self.input_ids else resp.input_len  # response rows to place
         shift = n_old - resp.input_len  # trace position of response row q: q + shift
         rows = np.arange(first, min(got.rows, resp.input_len + resp.output_len))
