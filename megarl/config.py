@@ -633,6 +633,9 @@ def validate_against_model(cfg: Config) -> None:
     if cfg.moe.routing_replay != "none" and not args.num_experts:
         raise ConfigError(f"moe.routing_replay: {cfg.moe.routing_replay} needs an MoE model "
                           f"({args.architecture} is dense)")
+    if cfg.moe.replay_check and cfg.algo.prox_logp_mode == "loglinear":
+        raise ConfigError("moe.replay_check: needs algo.prox_logp_mode recompute or metrics (loglinear "
+                          "runs no prox recompute to check)")
     if cfg.moe.routing_replay != "none" and cfg.model.recompute and cfg.parallel.pp > 1:
         # a recomputed layer reads the routes of the micro-batch last fed to its stage, which under
         # 1F1B is not the one being recomputed

@@ -24,9 +24,17 @@ class MoEConfig:
     recompute use them; ids-only servers such as SGLang: the weights are recomputed by the
     trainer's router over the replayed ids). docs/models.md, "Routing replay"."""
 
+    replay_check: bool = False
+    """With routing_replay rollout: score each step's prox-logprob recompute a second time without
+    replay and report moe/replay_logp_delta_{mean,max} (|logp replayed - logp own routing| over the
+    loss tokens) - what the replay changes, at the cost of one more forward per step. Needs
+    algo.prox_logp_mode recompute (or metrics), where that recompute runs."""
+
     def validate(self) -> None:
         """Raise ValueError("moe.<field>: <problem>") on the first bad value."""
         check_bounds(self, "moe")
         if self.routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"moe.routing_replay: must be one of {', '.join(ROUTING_REPLAY)}; "
                              f"got {self.routing_replay!r}")
+        if self.replay_check and self.routing_replay != "rollout":
+            raise ValueError("moe.replay_check: needs moe.routing_replay: rollout")

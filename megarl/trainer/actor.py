@@ -289,6 +289,11 @@ class Actor:
         if spec.prox_logp_mode != ProxLogpMode.LOGLINEAR and spec.policy_loss.needs_prox_logp:
             res = self.engine.compute_logp(batch, with_entropy=not train_entropy)
             batch = batch.with_fields(prox_logp=res.logp)
+            if self.cfg.moe.replay_check:  # the same recompute with the trainer's own routing
+                own = self.engine.compute_logp(dataclasses.replace(batch, routes=None)).logp
+                delta = (res.logp - own).abs()
+                acc.add_stats({"moe/replay_logp_delta_mean": Stat.masked_mean(delta, batch["loss_mask"]),
+                               "moe/replay_logp_delta_max": Stat.masked_max(delta, batch["loss_mask"])})
             acc.add_stats(onpolicy_mismatch(res.logp, batch["behave_logp"], batch["versions"],
                                             batch["loss_mask"], version))
             if res.entropy is not None:  # the entropy metric without paying for it in backward
