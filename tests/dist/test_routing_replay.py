@@ -7,7 +7,9 @@ is the megarl-server model, which gives per-token logprobs and routes (ids + wei
   weights still gives the server's logprobs within 1e-5, while no replay and ids-only replay
   (weights from the moved router) differ by > 1e-3 - so the hook really forces the routes;
 - every routed position of every local MoE layer was replayed (exact count);
-- a replayed training step still moves the routers (straight-through gradient)."""
+- a replayed training step still moves the routers (straight-through gradient).
+At EP=2 the budget of 32 tokens packs the two ranks' shares into 1 and 2 micro-batches: the
+engine's filler micro-batch keeps the all-to-alls paired (without it this layout hung)."""
 import json
 
 import pytest
