@@ -147,7 +147,8 @@ class RoutingReplay:
         self.tp, self.tp_rank = (ps.tp, ps.tp_rank) if ps is not None else (1, 0)
         self.sequence_parallel = sequence_parallel
         self.current = None  # Routes [b, s, layers, k] of the micro-batch being run, or None
-        self.replayed_tokens = 0  # token x layer routings taken from the rollout (a counter for tests)
+        self.replayed = 0  # (token, layer) routings taken from the rollout so far: a 0-dim tensor
+        # once a route was replayed (no host sync per layer on a GPU)
         self._replayed = self._flipped = None  # since `take_stats`: routings replayed / where the
         # trainer's own top-k picked another expert set (what replay changed)
 
@@ -210,7 +211,7 @@ class RoutingReplay:
             new_probs, new_map = replay_routing(router, flat, *routes)
             has = routes[0][:, 0] >= 0
             n, flips = has.sum(), ((routing_map != new_map).any(-1) & has.to(new_map.device)).sum()
-            self.replayed_tokens += int(n)
+            self.replayed = self.replayed + n
             self._replayed = n if self._replayed is None else self._replayed + n
             self._flipped = flips if self._flipped is None else self._flipped + flips
             # + 0 * probs keeps the router's own aux / z-loss terms attached to the graph

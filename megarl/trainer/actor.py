@@ -239,7 +239,7 @@ class Actor:
         if missing:
             raise ValueError(f"Actor.ppo_update: batch lacks field(s) {missing}")
         acc = StatsTracker()
-        if getattr(self.engine, "replay", None) is not None:  # MoE routing replay: the rollout's routes reached this rank
+        if getattr(self.engine, "replay", None) is not None:  # MoE routing replay: did the routes arrive?
             none = torch.zeros((), dtype=torch.int64)
             covered, fed = batch.routes.coverage(batch.lengths) if batch.routes is not None else (none, none)
             acc.add_stats({"moe/routes_frac": Stat(covered.double().to(self.ps.device),

@@ -8,7 +8,6 @@ import json
 import random
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -96,9 +95,9 @@ def main():
     with torch.no_grad():
         for r in sorted(routers(engine), key=lambda r: r.layer_number):
             r.weight.add_(torch.randn(r.weight.shape, generator=gen) * 0.5)
-    engine.replay.replayed_tokens = 0
+    engine.replay.replayed = 0
     res["moved_replay"] = logp(local)
-    res["replayed_tokens"] = engine.replay.replayed_tokens
+    res["replayed_tokens"] = int(engine.replay.replayed)
     res["moved_ids_only"] = logp(ids_only)
     res["moved_plain"] = logp(plain)
     before = [r.weight.detach().clone() for r in routers(engine)]
