@@ -624,7 +624,10 @@ def validate_against_model(cfg: Config) -> None:
         stages.resolve(args.num_layers, pp, vpp, cfg.parallel.first_stage_layers,
                        cfg.parallel.last_stage_layers)
         if args.num_experts:
-            moe_kwargs(args, tp, cfg.parallel.ep, cfg.moe, use_te=resolve_spec(cfg.model.spec),
+            # the spec the run asks for (a GPU recipe validates on CPU: TE's presence is checked
+            # when the model is built, builder.resolve_spec)
+            use_te = cfg.model.spec == "te" or (cfg.model.spec == "auto" and resolve_spec("auto"))
+            moe_kwargs(args, tp, cfg.parallel.ep, cfg.moe, use_te=use_te,
                        sequence_parallel=cfg.parallel.sequence_parallel)
         elif cfg.parallel.ep > 1:
             raise ValueError(f"parallel.ep: {cfg.parallel.ep} > 1 needs an MoE model "

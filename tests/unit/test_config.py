@@ -117,12 +117,15 @@ def test_moe_parallel_fields(tmp_path, hf):
     moe = write_random_hf(str(tmp_path / "moe"), tiny_config("Qwen3MoeForCausalLM"))
     assert load(moe, "parallel.ep=2").parallel.ep == 2
     assert load(moe, "train.algorithm=grpo", "rollout.servers=[http://sglang:30000]").rollout.servers
+    # the local CPU rollout server serves Qwen3-MoE: RL with local servers loads
+    assert load(moe, "train.algorithm=grpo", "rollout.local_servers=1").rollout.local_servers == 1
     for model, overrides, msg in [
-        (moe, ["parallel.tp=2"], "parallel.tp: MoE models (Qwen3MoeForCausalLM) run with tp=1"),
+        (moe, ["parallel.tp=2"], "parallel.tp: MoE models (Qwen3MoeForCausalLM) with tp=2 > 1 need "
+                                 "parallel.sequence_parallel=true with the TE spec (model.spec=te, GPU)"),
         (moe, ["parallel.ep=3"], "parallel.ep: 3 does not divide num_experts=4"),
         (hf, ["parallel.ep=2"], "parallel.ep: 2 > 1 needs an MoE model"),
-        (moe, ["train.algorithm=grpo"], "rollout.servers: the local megarl CPU rollout server does "
-                                        "not serve MoE models"),
+        (moe, ["moe.aux_loss_coeff=-0.1"], "moe.aux_loss_coeff: must be >= 0 and <= 1"),
+        (moe, ["moe.z_loss_coeff=2"], "moe.z_loss_coeff: must be >= 0 and <= 1"),
     ]:
         with pytest.raises(ConfigError) as e:
             load(model, *overrides)
