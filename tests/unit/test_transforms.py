@@ -255,3 +255,16 @@ def test_expert_shape_matches_the_stacked_checkpoint_shape(tmp_path):
     for _, pmap in param_table(args):
         if pmap.expert is not None:
             assert L.expert_shape(pmap, args) == stacked[L.mcore_key(pmap)][2:]
+
+
+def test_expert_names_of_both_expert_modules_map_to_global_rows():
+    """SequentialMLP (local spec) and TEGroupedMLP (TE spec, grouped GEMM) name a rank's experts
+    differently; both map to the table's global expert (EP rank 1 of 2 holds experts 2 and 3)."""
+    from megarl.models.hf_io import expert_row_name
+
+    local = [2, 3]
+    assert expert_row_name("mlp.experts.local_experts.1.linear_fc1.weight", local) == \
+        "mlp.experts.local_experts.3.linear_fc1.weight"
+    assert expert_row_name("mlp.experts.linear_fc1.weight0", local) == "mlp.experts.local_experts.2.linear_fc1.weight"
+    assert expert_row_name("mlp.experts.linear_fc2.weight1", local) == "mlp.experts.local_experts.3.linear_fc2.weight"
+    assert expert_row_name("mlp.router.weight", local) == "mlp.router.weight"
