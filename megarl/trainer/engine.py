@@ -36,8 +36,8 @@ from megarl.models import builder, hf_io
 from megarl.models.layouts import pad_vocab
 from megarl.models.registry import ModelArgs, read_model_args
 from megarl.parallel import ParallelState
-from megarl.trainer.batch import MicroBatch, TensorBatch, make_microbatches
 from megarl.trainer import moe_losses
+from megarl.trainer.batch import MicroBatch, TensorBatch, make_microbatches
 from megarl.trainer.logits import shift_logprobs
 
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], MicroBatch],
@@ -196,7 +196,8 @@ class Engine:
         if router_losses:
             routed = batch.lengths.sum(dtype=torch.float64).reshape(1).to(self.ps.device)
             dist.all_reduce(routed, group=self.ps.dp_group)
-            moe_losses.set_step_coefficients(self.tconfig, self.cfg.moe.aux_loss_coeff, self.cfg.moe.z_loss_coeff,
+            moe = self.cfg.moe
+            moe_losses.set_step_coefficients(self.tconfig, moe.aux_loss_coeff, moe.z_loss_coeff,
                                              max(float(step_tokens.item()), 1.0), float(routed.item()))
             moe_losses.clear_tracker()
         tracker = StatsTracker()
@@ -227,7 +228,8 @@ class Engine:
 
     def _router_losses_on(self) -> bool:
         """An MoE model with a load-balancing loss or z-loss (`megarl.trainer.moe_losses`)."""
-        return bool(self.args.num_experts) and (self.cfg.moe.aux_loss_coeff > 0 or self.cfg.moe.z_loss_coeff > 0)
+        moe = self.cfg.moe
+        return bool(self.args.num_experts) and (moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0)
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Megatron's optimizer step, except that a NaN/inf gradient norm skips the update (the
