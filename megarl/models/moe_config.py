@@ -20,9 +20,10 @@ class MoEConfig:
     ``moe_router_load_balancing_type="aux_loss"``): per MoE layer and micro-batch
     ``E * sum_i f_i * P_i`` with ``f_i`` = fraction of the (token, top-k slot) pairs routed to expert
     i, ``P_i`` = the mean router softmax probability of expert i, over the micro-batch's tokens
-    (prompt and response; padding excluded). The gradient adds coeff x its token-weighted mean over
-    the step's micro-batches and layers. 0 = off (RL fine-tuning usually keeps the router as trained).
-    Reported per step as ``moe_aux_loss`` (the loss without the coefficient) whatever the value."""
+    (prompt and response; padding excluded). The gradient adds coeff x the sum over MoE layers of its
+    token-weighted mean over the step's micro-batches (`megarl/trainer/moe_losses.py`). 0 = off (RL
+    fine-tuning usually keeps the router as trained). When on, reported per step as ``moe_aux_loss``
+    (without the coefficient, mean over layers; 1 = balanced, at most experts/top-k)."""
     z_loss_coeff: float = bounded(0.0, ge=0.0, le=1.0)
     """Coefficient of the router z-loss (ST-MoE, megatron-core's ``moe_z_loss_coeff``): the mean
     over tokens of ``logsumexp(router logits)^2``, keeping router logits small. 0 = off; reported

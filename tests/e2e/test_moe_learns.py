@@ -34,5 +34,6 @@ def test_moe_recipe_raises_held_out_accuracy(tmp_path):
     assert evals[STEPS] >= evals[0] + 0.05, evals
     aux = [r["moe_aux_loss"] for r in rows if r.get("step", 0) >= 1 and "loss" in r]
     assert len(aux) == STEPS
-    # Switch loss: 1 when the 4 experts share tokens and probability evenly, 4 when one takes all
-    assert all(1.0 <= a < 4.0 for a in aux), aux
+    # Switch loss: 1 when the 4 experts share tokens and probability evenly, at most E/k = 2 (one
+    # expert takes a slot of every token and all the probability); measured 1.07..1.22 over 335 steps
+    assert all(1.0 <= a < 1.5 for a in aux), aux

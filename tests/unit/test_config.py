@@ -117,6 +117,8 @@ def test_moe_parallel_fields(tmp_path, hf):
     moe = write_random_hf(str(tmp_path / "moe"), tiny_config("Qwen3MoeForCausalLM"))
     assert load(moe, "parallel.ep=2").parallel.ep == 2
     assert load(moe, "train.algorithm=grpo", "rollout.servers=[http://sglang:30000]").rollout.servers
+    # TP > 1 with MoE: accepted with sequence parallelism on the TE spec (built on GPUs only)
+    assert load(moe, "model.spec=te", "parallel.tp=2", "parallel.sequence_parallel=true").parallel.tp == 2
     # the local CPU rollout server serves Qwen3-MoE: RL with local servers loads
     assert load(moe, "train.algorithm=grpo", "rollout.local_servers=1").rollout.local_servers == 1
     for model, overrides, msg in [
