@@ -268,3 +268,17 @@ def test_expert_names_of_both_expert_modules_map_to_global_rows():
     assert expert_row_name("mlp.experts.linear_fc1.weight0", local) == "mlp.experts.local_experts.2.linear_fc1.weight"
     assert expert_row_name("mlp.experts.linear_fc2.weight1", local) == "mlp.experts.local_experts.3.linear_fc2.weight"
     assert expert_row_name("mlp.router.weight", local) == "mlp.router.weight"
+
+
+def test_router_loss_coefficients_per_step():
+    """coeff x loss tokens / routed tokens, so megatron-core's per-token scaling (divide by the
+    loss tokens) leaves coeff x the token-weighted mean; a z-loss of 0 stays None (not computed)."""
+    from types import SimpleNamespace
+
+    from megarl.trainer.moe_losses import set_step_coefficients
+
+    tc = SimpleNamespace()
+    set_step_coefficients(tc, 0.01, 0.0, loss_tokens=30.0, routed_tokens=120.0)
+    assert (tc.moe_aux_loss_coeff, tc.moe_z_loss_coeff) == (0.0025, None)
+    set_step_coefficients(tc, 0.0, 0.002, loss_tokens=50.0, routed_tokens=100.0)
+    assert (tc.moe_aux_loss_coeff, tc.moe_z_loss_coeff) == (0.0, 0.001)
