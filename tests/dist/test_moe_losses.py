@@ -3,7 +3,9 @@ random Qwen3-MoE (4 experts, top-2, 4 layers), one training step over 3 micro-ba
 and prompt tokens: the reported ``moe_aux_loss`` / ``moe_z_loss`` equal a hand computation from
 the router inputs megatron-core saw (Switch formula ``E * sum_e f_e * P_e`` over the micro-batch's
 non-padding tokens; ``mean logsumexp(logits)^2``), averaged over micro-batches and layers; and the
-last router's gradient moves by exactly coeff x d(token-weighted mean over micro-batches)/dW."""
+last router's gradient moves by exactly coeff x d(token-weighted mean over micro-batches)/dW; with
+expert parallelism (EP=2 over DP=2) the step gives the EP=1 loss, grad norm, post-step logprobs
+and moe_aux_loss."""
 import pytest
 import torch
 
@@ -76,3 +78,21 @@ def test_router_gradient_is_coeff_times_token_weighted_mean(results, which, coef
     got = (run["last_router_grad"] - base["last_router_grad"]).double()
     assert want.abs().max() > 1e-4
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_aux_loss_under_expert_parallelism_matches_ep1(tmp_path):
+    import json
+
+    from megarl.models.random_hf import tiny_config, write_random_hf
+
+    hf = write_random_hf(str(tmp_path / "hf"), tiny_config("Qwen3MoeForCausalLM"), std=0.2)
+    ref, ep2 = "1,1,96,0,1,0.1", "1,1,96,0,2,0.1"  # DP=2, several micro-batches per rank
+    torchrun("layouts_worker.py", 2, hf, tmp_path / "out.json", ref, ep2)
+    results = json.loads((tmp_path / "out.json").read_text())
+    a, b = results[ref], results[ep2]
+    assert a["moe_aux_loss"] > 1.0 + 1e-3
+    assert b["moe_aux_loss"] == pytest.approx(a["moe_aux_loss"], rel=1e-6)
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    diff = max(abs(x - y) for r, s in zip(a["logp_after"], b["logp_after"]) for x, y in zip(r, s))
+    assert diff <= 5e-5
