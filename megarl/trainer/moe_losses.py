@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megarl.parallel import ParallelState
 
 _NAMES = {"load_balancing_loss": "moe_aux_loss", "z_loss": "moe_z_loss"}
-METRICS = tuple(_NAMES.values())  # the step metrics this module adds to Engine.train_batch's
+METRICS = tuple(_NAMES.values())  # the step metrics this module adds to Engine.train_batch's result
 
 
 def set_step_coefficients(tconfig, aux_coeff: float, z_coeff: float, loss_tokens: float,
