@@ -605,7 +605,7 @@ def validate_against_model(cfg: Config) -> None:
     """Checks that need the HF config.json: TP vs heads and query groups, the pipeline split of
     the layers (uneven first/last stages included), sliding-window attention vs the layer spec."""
     from megarl.models import stages
-    from megarl.models.builder import moe_kwargs
+    from megarl.models.builder import moe_kwargs, resolve_spec
     from megarl.models.registry import read_model_args
 
     _check_shape_fields(os.path.join(cfg.model.hf_path, "config.json"))
@@ -624,7 +624,11 @@ def validate_against_model(cfg: Config) -> None:
         stages.resolve(args.num_layers, pp, vpp, cfg.parallel.first_stage_layers,
                        cfg.parallel.last_stage_layers)
         if args.num_experts:
-            moe_kwargs(args, tp, cfg.parallel.ep)
+            # the spec the run asks for (a GPU recipe validates on CPU: TE's presence is checked
+            # when the model is built, builder.resolve_spec)
+            use_te = cfg.model.spec == "te" or (cfg.model.spec == "auto" and resolve_spec("auto"))
+            moe_kwargs(args, tp, cfg.parallel.ep, cfg.moe, use_te=use_te,
+                       sequence_parallel=cfg.parallel.sequence_parallel)
         elif cfg.parallel.ep > 1:
             raise ValueError(f"parallel.ep: {cfg.parallel.ep} > 1 needs an MoE model "
                              f"({args.architecture} is dense)")

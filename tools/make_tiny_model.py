@@ -1,6 +1,7 @@
 """Build the CPU demo model: addition corpus -> char tokenizer -> tiny Llama config -> SFT -> eval.
 
     python tools/make_tiny_model.py --out DIR [--digits 2] [--target-accuracy 0.3] [--hidden 128 --layers 4]
+        [--experts 4 --topk 2 --moe-intermediate 128]    (a Qwen3-MoE instead of a Llama)
 
 Writes
     DIR/data/{sft,rl_prompts,eval_prompts}.jsonl   the task (eval pairs never appear in the others)
@@ -51,7 +52,8 @@ def make_tokenizer(sft_path: str, hf_dir: str) -> SentencePieceTokenizer:
 
 
 def llama_config(args: argparse.Namespace, tok: SentencePieceTokenizer) -> dict:
-    """HF LlamaForCausalLM config; vocab rounded up to `--vocab-multiple` so TP can split it."""
+    """HF LlamaForCausalLM config (Qwen3MoeForCausalLM with `--experts` > 0); vocab rounded up to
+    `--vocab-multiple` so TP can split it."""
     m = args.vocab_multiple
     vocab = -(-tok.vocab_size // m) * m
     if args.hidden % args.heads or args.heads % args.kv_heads:
@@ -74,6 +76,46 @@ def llama_config(args: argparse.Namespace, tok: SentencePieceTokenizer) -> dict:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "bos_token_id": tok.bos_id,
+        "eos_token_id": tok.eos_id,
+        "pad_token_id": tok.pad_id,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    } if not args.experts else moe_config(args, tok, vocab)
+
+
+def moe_config(args: argparse.Namespace, tok: SentencePieceTokenizer, vocab: int) -> dict:
+    """HF Qwen3MoeForCausalLM config: every layer an MoE MLP of `--experts` experts of width
+    `--moe-intermediate`, `--topk` per token, renormalised top-k weights (the released models'
+    norm_topk_prob), per-head q/k RMSNorm as Qwen3 has."""
+    if not 0 < args.topk <= args.experts:
+        raise SystemExit("--topk must be in 1..--experts")
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": vocab,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate,
+        "moe_intermediate_size": args.moe_intermediate,
+        "num_experts": args.experts,
+        "num_experts_per_tok": args.topk,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.0,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.hidden // args.heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_pos,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
         "tie_word_embeddings": False,
         "initializer_range": 0.02,
         "bos_token_id": tok.bos_id,
@@ -168,6 +210,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=256)
+    ap.add_argument("--experts", type=int, default=0,
+                    help="> 0: a Qwen3-MoE with this many routed experts per layer (0: dense Llama)")
+    ap.add_argument("--topk", type=int, default=2, help="MoE: experts per token")
+    ap.add_argument("--moe-intermediate", type=int, default=128, help="MoE: intermediate size of one expert")
     ap.add_argument("--max-pos", type=int, default=64, help="max_position_embeddings")
     ap.add_argument("--vocab-multiple", type=int, default=16, help="round vocab_size up to this")
     ap.add_argument("--override", action="append", default=[], metavar="A.B=C",

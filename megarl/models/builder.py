@@ -22,10 +22,11 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
                        first_stage_layers: Optional[int] = None,
                        last_stage_layers: Optional[int] = None, dtype: str = "float32",
                        sequence_parallel: bool = False, recompute: bool = False, use_te: bool = False,
-                       ep: int = 1):
+                       ep: int = 1, moe=None):
     """The ``TransformerConfig`` for an HF architecture and a parallel layout. ``args`` carries the
     padded vocabulary (:func:`megarl.models.layouts.pad_vocab`); the pipeline split is resolved
-    by :func:`megarl.models.stages.resolve` (uneven splits become explicit first/last counts)."""
+    by :func:`megarl.models.stages.resolve` (uneven splits become explicit first/last counts);
+    ``moe`` is the `megarl.models.moe_config.MoEConfig` (None: its defaults)."""
     from megatron.core.transformer import TransformerConfig
 
     if args.mcore_vocab_size % tp:
@@ -49,7 +50,7 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
             extra["window_attn_skip_freq"] = [int(w) for w in args.window_layers]
     extra.update(split.megatron_kwargs())
     if args.num_experts:
-        extra.update(moe_kwargs(args, tp, ep))
+        extra.update(moe_kwargs(args, tp, ep, moe, use_te=use_te, sequence_parallel=sequence_parallel))
     elif ep > 1:
         raise ValueError(f"parallel.ep: {ep} > 1 needs an MoE model ({args.architecture} is dense)")
     return TransformerConfig(
@@ -93,23 +94,33 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
     )
 
 
-def moe_kwargs(args: ModelArgs, tp: int, ep: int) -> dict:
+def moe_kwargs(args: ModelArgs, tp: int, ep: int, moe=None, use_te: bool = False,
+               sequence_parallel: bool = False) -> dict:
     """TransformerConfig MoE fields matching HF Qwen3-MoE routing: softmax over the experts, top-k,
     renormalised when ``norm_topk_prob`` (Megatron: top-k on the logits, then softmax over the k =
-    the same probabilities) else not (softmax first). No auxiliary loss: RL fine-tuning keeps the
-    router as trained. Experts run one after another (SequentialMLP, no grouped GEMM), tokens move
-    by all-to-all over the expert-parallel group."""
-    if tp > 1:
-        # Megatron 0.16.1 raises in MoELayer.forward when training with TP > 1 and no sequence
-        # parallelism, which needs TE; and experts would then be TP-split, which the tables are not.
-        raise ValueError(f"parallel.tp: MoE models ({args.architecture}) run with tp=1 and "
-                         f"expert parallelism (parallel.ep), got tp={tp}")
+    the same probabilities) else not (softmax first). Load-balancing loss and z-loss from ``moe``
+    (`MoEConfig`; off by default: RL fine-tuning keeps the router as trained). Tokens move by
+    all-to-all over the expert-parallel group. Experts are never split over TP
+    (``expert_tensor_parallel_size=1``: the weight tables hold whole experts); on the TE spec they
+    run as one grouped GEMM (TEGroupedMLP), on the local spec one after another (SequentialMLP)."""
+    from megarl.models.moe_config import MoEConfig
+
+    moe = moe or MoEConfig()
+    if tp > 1 and not (use_te and sequence_parallel):
+        # megatron-core 0.16.1 MoELayer.forward raises when training with TP > 1 and no sequence
+        # parallelism; sequence parallelism needs the TE spec (builder: transformer_config).
+        raise ValueError(f"parallel.tp: MoE models ({args.architecture}) with tp={tp} > 1 need "
+                         f"parallel.sequence_parallel=true with the TE spec (model.spec=te, GPU); on "
+                         f"CPU use tp=1 and expert parallelism (parallel.ep)")
     if args.num_experts % ep:
         raise ValueError(f"parallel.ep: {ep} does not divide num_experts={args.num_experts}")
+    aux, z = moe.aux_loss_coeff, moe.z_loss_coeff
     return dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_topk,
                 moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_pre_softmax=not args.moe_norm_topk,
-                moe_router_score_function="softmax", moe_router_load_balancing_type="none",
-                moe_aux_loss_coeff=0.0, moe_router_dtype="fp32", moe_grouped_gemm=False,
+                moe_router_score_function="softmax",
+                moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+                moe_aux_loss_coeff=aux, moe_z_loss_coeff=z if z > 0 else None,  # None: not computed
+                moe_router_dtype="fp32", moe_grouped_gemm=use_te,
                 moe_permute_fusion=False, expert_model_parallel_size=ep,
                 expert_tensor_parallel_size=1)
 
@@ -119,7 +130,7 @@ def layer_spec(args: ModelArgs, use_te: bool, attention: str = "sdpa"):
     (`megarl/models/sdpa.py`) unless ``attention="unfused"`` (Megatron's `DotProductAttention`)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    moe = dict(num_experts=args.num_experts, moe_grouped_gemm=False) if args.num_experts else {}
+    moe = dict(num_experts=args.num_experts, moe_grouped_gemm=use_te) if args.num_experts else {}
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_norm, **moe)
     spec = specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm", **moe)

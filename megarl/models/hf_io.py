@@ -29,6 +29,21 @@ from megarl.models.registry import ModelArgs, ParamMap, param_table, te_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")  # TEGroupedMLP (grouped GEMM)
+
+
+def expert_row_name(rest: str, local_expert_indices) -> str:
+    """A layer-relative parameter name with a *local* expert index (SequentialMLP's
+    ``mlp.experts.local_experts.{e}.linear_fc1.weight`` or TEGroupedMLP's
+    ``mlp.experts.linear_fc1.weight{e}``) -> the table's name with the *global* expert index;
+    other names unchanged."""
+    e = _EXPERT.match(rest)
+    if e:
+        return f"mlp.experts.local_experts.{local_expert_indices[int(e.group(1))]}.{e.group(2)}"
+    g = _GROUPED.match(rest)
+    if g:
+        return f"mlp.experts.local_experts.{local_expert_indices[int(g.group(2))]}.{g.group(1)}.weight"
+    return rest
 
 
 class HFCheckpoint:
@@ -100,10 +115,8 @@ def local_params(chunks: list[torch.nn.Module], args: ModelArgs, use_te: bool = 
             if m:
                 module = model.decoder.layers[int(m.group(1))]
                 rest = m.group(2)
-                e = _EXPERT.match(rest)
-                if e:  # local expert index -> global (this expert-parallel rank's share)
-                    expert = module.mlp.local_expert_indices[int(e.group(1))]
-                    rest = f"mlp.experts.local_experts.{expert}.{e.group(2)}"
+                if rest.startswith("mlp.experts."):  # local expert index -> global (this EP rank's share)
+                    rest = expert_row_name(rest, module.mlp.local_expert_indices)
                 name = f"decoder.layers.{module.layer_number - 1}.{rest}"
             if name not in table:
                 raise KeyError(f"Megatron parameter {local_name!r} has no entry in the "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.fields import check_bounds
+from megarl.fields import bounded, check_bounds
 
 ROUTING_REPLAY = ("none", "rollout")
 
@@ -29,6 +29,20 @@ class MoEConfig:
     replay and report moe/replay_logp_delta_{mean,max} (|logp replayed - logp own routing| over the
     loss tokens) - what the replay changes, at the cost of one more forward per step. Needs
     algo.prox_logp_mode recompute (or metrics), where that recompute runs."""
+
+    aux_loss_coeff: float = bounded(0.0, ge=0.0, le=1.0)
+    """Coefficient of the auxiliary load-balancing loss (Switch style, megatron-core's
+    ``moe_router_load_balancing_type="aux_loss"``): per MoE layer and micro-batch
+    ``E * sum_i f_i * P_i`` with ``f_i`` = fraction of the (token, top-k slot) pairs routed to expert
+    i, ``P_i`` = the mean router softmax probability of expert i, over the micro-batch's tokens
+    (prompt and response; padding excluded). The gradient adds coeff x the sum over MoE layers of its
+    token-weighted mean over the step's micro-batches (`megarl/trainer/moe_losses.py`). 0 = off (RL
+    fine-tuning usually keeps the router as trained). When on, reported per step as ``moe_aux_loss``
+    (without the coefficient, mean over layers; 1 = balanced, at most experts/top-k)."""
+    z_loss_coeff: float = bounded(0.0, ge=0.0, le=1.0)
+    """Coefficient of the router z-loss (ST-MoE, megatron-core's ``moe_z_loss_coeff``): the mean
+    over tokens of ``logsumexp(router logits)^2``, keeping router logits small. 0 = off; reported
+    per step as ``moe_z_loss`` when on."""
 
     def validate(self) -> None:
         """Raise ValueError("moe.<field>: <problem>") on the first bad value."""

@@ -216,16 +216,21 @@ def _moe(hf: dict, path: str) -> dict:
                          "model) are not supported")
     return {"num_experts": int(experts), "moe_topk": int(hf["num_experts_per_tok"]),
             "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
-            "moe_norm_topk": bool(hf.get("norm_topk_prob", True))}
+            # absent: False, transformers' Qwen3MoeConfig default (the released configs say true)
+            "moe_norm_topk": bool(hf.get("norm_topk_prob", False))}
 
 
 def _sliding_window(arch: str, hf: dict, num_layers: int, path: str) -> dict:
     """ModelArgs.sliding_window / window_layers the way transformers reads them: Mistral windows
     every layer; otherwise an explicit ``layer_types`` list decides; Qwen2/3 with ``use_sliding_window``
-    window the layers from ``max_window_layers`` on (transformers' default 28 when absent)."""
+    window the layers from ``max_window_layers`` on (transformers' default 28 when absent);
+    Qwen3-MoE windows every layer exactly when ``use_sliding_window`` (it reads neither
+    ``layer_types`` nor ``max_window_layers``)."""
     window = hf.get("sliding_window")
     if arch == "MistralForCausalLM":  # transformers' Mistral ignores layer_types
         layers = (True,) * num_layers
+    elif arch == "Qwen3MoeForCausalLM":
+        layers = (bool(hf.get("use_sliding_window")),) * num_layers
     elif isinstance(hf.get("layer_types"), list):
         layers = tuple(t == "sliding_attention" for t in hf["layer_types"])
         if len(layers) != num_layers:

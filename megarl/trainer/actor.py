@@ -44,6 +44,7 @@ from megarl.algo import (AdvantageConfig, AlgoSpec, ProxLogpMode, Stat, aggregat
                          step_denominators, token_weights)
 from megarl.algo.aggregation import LossAgg, StepDenominators
 from megarl.metrics import StatsTracker
+from megarl.trainer import moe_losses
 from megarl.trainer.batch import MicroBatch, TensorBatch, cat_padded
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -251,6 +252,7 @@ class Actor:
         # Collective (MAX over DP): every rank must call it, hence before the loop.
         norm_len = step_norm_len(full, spec, self.ps) if n_mini else None
         losses, grad_norms, lr, skipped = [], [], 0.0, 0
+        router: dict[str, list[float]] = {}  # MoE router losses of each optimizer step
         for epoch in range(cfg.train.ppo_epochs if n_mini else 0):
             seed = shuffle_seed(cfg.train.seed, self.updates, epoch)
             for idx in minibatch_indices(len(full), n_mini, seed):
@@ -264,6 +266,9 @@ class Actor:
                 grad_norms.append(out["grad_norm"])
                 skipped += 1 - int(out["update_ok"])  # NaN/inf gradient: the engine skipped it
                 lr = out["lr"]
+                for name in moe_losses.METRICS:
+                    if name in out:
+                        router.setdefault(name, []).append(out[name])
                 clock.k += 1
         if getattr(self.engine, "replay", None) is not None:  # what the replay changed, over all of the step's forwards
             acc.add_stats(self.engine.replay.take_stats(self.ps.device))
@@ -272,7 +277,7 @@ class Actor:
             loss=mean_or_zero(losses), grad_norm=mean_or_zero(grad_norms),
             grad_norm_max=max(grad_norms, default=0.0), lr=lr, n_minibatches=float(n_mini),
             optimizer_steps=float(clock.k), skipped_updates=float(skipped),
-            update_time=time.perf_counter() - t0)
+            update_time=time.perf_counter() - t0, **{k: mean_or_zero(v) for k, v in router.items()})
         # K optimizer steps together move the policy by exactly one version (loglinear clock).
         self.updates += 1
         return metrics

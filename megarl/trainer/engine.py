@@ -36,6 +36,7 @@ from megarl.models import builder, hf_io
 from megarl.models.layouts import pad_vocab
 from megarl.models.registry import ModelArgs, read_model_args
 from megarl.parallel import ParallelState
+from megarl.trainer import moe_losses
 from megarl.trainer.batch import MicroBatch, TensorBatch, make_microbatches
 from megarl.trainer.logits import shift_logprobs
 
@@ -79,7 +80,7 @@ class Engine:
             args, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, first_stage_layers=cfg.parallel.first_stage_layers,
             last_stage_layers=cfg.parallel.last_stage_layers, dtype=cfg.model.dtype, ep=ps.ep,
             sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.model.recompute,
-            use_te=use_te)
+            use_te=use_te, moe=cfg.moe)
         chunks = builder.build_model_chunks(args, tconfig, use_te, cfg.model.attention)
         if cfg.model.init == "hf":
             hf_io.load_hf_weights(chunks, args, cfg.model.hf_path, ps.tp, ps.tp_rank, use_te)
@@ -135,7 +136,9 @@ class Engine:
             mb = next(data_iterator)
             if self.replay is not None:  # the routers of this stage replay this micro-batch's routes
                 self.replay.set(mb.routes)
-            out = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
+            # MoE: the router's losses leave padding out (True = padding, megatron-core's sense)
+            pad = {"padding_mask": mb.valid == 0} if self.args.num_experts else {}
+            out = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, **pad)
             return out, partial(loss_func, mb)
 
         # Interleaved schedules pull from one iterator per model chunk; all see the same list.
@@ -217,6 +220,14 @@ class Engine:
         for mb in mbs:
             # >= 1 so a step without loss tokens gives zero loss and gradient, not NaN
             mb.step_tokens = max(float(step_tokens.item()), 1.0)
+        router_losses = self._router_losses_on()
+        if router_losses:
+            routed = batch.lengths.sum(dtype=torch.float64).reshape(1).to(self.ps.device)
+            dist.all_reduce(routed, group=self.ps.dp_group)
+            moe = self.cfg.moe
+            moe_losses.set_step_coefficients(self.tconfig, moe.aux_loss_coeff, moe.z_loss_coeff,
+                                             max(float(step_tokens.item()), 1.0), float(routed.item()))
+            moe_losses.clear_tracker()
         tracker = StatsTracker()
 
         def loss_func(mb, logits):
@@ -237,9 +248,16 @@ class Engine:
             self.scheduler.step(increment=1)
             self.step += 1
         metrics = tracker.reduce(self.ps)
+        if router_losses:
+            metrics.update(moe_losses.step_metrics(self.ps, len(mbs), self.args.num_layers, self.cfg.moe))
         metrics.update(grad_norm=grad_norm, lr=lr, tokens=float(step_tokens.item()),
                        step_time=time.perf_counter() - t0, update_ok=float(bool(ok)))
         return metrics
+
+    def _router_losses_on(self) -> bool:
+        """An MoE model with a load-balancing loss or z-loss (`megarl.trainer.moe_losses`)."""
+        moe = self.cfg.moe
+        return bool(self.args.num_experts) and (moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0)
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Megatron's optimizer step, except that a NaN/inf gradient norm skips the update (the

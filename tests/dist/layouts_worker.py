@@ -25,10 +25,11 @@ def make_batch(n=8, vocab=128, seed=0):
     return TensorBatch.from_lists(ids, {"loss_mask": mask})
 
 
-def run_layout(hf_dir, tp, pp, mbt, dist_opt, batch, ep=1):
+def run_layout(hf_dir, tp, pp, mbt, dist_opt, batch, ep=1, aux=0.0):
     cfg = load_config(None, [f"model.hf_path={hf_dir}", "data.train_path=x", f"parallel.tp={tp}",
                              f"parallel.pp={pp}", f"train.micro_batch_tokens={mbt}", "optim.lr=0.01",
-                             f"parallel.distributed_optimizer={str(dist_opt).lower()}", f"parallel.ep={ep}"])
+                             f"parallel.distributed_optimizer={str(dist_opt).lower()}", f"parallel.ep={ep}",
+                             f"moe.aux_loss_coeff={aux}"])
     ps = parallel.init_model_parallel(tp, pp, seed=1234, ep=ep)
     engine = Engine.build(cfg, ps)
     mine = [i for i in range(len(batch)) if i % ps.dp == ps.dp_rank]
@@ -44,7 +45,8 @@ def run_layout(hf_dir, tp, pp, mbt, dist_opt, batch, ep=1):
     parallel.destroy_model_parallel_only()
     return {"logp": [merged[i][0] for i in range(len(batch))],
             "logp_after": [merged[i][1] for i in range(len(batch))],
-            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "nll": metrics["nll"]}
+            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "nll": metrics["nll"],
+            "moe_aux_loss": metrics.get("moe_aux_loss")}
 
 
 def main():
@@ -55,10 +57,10 @@ def main():
     with open(f"{hf_dir}/config.json") as f:
         batch = make_batch(vocab=json.load(f)["vocab_size"])
     results = {}
-    for spec in layouts:  # "tp,pp,micro_batch_tokens,dist_opt[,ep]"
-        tp, pp, mbt, dopt, *ep = spec.split(",")
+    for spec in layouts:  # "tp,pp,micro_batch_tokens,dist_opt[,ep[,moe.aux_loss_coeff]]"
+        tp, pp, mbt, dopt, *rest = spec.split(",")
         results[spec] = run_layout(hf_dir, int(tp), int(pp), int(mbt), dopt == "1", batch,
-                                   int(ep[0]) if ep else 1)
+                                   int(rest[0]) if rest else 1, float(rest[1]) if len(rest) > 1 else 0.0)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)

@@ -57,14 +57,17 @@ def specs(hf: str, dtype: str) -> dict:
     """Same HF weights under the TE and the local layer spec: per-token logprob differences over
     the predicted positions (entry 0 of each row is 0.0 in both by definition)."""
     batch = counting_batch(6, 20)
-    out = {}
+    out, experts = {}, {}  # experts: the MoE expert module of each spec (None: dense)
     for spec in ("te", "local"):
         cfg = config(hf, f"model.spec={spec}", f"model.dtype={dtype}")
         engine = Engine.build(cfg, parallel.init_model_parallel(1, 1), trainable=False)
         out[spec] = engine.compute_logp(batch).logp[:, 1:].float().cpu()
+        mlp = engine.chunks[0].decoder.layers[0].mlp
+        experts[spec] = type(mlp.experts).__name__ if hasattr(mlp, "experts") else None
         destroy_model_parallel_only()
     diff = (out["te"] - out["local"]).abs()
-    return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()), "tokens": diff.numel()}
+    return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()), "tokens": diff.numel(),
+            "experts": experts}
 
 
 def generate(server: str, n: int = 16) -> tuple[list[int], list[float], str]:

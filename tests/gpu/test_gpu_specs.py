@@ -22,3 +22,16 @@ def test_te_spec_logprobs_match_local_spec(tmp_path, record_property, dtype, max
     record_property(f"{dtype}_mean_abs", r["mean_abs"])
     assert r["tokens"] == 6 * 19, r
     assert r["max_abs"] <= max_abs and r["mean_abs"] <= mean_abs, r
+
+
+def test_moe_te_spec_runs_grouped_gemm_and_matches_local_spec(tmp_path):
+    """A tiny Qwen3-MoE (4 experts, top-2): on the TE spec the experts are one grouped GEMM
+    (TEGroupedMLP, its weight0..3 mapped to the HF experts by megarl.models.hf_io), on the local
+    spec a SequentialMLP; fp32 logprobs agree as the dense ones do."""
+    pytest.importorskip("transformer_engine", reason="transformer-engine is not installed")
+    from megarl.models.random_hf import tiny_config, write_random_hf
+
+    hf = write_random_hf(str(tmp_path / "moe"), tiny_config("Qwen3MoeForCausalLM"), seed=0, std=0.05)
+    r = run_worker("specs", hf, "float32")
+    assert r["experts"] == {"te": "TEGroupedMLP", "local": "SequentialMLP"}, r
+    assert r["tokens"] == 6 * 19 and r["max_abs"] <= FP32_MAX_ABS, r

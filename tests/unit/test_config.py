@@ -118,8 +118,13 @@ def test_moe_parallel_fields(tmp_path, hf):
     assert load(moe, "parallel.ep=2").parallel.ep == 2
     assert load(moe, "train.algorithm=grpo", "rollout.servers=[http://sglang:30000]").rollout.servers
     assert not load(moe, "train.algorithm=grpo").rollout.servers  # the local CPU server serves MoE
+    # TP > 1 with MoE: accepted with sequence parallelism on the TE spec (built on GPUs only)
+    assert load(moe, "model.spec=te", "parallel.tp=2", "parallel.sequence_parallel=true").parallel.tp == 2
+    # the local CPU rollout server serves Qwen3-MoE: RL with local servers loads
+    assert load(moe, "train.algorithm=grpo", "rollout.local_servers=1").rollout.local_servers == 1
     for model, overrides, msg in [
-        (moe, ["parallel.tp=2"], "parallel.tp: MoE models (Qwen3MoeForCausalLM) run with tp=1"),
+        (moe, ["parallel.tp=2"], "parallel.tp: MoE models (Qwen3MoeForCausalLM) with tp=2 > 1 need "
+                                 "parallel.sequence_parallel=true with the TE spec (model.spec=te, GPU)"),
         (moe, ["parallel.ep=3"], "parallel.ep: 3 does not divide num_experts=4"),
         (hf, ["parallel.ep=2"], "parallel.ep: 2 > 1 needs an MoE model"),
         (moe, ["moe.routing_replay=rollout", "model.recompute=true", "parallel.pp=2"],
@@ -127,6 +132,8 @@ def test_moe_parallel_fields(tmp_path, hf):
         (moe, ["moe.routing_replay=rollout", "moe.replay_check=true", "algo.prox_logp_mode=loglinear",
                "algo.policy_loss=decoupled_ppo"], "moe.replay_check: needs algo.prox_logp_mode recompute"),
         (moe, ["moe.replay_check=true"], "moe.replay_check: needs moe.routing_replay: rollout"),
+        (moe, ["moe.aux_loss_coeff=-0.1"], "moe.aux_loss_coeff: must be >= 0 and <= 1"),
+        (moe, ["moe.z_loss_coeff=2"], "moe.z_loss_coeff: must be >= 0 and <= 1"),
     ]:
         with pytest.raises(ConfigError) as e:
             load(model, *overrides)

@@ -64,3 +64,30 @@ def test_make_tiny_model_data_tokenizer_config(tmp_path):
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["tie_word_embeddings"], cfg["torch_dtype"]) == (
         1, 2, False, "float32")
     assert sorted(os.listdir(out / "hf")) == ["config.json", "tokenizer.model"]
+
+
+def test_make_tiny_model_moe_config_reads_like_transformers(tmp_path):
+    """--experts writes a Qwen3-MoE config that megarl's registry and transformers read alike (the
+    config of examples/tiny_moe, the MoE recipe's model)."""
+    from megarl.models.registry import read_model_args
+
+    out = tmp_path / "moe"
+    r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"), "--out", str(out),
+                        "--skip-sft", "--n-sft", "50", "--n-rl", "20", "--n-eval", "10", "--experts", "4",
+                        "--topk", "2", "--moe-intermediate", "128"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((out / "hf" / "config.json").read_text())
+    assert cfg == json.loads(open(os.path.join(REPO, "examples", "tiny_moe", "hf", "config.json")).read())
+    args = read_model_args(str(out / "hf"))
+    assert (args.architecture, args.num_experts, args.moe_topk, args.moe_ffn_hidden_size, args.moe_norm_topk,
+            args.qk_norm, args.head_dim) == ("Qwen3MoeForCausalLM", 4, 2, 128, True, True, 32)
+    try:
+        import transformers
+    except ImportError:
+        return
+    ref = transformers.Qwen3MoeConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    assert (ref.num_experts, ref.num_experts_per_tok, ref.norm_topk_prob, ref.sliding_window) == (4, 2, True, None)
+    bad = subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"), "--out",
+                          str(tmp_path / "bad"), "--skip-sft", "--experts", "2", "--topk", "3"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--topk must be in 1..--experts" in bad.stderr

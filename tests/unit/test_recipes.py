@@ -104,3 +104,44 @@ def test_prepare_gsm8k_and_reward(tmp_path):
     assert math_reward("", "25% of 1,200 is 300, so 1,200 - 300 = 900.\n#### 900<|im_end|>", meta) == 1.0
     assert math_reward("", "The price is \\boxed{900.00}", meta) == 1.0
     assert math_reward("", "#### 899", meta) == 0.0 and math_reward("", "no idea", meta) == 0.0
+
+
+# Qwen/Qwen3-30B-A3B config.json (the fields megarl and transformers read)
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+
+
+def test_moe_recipe_loads_with_expert_parallelism(tmp_path):
+    """configs/qwen3-30b-a3b-gsm8k.yaml: 30.5B parameters, EP=8 over DP=16 (16 experts of each
+    layer per rank, 2 replicas), grouped-GEMM experts on the TE spec, top-8 renormalised routing."""
+    from megarl.models.moe_config import MoEConfig
+
+    model_dir = tmp_path / "Qwen3-30B-A3B"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    cfg = load_config(os.path.join(REPO, "configs", "qwen3-30b-a3b-gsm8k.yaml"), [f"model.hf_path={model_dir}"])
+    assert (cfg.model.spec, cfg.model.dtype, cfg.parallel.backend) == ("te", "bfloat16", "nccl")
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.world_size) == (1, 1, 8, 16)
+    assert cfg.moe == MoEConfig(aux_loss_coeff=0.0)
+    dp = check_world_size(cfg, cfg.parallel.world_size)
+    assert dp == 16 and cfg.train.global_batch_size % (cfg.rollout.group_size * dp) == 0
+    assert len(cfg.rollout.servers) == 2 and load_reward_fn(cfg.rollout.reward_fn) is math_reward
+    args = read_model_args(str(model_dir))
+    assert (args.num_experts, args.moe_topk, args.moe_ffn_hidden_size, args.moe_norm_topk) == (128, 8, 768, True)
+    assert args.sliding_window is None
+    assert sum(torch.Size(s).numel() for s in hf_shapes(args).values()) == 30_532_122_624
+    padded = pad_vocab(args, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
+    assert padded.mcore_vocab_size == 151936
+    tconfig = builder.transformer_config(padded, tp=1, pp=1, ep=cfg.parallel.ep, use_te=True,
+                                         recompute=cfg.model.recompute, moe=cfg.moe)
+    assert (tconfig.num_moe_experts // tconfig.expert_model_parallel_size, tconfig.moe_router_topk) == (16, 8)
+    assert tconfig.moe_grouped_gemm and not tconfig.moe_router_pre_softmax
+    assert tconfig.moe_router_load_balancing_type == "none"

@@ -177,7 +177,11 @@ def test_qwen3_moe_table_and_refusals(tmp_path):
     assert L.hf_shapes(args)["model.layers.0.mlp.gate.weight"] == (4, 64)
     cfg = builder.transformer_config(args, tp=1, pp=1, ep=2)
     assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_router_pre_softmax) == (4, 2, False)
-    for kw, msg in [(dict(tp=2, pp=1), "parallel.tp: MoE models"),
+    assert (cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff) == ("none", 0.0, None)
+    assert not cfg.moe_grouped_gemm  # local spec: SequentialMLP
+    for kw, msg in [(dict(tp=2, pp=1), "parallel.tp: MoE models .* need parallel.sequence_parallel=true with "
+                                       r"the TE spec \(model.spec=te, GPU\)"),
+                    (dict(tp=2, pp=1, sequence_parallel=True), "parallel.sequence_parallel: needs the Transformer"),
                     (dict(tp=1, pp=1, ep=3), "parallel.ep: 3 does not divide num_experts=4")]:
         with pytest.raises(ValueError, match=f"^{msg}"):
             builder.transformer_config(args, **kw)
@@ -191,6 +195,56 @@ def test_qwen3_moe_table_and_refusals(tmp_path):
         read_model_args(str(tmp_path / "m"))
 
 
+def test_moe_training_options_reach_megatron(tmp_path):
+    """moe.aux_loss_coeff / z_loss_coeff become megatron-core's aux_loss balancing and z-loss; on
+    the TE spec the experts run as a grouped GEMM and TP > 1 is accepted with sequence parallelism
+    (config level: building that model needs TE and a GPU, tests/gpu)."""
+    from megarl.models import builder
+    from megarl.models.moe_config import MoEConfig
+    from megarl.models.random_hf import tiny_config, write_random_hf
+
+    args = read_model_args(write_random_hf(str(tmp_path), tiny_config("Qwen3MoeForCausalLM")))
+    cfg = builder.transformer_config(args, tp=1, pp=1, moe=MoEConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001))
+    assert (cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff) == (
+        "aux_loss", 0.01, 0.001)
+    te = builder.transformer_config(args, tp=2, pp=1, sequence_parallel=True, use_te=True)
+    assert te.moe_grouped_gemm and te.sequence_parallel and te.expert_tensor_parallel_size == 1
+    assert te.tensor_model_parallel_size == 2
+    spec = builder.layer_spec(args, use_te=False)
+    assert spec.submodules.mlp.submodules.experts.module.__name__ == "SequentialMLP"
+
+
+def test_qwen3_moe_defaults_and_windows_match_transformers(tmp_path):
+    """What read_model_args takes from a Qwen3-MoE config.json equals what transformers'
+    Qwen3MoeConfig makes of it: norm_topk_prob absent -> False; the window on every layer exactly
+    when use_sliding_window (layer_types and max_window_layers are not read by Qwen3-MoE)."""
+    import json
+
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from megarl.models.random_hf import tiny_config
+
+    base = tiny_config("Qwen3MoeForCausalLM")
+    del base["norm_topk_prob"]
+    cases = [{}, {"norm_topk_prob": True},
+             {"use_sliding_window": True, "sliding_window": 8},
+             {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+             {"use_sliding_window": True, "sliding_window": 8,
+              "layer_types": ["full_attention", "sliding_attention"] * 2},
+             {"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 0}]
+    for i, extra in enumerate(cases):
+        hf = dict(base, **extra)
+        d = tmp_path / str(i)
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(hf))
+        args = read_model_args(str(d))
+        ref = transformers.Qwen3MoeConfig(**{k: v for k, v in hf.items() if k != "architectures"})
+        assert args.moe_norm_topk == ref.norm_topk_prob, extra
+        assert args.sliding_window == ref.sliding_window, extra  # None: no window (full attention)
+        assert args.window_layers is None, extra  # the window (if any) is on every layer
+
+
 def test_expert_shape_matches_the_stacked_checkpoint_shape(tmp_path):
     from megarl.models import layouts as L
     from megarl.models.random_hf import tiny_config, write_random_hf
@@ -201,3 +255,30 @@ def test_expert_shape_matches_the_stacked_checkpoint_shape(tmp_path):
     for _, pmap in param_table(args):
         if pmap.expert is not None:
             assert L.expert_shape(pmap, args) == stacked[L.mcore_key(pmap)][2:]
+
+
+def test_expert_names_of_both_expert_modules_map_to_global_rows():
+    """SequentialMLP (local spec) and TEGroupedMLP (TE spec, grouped GEMM) name a rank's experts
+    differently; both map to the table's global expert (EP rank 1 of 2 holds experts 2 and 3)."""
+    from megarl.models.hf_io import expert_row_name
+
+    local = [2, 3]
+    assert expert_row_name("mlp.experts.local_experts.1.linear_fc1.weight", local) == \
+        "mlp.experts.local_experts.3.linear_fc1.weight"
+    assert expert_row_name("mlp.experts.linear_fc1.weight0", local) == "mlp.experts.local_experts.2.linear_fc1.weight"
+    assert expert_row_name("mlp.experts.linear_fc2.weight1", local) == "mlp.experts.local_experts.3.linear_fc2.weight"
+    assert expert_row_name("mlp.router.weight", local) == "mlp.router.weight"
+
+
+def test_router_loss_coefficients_per_step():
+    """coeff x loss tokens / routed tokens, so megatron-core's per-token scaling (divide by the
+    loss tokens) leaves coeff x the token-weighted mean; a z-loss of 0 stays None (not computed)."""
+    from types import SimpleNamespace
+
+    from megarl.trainer.moe_losses import set_step_coefficients
+
+    tc = SimpleNamespace()
+    set_step_coefficients(tc, 0.01, 0.0, loss_tokens=30.0, routed_tokens=120.0)
+    assert (tc.moe_aux_loss_coeff, tc.moe_z_loss_coeff) == (0.0025, None)
+    set_step_coefficients(tc, 0.0, 0.002, loss_tokens=50.0, routed_tokens=100.0)
+    assert (tc.moe_aux_loss_coeff, tc.moe_z_loss_coeff) == (0.0, 0.001)
