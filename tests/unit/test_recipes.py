@@ -130,7 +130,7 @@ def test_moe_recipe_loads_with_expert_parallelism(tmp_path):
     cfg = load_config(os.path.join(REPO, "configs", "qwen3-30b-a3b-gsm8k.yaml"), [f"model.hf_path={model_dir}"])
     assert (cfg.model.spec, cfg.model.dtype, cfg.parallel.backend) == ("te", "bfloat16", "nccl")
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.world_size) == (1, 1, 8, 16)
-    assert cfg.moe == MoEConfig(aux_loss_coeff=0.0)
+    assert cfg.moe == MoEConfig(routing_replay="rollout", aux_loss_coeff=0.0)  # R3 on
     dp = check_world_size(cfg, cfg.parallel.world_size)
     assert dp == 16 and cfg.train.global_batch_size % (cfg.rollout.group_size * dp) == 0
     assert len(cfg.rollout.servers) == 2 and load_reward_fn(cfg.rollout.reward_fn) is math_reward
