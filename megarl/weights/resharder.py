@@ -21,7 +21,7 @@ import torch
 from megarl.models.hf_io import gather_row, local_params, serves_weights
 from megarl.models import stages
 from megarl.models.layouts import shards_to_hf
-from megarl.models.registry import param_table
+from megarl.models.registry import GATE_UP, param_table
 from megarl.weights.planner import TensorSpec, bucketize, plan
 
 
@@ -109,12 +109,20 @@ class Resharder:
                 yield bucket
 
     def _convert(self, lp, layer, pmap) -> dict[str, torch.Tensor]:
+        """One Megatron row -> its HF tensors. With one shard (TP=1, an expert) a tensor that needs
+        no reordering or cast is a view of the parameter (gate/up rows, embedding rows without
+        the padding, plain weights): the transport reads the parameter itself, nothing is copied.
+        Only query-group interleaved QKV and dtype casts make new tensors."""
         e = self.engine
         t0 = time.perf_counter()
         shards = gather_row(lp, pmap, e.args, e.ps, self._param_dtype)
         t1 = time.perf_counter()
-        out = shards_to_hf(pmap, shards, e.args)
+        if pmap.kind == GATE_UP and len(shards) == 1:
+            out = list(shards[0].chunk(2, dim=0))  # [gate; up] rows: two contiguous views
+        else:
+            out = shards_to_hf(pmap, shards, e.args)
         names = pmap.names(layer)[1]
+        # to() and contiguous() return the tensor itself when it already is both
         result = {n: (t.to(self.dtype) if self.dtype else t).contiguous() for n, t in zip(names, out)}
         self.times.gather_s += t1 - t0
         self.times.convert_s += time.perf_counter() - t1
