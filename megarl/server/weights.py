@@ -124,11 +124,17 @@ def receive_broadcast(group: WeightGroup, names, dtypes, shapes, load_format=Non
 
     pg, targets = group.pg, targets or {}
     out: dict[str, torch.Tensor] = {}
+    # queued without waiting, one wait at the end: the group's worker thread receives them back
+    # to back instead of handing each one to and from this thread
+    works: list = []
 
     def unpack(idx: list[int]) -> None:
         layout, total = flat_layout([dtypes[i] for i in idx], [shapes[i] for i in idx])
         buf = group.buffer(total, device)
-        dist.broadcast(buf, src=0, group=pg)
+        works.append(dist.broadcast(buf, src=0, group=pg, async_op=True))
+        for w in works:
+            w.wait()
+        works.clear()
         for i, (off, n) in zip(idx, layout):
             out[names[i]] = buf[off:off + n].view(parse_dtype(dtypes[i])).reshape([int(s) for s in shapes[i]])
 
@@ -146,7 +152,9 @@ def receive_broadcast(group: WeightGroup, names, dtypes, shapes, load_format=Non
                                             device=device)
         else:
             in_place += 1
-        dist.broadcast(t, src=0, group=pg)
+        works.append(dist.broadcast(t, src=0, group=pg, async_op=True))
     if load_format == DIRECT_BUCKET and packed:
         unpack(packed)
+    for w in works:
+        w.wait()
     return out, in_place

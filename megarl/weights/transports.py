@@ -78,10 +78,16 @@ class DistributedTransport:
             # NCCL moves CUDA tensors only; gloo moves host memory
             dev = bucket.tensors[0].device if self.backend == "nccl" else torch.device("cpu")
             direct, packed = direct_split(meta.dtypes, meta.shapes) if self.flat else (range(len(meta.names)), [])
-            for i in direct:  # to() and contiguous() are no-ops for a host tensor the resharder made
-                dist.broadcast(bucket.tensors[i].to(dev).contiguous(), group=self.group, group_src=0)
+            # queued without waiting, one wait at the end: the group's worker thread streams them
+            # back to back instead of handing each one to and from this thread (a scheduler
+            # round trip per tensor, several ms on a loaded host)
+            works = [dist.broadcast(bucket.tensors[i].to(dev).contiguous(), group=self.group, group_src=0,
+                                    async_op=True) for i in direct]
             if packed:
-                dist.broadcast(self._pack([bucket.tensors[i] for i in packed], dev), group=self.group, group_src=0)
+                works.append(dist.broadcast(self._pack([bucket.tensors[i] for i in packed], dev),
+                                            group=self.group, group_src=0, async_op=True))
+            for w in works:
+                w.wait()
         except Exception as e:  # noqa: BLE001
             announced.cancel()
             raise PushError(f"update_weights_from_distributed: broadcast of {bucket.names[0]}... "
