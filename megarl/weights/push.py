@@ -64,8 +64,14 @@ class WeightPusher:
         self.admin, self.transport = None, None
         self._own_admin = False
         self.verify_every = w.verify_every
-        # {name: (dtype, sha256)} of what this rank sent in the last push, when it is verified
+        # {name: (dtype, sha256)} of what this rank sent, kept across pushes (a delta push's
+        # skipped tensors keep the digest of the push that last sent them)
         self.digests: dict[str, tuple[str, str]] = {}
+        # weights.delta: only a trainable engine's frozen rows are known not to change (a
+        # forward-only engine has no optimizer to tell: its weights may be set by hand); not the
+        # disk transport, which writes whole checkpoints
+        self.delta = w.delta and getattr(engine, "optimizer", None) is not None and w.transport != "disk"
+        self._frozen_sent: frozenset = frozenset()  # rows frozen at the last push that reached every server
         self.digest_s, self._recording = 0.0, False
         self._connect()
 
@@ -95,6 +101,7 @@ class WeightPusher:
             directory = w.disk_dir or f"{self.cfg.train.run_dir}/weights"
             self.transport = DiskTransport(self.admin, directory, w.keep_versions, w.timeout_s, self.dtype)
         self._ready = False
+        self._frozen_sent = frozenset()  # a new server set (or a retry) gets every tensor
 
     def add_server(self, address: str) -> "PushMetrics":
         """A server that (re)joins gets the current weights before it receives work: the update
@@ -183,8 +190,11 @@ class WeightPusher:
         new_version = self.cluster.version + int(bump)
         if not self._ready:
             self._setup()
-        self.digests, self.digest_s = {}, 0.0
+        self.digest_s = 0.0
         self._recording = self.verify_due(new_version)
+        frozen = self._frozen_now() if self.delta else frozenset()
+        # a row frozen now and at the last push has not changed since: the servers keep it
+        self._skip = frozen & self._frozen_sent
         ok, pause_s, stream_s = False, 0.0, 0.0
         try:
             tp = time.perf_counter()
@@ -212,6 +222,7 @@ class WeightPusher:
         if ok:
             self._agree(tail)
             self.cluster.commit(new_version)
+            self._frozen_sent = frozen
         t = self.resharder.times
         nbytes = t.bytes
         if isinstance(self.transport, DiskTransport) and self.ps.rank == 0:
@@ -231,9 +242,10 @@ class WeightPusher:
         for stage in range(self.ps.pp):
             err = None
             if self.ps.pp_rank == stage and not isinstance(self.transport, DiskTransport):
-                sender = _Sender(self.transport, version, self._record if self._recording else None)
+                sender = _Sender(self.transport, version, self._record if self._recording else None,
+                                 self._forget)
                 try:
-                    buckets = self.resharder.iter_buckets()
+                    buckets = self.resharder.iter_buckets(self._skip)
                     while True:
                         sender.slots.acquire()  # blocks while PIPELINE_DEPTH buckets are alive
                         bucket = next(buckets, None)
@@ -250,6 +262,17 @@ class WeightPusher:
                 send_s += sender.busy_s
             self._agree(err)
         return send_s
+    def _frozen_now(self) -> frozenset:
+        """Rows frozen on every rank that holds a shard of them (one all-gather of small dicts per
+        push), so every rank skips the same gathers even if freezing was not symmetric."""
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, self.resharder.frozen_rows())
+        verdict: dict[str, bool] = {}
+        for part in parts:
+            for name, frozen in part.items():
+                verdict[name] = verdict.get(name, True) and frozen
+        return frozenset(n for n, f in verdict.items() if f)
+
     def _driver(self, fn, step: str) -> None:
         """``fn()`` on the driver rank; every rank learns whether it failed."""
         err = None
@@ -307,6 +330,12 @@ class WeightPusher:
             self.digests[name] = (dtype, tensor_digest(t.cpu()))
         self.digest_s += time.perf_counter() - t0
 
+    def _forget(self, bucket) -> None:
+        """A push that does not record: the digests of what it sent are stale, drop them (a later
+        delta push that skips those tensors leaves them unchecked rather than falsely differing)."""
+        for name in bucket.names:
+            self.digests.pop(name, None)
+
     def _gather_digests(self) -> dict[str, tuple[str, str]]:
         """The checksums of every tensor the resharder yields (stage by stage; TP peers gather
         with their source, which hashes). For the disk transport, whose push never sees buckets."""
@@ -338,8 +367,9 @@ class _Sender:
     announces in that order: one HTTP call at a time per server). Collectives on the weight-update
     group run only here, on the TP group only on the caller's thread, so they never interleave."""
 
-    def __init__(self, transport, version: str, record: Optional[Callable] = None):
-        self.transport, self.version, self.record = transport, version, record
+    def __init__(self, transport, version: str, record: Optional[Callable] = None,
+                 forget: Optional[Callable] = None):
+        self.transport, self.version, self.record, self.forget = transport, version, record, forget
         self.slots = threading.Semaphore(PIPELINE_DEPTH)
         self.error: Optional[BaseException] = None
         self.busy_s = 0.0
@@ -358,6 +388,8 @@ class _Sender:
                     self.busy_s += time.perf_counter() - ts
                 if self.record is not None:
                     self.record(bucket)
+                elif self.forget is not None:
+                    self.forget(bucket)
         except BaseException as e:  # noqa: BLE001 - handed to the caller's agreement step
             self.error = e
         finally:

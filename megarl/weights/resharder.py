@@ -7,8 +7,9 @@ their experts), splits fused QKV / gate-up into HF tensors, drops the vocabulary
 embedding / output layer (servers get the original vocab), casts to the serving dtype and appends
 them to the current bucket. Only the stage's source rank
 (DP=0, TP=0) keeps the tensors and yields buckets; its TP peers take part in the gathers and
-drop the results. A bucket is yielded as soon as it is full, so at most the bucket being filled
-plus the one being sent are alive (~2 buckets of extra memory).
+drop the results. A bucket is yielded as soon as it is full; the pusher builds bucket k+1 while
+its sender thread sends bucket k, and never more (at most 2 buckets of extra memory). With one
+shard per row (TP=1) most HF tensors are views of the parameters themselves: no extra memory.
 """
 from __future__ import annotations
 
@@ -60,11 +61,25 @@ class Resharder:
     dtype: Optional[torch.dtype] = None  # serving dtype; None = the training dtype
     times: ReshardTimes = field(default_factory=ReshardTimes)
 
-    def stage_plan(self, stage: int) -> list[list[TensorSpec]]:
-        """Buckets of this stage, identical on every rank."""
+    def stage_plan(self, stage: int, skip: frozenset = frozenset()) -> list[list[TensorSpec]]:
+        """Buckets of this stage, identical on every rank; rows whose Megatron name is in ``skip``
+        (a delta push's unchanged rows) are left out before bucketing."""
         e = self.engine
-        specs = [s for s in plan(e.args, stages.of_config(e.tconfig)) if s.stage == stage]
+        specs = [s for s in plan(e.args, stages.of_config(e.tconfig)) if s.stage == stage
+                 and s.mcore_name not in skip]
         return bucketize(specs, self.bucket_bytes, self.serving_dtype)
+
+    def frozen_rows(self) -> dict[str, bool]:
+        """{Megatron row name: no local shard of it can change} for this rank's dense rows: every
+        shard has ``requires_grad`` False, so no optimizer step writes it. Experts are left out
+        (a row's owner may be another expert-parallel rank): they are always sent."""
+        e = self.engine
+        out: dict[str, bool] = {}
+        for lp in local_params(e.chunks, e.args, e.use_te):
+            if lp.pmap.expert is None:
+                name = lp.pmap.names(lp.layer)[0]
+                out[name] = out.get(name, True) and not lp.param.requires_grad
+        return out
 
     @property
     def serving_dtype(self) -> torch.dtype:
@@ -75,10 +90,10 @@ class Resharder:
         return sum(s.nbytes(self.serving_dtype) for stage in range(self.engine.ps.pp)
                    for bucket in self.stage_plan(stage) for s in bucket)
 
-    def iter_buckets(self) -> Iterator[Bucket]:
-        """This rank's stage, as buckets; yields only on the stage's source rank. Collective over
-        the TP group of DP rank 0 and, for MoE experts, its expert-parallel group (other ranks
-        return at once)."""
+    def iter_buckets(self, skip: frozenset = frozenset()) -> Iterator[Bucket]:
+        """This rank's stage, as buckets, without the rows in ``skip`` (the same set on every
+        rank); yields only on the stage's source rank. Collective over the TP group of DP rank 0
+        and, for MoE experts, its expert-parallel group (other ranks return at once)."""
         e = self.engine
         ps = e.ps
         self.times = ReshardTimes()
@@ -88,7 +103,7 @@ class Resharder:
                  if not (e.args.tie_word_embeddings and lp.local_name == "output_layer.weight")}
         rows = {pmap.names(layer)[0]: (layer, pmap) for layer, pmap in param_table(e.args)}
         converted: dict[str, torch.Tensor] = {}
-        for bucket_specs in self.stage_plan(ps.pp_rank):
+        for bucket_specs in self.stage_plan(ps.pp_rank, skip):
             names, tensors = [], []
             for spec in bucket_specs:
                 if ps.dp_rank != 0 and rows[spec.mcore_name][1].expert is None:
