@@ -99,25 +99,29 @@ class Resharder:
         self.times = ReshardTimes()
         if not serves_weights(ps):
             return
+        # the last stage's copy of a tied embedding is not a tensor of its own in HF: skip it, so
+        # the embedding row maps to the first stage's parameter
         local = {lp.pmap.names(lp.layer)[0]: lp for lp in local_params(e.chunks, e.args, e.use_te)
                  if not (e.args.tie_word_embeddings and lp.local_name == "output_layer.weight")}
         rows = {pmap.names(layer)[0]: (layer, pmap) for layer, pmap in param_table(e.args)}
+        # a row's HF tensors (q, k, v; gate, up) may straddle two buckets: the ones not yet
+        # placed wait here, so each row is gathered exactly once
         converted: dict[str, torch.Tensor] = {}
         for bucket_specs in self.stage_plan(ps.pp_rank, skip):
             names, tensors = [], []
             for spec in bucket_specs:
                 if ps.dp_rank != 0 and rows[spec.mcore_name][1].expert is None:
                     continue  # an expert-parallel helper: only expert rows need it
-                if spec.hf_name not in converted:
+                if spec.hf_name not in converted:  # the plan lists a row's tensors together
                     converted = self._convert(local.get(spec.mcore_name), *rows[spec.mcore_name])
                 t = converted.pop(spec.hf_name)
                 if tuple(t.shape) != spec.shape:
                     raise RuntimeError(f"resharder: {spec.hf_name} has shape {tuple(t.shape)}, "
                                        f"plan says {spec.shape}")
-                if ps.is_pp_source:
+                if ps.is_pp_source:  # TP peers gathered with us; only the source keeps tensors
                     names.append(spec.hf_name)
                     tensors.append(t)
-            if ps.is_pp_source:
+            if ps.is_pp_source:  # yielded at once: the pusher sends it while we build the next
                 bucket = Bucket(names, tensors)
                 self.times.buckets += 1
                 self.times.bytes += bucket.nbytes

@@ -53,10 +53,11 @@ class DistributedTransport:
         for "auto" the address its route to the servers leaves from) and a free port of it."""
         self.group_name = f"megarl-weights-pp{stage}"
         addr = advertised_address(self.addr, url_host(self.admin.addresses[0]))
-        port = free_port(addr)
-        world = 1 + len(self.admin.addresses)
+        port = free_port(addr)  # taken by the TCP store below; a race loses loudly in rendezvous
+        world = 1 + len(self.admin.addresses)  # the source is rank 0, server i is rank 1 + i
         spec = WeightsUpdateGroup(addr, port, world, self.group_name,
                                   "nccl" if self.backend == "nccl" else "gloo")
+        # the servers' join blocks until we host the store: ask first, then host, then collect
         joined = self.admin.submit(lambda c: c.init_weights_update_group(spec))
         try:
             self.group = new_process_group(addr, port, 0, world, self.group_name, spec.backend,
@@ -73,6 +74,7 @@ class DistributedTransport:
         was needed) and the small ones packed into one reused buffer; else one per tensor."""
         meta = DistributedWeightsMeta(bucket.names, bucket.dtypes, bucket.shapes, self.group_name,
                                       flush_cache=False, load_format=DIRECT_BUCKET if self.flat else None)
+        # announce first: the server enters its receive on this request; our broadcasts wait for it
         announced = self.admin.submit(lambda c: c.update_weights_from_distributed(meta))
         try:
             # NCCL moves CUDA tensors only; gloo moves host memory
@@ -89,7 +91,7 @@ class DistributedTransport:
             for w in works:
                 w.wait()
         except Exception as e:  # noqa: BLE001
-            announced.cancel()
+            announced.cancel()  # the server's receive fails on the broken group and answers so
             raise PushError(f"update_weights_from_distributed: broadcast of {bucket.names[0]}... "
                             f"failed ({type(e).__name__}: {str(e).splitlines()[0]}); servers "
                             f"{self.admin.addresses}") from e
@@ -167,6 +169,7 @@ class DiskTransport:
         raise AssertionError("DiskTransport writes whole checkpoints in finish()")
 
     def finish(self, version: str, engine) -> None:
+        # one directory per version, written atomically: a server never reads a half-written one
         path = os.path.join(self.dir, f"v{version}")
         engine.export_hf(path, dtype=self.dtype)
         if dist.get_rank() == 0:
