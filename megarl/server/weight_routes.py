@@ -6,8 +6,9 @@
   abort_all_requests, weight_version, load_format}: receive ``broadcast(src=0)`` per announced
   tensor, in order (or, with load_format "flattened_bucket", the whole bucket in one broadcast;
   "direct_bucket": large tensors straight into their parameters, the small ones packed; see
-  `weights.receive_broadcast`), then load them all (every announced tensor is received even when a name is bad, so the trainer's
-  broadcasts never hang; the bad name is reported afterwards).
+  `weights.receive_broadcast`), then load them all, in the same engine job (every announced tensor
+  is received even when a name is bad, so the trainer's broadcasts never hang; the bad name is
+  reported afterwards, and a bad announce writes no parameter in place).
 - ``/update_weights_from_disk`` {model_path, weight_version}: a full HF safetensors dir, only under
   the server's weights roots (``--weights-root``; default the model dir's parent).
 - ``/update_weights_from_tensor`` {serialized_named_tensors: [base64 safetensors], load_format,

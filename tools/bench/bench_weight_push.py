@@ -174,9 +174,10 @@ def worker(args):
         row = (f"| weight push, TP={args.tp}, {total / 2**20:.0f} MiB fp32, {len(sizes)} buckets of "
                f"<= {args.bucket_mb} MiB, {args.repeats} interleaved repeats | {total / p / 2**30:.2f} GiB/s | "
                f"raw gloo, 2 plain processes {total / r / 2**30:.2f} GiB/s | **{r / p:.2f}x** (per-repeat "
-               f"median {med(a / b for a, b in zip(raw_s, push_s)):.2f}x) | fixed {1e3 * med(m.fixed_s for m in rows):.0f}"
-               f" ms; streaming alone {r / stream:.2f}x | trainer gather {1e3 * med(m.gather_s for m in rows):.0f}"
-               f" + convert {1e3 * med(m.convert_s for m in rows):.0f} ms, send busy "
+               f"median {med(a / b for a, b in zip(raw_s, push_s)):.2f}x) | fixed "
+               f"{1e3 * med(m.fixed_s for m in rows):.0f} ms; streaming alone {r / stream:.2f}x | trainer gather "
+               f"{1e3 * med(m.gather_s for m in rows):.0f} + convert {1e3 * med(m.convert_s for m in rows):.0f} ms, "
+               f"send busy "
                f"{1e3 * med(m.send_s for m in rows):.0f} ms | peak extra RSS trainer {max(extra) / 2**20:.0f} MiB "
                f"(= {max(extra) / bucket:.2f} buckets), server {max(server_extra) / 2**20:.0f} MiB |")
         print(row)
