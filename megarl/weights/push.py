@@ -170,10 +170,13 @@ class WeightPusher:
            ``/flush_cache`` (cached prefixes were computed by the old weights) and
            ``/begin_weight_update``.
         2. stage by stage (pipeline rank 0, 1, ...): the stage's TP group gathers and converts
-           its parameters into byte-capped buckets (Resharder); the stage source sends each one:
-           distributed = announce names/dtypes/shapes over HTTP + broadcast the tensors over the
-           stage's weight-update group; tensor = POST the bucket; disk = (after all stages) write
-           the HF checkpoint atomically and POST ``/update_weights_from_disk``.
+           its parameters into byte-capped buckets (Resharder), leaving out rows frozen since the
+           last push (``weights.delta``); the stage source's sender thread sends bucket k while
+           bucket k+1 is built (at most 2 alive): distributed = announce names/dtypes/shapes over
+           HTTP + broadcast the tensors over the stage's weight-update group (megarl-server: large
+           tensors one by one straight into its parameters, small ones packed, one wait per
+           bucket); tensor = POST the bucket; disk = (after all stages) write the HF checkpoint
+           atomically and POST ``/update_weights_from_disk``.
         3. driver, ``cluster.end_push``: once every bucket is loaded, ``/update_weight_version``
            {new_version} (servers flip version atomically), ``/end_weight_update``, the version
            committed on the rollout side (the staleness window moves), then - also after a
