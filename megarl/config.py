@@ -451,10 +451,18 @@ class WeightSyncConfig:
     verify_mode: str = "fail"
     """What a differing checksum does: fail (stop the run naming the server and tensor) or warn
     (print it and count it in the metric push/verify_mismatches)."""
+    delta: bool = True
+    """Send only the tensors that may have changed since the last push: rows whose every shard has
+    requires_grad False (frozen embeddings, frozen layers) were frozen at the last push too are
+    skipped and the servers keep them. Exact because only the optimizer writes parameters between
+    pushes, and it writes only trainable ones; applies to the distributed and tensor transports of
+    a trainable engine (the disk transport writes whole checkpoints; a forward-only engine pushes
+    everything). A new server, a retry or a rebuilt server set gets every tensor."""
     tensor_format: str = "megarl"
     """Which server's weight formats: megarl (megarl-server: safetensors payloads for the tensor
-    transport, one flattened broadcast per bucket for the distributed one) or sglang (real SGLang:
-    its tensor payload, one broadcast per tensor)."""
+    transport; for the distributed one, large tensors broadcast straight into the server's
+    parameters and the small ones packed, per bucket) or sglang (real SGLang: its tensor payload,
+    one broadcast per tensor)."""
 
     def validate(self) -> None:
         _check(self, "weights")

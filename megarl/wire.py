@@ -185,7 +185,10 @@ class DistributedWeightsMeta:
     """One announced bucket for /update_weights_from_distributed (HF names, broadcast order).
     ``load_format`` "flattened_bucket": the whole bucket arrives as ONE broadcast of bytes laid out
     by `flat_layout` (megarl-server; one collective instead of one per tensor, whose fixed latency
-    dominated small models); None: one broadcast per tensor (SGLang's default)."""
+    dominated small models); "direct_bucket": `direct_split` - each large tensor in a broadcast of
+    its own, straight into the server's parameter storage, then the small ones packed in one
+    flattened broadcast (megarl-server; what the trainer sends); None: one broadcast per tensor
+    (SGLang's default)."""
 
     names: list[str]
     dtypes: list[str]
@@ -206,15 +209,35 @@ FLATTENED_BUCKET = "flattened_bucket"
 _ITEMSIZE = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8, "double": 8,
              "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 FLAT_ALIGN = 8  # every tensor starts on an 8-byte boundary, so each slice views as its dtype
+DIRECT_BUCKET = "direct_bucket"
+# A tensor of at least this many bytes travels alone, from the trainer's tensor into the server's
+# parameter: a gloo broadcast's fixed cost (0.3-1.5 ms on loopback, docs/benchmarks.md) is about what
+# packing and unpacking 1 MiB costs (two memcpys at ~1-5 GiB/s), so above it a copy costs more.
+DIRECT_MIN_BYTES = 1 << 20
+
+
+def nbytes_of(dtype: str, shape) -> int:
+    n = _ITEMSIZE[str(dtype).replace("torch.", "")]
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def direct_split(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[int], list[int]]:
+    """A "direct_bucket" on the wire: indices of the tensors broadcast one by one, in announced
+    order (those of >= `DIRECT_MIN_BYTES`), and of the rest, which follow in ONE broadcast laid
+    out by `flat_layout` of their dtypes/shapes (none when the list is empty). Both sides derive
+    the same collective sequence from the announce alone."""
+    direct = [i for i, (d, s) in enumerate(zip(dtypes, shapes)) if nbytes_of(d, s) >= DIRECT_MIN_BYTES]
+    chosen = set(direct)
+    return direct, [i for i in range(len(dtypes)) if i not in chosen]
 
 
 def flat_layout(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[tuple[int, int]], int]:
     """(offset, nbytes) of each tensor in a flattened bucket, and the bucket's total bytes."""
     out, at = [], 0
     for dt, shape in zip(dtypes, shapes):
-        n = _ITEMSIZE[str(dt).replace("torch.", "")]
-        for d in shape:
-            n *= int(d)
+        n = nbytes_of(dt, shape)
         out.append((at, n))
         at += -(-n // FLAT_ALIGN) * FLAT_ALIGN
     return out, at

@@ -154,7 +154,7 @@ def hf_to_shard(pmap: ParamMap, tensors: list[torch.Tensor], args: ModelArgs, tp
 def shards_to_hf(pmap: ParamMap, shards: list[torch.Tensor], args: ModelArgs) -> list[torch.Tensor]:
     """All TP shards of one Megatron parameter (TP-rank order) -> the row's full HF tensor(s)."""
     if pmap.kind == QKV:
-        return full_to_hf(pmap, torch.cat(shards, dim=0), args)
+        return full_to_hf(pmap, T.unshard(shards, 0), args)  # one shard (TP=1): no copy
     if pmap.kind == GATE_UP:
         return list(T.shards_to_gate_up(shards))
     if pmap.kind == VOCAB:

@@ -4,9 +4,11 @@
   group_name="weight_update_group", backend="gloo"}: this server joins as rank ``rank_offset``.
 - ``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, flush_cache,
   abort_all_requests, weight_version, load_format}: receive ``broadcast(src=0)`` per announced
-  tensor, in order (or, with load_format "flattened_bucket", the whole bucket in one broadcast),
-  then load them all (every announced tensor is received even when a name is bad, so the trainer's
-  broadcasts never hang; the bad name is reported afterwards).
+  tensor, in order (or, with load_format "flattened_bucket", the whole bucket in one broadcast;
+  "direct_bucket": large tensors straight into their parameters, the small ones packed; see
+  `weights.receive_broadcast`), then load them all, in the same engine job (every announced tensor
+  is received even when a name is bad, so the trainer's broadcasts never hang; the bad name is
+  reported afterwards, and a bad announce writes no parameter in place).
 - ``/update_weights_from_disk`` {model_path, weight_version}: a full HF safetensors dir, only under
   the server's weights roots (``--weights-root``; default the model dir's parent).
 - ``/update_weights_from_tensor`` {serialized_named_tensors: [base64 safetensors], load_format,
@@ -29,7 +31,7 @@ from aiohttp import web
 
 from megarl.net import new_process_group
 from megarl.server import weights as W
-from megarl.wire import FLATTENED_BUCKET, tensor_digest
+from megarl.wire import DIRECT_BUCKET, FLATTENED_BUCKET, tensor_digest
 from megarl.server.state import (BadRequest, ServerState, allowed_weights_path, body_field, on_engine,
                                          read_body, result)
 
@@ -88,17 +90,17 @@ async def init_group(request: web.Request) -> web.Response:
         pg = await asyncio.to_thread(new_process_group, addr, port, rank, world, name, backend, timeout)
     except Exception as e:  # noqa: BLE001 - rendezvous failures are the caller's to see
         return result(False, f"init_weights_update_group failed: {type(e).__name__}: {e}")
-    state.groups[name] = pg
+    state.groups[name] = W.WeightGroup(pg)
     return result(True, f"joined {name!r} as rank {rank}/{world} ({backend})")
 
 
 async def destroy_group(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     name = body_field(await read_body(request), "group_name", str, "weight_update_group")
-    pg = state.groups.pop(name, None)
-    if pg is None:
+    group = state.groups.pop(name, None)
+    if group is None:
         return result(False, f"no group {name!r}")
-    await on_engine(state, lambda: W.destroy_weight_update_group(pg))
+    await on_engine(state, lambda: W.destroy_weight_update_group(group.pg))
     return result(True, f"destroyed {name!r}")
 
 
@@ -123,17 +125,49 @@ async def from_distributed(request: web.Request) -> web.Response:
             raise BadRequest(f"shapes[{i}] must be a list of non-negative ints, got {shape!r}")
     name = body_field(body, "group_name", str, "weight_update_group")
     load_format = body_field(body, "load_format", str, None)
-    if load_format not in (None, FLATTENED_BUCKET):
-        raise BadRequest(f"load_format: {load_format!r} is not supported (None or {FLATTENED_BUCKET!r})")
-    pg = state.groups.get(name)
-    if pg is None:
+    if load_format not in (None, FLATTENED_BUCKET, DIRECT_BUCKET):
+        raise BadRequest(f"load_format: {load_format!r} is not supported "
+                         f"(None, {FLATTENED_BUCKET!r} or {DIRECT_BUCKET!r})")
+    group = state.groups.get(name)
+    if group is None:
         return result(False, f"no weight update group {name!r}; call /init_weights_update_group")
+    version, abort_all = _version(body), bool(body.get("abort_all_requests", False))
+    model = state.engine.model
+
+    def receive_and_load():
+        # one engine job: the group's buffer is reused by the next bucket, and the in-place
+        # receive writes parameters, so no batch may run (nor another receive) in between
+        targets = _in_place_targets(model, names, dtypes, shapes)
+        try:
+            tensors, in_place = W.receive_broadcast(group, names, dtypes, shapes, load_format, model.device,
+                                                    targets)
+        except Exception as e:  # noqa: BLE001 - reported, not raised: the trainer names the server
+            raise _ReceiveError(f"{type(e).__name__}: {e}") from e
+        return _apply(state, tensors, version, abort_all)() + in_place
+
     try:
-        tensors = await on_engine(state, lambda: W.receive_broadcast(pg, names, dtypes, shapes, load_format,
-                                                                       state.engine.model.device))
-    except Exception as e:  # noqa: BLE001
-        return result(False, f"broadcast receive failed: {type(e).__name__}: {e}")
-    return await _update(state, tensors, body)
+        n = await on_engine(state, receive_and_load)
+    except _ReceiveError as e:
+        return result(False, f"broadcast receive failed: {e}")
+    except (KeyError, ValueError) as e:
+        return result(False, f"weights not loaded: {e}")
+    return result(True, f"loaded {n} tensors", weight_version=state.engine.weight_version)
+
+
+class _ReceiveError(RuntimeError):
+    pass
+
+
+def _in_place_targets(model, names, dtypes, shapes) -> dict:
+    """{name: parameter} for the announced tensors a broadcast may write straight into (same
+    dtype, contiguous); empty when any name or shape is bad, so a bad announce writes nothing
+    and its error comes from the load, after every byte was received (the trainer never hangs)."""
+    try:
+        canon = [model.check_update(n, s) for n, s in zip(names, shapes)]
+    except (KeyError, ValueError):
+        return {}
+    return {n: model.params[c] for n, c, d in zip(names, canon, dtypes)
+            if model.params[c].dtype == W.parse_dtype(d) and model.params[c].is_contiguous()}
 
 
 async def from_disk(request: web.Request) -> web.Response:

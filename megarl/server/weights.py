@@ -19,12 +19,13 @@ import base64
 import glob
 import json
 import os
+from typing import Optional
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
-from megarl.wire import FLATTENED_BUCKET, SAFETENSORS_B64, flat_layout
+from megarl.wire import DIRECT_BUCKET, FLATTENED_BUCKET, SAFETENSORS_B64, direct_split, flat_layout
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -95,21 +96,65 @@ def destroy_weight_update_group(pg) -> None:
     dist.destroy_process_group(pg)
 
 
-def receive_broadcast(pg, names, dtypes, shapes, load_format=None, device="cpu") -> dict[str, torch.Tensor]:
-    """Receive one announced bucket: broadcast(src=0) per tensor, in announced order, or with
-    ``load_format`` "flattened_bucket" one broadcast of the whole bucket (views into it).
+class WeightGroup:
+    """A joined weight-update group and its packing buffer, reused by every bucket: a fresh
+    128 MiB buffer costs its page faults on first touch (0.1-0.5 s on a loaded host) each time."""
+
+    def __init__(self, pg):
+        self.pg = pg
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+
+    def buffer(self, nbytes: int, device) -> torch.Tensor:
+        if self.scratch.numel() < nbytes or self.scratch.device != torch.device(device):
+            self.scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self.scratch[:nbytes]
+
+
+def receive_broadcast(group: WeightGroup, names, dtypes, shapes, load_format=None, device="cpu",
+                      targets: Optional[dict] = None) -> tuple[dict[str, torch.Tensor], int]:
+    """Receive one announced bucket; returns (tensors still to load, how many were received in
+    place). Per ``load_format``: None = broadcast(src=0) per tensor, in announced order;
+    "flattened_bucket" = the whole bucket in one broadcast (views into the group's buffer, valid
+    until its next receive); "direct_bucket" = `megarl.wire.direct_split`: a large tensor whose
+    name is in ``targets`` ({name: the parameter itself, same dtype/shape, contiguous}) is
+    received straight into it (no copy; the caller holds the engine, so nothing reads it
+    meanwhile), any other into a new tensor, then the small ones in one packed broadcast.
     Buffers live on ``device`` (the model's: an NCCL group needs CUDA tensors)."""
     import torch.distributed as dist
 
+    pg, targets = group.pg, targets or {}
+    out: dict[str, torch.Tensor] = {}
+    # queued without waiting, one wait at the end: the group's worker thread receives them back
+    # to back instead of handing each one to and from this thread
+    works: list = []
+
+    def unpack(idx: list[int]) -> None:
+        layout, total = flat_layout([dtypes[i] for i in idx], [shapes[i] for i in idx])
+        buf = group.buffer(total, device)
+        works.append(dist.broadcast(buf, src=0, group=pg, async_op=True))
+        for w in works:
+            w.wait()
+        works.clear()
+        for i, (off, n) in zip(idx, layout):
+            out[names[i]] = buf[off:off + n].view(parse_dtype(dtypes[i])).reshape([int(s) for s in shapes[i]])
+
     if load_format == FLATTENED_BUCKET:
-        layout, total = flat_layout(dtypes, shapes)
-        buf = torch.empty(total, dtype=torch.uint8, device=device)
-        dist.broadcast(buf, src=0, group=pg)
-        return {name: buf[off:off + n].view(parse_dtype(dt)).reshape([int(s) for s in shape])
-                for name, dt, shape, (off, n) in zip(names, dtypes, shapes, layout)}
-    out = {}
-    for name, dt, shape in zip(names, dtypes, shapes):
-        t = torch.empty([int(s) for s in shape], dtype=parse_dtype(dt), device=device)
-        dist.broadcast(t, src=0, group=pg)
-        out[name] = t
-    return out
+        unpack(list(range(len(names))))
+        return out, 0
+    direct = range(len(names))
+    if load_format == DIRECT_BUCKET:
+        direct, packed = direct_split(dtypes, shapes)
+    in_place = 0
+    for i in direct:
+        t = targets.get(names[i])
+        if t is None:
+            t = out[names[i]] = torch.empty([int(s) for s in shapes[i]], dtype=parse_dtype(dtypes[i]),
+                                            device=device)
+        else:
+            in_place += 1
+        works.append(dist.broadcast(t, src=0, group=pg, async_op=True))
+    if load_format == DIRECT_BUCKET and packed:
+        unpack(packed)
+    for w in works:
+        w.wait()
+    return out, in_place

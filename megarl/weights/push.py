@@ -1,9 +1,11 @@
 """The weight push: trainer shards -> rollout servers, one collective call per policy version."""
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,22 +29,26 @@ class PushMetrics:
     total_s: float
     pause_s: float = 0.0  # the driver's wait for the servers to pause (step 1)
     digest_s: float = 0.0  # checksums of the sent tensors (pushes that weights.verify_interval checks)
+    # wall time of step 2 (+ the transport's finish): gather/convert on the caller's thread overlap
+    # the sender thread's send_s and digest_s, so the four sum to more than this
+    stream_s: float = 0.0
 
     @property
     def fixed_s(self) -> float:
-        """The protocol's share of the trainer's push time: everything but gathering, converting
-        and sending bytes (pause, announces' replies, the tail when it is awaited)."""
-        return max(0.0, self.total_s - self.gather_s - self.convert_s - self.send_s - self.digest_s)
+        """The protocol's share of the trainer's push time: everything but streaming the bytes
+        (pause, the tail when it is awaited, agreement all-reduces)."""
+        return max(0.0, self.total_s - self.stream_s)
 
     @property
     def gbps(self) -> float:
-        return self.bytes / max(self.send_s + self.gather_s + self.convert_s, 1e-9) / 1e9
+        return self.bytes / max(self.stream_s, 1e-9) / 1e9
 
     def as_dict(self) -> dict:
         return {"push/bytes": self.bytes, "push/buckets": self.buckets, "push/gather_s": self.gather_s,
                 "push/convert_s": self.convert_s, "push/send_s": self.send_s,
                 "push/total_s": self.total_s, "push/gbps": self.gbps, "push/pause_s": self.pause_s,
-                "push/fixed_s": self.fixed_s, "push/digest_s": self.digest_s}
+                "push/fixed_s": self.fixed_s, "push/digest_s": self.digest_s,
+                "push/stream_s": self.stream_s}
 
 
 class WeightPusher:
@@ -58,8 +64,14 @@ class WeightPusher:
         self.admin, self.transport = None, None
         self._own_admin = False
         self.verify_every = w.verify_every
-        # {name: (dtype, sha256)} of what this rank sent in the last push, when it is verified
+        # {name: (dtype, sha256)} of what this rank sent, kept across pushes (a delta push's
+        # skipped tensors keep the digest of the push that last sent them)
         self.digests: dict[str, tuple[str, str]] = {}
+        # weights.delta: only a trainable engine's frozen rows are known not to change (a
+        # forward-only engine has no optimizer to tell: its weights may be set by hand); not the
+        # disk transport, which writes whole checkpoints
+        self.delta = w.delta and getattr(engine, "optimizer", None) is not None and w.transport != "disk"
+        self._frozen_sent: frozenset = frozenset()  # rows frozen at the last push that reached every server
         self.digest_s, self._recording = 0.0, False
         self._connect()
 
@@ -89,6 +101,7 @@ class WeightPusher:
             directory = w.disk_dir or f"{self.cfg.train.run_dir}/weights"
             self.transport = DiskTransport(self.admin, directory, w.keep_versions, w.timeout_s, self.dtype)
         self._ready = False
+        self._frozen_sent = frozenset()  # a new server set (or a retry) gets every tensor
 
     def add_server(self, address: str) -> "PushMetrics":
         """A server that (re)joins gets the current weights before it receives work: the update
@@ -157,10 +170,13 @@ class WeightPusher:
            ``/flush_cache`` (cached prefixes were computed by the old weights) and
            ``/begin_weight_update``.
         2. stage by stage (pipeline rank 0, 1, ...): the stage's TP group gathers and converts
-           its parameters into byte-capped buckets (Resharder); the stage source sends each one:
-           distributed = announce names/dtypes/shapes over HTTP + broadcast the tensors over the
-           stage's weight-update group; tensor = POST the bucket; disk = (after all stages) write
-           the HF checkpoint atomically and POST ``/update_weights_from_disk``.
+           its parameters into byte-capped buckets (Resharder), leaving out rows frozen since the
+           last push (``weights.delta``); the stage source's sender thread sends bucket k while
+           bucket k+1 is built (at most 2 alive): distributed = announce names/dtypes/shapes over
+           HTTP + broadcast the tensors over the stage's weight-update group (megarl-server: large
+           tensors one by one straight into its parameters, small ones packed, one wait per
+           bucket); tensor = POST the bucket; disk = (after all stages) write the HF checkpoint
+           atomically and POST ``/update_weights_from_disk``.
         3. driver, ``cluster.end_push``: once every bucket is loaded, ``/update_weight_version``
            {new_version} (servers flip version atomically), ``/end_weight_update``, the version
            committed on the rollout side (the staleness window moves), then - also after a
@@ -177,22 +193,27 @@ class WeightPusher:
         new_version = self.cluster.version + int(bump)
         if not self._ready:
             self._setup()
-        self.digests, self.digest_s = {}, 0.0
+        self.digest_s = 0.0
         self._recording = self.verify_due(new_version)
-        ok, pause_s = False, 0.0
+        frozen = self._frozen_now() if self.delta else frozenset()
+        # a row frozen now and at the last push has not changed since: the servers keep it
+        self._skip = frozen & self._frozen_sent
+        ok, pause_s, stream_s = False, 0.0, 0.0
         try:
             tp = time.perf_counter()
             self._driver(self.cluster.pause_for_update, "pause_generation")  # settles the last push first
             pause_s = time.perf_counter() - tp
-            send_s = self._send_stages(str(new_version))
             ts = time.perf_counter()
+            send_s = self._send_stages(str(new_version))
+            tf = time.perf_counter()
             err = None
             try:
                 self.transport.finish(str(new_version), self.engine)
             except Exception as e:  # noqa: BLE001
                 err = e
             self._agree(err)
-            send_s += time.perf_counter() - ts
+            send_s += time.perf_counter() - tf
+            stream_s = time.perf_counter() - ts
             ok = True
         finally:
             tail = None
@@ -204,6 +225,7 @@ class WeightPusher:
         if ok:
             self._agree(tail)
             self.cluster.commit(new_version)
+            self._frozen_sent = frozen
         t = self.resharder.times
         nbytes = t.bytes
         if isinstance(self.transport, DiskTransport) and self.ps.rank == 0:
@@ -212,26 +234,47 @@ class WeightPusher:
                              dtype=torch.float64)
         dist.all_reduce(stats)  # sources hold the counts; times summed over stages
         b, n, g, c, s, h = stats.tolist()
-        return PushMetrics(new_version, int(b), int(n), g, c, s, time.perf_counter() - t0, pause_s, h)
+        return PushMetrics(new_version, int(b), int(n), g, c, s, time.perf_counter() - t0, pause_s, h, stream_s)
 
     def _send_stages(self, version: str) -> float:
+        """Step 2, pipelined: this thread gathers/converts bucket k+1 while a sender thread
+        announces and broadcasts bucket k (and hashes it, when recording). A slot is taken before
+        each bucket is built and freed once it is sent, so at most ``PIPELINE_DEPTH`` buckets are
+        alive. Returns the sender's busy time."""
         send_s = 0.0
         for stage in range(self.ps.pp):
             err = None
             if self.ps.pp_rank == stage and not isinstance(self.transport, DiskTransport):
-                for bucket in self.resharder.iter_buckets():
-                    if err is not None:
-                        continue  # keep gathering with the TP peers, send nothing
-                    ts = time.perf_counter()
-                    try:
-                        self.transport.send(bucket, version)
-                    except Exception as e:  # noqa: BLE001
-                        err = e
-                    send_s += time.perf_counter() - ts
-                    if self._recording:
-                        self._record(bucket)
+                sender = _Sender(self.transport, version, self._record if self._recording else None,
+                                 self._forget)
+                try:
+                    buckets = self.resharder.iter_buckets(self._skip)
+                    while True:
+                        sender.slots.acquire()  # blocks while PIPELINE_DEPTH buckets are alive
+                        bucket = next(buckets, None)
+                        if bucket is None:
+                            sender.slots.release()
+                            break
+                        sender.submit(bucket)  # after a failure it only frees the slot: the TP
+                        # peers still gather with us, so the walk goes on to its end
+                except Exception as e:  # noqa: BLE001 - agreed below
+                    err = e
+                finally:
+                    sender.close()
+                err = err or sender.error
+                send_s += sender.busy_s
             self._agree(err)
         return send_s
+    def _frozen_now(self) -> frozenset:
+        """Rows frozen on every rank that holds a shard of them (one all-gather of small dicts per
+        push), so every rank skips the same gathers even if freezing was not symmetric."""
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, self.resharder.frozen_rows())
+        verdict: dict[str, bool] = {}
+        for part in parts:
+            for name, frozen in part.items():
+                verdict[name] = verdict.get(name, True) and frozen
+        return frozenset(n for n, f in verdict.items() if f)
 
     def _driver(self, fn, step: str) -> None:
         """``fn()`` on the driver rank; every rank learns whether it failed."""
@@ -283,11 +326,18 @@ class WeightPusher:
         return bool(self.verify_every) and version % self.verify_every == 0
 
     def _record(self, bucket) -> None:
-        """Checksums of a bucket as it is sent (stage sources, pushes that `verify_due`)."""
+        """Checksums of a bucket once it is sent (stage sources, pushes that `verify_due`; runs on
+        the sender thread, which alone writes ``digests`` during step 2)."""
         t0 = time.perf_counter()
         for name, dtype, t in zip(bucket.names, bucket.dtypes, bucket.tensors):
             self.digests[name] = (dtype, tensor_digest(t.cpu()))
         self.digest_s += time.perf_counter() - t0
+
+    def _forget(self, bucket) -> None:
+        """A push that does not record: the digests of what it sent are stale, drop them (a later
+        delta push that skips those tensors leaves them unchecked rather than falsely differing)."""
+        for name in bucket.names:
+            self.digests.pop(name, None)
 
     def _gather_digests(self) -> dict[str, tuple[str, str]]:
         """The checksums of every tensor the resharder yields (stage by stage; TP peers gather
@@ -308,3 +358,45 @@ class WeightPusher:
             self.admin.close()
         self.admin = None
 
+
+
+# Buckets alive at once during step 2: the one on the wire and the one being built. A third would
+# only help if building a bucket took longer than sending it, at one more bucket of memory.
+PIPELINE_DEPTH = 2
+
+
+class _Sender:
+    """One background thread that sends buckets in submission order (the servers receive
+    announces in that order: one HTTP call at a time per server). Collectives on the weight-update
+    group run only here, on the TP group only on the caller's thread, so they never interleave."""
+
+    def __init__(self, transport, version: str, record: Optional[Callable] = None,
+                 forget: Optional[Callable] = None):
+        self.transport, self.version, self.record, self.forget = transport, version, record, forget
+        self.slots = threading.Semaphore(PIPELINE_DEPTH)
+        self.error: Optional[BaseException] = None
+        self.busy_s = 0.0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megarl-push")
+
+    def submit(self, bucket) -> None:
+        self._pool.submit(self._run, bucket)
+
+    def _run(self, bucket) -> None:
+        try:
+            if self.error is None:  # after a failure: skip, the caller reports the first error
+                ts = time.perf_counter()
+                try:
+                    self.transport.send(bucket, self.version)
+                finally:
+                    self.busy_s += time.perf_counter() - ts
+                if self.record is not None:
+                    self.record(bucket)
+                elif self.forget is not None:
+                    self.forget(bucket)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's agreement step
+            self.error = e
+        finally:
+            self.slots.release()  # the bucket's tensors are dropped with this frame
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

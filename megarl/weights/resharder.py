@@ -7,8 +7,9 @@ their experts), splits fused QKV / gate-up into HF tensors, drops the vocabulary
 embedding / output layer (servers get the original vocab), casts to the serving dtype and appends
 them to the current bucket. Only the stage's source rank
 (DP=0, TP=0) keeps the tensors and yields buckets; its TP peers take part in the gathers and
-drop the results. A bucket is yielded as soon as it is full, so at most the bucket being filled
-plus the one being sent are alive (~2 buckets of extra memory).
+drop the results. A bucket is yielded as soon as it is full; the pusher builds bucket k+1 while
+its sender thread sends bucket k, and never more (at most 2 buckets of extra memory). With one
+shard per row (TP=1) most HF tensors are views of the parameters themselves: no extra memory.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 from megarl.models.hf_io import gather_row, local_params, serves_weights
 from megarl.models import stages
 from megarl.models.layouts import shards_to_hf
-from megarl.models.registry import param_table
+from megarl.models.registry import GATE_UP, param_table
 from megarl.weights.planner import TensorSpec, bucketize, plan
 
 
@@ -60,11 +61,25 @@ class Resharder:
     dtype: Optional[torch.dtype] = None  # serving dtype; None = the training dtype
     times: ReshardTimes = field(default_factory=ReshardTimes)
 
-    def stage_plan(self, stage: int) -> list[list[TensorSpec]]:
-        """Buckets of this stage, identical on every rank."""
+    def stage_plan(self, stage: int, skip: frozenset = frozenset()) -> list[list[TensorSpec]]:
+        """Buckets of this stage, identical on every rank; rows whose Megatron name is in ``skip``
+        (a delta push's unchanged rows) are left out before bucketing."""
         e = self.engine
-        specs = [s for s in plan(e.args, stages.of_config(e.tconfig)) if s.stage == stage]
+        specs = [s for s in plan(e.args, stages.of_config(e.tconfig)) if s.stage == stage
+                 and s.mcore_name not in skip]
         return bucketize(specs, self.bucket_bytes, self.serving_dtype)
+
+    def frozen_rows(self) -> dict[str, bool]:
+        """{Megatron row name: no local shard of it can change} for this rank's dense rows: every
+        shard has ``requires_grad`` False, so no optimizer step writes it. Experts are left out
+        (a row's owner may be another expert-parallel rank): they are always sent."""
+        e = self.engine
+        out: dict[str, bool] = {}
+        for lp in local_params(e.chunks, e.args, e.use_te):
+            if lp.pmap.expert is None:
+                name = lp.pmap.names(lp.layer)[0]
+                out[name] = out.get(name, True) and not lp.param.requires_grad
+        return out
 
     @property
     def serving_dtype(self) -> torch.dtype:
@@ -75,46 +90,58 @@ class Resharder:
         return sum(s.nbytes(self.serving_dtype) for stage in range(self.engine.ps.pp)
                    for bucket in self.stage_plan(stage) for s in bucket)
 
-    def iter_buckets(self) -> Iterator[Bucket]:
-        """This rank's stage, as buckets; yields only on the stage's source rank. Collective over
-        the TP group of DP rank 0 and, for MoE experts, its expert-parallel group (other ranks
-        return at once)."""
+    def iter_buckets(self, skip: frozenset = frozenset()) -> Iterator[Bucket]:
+        """This rank's stage, as buckets, without the rows in ``skip`` (the same set on every
+        rank); yields only on the stage's source rank. Collective over the TP group of DP rank 0
+        and, for MoE experts, its expert-parallel group (other ranks return at once)."""
         e = self.engine
         ps = e.ps
         self.times = ReshardTimes()
         if not serves_weights(ps):
             return
+        # the last stage's copy of a tied embedding is not a tensor of its own in HF: skip it, so
+        # the embedding row maps to the first stage's parameter
         local = {lp.pmap.names(lp.layer)[0]: lp for lp in local_params(e.chunks, e.args, e.use_te)
                  if not (e.args.tie_word_embeddings and lp.local_name == "output_layer.weight")}
         rows = {pmap.names(layer)[0]: (layer, pmap) for layer, pmap in param_table(e.args)}
+        # a row's HF tensors (q, k, v; gate, up) may straddle two buckets: the ones not yet
+        # placed wait here, so each row is gathered exactly once
         converted: dict[str, torch.Tensor] = {}
-        for bucket_specs in self.stage_plan(ps.pp_rank):
+        for bucket_specs in self.stage_plan(ps.pp_rank, skip):
             names, tensors = [], []
             for spec in bucket_specs:
                 if ps.dp_rank != 0 and rows[spec.mcore_name][1].expert is None:
                     continue  # an expert-parallel helper: only expert rows need it
-                if spec.hf_name not in converted:
+                if spec.hf_name not in converted:  # the plan lists a row's tensors together
                     converted = self._convert(local.get(spec.mcore_name), *rows[spec.mcore_name])
                 t = converted.pop(spec.hf_name)
                 if tuple(t.shape) != spec.shape:
                     raise RuntimeError(f"resharder: {spec.hf_name} has shape {tuple(t.shape)}, "
                                        f"plan says {spec.shape}")
-                if ps.is_pp_source:
+                if ps.is_pp_source:  # TP peers gathered with us; only the source keeps tensors
                     names.append(spec.hf_name)
                     tensors.append(t)
-            if ps.is_pp_source:
+            if ps.is_pp_source:  # yielded at once: the pusher sends it while we build the next
                 bucket = Bucket(names, tensors)
                 self.times.buckets += 1
                 self.times.bytes += bucket.nbytes
                 yield bucket
 
     def _convert(self, lp, layer, pmap) -> dict[str, torch.Tensor]:
+        """One Megatron row -> its HF tensors. With one shard (TP=1, an expert) a tensor that needs
+        no reordering or cast is a view of the parameter (gate/up rows, embedding rows without
+        the padding, plain weights): the transport reads the parameter itself, nothing is copied.
+        Only query-group interleaved QKV and dtype casts make new tensors."""
         e = self.engine
         t0 = time.perf_counter()
         shards = gather_row(lp, pmap, e.args, e.ps, self._param_dtype)
         t1 = time.perf_counter()
-        out = shards_to_hf(pmap, shards, e.args)
+        if pmap.kind == GATE_UP and len(shards) == 1:
+            out = list(shards[0].chunk(2, dim=0))  # [gate; up] rows: two contiguous views
+        else:
+            out = shards_to_hf(pmap, shards, e.args)
         names = pmap.names(layer)[1]
+        # to() and contiguous() return the tensor itself when it already is both
         result = {n: (t.to(self.dtype) if self.dtype else t).contiguous() for n, t in zip(names, out)}
         self.times.gather_s += t1 - t0
         self.times.convert_s += time.perf_counter() - t1

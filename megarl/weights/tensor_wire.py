@@ -31,6 +31,8 @@ WireFormat = Literal["megarl", "sglang"]
 def _owned(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor that owns exactly its bytes (a view would pickle its whole base)."""
     t = t.detach().cpu().contiguous()
+    # a view (a parameter's gate rows, an embedding without padding) would serialize its whole
+    # storage: pickle writes storages, safetensors refuses tensors that share one
     if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
         t = t.clone()
     return t
@@ -39,11 +41,13 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 def encode_megarl(tensors: dict[str, torch.Tensor]) -> str:
     from safetensors.torch import save
 
+    # base64: the payload rides in a JSON body (SGLang's request shape), which carries text only
     return base64.b64encode(save({k: _owned(v) for k, v in tensors.items()})).decode("ascii")
 
 
 def encode_sglang(tensors: dict[str, torch.Tensor]) -> str:
     buf = io.BytesIO()
+    # protocol 4: what SGLang's restricted unpickler reads; by value, not shared-memory handles
     pickle.Pickler(buf, protocol=4).dump([(k, _owned(v)) for k, v in tensors.items()])
     return base64.b64encode(buf.getvalue()).decode("ascii")
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from megarl.net import free_port, new_process_group
 from megarl.net import advertised_address, url_host
-from megarl.wire import (FLATTENED_BUCKET, DiskWeightsUpdate, DistributedWeightsMeta, WeightsUpdateGroup,
-                         flat_layout)
+from megarl.wire import (DIRECT_BUCKET, DiskWeightsUpdate, DistributedWeightsMeta, WeightsUpdateGroup,
+                         direct_split, flat_layout)
 from megarl.rollout.admin import AdminRunner
 from megarl.weights.resharder import Bucket
 from megarl.weights.tensor_wire import WireFormat, tensor_update
@@ -34,14 +34,16 @@ class PushError(RuntimeError):
 
 
 class DistributedTransport:
-    """``flat``: one broadcast per bucket (load_format "flattened_bucket", megarl-server) instead
-    of one per tensor (SGLang): a collective's fixed latency (~1 ms on loopback gloo) times ~40
-    tensors was most of a small model's push."""
+    """``flat`` (megarl-server, load_format "direct_bucket"): a broadcast per large tensor and one
+    for all the small ones, instead of one per tensor (SGLang): a collective's fixed latency (~1 ms
+    on loopback gloo) times ~40 small tensors was most of a small model's push, and packing the
+    large ones too cost a memcpy on each side (the old "flattened_bucket")."""
 
     def __init__(self, admin: AdminRunner, master_address: str, timeout_s: float, backend: str,
                  flat: bool = False):
         self.admin, self.addr, self.timeout_s, self.backend = admin, master_address, timeout_s, backend
         self.flat = flat
+        self._packbuf = torch.empty(0, dtype=torch.uint8)
         self.group = None
         self.group_name = ""
 
@@ -51,10 +53,11 @@ class DistributedTransport:
         for "auto" the address its route to the servers leaves from) and a free port of it."""
         self.group_name = f"megarl-weights-pp{stage}"
         addr = advertised_address(self.addr, url_host(self.admin.addresses[0]))
-        port = free_port(addr)
-        world = 1 + len(self.admin.addresses)
+        port = free_port(addr)  # taken by the TCP store below; a race loses loudly in rendezvous
+        world = 1 + len(self.admin.addresses)  # the source is rank 0, server i is rank 1 + i
         spec = WeightsUpdateGroup(addr, port, world, self.group_name,
                                   "nccl" if self.backend == "nccl" else "gloo")
+        # the servers' join blocks until we host the store: ask first, then host, then collect
         joined = self.admin.submit(lambda c: c.init_weights_update_group(spec))
         try:
             self.group = new_process_group(addr, port, 0, world, self.group_name, spec.backend,
@@ -66,16 +69,29 @@ class DistributedTransport:
         print(f"[weights] stage {stage}: weight-update group {self.group_name} at {addr}:{port}", flush=True)
 
     def send(self, bucket: Bucket, version: str) -> None:
+        """Announce, then broadcast: ``flat`` (megarl-server) per `megarl.wire.direct_split`, large
+        tensors straight from the resharder's tensors (views of the parameters where no conversion
+        was needed) and the small ones packed into one reused buffer; else one per tensor."""
         meta = DistributedWeightsMeta(bucket.names, bucket.dtypes, bucket.shapes, self.group_name,
-                                      flush_cache=False, load_format=FLATTENED_BUCKET if self.flat else None)
+                                      flush_cache=False, load_format=DIRECT_BUCKET if self.flat else None)
+        # announce first: the server enters its receive on this request; our broadcasts wait for it
         announced = self.admin.submit(lambda c: c.update_weights_from_distributed(meta))
         try:
-            # NCCL moves CUDA tensors only; gloo takes the flat buffer in host memory
+            # NCCL moves CUDA tensors only; gloo moves host memory
             dev = bucket.tensors[0].device if self.backend == "nccl" else torch.device("cpu")
-            for t in ([flatten(bucket, dev)] if self.flat else bucket.tensors):
-                dist.broadcast(t, group=self.group, group_src=0)
+            direct, packed = direct_split(meta.dtypes, meta.shapes) if self.flat else (range(len(meta.names)), [])
+            # queued without waiting, one wait at the end: the group's worker thread streams them
+            # back to back instead of handing each one to and from this thread (a scheduler
+            # round trip per tensor, several ms on a loaded host)
+            works = [dist.broadcast(bucket.tensors[i].to(dev).contiguous(), group=self.group, group_src=0,
+                                    async_op=True) for i in direct]
+            if packed:
+                works.append(dist.broadcast(self._pack([bucket.tensors[i] for i in packed], dev),
+                                            group=self.group, group_src=0, async_op=True))
+            for w in works:
+                w.wait()
         except Exception as e:  # noqa: BLE001
-            announced.cancel()
+            announced.cancel()  # the server's receive fails on the broken group and answers so
             raise PushError(f"update_weights_from_distributed: broadcast of {bucket.names[0]}... "
                             f"failed ({type(e).__name__}: {str(e).splitlines()[0]}); servers "
                             f"{self.admin.addresses}") from e
@@ -85,6 +101,17 @@ class DistributedTransport:
             announced.deferred = True
             return
         _finish(announced, self.timeout_s, "update_weights_from_distributed")
+
+    def _pack(self, tensors: list[torch.Tensor], device) -> torch.Tensor:
+        """The small tensors in `megarl.wire.flat_layout`, in a buffer kept across buckets and pushes
+        (the sends are sequential, and a broadcast returns once its bytes left the buffer)."""
+        layout, total = flat_layout([dtype_name(t) for t in tensors], [list(t.shape) for t in tensors])
+        if self._packbuf.numel() < total or self._packbuf.device != torch.device(device):
+            self._packbuf = torch.empty(total, dtype=torch.uint8, device=device)
+        buf = self._packbuf[:total]
+        for t, (off, n) in zip(tensors, layout):
+            buf[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+        return buf
 
     def finish(self, version: str, engine) -> None:
         pass
@@ -101,14 +128,8 @@ class DistributedTransport:
             self.group = None
 
 
-def flatten(bucket: Bucket, device=None) -> torch.Tensor:
-    """The bucket's bytes in `megarl.wire.flat_layout` (what the server's flat receive expects),
-    in one buffer on ``device`` (default: host memory)."""
-    layout, total = flat_layout(bucket.dtypes, bucket.shapes)
-    buf = torch.empty(total, dtype=torch.uint8, device=device or "cpu")
-    for t, (off, n) in zip(bucket.tensors, layout):
-        buf[off:off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
-    return buf
+def dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
 
 
 class TensorTransport:
@@ -148,6 +169,7 @@ class DiskTransport:
         raise AssertionError("DiskTransport writes whole checkpoints in finish()")
 
     def finish(self, version: str, engine) -> None:
+        # one directory per version, written atomically: a server never reads a half-written one
         path = os.path.join(self.dir, f"v{version}")
         engine.export_hf(path, dtype=self.dtype)
         if dist.get_rank() == 0:

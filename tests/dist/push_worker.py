@@ -28,14 +28,14 @@ def post(url, body, timeout=60):
         return json.loads(r.read())
 
 
-def build(hf_b, server, tp, pp, transport, work, timeout_s=60):
+def build(hf_b, server, tp, pp, transport, work, timeout_s=60, trainable=False):
     cfg = load_config(None, [f"model.hf_path={hf_b}", "data.train_path=x", f"parallel.tp={tp}",
                              f"parallel.pp={pp}", f"weights.transport={transport}",
                              f"weights.timeout_s={timeout_s}", "weights.bucket_mb=1",
                              f"weights.disk_dir={work}/push_{transport}_{tp}{pp}",
                              f"rollout.servers=[{server}]", f"train.run_dir={work}/run"])
     ps = parallel.init_model_parallel(tp, pp)
-    engine = Engine.build(cfg, ps, trainable=False)
+    engine = Engine.build(cfg, ps, trainable=trainable)
     cluster = RolloutCluster.from_config(cfg, [server], driver=dist.get_rank() == 0)
     return engine, WeightPusher(cfg, engine, cluster)
 
@@ -127,6 +127,38 @@ def join(hf_a, hf_b, server, server2, work):
             "verify_tampered": sorted(tampered), "pusher_version": pusher.version}
 
 
+def delta(hf_a, hf_b, server, work):
+    """TP=2, trainable engine: the embedding and layer 0 frozen (requires_grad False), push v1
+    (everything), change every trainable parameter, push v2: only the changed rows travel, and
+    afterwards every server tensor equals the trainer's bitwise (sha256 of all of them)."""
+    from megarl.models.hf_io import local_params
+
+    if dist.get_rank() == 0:
+        assert post(f"{server}/update_weights_from_disk", {"model_path": hf_a})["success"]
+    dist.barrier()
+    engine, pusher = build(hf_b, server, 2, 1, "distributed", work, trainable=True)
+    for lp in local_params(engine.chunks, engine.args, engine.use_te):
+        if lp.pmap.mcore.startswith("embedding.") or lp.layer == 0:
+            lp.param.requires_grad_(False)
+    first = pusher.push()
+    torch.manual_seed(dist.get_rank() // 2)  # the same change on both TP ranks of a replicated norm
+    with torch.no_grad():  # an update: the optimizer's writes, to trainable parameters only
+        for c in engine.chunks:
+            for p in c.parameters():
+                if p.requires_grad:
+                    p.add_(0.05 * torch.randn_like(p))
+    second = pusher.push()
+    after, version = server_vs_trainer(engine, server)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, pusher._gather_digests())  # every tensor, not only those sent
+    everything = {n: d for part in parts for n, d in part.items()}
+    differ = pusher._compare(everything) if dist.get_rank() == 0 else None
+    checked = pusher.verify()
+    pusher.close()
+    return {"first_bytes": first.bytes, "second_bytes": second.bytes, "after": after, "version": version,
+            "compared": len(everything), "differ": differ, "verify": checked}
+
+
 def main():
     mode, hf_a, hf_b, server, work, out, *rest = sys.argv[1:]
     compat.quiet_megatron_warnings()
@@ -136,6 +168,8 @@ def main():
         results = layouts(hf_a, hf_b, server, work, rest)
     elif mode == "join":
         results = join(hf_a, hf_b, server, rest[0], work)
+    elif mode == "delta":
+        results = delta(hf_a, hf_b, server, work)
     else:
         results = stall(hf_b, server, work, int(rest[0]), rest[1])
     if dist.get_rank() == 0:

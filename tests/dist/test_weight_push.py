@@ -107,3 +107,23 @@ def test_late_server_gets_current_weights_and_verify(models):
     assert r["verify_ok"] == []
     # every tensor of the tampered server is reported (names carry the server address)
     assert len(r["verify_tampered"]) == 39 and all(x.startswith(url2) for x in r["verify_tampered"])
+
+
+def test_delta_push_sends_only_changed_tensors(models):
+    """weights.delta (default on): frozen rows (embedding + layer 0 of the tiny Llama) are sent by
+    the first push only; after an update of every trainable parameter the second push carries the
+    rest, and the server then equals the trainer bitwise on all 39 tensors."""
+    d, a, b = models
+    url, proc = start_server(a, str(d / "server_delta.log"))
+    try:
+        out = d / "delta.json"
+        torchrun("push_worker.py", 2, "delta", a, b, url, d, out)
+        r = json.loads(out.read_text())
+    finally:
+        proc.kill()
+    assert r["first_bytes"] == 657664  # fp32 tiny Llama: 164,416 params
+    # frozen: embedding 128*64 + layer 0 (q 64*64, k, v 32*64 each, o 64*64, gate/up/down 128*64
+    # each, two norms of 64) = 8,192 + 36,992 params = 180,736 bytes
+    assert r["second_bytes"] == 657664 - 4 * (128 * 64 + 36992) == 476928
+    assert r["after"] <= 1e-5 and r["version"] == "2"
+    assert r["compared"] == 39 and r["differ"] == [] and r["verify"] == []

@@ -1,9 +1,18 @@
-"""Benchmark: weight push (resharder + distributed transport) vs a raw torch.distributed broadcast
-of the same bytes over the same weight-update group, to the same real megarl CPU server.
+"""Benchmark: weight push (resharder + distributed transport + the server's load) vs the physical
+limit, a raw gloo broadcast of the same bytes between two plain processes (no server).
 
     python tools/bench/bench_weight_push.py [--tp 1] [--hidden 1024 --layers 8 --vocab 16384]
         [--bucket-mb 128] [--repeats 3] [--out docs/benchmarks.md]
     python tools/bench/bench_weight_push.py --manager --hidden 128 --layers 4 --vocab 16 --repeats 30
+
+Default mode: rank 0 also starts a plain receiver process (``--raw-peer``: torch only, no megarl
+server) joined to it by a 2-rank gloo group; each repeat runs one push, then one raw broadcast of
+every bucket's bytes (buffers allocated once, so the raw side pays no page faults), interleaved so
+load on a shared machine hits both alike. The row reports push/raw of the medians, the median of
+the per-repeat ratios, the push's fixed cost (pause round trip, agreement, the tail: everything but
+streaming the bytes) apart from the bytes, the streaming part's own ratio, the trainer's split
+(gather, convert on its thread; send busy time on the sender thread, which overlaps them), and the
+peak extra RSS of the trainer and of the server during the push, sampled every 2 ms.
 
 ``--manager``: the product's path - a rollout manager process holds the admin connection (as in
 megarl-train) and the push's tail is not awaited. Reports, per push (medians), the trainer's time
@@ -16,10 +25,7 @@ the trainer's sha256 of the sent buckets (``push/digest_s``) and ``WeightPusher.
 they hold). Without it,
 verification is off so that the push alone is timed.
 
-Starts its own ranks (torchrun on loopback) and server. The raw baseline announces the same
-bucket sizes as flat uint8 tensors and broadcasts them: same HTTP announce, same group, same
-receiver, no gather/convert/load. Peak extra trainer memory is sampled from RSS during the push.
-Appends a table row to --out (rank 0).
+Starts its own ranks (torchrun on loopback) and server. Appends a table row to --out (rank 0).
 """
 from __future__ import annotations
 
@@ -52,14 +58,16 @@ def parse(argv=None):
     p.add_argument("--manager", action="store_true", help="push through a rollout manager (megarl-train's path)")
     p.add_argument("--gap-s", type=float, default=0.25, help="--manager: seconds between pushes (an update)")
     p.add_argument("--verify", action="store_true", help="with --manager: time checksum verification too")
+    p.add_argument("--raw-peer", nargs=3, metavar=("PORT", "ROUNDS", "SIZES"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 class PeakRSS:
-    """Samples this process's RSS every 2 ms; ``peak - base`` is the extra memory used."""
+    """Samples a process's RSS (default this one) every 2 ms; ``peak - base`` is the extra memory
+    used."""
 
-    def __init__(self):
-        self.proc, self.base, self.peak, self._stop = psutil.Process(), 0, 0, threading.Event()
+    def __init__(self, pid: int | None = None):
+        self.proc, self.base, self.peak, self._stop = psutil.Process(pid), 0, 0, threading.Event()
 
     def __enter__(self):
         self.base = self.peak = self.proc.memory_info().rss
@@ -81,23 +89,42 @@ class PeakRSS:
         return self.peak - self.base
 
 
-def raw_broadcast(pusher, sizes: list[int]) -> float:
-    """Same group, same receiver: flat fp32 buckets of the given byte sizes."""
-    from megarl.rollout.types import DistributedWeightsMeta
+RAW_GROUP = "bench-raw"
 
-    tr = pusher.transport
-    bufs = [torch.empty(n // 4, dtype=torch.float32) for n in sizes]
-    t0 = time.perf_counter()
-    for i, buf in enumerate(bufs):
-        meta = DistributedWeightsMeta([f"bench.raw.{i}"], ["float32"], [[buf.numel()]], tr.group_name,
-                                      flush_cache=False)
-        fut = pusher.admin.submit(lambda c: c._admin("/update_weights_from_distributed", meta.to_json()))
-        dist.broadcast(buf, group=tr.group, group_src=0)
-        try:
-            fut.result(timeout=120)
-        except Exception:  # noqa: BLE001 - the server refuses the unknown names after receiving
-            pass
-    return time.perf_counter() - t0
+
+def raw_peer(port: int, rounds: int, sizes: str) -> int:
+    """The raw baseline's receiver: a plain process, buffers allocated (and touched) once."""
+    from megarl.net import new_process_group
+
+    pg = new_process_group("127.0.0.1", port, 1, 2, RAW_GROUP, "gloo", 300)
+    bufs = [torch.zeros(int(n), dtype=torch.uint8) for n in sizes.split(",")]
+    for _ in range(rounds):
+        for buf in bufs:
+            dist.broadcast(buf, group=pg, group_src=0)
+    return 0
+
+
+class RawBaseline:
+    """Rank 0's side of the physical limit: the same bucket bytes, one gloo broadcast per bucket,
+    to a plain process (`raw_peer`)."""
+
+    def __init__(self, sizes: list[int], rounds: int):
+        from megarl.net import free_port, new_process_group
+
+        port = free_port("127.0.0.1")
+        self.peer = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--raw-peer", str(port),
+                                      str(rounds), ",".join(map(str, sizes))], env=dict(os.environ, RANK=""))
+        self.pg = new_process_group("127.0.0.1", port, 0, 2, RAW_GROUP, "gloo", 300)
+        self.bufs = [torch.ones(n, dtype=torch.uint8) for n in sizes]
+
+    def run(self) -> float:
+        t0 = time.perf_counter()
+        for buf in self.bufs:
+            dist.broadcast(buf, group=self.pg, group_src=0)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.peer.wait(timeout=60)
 
 
 def worker(args):
@@ -121,27 +148,40 @@ def worker(args):
         return manager_pushes(args, cfg, ps, engine)
     pusher = WeightPusher(cfg, engine, RolloutCluster.from_config(cfg, [server], driver=ps.rank == 0))
     pusher.push()  # warm-up: groups, first allocation
-    push_s, raw_s, extra, metrics = [], [], [], None
     sizes = [sum(s.nbytes(pusher.resharder.serving_dtype) for s in b) for b in pusher.resharder.stage_plan(0)]
+    raw = RawBaseline(sizes, args.repeats + 1) if ps.rank == 0 else None
+    if raw:
+        raw.run()  # warm-up
+    push_s, raw_s, extra, server_extra, rows = [], [], [], [], []
     for _ in range(args.repeats):
         dist.barrier()
-        with PeakRSS() as mem:
+        with PeakRSS() as mem, PeakRSS(int(os.environ["BENCH_SERVER_PID"])) as smem:
             t0 = time.perf_counter()
-            metrics = pusher.push()
+            rows.append(pusher.push())
             push_s.append(time.perf_counter() - t0)
         extra.append(mem.extra)
+        server_extra.append(smem.extra)
         dist.barrier()
-        if ps.rank == 0:
-            raw_s.append(raw_broadcast(pusher, sizes))
+        if raw:
+            raw_s.append(raw.run())
     if ps.rank == 0:
+        raw.close()
         total = sum(sizes)
-        p, r = statistics.median(push_s), statistics.median(raw_s)
+        med = statistics.median
+        p, r = med(push_s), med(raw_s)
+        stream = med(m.stream_s for m in rows)
+        bucket = args.bucket_mb * 2**20
         row = (f"| weight push, TP={args.tp}, {total / 2**20:.0f} MiB fp32, {len(sizes)} buckets of "
-               f"<= {args.bucket_mb} MiB | {total / p / 2**30:.2f} GiB/s | raw broadcast {total / r / 2**30:.2f}"
-               f" GiB/s | **{r / p:.2f}x** | peak extra RSS {max(extra) / 2**20:.0f} MiB "
-               f"(= {max(extra) / (args.bucket_mb * 2**20):.2f} buckets) |")
+               f"<= {args.bucket_mb} MiB, {args.repeats} interleaved repeats | {total / p / 2**30:.2f} GiB/s | "
+               f"raw gloo, 2 plain processes {total / r / 2**30:.2f} GiB/s | **{r / p:.2f}x** (per-repeat "
+               f"median {med(a / b for a, b in zip(raw_s, push_s)):.2f}x) | fixed "
+               f"{1e3 * med(m.fixed_s for m in rows):.0f} ms; streaming alone {r / stream:.2f}x | trainer gather "
+               f"{1e3 * med(m.gather_s for m in rows):.0f} + convert {1e3 * med(m.convert_s for m in rows):.0f} ms, "
+               f"send busy "
+               f"{1e3 * med(m.send_s for m in rows):.0f} ms | peak extra RSS trainer {max(extra) / 2**20:.0f} MiB "
+               f"(= {max(extra) / bucket:.2f} buckets), server {max(server_extra) / 2**20:.0f} MiB |")
         print(row)
-        print(f"gather {metrics.gather_s:.3f}s convert {metrics.convert_s:.3f}s send {metrics.send_s:.3f}s")
+        print("push_s", [round(x, 3) for x in push_s], "raw_s", [round(x, 3) for x in raw_s])
         with open(args.out, "a") as f:
             f.write(row + "\n")
     pusher.close()
@@ -197,7 +237,9 @@ def manager_pushes(args, cfg, ps, engine):
 
 def main():
     args = parse()
-    if "RANK" in os.environ:
+    if args.raw_peer:
+        return raw_peer(int(args.raw_peer[0]), int(args.raw_peer[1]), args.raw_peer[2])
+    if os.environ.get("RANK"):
         return worker(args)
     from megarl.models.random_hf import tiny_config, write_random_hf
 
@@ -211,7 +253,8 @@ def main():
 
     url, proc = start_server(hf, os.path.join(work, "server.log"))
     try:
-        env = dict(os.environ, BENCH_HF=hf, BENCH_SERVER=url, BENCH_WORK=work, OMP_NUM_THREADS="1")
+        env = dict(os.environ, BENCH_HF=hf, BENCH_SERVER=url, BENCH_WORK=work, OMP_NUM_THREADS="1",
+                   BENCH_SERVER_PID=str(proc.pid))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.tp),
                "--master_port", str(free_port()), os.path.abspath(__file__), *sys.argv[1:]]
         return subprocess.call(cmd, env=env)
