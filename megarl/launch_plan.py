@@ -416,10 +416,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        check_against_model(cfg)  # the plan places ranks by TP/PP/EP: they must fit the model
-        if args.get:
+        if args.get:  # reading fields needs the recipe only, not the model
             print("\n".join(str(get_value(cfg, key)) for key in args.get.split(",")))
             return 0
+        check_against_model(cfg)  # the plan places ranks by TP/PP/EP: they must fit the model
         plan = make_plan(cfg, args.config, args.overrides, allocation_from_args(args))
     except (ConfigError, PlanError) as e:
         print(f"megarl-launch: {e}", file=sys.stderr)

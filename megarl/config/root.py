@@ -29,6 +29,8 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def validate(self) -> None:
+        """Types, ranges and rules across fields; no file reads, no model code (the checks against
+        the model's files are `megarl.models.checks`, run by `megarl.preflight`)."""
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             try:

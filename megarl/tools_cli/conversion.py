@@ -23,8 +23,7 @@ from typing import Optional
 
 import torch
 
-from megarl.models.checks import (  # noqa: F401 - the validation the tools run, from the library
-    check_hf, check_layout, check_mcore, model_args, stored_args, tensor_metadata)
+from megarl.models.checks import tensor_metadata
 from megarl.models.layouts import (full_to_hf, group_by_bytes, hf_shapes, hf_to_full, mcore_key,
                                    safetensors_file_names)
 from megarl.models.registry import ModelArgs, param_table
@@ -126,7 +125,7 @@ def plan_files(args: ModelArgs, dtype: torch.dtype, max_bytes: int) -> list[list
 
 def write_hf(ckpt_dir: str, out_dir: str, args: ModelArgs, dtype: torch.dtype, max_bytes: int) -> None:
     """Writes the model tensors of a dist checkpoint as HF safetensors (one file in memory at a
-    time). Needs torch.distributed (a single rank is enough). ``args``: :func:`stored_args`
+    time). Needs torch.distributed (a single rank is enough). ``args``: `megarl.models.checks.stored_args`
     (the vocabulary padding is read and dropped)."""
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
