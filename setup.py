@@ -10,7 +10,7 @@ setup(
     install_requires=[
         # 2.13.0 is the CPU build CI uses; GPU users bring the CUDA build they run.
         "torch>=2.4",
-        "megatron-core>=0.16.1,<0.17",  # checkpoint/mcore.py uses 0.16.1 internals (pinned, tested)
+        "megatron-core>=0.16.1,<0.17",  # megarl/mcore/ uses 0.16.1 internals (pinned, tested)
         "numpy",
         "pyyaml",
         "sentencepiece",

@@ -411,13 +411,15 @@ def get_value(cfg, key: str):
 
 def main(argv: Optional[list[str]] = None) -> int:
     from megarl.config import ConfigError, load_config
+    from megarl.models.checks import check_against_model
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.get:
+        if args.get:  # reading fields needs the recipe only, not the model
             print("\n".join(str(get_value(cfg, key)) for key in args.get.split(",")))
             return 0
+        check_against_model(cfg)  # the plan places ranks by TP/PP/EP: they must fit the model
         plan = make_plan(cfg, args.config, args.overrides, allocation_from_args(args))
     except (ConfigError, PlanError) as e:
         print(f"megarl-launch: {e}", file=sys.stderr)

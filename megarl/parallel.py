@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megarl import compat
 from megarl.hostlist import expand_nodelist  # noqa: F401 - megarl.parallel.expand_nodelist
+from megarl.mcore.cpu import install_cpu_shim
 from megarl.net import LOOPBACK, free_port
 
 
@@ -172,7 +173,7 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> RankInfo:
     if compat.HAVE_CUDA:
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
     else:
-        compat.install_cpu_shim()
+        install_cpu_shim()
     if info.source == "single" and "MASTER_PORT" not in os.environ:
         # one process, no launcher: any free port (two single-rank jobs must not collide)
         info = RankInfo(0, 1, 0, LOOPBACK, free_port(), "single")

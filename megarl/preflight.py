@@ -1,11 +1,13 @@
 """Checks of a loaded megarl-train config against the world, before any rank or Megatron starts.
 
-`load_config` checks the config on its own (keys, types, ranges, TP/PP vs config.json);
+`load_config` checks the config on its own (keys, types, ranges, rules across fields);
 `check_inputs` then opens what the config points at, cheaply, so that a bad path or file fails
 in a second or two with one `ConfigError` naming the field, instead of minutes later inside a
 torchrun job:
 
-    model.hf_path        config.json parses, architecture supported, (init=hf) every safetensors
+    model.hf_path        config.json there and shaped right; TP/PP/EP against its heads, layers
+                         and experts (`megarl.models.checks.check_against_model`)
+                         config.json parses, architecture supported, (init=hf) every safetensors
                          header readable with the right names and shapes
     data.tokenizer_path  the tokenizer loads and its vocabulary fits the model's embedding
     data.train_path      every record, streamed: JSONL/Parquet readable, not empty; the prompt a
@@ -33,12 +35,15 @@ import urllib.error
 import urllib.request
 import uuid
 
-from megarl.config import Config, ConfigError
+from megarl.config import Config
+from megarl.errors import ConfigError, ToolError
+from megarl.models.checks import check_against_model
 
 
 def check_inputs(cfg: Config, *, cleanup_run_dir: bool = True) -> None:
     """All checks, cheapest first. ``cleanup_run_dir=False`` under a launcher, where several
     ranks probe the same directory at once (it is about to be used anyway)."""
+    check_against_model(cfg)
     args = check_model(cfg)
     tok = check_tokenizer(cfg, args.vocab_size)
     rl = cfg.train.algorithm != "sft"
@@ -76,8 +81,7 @@ def check_model(cfg: Config):
 
 
 def _check_weights(field: str, path: str, args) -> None:
-    from megarl.tools_cli import ToolError
-    from megarl.tools_cli.conversion import check_hf
+    from megarl.models.checks import check_hf
 
     try:
         check_hf(path, args)  # headers only: names, shapes, dtypes
@@ -231,7 +235,7 @@ def _check_same_model(field: str, ckpt: str, cfg: Config, args) -> None:
     gives it (the vocabulary rows may differ: Megatron pads them per TP size)."""
     from megarl.models.layouts import mcore_key, mcore_shapes, pad_vocab
     from megarl.models.registry import VOCAB, param_table
-    from megarl.tools_cli.conversion import tensor_metadata
+    from megarl.models.checks import tensor_metadata
 
     stored = tensor_metadata(ckpt)
     want = mcore_shapes(pad_vocab(args, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp))

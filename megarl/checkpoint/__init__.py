@@ -6,8 +6,8 @@ in any TP/PP/DP layout, and safe to load.
     safe.py     allow-list unpickler for DCP metadata; check_safe refuses pickled content
     verify.py   verify_checkpoint (every file there and whole, cheaply, before a load; the manifest
                 in megarl.json), find_resumable (the newest intact checkpoint, saying what it passed over)
-    mcore.py    the only module touching megatron-core internals (pinned to 0.16.1): the sync
-                torch_dist save strategy, sharded state dicts, loading, optimizer fixes
+    (megarl/mcore/checkpoint.py: the megatron-core side - the sync torch_dist save strategy,
+                sharded state dicts, loading, optimizer fixes - with the other pinned internals)
     rng.py      per-rank RNG states as safetensors
     manager.py  CheckpointManager: register / resume / load / maybe_save / save / retention
     export.py   the HF export schedule the training loops call (maybe_export_hf)
@@ -21,9 +21,9 @@ from megarl.checkpoint.layout import (
     find_latest, is_complete, list_checkpoints, read_meta, resolve_checkpoint, step_dir_name,
     write_synced)
 from megarl.checkpoint.manager import CheckpointManager
-from megarl.checkpoint.mcore import load_model_weights, model_sharded_state_dict, sync_save_strategy
 from megarl.checkpoint.safe import check_safe, read_dcp_metadata
 from megarl.checkpoint.verify import file_manifest, find_resumable, verify_checkpoint
+from megarl.mcore.checkpoint import load_model_weights, model_sharded_state_dict, sync_save_strategy
 
 __all__ = [
     "FORMAT", "HF_SIDE_FILES", "LATEST", "META", "TMP_PREFIX", "CheckpointError", "CheckpointManager",

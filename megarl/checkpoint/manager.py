@@ -5,7 +5,7 @@ megarl.json (fsync) -> renames the directory to ``step_N`` -> replaces ``latest`
 checkpoints beyond ``keep_last`` (renamed away before deletion). A crash at any point leaves the
 previous checkpoints intact and at most a ``.tmp-*`` directory that resume never picks. The
 directory layout and the completion rule are in ``layout.py``; what makes loading safe in
-``safe.py``; everything that knows Megatron's sharded formats in ``mcore.py``.
+``safe.py``; everything that knows Megatron's sharded formats in ``megarl/mcore/checkpoint.py``.
 
 Tensors are written synchronously by torch.distributed.checkpoint's own writer (no worker
 processes: Megatron's async writer forks, needs psutil and re-imports ``__main__``).
@@ -24,13 +24,13 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from megarl import runlogs
-from megarl.checkpoint import mcore
 from megarl.checkpoint.layout import (
     FORMAT, HF_SIDE_FILES, LATEST, META, TMP_PREFIX, CheckpointError, commit_dir, copy_hf_side_files,
     is_complete, list_checkpoints, read_meta, step_dir_name, write_synced)
 from megarl.checkpoint.rng import load_rng, save_rng
 from megarl.checkpoint.safe import check_safe
 from megarl.checkpoint.verify import MANIFEST, file_manifest, find_resumable, verify_checkpoint
+from megarl.mcore import checkpoint as mcore
 
 
 class CheckpointManager:

@@ -1,4 +1,4 @@
-"""Tokenizers: one small protocol over sentencepiece (required) and HF `tokenizer.json` (optional).
+"""Tokenizers: one small base class over sentencepiece (required) and HF `tokenizer.json` (optional).
 
 Why our own wrapper instead of `transformers.AutoTokenizer`: the trainer, the CPU rollout server and
 the tools only need ids <-> text plus the special ids, and `transformers` is a test-only extra.
@@ -11,7 +11,7 @@ import io
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence, runtime_checkable
+from typing import Iterable, Sequence
 
 import sentencepiece as spm
 
@@ -28,30 +28,41 @@ _BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
 _EOS_CANDIDATES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "<|im_end|>")
 
 
-@runtime_checkable
-class Tokenizer(Protocol):
-    """What megarl needs from a tokenizer. `pad_id` falls back to `eos_id` when the vocab has none."""
-
-    bos_id: int | None
-    eos_id: int
-    pad_id: int
-    vocab_size: int
-
-    def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-
 @dataclass
-class SentencePieceTokenizer:
-    """A sentencepiece model. Ids outside the vocab (padded embedding rows) decode to nothing."""
+class Tokenizer:
+    """What megarl needs from a tokenizer, and the base of both backends: the special ids, the
+    vocabulary size and ids <-> text. `pad_id` falls back to `eos_id` when the vocab has none.
 
-    processor: spm.SentencePieceProcessor
+    A backend implements ``_encode(text) -> ids`` (no special tokens) and ``_decode(ids) -> text``;
+    the base adds the BOS on request and drops ids outside the vocabulary (the padded embedding
+    rows of a Megatron model) before decoding, the same for every backend.
+    """
+
     path: str
     bos_id: int | None
     eos_id: int
     pad_id: int
     vocab_size: int
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = list(self._encode(text))
+        return ([self.bos_id] + ids) if add_bos and self.bos_id is not None else ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
+
+    def _encode(self, text: str) -> Sequence[int]:
+        raise NotImplementedError
+
+    def _decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+
+@dataclass
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece model. Ids outside the vocab (padded embedding rows) decode to nothing."""
+
+    processor: spm.SentencePieceProcessor = None
 
     @classmethod
     def from_file(cls, path: str) -> "SentencePieceTokenizer":
@@ -61,26 +72,21 @@ class SentencePieceTokenizer:
             raise ValueError(f"sentencepiece model {path} has no EOS piece (eos_id=-1)")
         bos = sp.bos_id() if sp.bos_id() >= 0 else None
         pad = sp.pad_id() if sp.pad_id() >= 0 else eos
-        return cls(sp, path, bos, eos, pad, sp.get_piece_size())
+        return cls(path=path, bos_id=bos, eos_id=eos, pad_id=pad, vocab_size=sp.get_piece_size(),
+                   processor=sp)
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = list(self.processor.encode(text))
-        return ([self.bos_id] + ids) if add_bos and self.bos_id is not None else ids
+    def _encode(self, text: str) -> Sequence[int]:
+        return self.processor.encode(text)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.processor.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
+    def _decode(self, ids: list[int]) -> str:
+        return self.processor.decode(ids)
 
 
 @dataclass
-class HFJsonTokenizer:
+class HFJsonTokenizer(Tokenizer):
     """An HF fast tokenizer (`tokenizer.json`) through the optional `tokenizers` package."""
 
-    backend: object  # tokenizers.Tokenizer
-    path: str
-    bos_id: int | None
-    eos_id: int
-    pad_id: int
-    vocab_size: int
+    backend: object = None  # tokenizers.Tokenizer
 
     @classmethod
     def from_file(cls, path: str) -> "HFJsonTokenizer":
@@ -104,16 +110,15 @@ class HFJsonTokenizer:
         if eos is None:
             raise ValueError(f"cannot find the EOS token of {path} (no eos_token in the configs)")
         pad = lookup("pad_token", ())
-        return cls(tok, path, lookup("bos_token", _BOS_CANDIDATES), eos,
-                   eos if pad is None else pad, tok.get_vocab_size(with_added_tokens=True))
+        return cls(path=path, bos_id=lookup("bos_token", _BOS_CANDIDATES), eos_id=eos,
+                   pad_id=eos if pad is None else pad,
+                   vocab_size=tok.get_vocab_size(with_added_tokens=True), backend=tok)
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = list(self.backend.encode(text, add_special_tokens=False).ids)
-        return ([self.bos_id] + ids) if add_bos and self.bos_id is not None else ids
+    def _encode(self, text: str) -> Sequence[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.backend.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size],
-                                   skip_special_tokens=True)
+    def _decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=True)
 
 
 def _special_token_names(model_dir: str) -> dict:

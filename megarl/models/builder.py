@@ -127,7 +127,7 @@ def moe_kwargs(args: ModelArgs, tp: int, ep: int, moe=None, use_te: bool = False
 
 def layer_spec(args: ModelArgs, use_te: bool, attention: str = "sdpa"):
     """TE's layer spec, or the local one; the local spec's core attention is torch's fused SDPA
-    (`megarl/models/sdpa.py`) unless ``attention="unfused"`` (Megatron's `DotProductAttention`)."""
+    (`megarl/mcore/sdpa.py`) unless ``attention="unfused"`` (Megatron's `DotProductAttention`)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     moe = dict(num_experts=args.num_experts, moe_grouped_gemm=use_te) if args.num_experts else {}
@@ -135,9 +135,9 @@ def layer_spec(args: ModelArgs, use_te: bool, attention: str = "sdpa"):
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_norm, **moe)
     spec = specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm", **moe)
     if attention == "sdpa":
-        from megarl.models.sdpa import SDPAttention
+        from megarl.mcore.sdpa import use_sdpa_core_attention
 
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        spec = use_sdpa_core_attention(spec)
     return spec
 
 

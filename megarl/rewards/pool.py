@@ -16,6 +16,13 @@ good, which a thread can (a thread cannot be stopped). A worker that dies (a cra
 code, ``os._exit``) is replaced too; the call gets an error. Workers start on the first call,
 ignore the stop signals (the trainer decides when they go: its step finishes and saves first)
 and get SIGKILL when their driver thread ends (Linux), so none outlives the trainer.
+
+The pipe protocol, one dataclass per message (pickled by `multiprocessing.connection`):
+
+    trainer -> worker   WorkerStart(sys_path, path, args)     once, first
+    worker -> trainer   WorkerReady()                         after the imports
+    trainer -> worker   RewardCall(prompt, completion, meta)  then, one at a time
+    worker -> trainer   RewardReply(ok, value)                value: the score, or the error text
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
@@ -40,39 +48,70 @@ class RewardWorkerDied(RuntimeError):
     """The worker process serving a call exited before it answered."""
 
 
+@dataclass(frozen=True)
+class WorkerStart:
+    """The first message to a new worker: the trainer's sys.path, the function's path and args."""
+
+    sys_path: list
+    path: str
+    args: Optional[dict]
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """The worker imported the function (or failed to: each call then reports why)."""
+
+
+@dataclass(frozen=True)
+class RewardCall:
+    """One reward call: ``fn(prompt, completion, meta)``."""
+
+    prompt: str
+    completion: str
+    meta: dict
+
+
+@dataclass(frozen=True)
+class RewardReply:
+    """The answer to a `RewardCall`: ``ok`` and the score, or not ``ok`` and the error's text."""
+
+    ok: bool
+    value: Any
+
+
 def _worker_main(fd: int) -> None:
     """A worker's entry (``python -c``): its end of the socket pair, the trainer's sys.path and
     the function's path and args first, then calls."""
     conn = Connection(fd)
-    sys_path, path, args = conn.recv()
-    sys.path[:] = sys_path  # the trainer's, at the time of the start (tests add plugin dirs)
-    _serve(conn, path, args)
+    start: WorkerStart = conn.recv()
+    sys.path[:] = start.sys_path  # the trainer's, at the time of the start (tests add plugin dirs)
+    _serve(conn, start.path, start.args)
 
 
 def _serve(conn, path: str, args: Optional[dict]) -> None:
-    """Load the function, then answer (ok, value) per (prompt, completion, meta)."""
+    """Load the function, then answer a `RewardReply` per `RewardCall`."""
     from megarl.rewards.loader import load_reward_fn
 
     try:
         fn = load_reward_fn(path, args)
     except Exception as e:  # noqa: BLE001 - every call reports it
         fn, load_error = None, f"{type(e).__name__}: {e}"
-    conn.send("ready")  # the deadlines of calls start after the imports
+    conn.send(WorkerReady())  # the deadlines of calls start after the imports
     while True:
         try:
-            call = conn.recv()
+            call: RewardCall = conn.recv()
         except (EOFError, OSError):
             return  # the trainer is gone
         try:
             if fn is None:
                 raise RuntimeError(load_error)
-            reply = (True, fn(*call))
+            reply = RewardReply(True, fn(call.prompt, call.completion, call.meta))
         except BaseException as e:  # noqa: BLE001 - user code: delivered to the caller
-            reply = (False, f"{type(e).__name__}: {e}")
+            reply = RewardReply(False, f"{type(e).__name__}: {e}")
         try:
             conn.send(reply)
         except Exception as e:  # noqa: BLE001 - e.g. a result that does not pickle
-            conn.send((False, f"reward result cannot be sent back: {type(e).__name__}: {e}"))
+            conn.send(RewardReply(False, f"reward result cannot be sent back: {type(e).__name__}: {e}"))
 
 
 class _Worker:
@@ -100,16 +139,16 @@ class _Worker:
         theirs.close()
         self.conn = Connection(ours.detach())
         try:
-            self.conn.send((list(sys.path), self._path, self._args))
-            if self.conn.poll(_STARTUP_S) and self.conn.recv() == "ready":
+            self.conn.send(WorkerStart(list(sys.path), self._path, self._args))
+            if self.conn.poll(_STARTUP_S) and isinstance(self.conn.recv(), WorkerReady):
                 return
         except (EOFError, OSError):
             pass
         code = self.kill()
         raise RewardWorkerDied(f"reward worker did not start within {_STARTUP_S:.0f} s (exit code {code})")
 
-    def call(self, request: tuple, timeout_s: float) -> tuple[bool, Any]:
-        """(ok, value) of one call; raises TimeoutError / RewardWorkerDied (the worker is then gone)."""
+    def call(self, request: RewardCall, timeout_s: float) -> RewardReply:
+        """The reply to one call; raises TimeoutError / RewardWorkerDied (the worker is then gone)."""
         self.ensure_started()
         try:
             self.conn.send(request)
@@ -182,7 +221,7 @@ class RewardProcessPool:
         self._start()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._calls.put((loop, fut, (prompt, completion, meta)))
+        self._calls.put((loop, fut, RewardCall(prompt, completion, meta)))
         return fut
 
     def _drive(self, worker: _Worker) -> None:
@@ -202,7 +241,8 @@ class RewardProcessPool:
                 deliver(loop, fut, False, RuntimeError("reward process pool is closed"))
                 continue
             try:
-                ok, value = worker.call(request, self.timeout_s)  # (re)starts the worker first
+                reply = worker.call(request, self.timeout_s)  # (re)starts the worker first
+                ok, value = reply.ok, reply.value
                 if not ok:
                     value = RuntimeError(value)
             except (asyncio.TimeoutError, RewardWorkerDied) as e:

@@ -161,11 +161,13 @@ def from_wire(v: Any) -> Any:
 
 def encode(msg) -> list:
     """A message -> the buffers of one frame (header length, header, array bytes)."""
+    # frame = [4-byte header length][JSON header][raw array bytes...]: arrays travel as bytes, not JSON
     fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg) if f.name != "arrays"}
     arrays = [(k, np.ascontiguousarray(a)) for k, a in getattr(msg, "arrays", {}).items()]
     header = json.dumps({"type": type(msg).__name__, "fields": _wire_value(fields),
                          "arrays": [[k, a.dtype.str, list(a.shape)] for k, a in arrays]},
                         default=str).encode()
+    # memoryviews, not copies: Channel.send joins the frame once
     return [_LEN.pack(len(header)), header, *(memoryview(a).cast("B") for _, a in arrays)]
 
 
@@ -176,6 +178,7 @@ def decode(header: bytes, payloads: list[bytes]):
         raise ChannelError(f"unknown message type {head.get('type')!r}")
     msg = cls(**head["fields"])
     if head["arrays"]:
+        # frombuffer shares the received bytes (read-only): no second copy of a batch
         msg.arrays = {k: np.frombuffer(buf, dtype=np.dtype(dt)).reshape(shape)
                       for (k, dt, shape), buf in zip(head["arrays"], payloads)}
     return msg
@@ -217,6 +220,7 @@ class Channel:
         self.sock.settimeout(timeout_s)
         try:
             (n,) = _LEN.unpack(self._exact(_LEN.size))
+            # a length this large means the peer speaks another protocol (or the stream is out of step)
             if n > MAX_HEADER:
                 raise ChannelError(f"{self.peer}: header of {n} bytes (not this protocol)")
             header = self._exact(n)
@@ -226,6 +230,7 @@ class Channel:
         except (ValueError, KeyError, TypeError) as e:
             raise ChannelError(f"{self.peer}: malformed frame ({e})") from None
         finally:
+            # back to blocking: a timeout belongs to one recv, not to later sends
             self.sock.settimeout(None)
 
     def close(self) -> None:
@@ -270,6 +275,7 @@ class Link:
             except OSError as e:
                 if time.monotonic() > deadline:
                     raise ChannelError(f"rollout manager at {address}: cannot connect ({e})") from None
+                # the manager may still be binding its port: retry until connect_timeout_s
                 time.sleep(0.1)
         self.address = address
         self.channel = Channel(sock, f"rollout manager at {address}")
@@ -298,10 +304,12 @@ class Link:
         if not self._pending:
             raise ChannelError("no request is waiting for a reply")
         msg = self.channel.recv(timeout)
+        # (the manager answers a BatchRequest with the Batch itself, arrays attached)
         if isinstance(msg, Batch):  # a batch answers its request directly
             msg = Reply(value=msg)
         if not isinstance(msg, Reply):
             raise ChannelError(f"{self.channel.peer}: expected a reply, got {type(msg).__name__}")
+        # one connection, one request at a time on the manager's side: replies come back in request order
         p = self._pending.popleft()
         p.reply = msg
         if p.deferred and msg.error is not None:

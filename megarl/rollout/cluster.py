@@ -55,6 +55,7 @@ class RolloutCluster:
                  min_live_servers: int = 1, health_timeout_s: float = 3.0):
         self.addresses = [normalize_address(a) for a in addresses]
         # a health check never waits longer than a push step would
+        # a health probe never outlasts the push deadline it runs inside
         self.min_live_servers, self.health_timeout_s = min_live_servers, min(health_timeout_s, timeout_s)
         self.dead: list[str] = []  # dropped servers, polled for re-admission (driver)
         # restart(address) -> bool: relaunch a server this job started (LocalCluster); None:
@@ -70,6 +71,7 @@ class RolloutCluster:
         self.listeners: list[ClusterListener] = []
         self.admin: Optional[AdminRunner] = None
         if driver and self.addresses:
+            # only the driver (the manager) talks admin to the servers; other ranks keep the list in step
             self.admin = AdminRunner(self.addresses, api_key, timeout_s)
         self.counters = {"pauses": 0, "continues": 0}
         self.unresponsive: set[str] = set()  # failed the last pause: not waited on again
@@ -110,6 +112,7 @@ class RolloutCluster:
         address = normalize_address(address)
         if address in self.addresses:
             self.addresses.remove(address)
+            # remembered as dead (not forgotten): the driver polls it and re-admits it once it answers
             self.dead.append(address)
             self._reconnect()
             for listener in self.listeners:
@@ -117,6 +120,7 @@ class RolloutCluster:
             log.warning("rollout server %s dropped (%d left)", address, len(self.addresses))
             if self.driver and self.restart is not None:
                 self.restart(address)
+        # checked even when the server was already gone: a caller learns the cluster is below its floor
         if len(self.addresses) < self.min_live_servers:
             raise ClusterError(f"rollout.min_live_servers: {len(self.addresses)} server(s) left "
                                f"(< {self.min_live_servers}); dead: {', '.join(self.dead)}")
@@ -139,6 +143,7 @@ class RolloutCluster:
         owner). Never blocks: a background thread polls the dead servers (a hung one would
         otherwise stall every step for its health timeout)."""
         with self._lock:
+            # only still-dead ones: a server re-admitted meanwhile must not be pushed twice
             ready, self._ready = [a for a in self._ready if a in self.dead], set()
         if self.dead and (self._poller is None or not self._poller.is_alive()):
             self._poller = threading.Thread(target=self._poll_dead, name="megarl-health", daemon=True)
@@ -174,6 +179,7 @@ class RolloutCluster:
         (cached prefixes were computed by the old weights), ``/begin_weight_update``."""
         for listener in self.listeners:
             listener.hold()
+        # listeners first (no new segments), then the servers: nothing is sent into a paused server
         self.counters["pauses"] += 1
         self.unresponsive = set()
         try:
@@ -185,6 +191,7 @@ class RolloutCluster:
 
     def publish(self, version: int) -> None:
         """After every bucket landed: servers flip to ``version`` at once, then close the update."""
+        # version first, then end: requests that resume right after end_weight_update report the new version
         self.admin.call(lambda c: c.update_weight_version(str(version)))
         self.admin.call(lambda c: c.end_weight_update())
 
@@ -197,6 +204,7 @@ class RolloutCluster:
         try:
             if version is not None:
                 self.publish(version)
+                # commit after publish: the staleness window moves only once the servers hold the version
                 self.commit(version)
         finally:
             self.resume()

@@ -154,8 +154,10 @@ class RolloutController:
 
     # ------------------------------------------------------------------ executor
     def _next_prompt(self) -> tuple[int, int]:
+        # prompts already drawn (a checkpoint's or a too-stale group's) go first: exactly once, none lost
         if self._pending:
             return self._pending.popleft()
+        # a fresh draw: its number seeds the sampling of a seeded run, so it is counted before use
         self._draws += 1
         return self._draws - 1, self.sampler.next_index()
 
@@ -169,16 +171,19 @@ class RolloutController:
                 asyncio.ensure_future(self._run_episode(draw, index, self._episode))
             self._wake.clear()
             try:
+                # woken by a finished episode or a new version; the 0.5 s poll only bounds a missed wake-up
                 await asyncio.wait_for(self._wake.wait(), timeout=0.5)
             except asyncio.TimeoutError:
                 pass
 
     async def _run_episode(self, draw: int, index: int, episode_id: int) -> None:
+        # the slot is released as rejected unless the group reaches the buffer (finally: never leaked)
         state = EpisodeState.REJECTED
         try:
             group = await self._attempts(index, draw)
             if group is None:
                 pass  # filtered or failed: counted where decided
+            # equal rewards -> all-zero group-relative advantages: the group would teach nothing
             elif self.dynamic_sampling and len({t.reward for t in group}) == 1:
                 self.counters["filtered/dynamic_sampling"] += 1
             else:
@@ -190,6 +195,8 @@ class RolloutController:
                     self._buffer.append(Group(draw, index, group))
                     self._ready.notify_all()
         finally:
+            # no await between the buffer append and this pop, and state_dict runs on this loop: it never
+            # sees the prompt both running and buffered (which would re-issue it twice)
             self._running.pop(episode_id, None)
             self.staleness.finish(state)
             self._wake.set()
@@ -200,6 +207,7 @@ class RolloutController:
         server refused (4xx) fails at once: the same request would be refused again."""
         sample = self.dataset[index]
         if self.sampling_seed is not None:  # a seeded run: the draw decides the sampled tokens
+            # 1_000_003 (a prime) spreads run seeds apart; % 2**62 keeps the seed a positive int64 for the server
             sample = dataclasses.replace(sample, seed=(self.sampling_seed * 1_000_003 + draw) % 2**62)
         for attempt in range(self.max_retries + 1):
             try:
@@ -209,6 +217,7 @@ class RolloutController:
             except Exception as e:  # noqa: BLE001 - one bad episode must not stop the executor
                 error = f"{type(e).__name__}: {e}"
                 self._errors.append(error)
+                # a 4xx is the request's fault, not the server's: retrying would be refused the same way
                 if attempt < self.max_retries and not isinstance(e, ServerRequestError):
                     self.counters["retries"] += 1
                     log.warning("prompt %d attempt %d failed (retrying): %s", index, attempt + 1, error)
@@ -228,9 +237,11 @@ class RolloutController:
             with open(self.failed_log, "a") as f:
                 f.write(json.dumps({"prompt_index": index, "attempts": attempts,
                                     "error": error, "version": self.versions.get_version()}) + "\n")
+        # only the same error in a row is systematic; any success or another error restarts the count
         same = self._failing[1] + 1 if self._failing[0] == key else 1
         self._failing = (key, same)
         if same >= self.max_consecutive_failures and self._fatal is None:
+            # the trainer blocked in next_batch is woken below, so it raises RolloutFailed now, not at its deadline
             self._fatal = (f"rollout: {same} prompts in a row failed with the same error "
                            f"(rollout.max_consecutive_failures), last {' '.join(error.split())[:500]}")
             with self._ready:
@@ -256,10 +267,12 @@ class RolloutController:
                                              f"{timeout_s:g} s of waiting for the step "
                                              f"(train.stall_timeout_s); {self.diagnose()}")
                     self._ready.wait(timeout=min(left, 1.0))
+                # FIFO: the oldest finished group first, which bounds how stale a trained group can be
                 group = self._buffer.popleft()
                 if self._too_stale(group):
                     continue
                 groups.append(group)
+            # counted under the lock with the pops: a checkpoint sees the groups either buffered or trained
             self.trained_groups += n_groups
         # in draw order, not completion order: the same groups make the same batch (seeded runs)
         groups.sort(key=lambda g: g.draw)
@@ -298,9 +311,11 @@ class RolloutController:
         were resubmitted, say) may be older than max_staleness allows by now: it is not trained;
         its prompt goes back to be generated again (still exactly once) and its slot is freed."""
         oldest = min((t.min_version for t in group.trajectories), default=-1)
+        # oldest < 0: no token carries a version (nothing generated); ceil: a fractional bound allows the whole step
         if oldest < 0 or self.versions.get_version() - oldest <= math.ceil(self.staleness.max_staleness):
             return False
         self._pending.appendleft((group.draw, group.prompt_index))
+        # the group was counted accepted when it finished: give the slot back so a replacement can start
         self.staleness.unaccept()
         self.counters["regenerated/too_stale"] += 1
         self._wake_threadsafe()
@@ -340,6 +355,7 @@ class RolloutController:
                                      f"weights after {self.hold_timeout_s:g} s (weights.timeout_s); "
                                      f"{self.diagnose()}") from None
 
+        # +5 s over the drain's own deadline so the RolloutStalled above, not a bare timeout, reaches the pusher
         self._call(hold, self.hold_timeout_s + 5.0)
 
     def release(self) -> None:

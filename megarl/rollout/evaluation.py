@@ -59,6 +59,7 @@ class AtomicClient:
 
     @staticmethod
     def _mark(req):
+        # atomic: a push waits for it instead of aborting it, so one evaluation measures one version
         return dataclasses.replace(req, metadata={**req.metadata, "atomic": True})
 
     async def agenerate(self, req):
@@ -116,8 +117,10 @@ async def evaluate(client, samples: Sequence[PromptSample], wfs: EvalWorkflows) 
         runs += [wfs.sampled.arun_episode(atomic, s) for s in samples]
     groups = [g or [] for g in await asyncio.gather(*runs)]  # None: rejected by the workflow
     n, tok = len(samples), wfs.tokenizer
+    # the gather keeps order: the first n groups are the greedy runs, the rest the sampled ones
     greedy = [g[:1] for g in groups[:n]]
     rows = [_row(tok, s, t, "greedy") for s, g in zip(samples, greedy) for t in g]
+    # a prompt the workflow rejected counts as wrong (reward 0): the denominator stays n
     rewards = [g[0].reward if g else 0.0 for g in greedy]
     out = {"n": n, "accuracy": sum(r >= wfs.correct_at for r in rewards) / n,
            "mean_reward": statistics.fmean(rewards)}
@@ -126,6 +129,7 @@ async def evaluate(client, samples: Sequence[PromptSample], wfs: EvalWorkflows) 
         rows += [_row(tok, s, t, "sampled") for s, g in zip(samples, sampled) for t in g]
         out["k"] = wfs.k
         out["pass_at_1"], out["pass_at_k"] = (statistics.fmean(
+            # a group with fewer than j samples (some rejected) cannot show pass@j: it counts as 0
             pass_at_k(len(g), sum(t.reward >= wfs.correct_at for t in g), j) if len(g) >= j else 0.0
             for g in sampled) for j in (1, wfs.k))
         out["mean_reward_at_k"] = statistics.fmean([t.reward for g in sampled for t in g] or [0.0])
@@ -192,6 +196,7 @@ class PeriodicEval:
                 still.append((step, version, fut))
                 continue
             try:
+                # one deadline for all waited-on evaluations, not timeout_s each
                 res: EvalResult = fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise EvalStalled(f"evaluation stalled: the evaluation of step {step} not done after "
@@ -204,6 +209,7 @@ class PeriodicEval:
 
     def metrics(self, res: EvalResult, step: int, version: int) -> dict:
         # atomic requests finish under the version they started with: normally just one
+        # one version in the completions is what was measured; several (should not happen: atomic) fall back to the submit version
         measured = res.versions[-1] if len(res.versions) == 1 else version
         out = {"eval_accuracy": res.accuracy, "eval/greedy_pass@1": res.accuracy,
                "eval/mean_reward": res.mean_reward, "eval/version": measured, "eval/step": step, "eval/n": res.n}

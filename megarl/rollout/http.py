@@ -100,11 +100,13 @@ class HttpClient:
         try:
             async with self._http().request(method, srv.address + path, json=body, timeout=t) as r:
                 text = await r.text()
+                # 5xx: the server's trouble (overloaded, restarting), another server may answer; 4xx: the request's
                 if r.status >= 500:
                     raise Transient(f"HTTP {r.status}: {text[:300]}")
                 data = _json_or_text(text, r.content_type)
                 if r.status >= 400:
                     msg = data.get("message", text) if isinstance(data, dict) else text
+                    # 500 characters: enough for the server's one-line reason, bounded for logs and failure records
                     raise ServerRequestError(srv.address, r.status, str(msg)[:500])
                 return data
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
@@ -119,10 +121,12 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
 
 def normalize_address(address: str) -> str:
     address = address.rstrip("/")
+    # one spelling per server, so a removed address matches the one in the list (no trailing slash)
     return address if address.startswith(("http://", "https://")) else "http://" + address
 
 
 def _json_or_text(text: str, content_type: str) -> Any:
+    # some servers send JSON without the content type: the first character decides
     if content_type == "application/json" or text[:1] in ("{", "["):
         try:
             return json.loads(text)

@@ -61,12 +61,14 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s:
     deadline = time.time() + ready_timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
+            # dead before /health: its log's tail says why (bad model dir, port taken), no point waiting out the deadline
             raise RuntimeError(f"megarl-server exited early (log {log_path}): "
                                f"{open(log_path).read()[-1500:]}")
         try:
             urllib.request.urlopen(url + "/health", timeout=1)
             return
         except OSError:
+            # 0.2 s between probes: readiness is seen at once without a busy loop that takes its CPU
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"megarl-server not ready in {ready_timeout_s:.0f} s (log {log_path})")
@@ -129,6 +131,7 @@ class LocalCluster:
         if old.poll() is None:  # hung (SIGSTOPped, deadlocked): it still holds the port
             old.kill()
             old.wait(timeout=10)
+        # the same port: the address the cluster dropped is the one it will re-admit
         port = int(url.rsplit(":", 1)[1])
         self.procs[i] = spawn_server(self.model_dir, self._log(i), port, self.extra, self.host, self.cpus)
         self.restarts += 1
@@ -136,6 +139,7 @@ class LocalCluster:
         return True
 
     def close(self) -> None:
+        # SIGKILL, no grace: the servers hold no state worth saving (the trainer has the weights)
         for p in self.procs:
             if p.poll() is None:
                 p.kill()

@@ -58,6 +58,7 @@ def balance_groups(group_tokens: list[int], n_ranks: int) -> list[int]:
     whole, so group-relative advantages never need another rank's samples."""
     loads = [0] * n_ranks
     rank = [0] * len(group_tokens)
+    # ties broken by index (group, then rank): every run of the same batch gives the same placement
     for g in sorted(range(len(group_tokens)), key=lambda g: (-group_tokens[g], g)):
         r = min(range(n_ranks), key=lambda r: (loads[r], r))
         rank[g] = r
@@ -121,6 +122,7 @@ class RolloutManager:
         if r.servers:
             return list(r.servers)
         # the trainer pinned this process to rollout.server_cpus already (RolloutSide.start)
+        # only CPUs this process may use: pinning a server to a CPU outside the allowed set would fail
         server_cpus = set(r.server_cpus) & os.sched_getaffinity(0) if r.server_cpus else None
         self.local = LocalCluster(self.cfg.model.hf_path, r.local_servers, f"{t.run_dir}/servers",
                                   extra=["--threads", r.server_threads, *route_flags(self.cfg), *r.server_args],
@@ -141,6 +143,7 @@ class RolloutManager:
         servers = self._servers
         self.dp = msg.dp
         self.cluster = RolloutCluster.from_config(self.cfg, servers, driver=True)
+        # the trainer's version (a resumed run's is > 0): the staleness clock continues from it
         self.cluster.version = int(msg.version)
         if self.local is not None:
             self.cluster.restart = self.local.restart
@@ -149,6 +152,7 @@ class RolloutManager:
         timeline = Timeline(f"{t.run_dir}/timeline/manager.jsonl" if self.cfg.logging.timeline else None)
         self.stack.callback(timeline.close)
         self.controller = build_controller(self.cfg, self.cluster, timeline)
+        # a resumed run: the pending prompts of the checkpoint are issued before any new draw
         if msg.state is not None:
             self.controller.load_state_dict(msg.state)
         return list(self.cluster.addresses)
@@ -157,6 +161,7 @@ class RolloutManager:
         """After the first push: the servers hold the trainer's weights; generation may begin."""
         from megarl.rollout.setup import build_eval
 
+        # subscribed before the controller starts: no hold/version event can arrive unseen
         self.cluster.subscribe(self.controller)
         self.controller.start()
         self.stack.callback(self.controller.stop)
@@ -166,6 +171,7 @@ class RolloutManager:
     def next_batch(self, msg: BatchRequest) -> Batch:
         trajs = self.controller.next_batch(msg.n_groups, timeout_s=msg.timeout_s)
         c = self.controller
+        # stats at hand-off time: the step logs what the rollouts had done when its batch was ready
         stats = {**c.stats(), "rollout/busy_s": c.client.busy_seconds(),
                  "rollout/tokens": c.client.stats["tokens"],
                  "rollout/live_servers": len(self.cluster.addresses),
@@ -176,6 +182,7 @@ class RolloutManager:
 
     def admin(self, msg: AdminCall):
         args, kwargs = from_wire(msg.args), from_wire(msg.kwargs)
+        # weight loads are counted so that finish_push publishes only after every bucket is in
         update = msg.method.startswith("update_weights_from")
         if update:
             with self._updates:
@@ -261,6 +268,7 @@ class RolloutManager:
                     reply = value if isinstance(value, Batch) else Reply(value=value)
                 except Exception as e:  # noqa: BLE001 - the trainer gets the error as one line
                     log.warning("%s failed: %s: %s", type(msg).__name__, type(e).__name__, e)
+                    # first line only: the trainer re-raises it as one line (RemoteError), the traceback stays in this log
                     reply = Reply(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 if isinstance(reply, Reply):
                     reply.elapsed_s = time.perf_counter() - t0
@@ -277,12 +285,14 @@ class RolloutManager:
 
 
 def serve_forever(manager: RolloutManager, listener: socket.socket) -> None:
+    # accept() wakes every 0.5 s to notice `stopped` (set when the driver's link closes)
     listener.settimeout(0.5)
     while not manager.stopped.is_set():
         try:
             sock, addr = listener.accept()
         except socket.timeout:
             continue
+        # a link blocks in recv between requests: no timeout on the accepted socket itself
         sock.settimeout(None)
         threading.Thread(target=manager.serve, args=(Channel(sock, f"trainer link {addr}"),),
                          name="megarl-link", daemon=True).start()
@@ -298,6 +308,7 @@ def spawn(config_path: str, host: str, log_path: str, cpus=None):
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     log_file = open(log_path, "a")
     proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.manager", config_path, "--host", host,
+                             # port 0: the OS picks a free port and the manager prints it (no race over a chosen port)
                              "--port", "0"], stdout=subprocess.PIPE, stderr=log_file,
                             preexec_fn=owned_child_setup, text=True)
     if cpus:

@@ -65,6 +65,7 @@ class StalenessManager:
         v = self.versions.get_version()
         # floor of a float product: +1e-9 keeps e.g. (0.5 + 1) * 4 = 6 from rounding down to 5
         by_staleness = math.floor((self.max_staleness + v + 1) * self.batch_size + 1e-9) - (accepted + running)
+        # max(0, ...): after a rebase or an unaccept the bound can be overdrawn; nothing starts until it recovers
         return max(0, min(self.max_concurrent - running, by_staleness))
 
     def capacity(self) -> int:
@@ -87,6 +88,7 @@ class StalenessManager:
             if self._count[EpisodeState.RUNNING] < 1:
                 raise RuntimeError("staleness: finish() without a running episode")
             self._count[EpisodeState.RUNNING] -= 1
+            # rejected episodes count nowhere in the bound: their slot is free for a new prompt at once
             self._count[state] += 1
 
     def stats(self) -> StalenessStats:
@@ -108,6 +110,7 @@ class StalenessManager:
 
     def rebase(self, accepted: int) -> None:
         """A fresh start from a checkpoint: ``accepted`` episodes were trained, none runs."""
+        # trained groups, not the saved accepted count: buffered groups of the old run were never trained
         with self._lock:
             self._count[EpisodeState.ACCEPTED] = int(accepted)
             self._count[EpisodeState.REJECTED] = 0

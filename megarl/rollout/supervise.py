@@ -29,10 +29,12 @@ from megarl.signals import STOP_SIGNALS, owned_child_setup
 
 def serve(commands: list[str], stop_file: str, poll_s: float = 0.5) -> int:
     for sig in STOP_SIGNALS:
+        # ignored here and inherited by the servers: a preemption SIGTERM must not take them before the trainer saved
         signal.signal(sig, signal.SIG_IGN)
     procs = []
     for cmd in commands:
         print(f"[supervise] starting: {cmd}", flush=True)
+        # exec: the server replaces bash, so its pid (and process group) is the one we kill
         procs.append(subprocess.Popen(["bash", "-c", "exec " + cmd], start_new_session=True,
                                       preexec_fn=owned_child_setup))
     code = 0
@@ -57,6 +59,7 @@ def serve(commands: list[str], stop_file: str, poll_s: float = 0.5) -> int:
 
 def healthy(url: str) -> bool:
     try:
+        # 2 s: a server that takes longer to say it is healthy is not ready to serve rollouts
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
             return r.status == 200
     except OSError:
@@ -77,6 +80,7 @@ def wait(urls: list[str], timeout_s: float, write: str = "", poll_s: float = 0.5
         tmp = write + ".tmp"
         with open(tmp, "w") as f:
             f.write("".join(u + "\n" for u in urls))
+        # atomic: the trainer, polling for the file, never reads half a list
         os.replace(tmp, write)
     print(f"[supervise] {len(urls)} server(s) healthy", flush=True)
     return 0

@@ -12,9 +12,7 @@ import shutil
 import warnings
 from typing import Callable
 
-
-class ToolError(Exception):
-    """Bad input or an unusable checkpoint; the message is printed as is (one line)."""
+from megarl.errors import ToolError  # noqa: F401 - the tools' error type, shared with the library
 
 
 def run_tool(prog: str, fn: Callable[[], int], debug: bool = False) -> int:

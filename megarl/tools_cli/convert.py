@@ -69,7 +69,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def hf_to_mcore(a: argparse.Namespace, argv: list[str]) -> int:
-    from megarl.tools_cli.conversion import DTYPES, check_hf, check_layout, model_args
+    from megarl.models.checks import check_hf, check_layout, model_args
+    from megarl.tools_cli.conversion import DTYPES
 
     if not os.path.isdir(a.hf):
         raise ToolError(f"--hf {a.hf}: no such directory")
@@ -150,7 +151,8 @@ def _run_ranks(tp: int, pp: int, tmp: str, body) -> int:
 def mcore_to_hf(a: argparse.Namespace, argv: list[str]) -> int:
     from megarl import parallel
     from megarl.checkpoint import resolve_checkpoint, verify_checkpoint
-    from megarl.tools_cli.conversion import DTYPES, check_mcore, model_args, stored_args
+    from megarl.models.checks import check_mcore, model_args, stored_args
+    from megarl.tools_cli.conversion import DTYPES
 
     if parallel.discover_ranks().world_size > 1:
         raise ToolError("mcore-to-hf runs in one process (it reads any layout); start it without torchrun")

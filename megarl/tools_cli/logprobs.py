@@ -89,7 +89,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run(a: argparse.Namespace, argv: list[str]) -> int:
-    from megarl.tools_cli.conversion import check_hf, check_layout, check_mcore, model_args
+    from megarl.models.checks import check_hf, check_layout, check_mcore, model_args
 
     for flag, v in (("--batch-size", a.batch_size), ("--micro-batch-tokens", a.micro_batch_tokens)):
         if v < 1:

@@ -96,9 +96,13 @@ class CriticEngine(Engine):
         attach_value_head(chunks, args.hidden_size, args.initializer_range, tconfig.params_dtype,
                           cfg.model.seed)
 
-    def _logits_to_logp(self, values, mb: MicroBatch, with_entropy: bool):
+    def _per_token(self, values, mb: MicroBatch, with_entropy: bool):
+        """V_t [b, s] aligned like logprobs (module docstring); the critic has no entropy."""
         v = values[..., 0].float()  # [b, s]: value of the state after token s
         return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1), None
+
+    def compute_logp(self, batch, with_entropy=False):
+        raise TypeError("the critic's per-token output is values, not logprobs: use forward_per_token")
 
     def export_hf(self, out_dir, dtype=None):
         raise NotImplementedError("the critic has no HF export (its head is not an LM head)")
@@ -132,7 +136,7 @@ class Critic:
 
     def values(self, batch: TensorBatch) -> torch.Tensor:
         """V_t [B, S] of this rank's samples (forward-only; on every PP stage)."""
-        return self.engine.compute_logp(batch).logp
+        return self.engine.forward_per_token(batch).out
 
     def update(self, batch: TensorBatch) -> dict[str, float]:
         """Epochs x mini-batches of the value loss (fields loss_mask, values = V_old, returns);

@@ -4,6 +4,12 @@
     logp = engine.compute_logp(batch).logp          # forward-only, per-token logprobs [B, S]
     metrics = engine.train_batch(batch, loss_fn)    # forward+backward over micro-batches + step
 
+What "per token" means is the engine's one hook, ``_per_token(output, mb, with_entropy)``: the
+policy engine turns the LM head's logits into log p(y_t) (and entropies); the critic's engine
+(`megarl.trainer.critic.CriticEngine`) turns its value head's output into V_t.
+``forward_per_token`` returns that quantity for a batch; ``compute_logp`` is its name for the
+policy, and ``loss_fn`` receives it as its first argument.
+
 Both take a `TensorBatch` (this DP rank's share) and run through Megatron's
 ``get_forward_backward_func`` (no pipeline, 1F1B or interleaved), one token-budget micro-batch at
 a time. Losses are normalised per token at step level:
@@ -20,7 +26,6 @@ one `megarl.metrics.StatsTracker`.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -31,6 +36,7 @@ import torch.distributed as dist
 
 from megarl.algo.stats import Stat
 from megarl.config import Config
+from megarl.mcore.optimizer import step_unless_nonfinite
 from megarl.metrics import StatsTracker
 from megarl.models import builder, hf_io
 from megarl.models.layouts import pad_vocab
@@ -42,6 +48,15 @@ from megarl.trainer.logits import shift_logprobs
 
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], MicroBatch],
                   tuple[torch.Tensor, dict[str, Stat]]]
+
+
+@dataclass
+class PerToken:
+    """The engine's per-token output (``_per_token``: logprobs for the policy, values for the
+    critic), padded like the batch: [B, S] float32, entry 0 of each row = 0.0, 0.0 past its length."""
+
+    out: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -62,7 +77,7 @@ class Engine:
         self.step = 0
         self.replay = None  # MoE routing replay (moe.routing_replay: rollout), trainable engines only
         if optimizer is not None and args.num_experts and cfg.moe.routing_replay == "rollout":
-            from megarl.models.routing_replay import RoutingReplay
+            from megarl.mcore.routing_replay import RoutingReplay
 
             self.replay = RoutingReplay.install(chunks, ps, cfg.parallel.sequence_parallel)
 
@@ -154,7 +169,8 @@ class Engine:
             if self.replay is not None:
                 self.replay.set(None)
 
-    def _logits_to_logp(self, logits, mb: MicroBatch, with_entropy: bool):
+    def _per_token(self, logits, mb: MicroBatch, with_entropy: bool):
+        """The per-token output of the head: (log p(y_t) [b, s], entropy or None)."""
         return shift_logprobs(logits, mb.tokens, self.ps.tp_group, self.ps.tp, self.ps.tp_rank,
                               with_entropy, vocab_size=self.args.vocab_size)
 
@@ -176,21 +192,27 @@ class Engine:
         return mbs
 
     # ------------------------------------------------------------------ public API
-    @torch.no_grad()
     def compute_logp(self, batch: TensorBatch, with_entropy: bool = False) -> LogpResult:
         """Per-token logprobs (and entropies) of this DP rank's samples, [B, S], on every PP
-        stage."""
+        stage: the policy engine's :meth:`forward_per_token`."""
+        res = self.forward_per_token(batch, with_entropy)
+        return LogpResult(res.out, res.entropy)
+
+    @torch.no_grad()
+    def forward_per_token(self, batch: TensorBatch, with_entropy: bool = False) -> PerToken:
+        """The per-token output (``_per_token``) of this DP rank's samples, [B, S], forward-only,
+        on every PP stage."""
         for c in self.chunks:
             c.eval()  # dropout off: a recomputed logprob must be a function of the weights only
         names = ["logp", "entropy"] if with_entropy else ["logp"]
         # Filled in place by the last stage's loss_func; zeros elsewhere until the broadcast.
         out = {n: torch.zeros(len(batch), batch.seq_len, dtype=torch.float32) for n in names}
         if len(batch) == 0 and self.ps.ep == 1:  # TP/PP peers hold the same empty batch
-            return LogpResult(out["logp"], out.get("entropy"))
+            return PerToken(out["logp"], out.get("entropy"))
         mbs = self._microbatches(batch)
 
         def loss_func(mb, logits):
-            logp, ent = self._logits_to_logp(logits, mb, with_entropy)
+            logp, ent = self._per_token(logits, mb, with_entropy)
             valid = mb.valid.bool()
             s = mb.tokens.shape[1]  # each row of the batch is written by exactly one micro-batch
             for name, t in (("logp", logp), ("entropy", ent)):
@@ -204,7 +226,7 @@ class Engine:
                 buf = out[name].to(self.ps.device)
                 dist.broadcast(buf, src=self.ps.last_stage_rank, group=self.ps.pp_group)
                 out[name] = buf.cpu()
-        return LogpResult(out["logp"], out.get("entropy"))
+        return PerToken(out["logp"], out.get("entropy"))
 
     def train_batch(self, batch: TensorBatch, loss_fn: LossFn, with_entropy: bool = False) -> dict:
         """One optimizer step over ``batch`` (this DP rank's share). Returns reduced metrics:
@@ -231,7 +253,7 @@ class Engine:
         tracker = StatsTracker()
 
         def loss_func(mb, logits):
-            logp, ent = self._logits_to_logp(logits, mb, with_entropy)
+            logp, ent = self._per_token(logits, mb, with_entropy)  # values, for the critic
             loss, stats = loss_fn(logp, ent, mb)
             num = mb["loss_mask"].sum()
             # The contributions are already step-normalised: with count = this micro-batch's
@@ -260,25 +282,9 @@ class Engine:
         return bool(self.args.num_experts) and (moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0)
 
     def _optimizer_step(self) -> tuple[bool, float]:
-        """Megatron's optimizer step, except that a NaN/inf gradient norm skips the update (the
-        FP32 optimizer would otherwise clip by a NaN and write NaN into every weight). The norm
-        is the same on every rank (DDP reduced the grads; the norm is reduced over the model-
-        parallel ranks), so all ranks skip together. Returns (updated, grad norm)."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-        opt = self.optimizer
-        if opt.prepare_grads():  # mixed precision: the loss scaler found inf/nan
-            return False, float("nan")
-        grad_norm = float(opt.get_grad_norm())
-        if not math.isfinite(grad_norm):
-            return False, grad_norm
-        clip = self.cfg.optim.clip_grad
-        for part in getattr(opt, "chained_optimizers", [opt]):
-            params = part.get_parameters()
-            if clip > 0.0 and params:
-                clip_grad_by_total_norm_fp32(
-                    params, clip, grad_norm, part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-        return bool(opt.step_with_ready_grads()), grad_norm
+        """Megatron's optimizer step, except that a NaN/inf gradient norm skips the update on every
+        rank (`megarl.mcore.optimizer`). Returns (updated, grad norm)."""
+        return step_unless_nonfinite(self.optimizer, self.cfg.optim.clip_grad)
 
     # ------------------------------------------------------------------ weights
     def export_hf(self, out_dir: str, dtype: Optional[torch.dtype] = None) -> None:

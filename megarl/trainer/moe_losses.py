@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.parallel import ParallelState
+from megarl.mcore.moe import clear_router_loss_tracker, router_loss_tracker
 
 _NAMES = {"load_balancing_loss": "moe_aux_loss", "z_loss": "moe_z_loss"}
 METRICS = tuple(_NAMES.values())  # the step metrics this module adds to Engine.train_batch's result
@@ -36,17 +37,13 @@ def set_step_coefficients(tconfig, aux_coeff: float, z_coeff: float, loss_tokens
 
 
 def clear_tracker() -> None:
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
-
-    clear_aux_losses_tracker()
+    clear_router_loss_tracker()
 
 
 def step_metrics(ps: ParallelState, num_microbatches: int, num_moe_layers: int, moe) -> dict[str, float]:
     """The step's router losses whose coefficient in ``moe`` (`MoEConfig`) is on (collective over
     PP, TP and DP: every rank calls it)."""
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-    tracker = get_moe_layer_wise_logging_tracker()
+    tracker = router_loss_tracker()
     on = {"load_balancing_loss": moe.aux_loss_coeff > 0, "z_loss": moe.z_loss_coeff > 0}
     out = {}
     # Sorted: every rank runs the same collectives in the same order.

@@ -56,6 +56,7 @@ from megarl.weights.push import WeightPusher
 
 def _broadcast(obj, src: int = 0):
     box = [obj]
+    # pickled and broadcast over the default group: every rank holds the same object afterwards
     dist.broadcast_object_list(box, src=src)
     return box[0]
 
@@ -75,6 +76,7 @@ def shape_rewards(trajs: list[Trajectory], spec, max_new_tokens: int) -> dict:
     penalty = overlong_penalty(lengths, max_new_tokens, spec.overlong_buffer_len,
                                spec.overlong_penalty_factor)
     for t, p in zip(trajs, penalty.tolist()):
+        # the unshaped reward is kept: metrics and dumps report what the verifier said
         t.info["reward_raw"] = t.reward
         t.reward += p
     return {"overlong_penalty_mean": float(penalty.mean()), "overlong_frac": float((penalty < 0).float().mean())}
@@ -85,6 +87,7 @@ def train_step(actor: Actor, critic: Optional[Critic], batch: TensorBatch, versi
     critic.warmup_steps only the critic learns."""
     if critic is not None:
         batch = batch.with_fields(values=critic.values(batch))  # V_old: the step-start values
+    # advantages need the old values (gae) or only the rewards: computed once, before any update
     batch = actor.with_advantages(batch)
     metrics = {}
     if critic is not None:
@@ -125,9 +128,11 @@ class StepRunner:
     def run(self, step: int, last: bool) -> tuple[dict, bool]:
         """This step's metrics, and whether train.stop_at_eval_accuracy was reached."""
         trajs, stats = self._next_batch()
+        # decided before the update: the mismatch gate compares against weights the servers really hold
         self.pushed_weights = self.updates_since_push == 0
         metrics = self._update(trajs, step)
         self.updates_since_push += 1
+        # the last step always pushes: the servers (and the final evaluation) see the final weights
         if step % self.cfg.train.trigger_parameter_sync_step == 0 or last:
             self._push(metrics)
             self.updates_since_push = 0
@@ -152,12 +157,14 @@ class StepRunner:
         cfg = self.cfg
         shaping = shape_rewards(trajs, self.actor.spec, cfg.rollout.max_new_tokens)
         batch = local_share(trajs, self.ps)
+        # the version the batch's step starts from; the push after it makes version + 1
         self.trained_version = self.cluster.version
         with self.timer.phase("update"):
             metrics = train_step(self.actor, self.critic, batch, self.cluster.version)
             # the rollout side lives in the manager process: nothing else runs Python here
             metrics["trainer/python_threads"] = threading.active_count()
         metrics.update(shaping)
+        # only consecutive non-finite steps count: one good step shows the run can go on
         self.bad_steps = self.bad_steps + 1 if metrics.get("skipped_updates", 0) > 0 else 0
         if self.bad_steps >= cfg.train.max_nonfinite_steps:
             raise FloatingPointError(
@@ -178,6 +185,7 @@ class StepRunner:
 
     def _evaluate(self, step: int, last: bool, metrics: dict) -> None:
         interval = self.cfg.rollout.eval_interval
+        # run() calls this after the step's push (if any): it evaluates the version the servers hold now
         if interval and step % interval == 0 or last:
             self.side.submit_eval(step, self.cluster.version)  # runs beside training, in the manager
         with self.timer.phase("eval"):  # only the last step waits for its evaluation
@@ -188,6 +196,7 @@ class StepRunner:
         if not target or last:
             return False
         # rank 0 decides for every rank
+        # rank 0 alone has the evaluation's numbers; every rank must agree to stop at the same step
         return _broadcast(metrics.get("eval_accuracy", -1.0) >= target if self.ps.rank == 0 else None)
 
     def _report(self, metrics: dict, trajs: list[Trajectory], stats: dict) -> None:
@@ -202,6 +211,7 @@ def connect_rollout_side(cfg, ps, ckpt, side: RolloutSide) -> tuple[int, Manager
     and the trainer's version; returns the trainer's view of the server set."""
     ledger = ManagerState(side)
     ckpt.register("controller", ledger)  # the name older checkpoints saved the ledger under
+    # resume first: the manager must receive the restored ledger before it issues any prompt
     start = ckpt.resume()
     cluster = side.connect(ckpt.policy_version, ledger.loaded if ps.rank == 0 else None)
     return start, cluster
@@ -244,6 +254,7 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None, side: Optional[RolloutSide]
             runner.check_gates(metrics, step)  # after the log: the numbers are in metrics.jsonl
             # megarl.signals: same condition on every rank (the all-reduce runs on all or none)
             if stop is not None and not last and stop.should_stop():
+                # a stop signal: save now, whatever the interval, so no finished step is lost
                 ckpt.save(step, policy_version=cluster.version)  # the next start resumes here
                 break
             ckpt.maybe_save(step, last=last or reached, policy_version=cluster.version)

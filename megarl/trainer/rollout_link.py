@@ -55,6 +55,7 @@ class RemoteAdmin:
 
     def call(self, fn, timeout: Optional[float] = None):
         msg = self._msg(fn, timeout)
+        # +5 s over the manager's own deadline: its error (naming the servers) arrives before ours fires
         return self.link.request(msg, msg.timeout_s + 5.0, what=f"/{msg.method}")
 
     def submit(self, fn):
@@ -92,6 +93,7 @@ class ManagerCluster:
         return RemoteAdmin(Link(self.manager_address, "stage", rank), self, self.timeout_s, owns_link=True)
 
     def _call(self, method: str, *args, timeout_s: Optional[float] = None):
+        # +10 s: the manager's cluster steps run under weights.timeout_s; its error must arrive first
         timeout_s = timeout_s or self.timeout_s + 10.0
         if self.side is not None:  # a dead manager is named as such
             return self.side._request(ClusterCall(method, list(args)), timeout_s)
@@ -114,6 +116,7 @@ class ManagerCluster:
     def end_push(self, version: Optional[int]) -> None:
         """Not awaited: the manager waits for the loads, flips the version, resumes."""
         if version is None:
+            # deferred: its reply is read at the next settle(), so a failure surfaces at the next push
             self.link.submit(ClusterCall("resume"), what="continue_generation", deferred=True)
         else:
             self.link.submit(ClusterCall("finish_push", [version]), what="update_weight_version",
@@ -134,6 +137,7 @@ class ManagerCluster:
             self.dead.append(address)
             if self.driver:
                 self._call("remove_server", address)
+        # every rank checks the floor itself: all raise at the same step without asking the manager
         if len(self.addresses) < self.min_live_servers:
             raise ClusterError(f"rollout.min_live_servers: {len(self.addresses)} server(s) left "
                                f"(< {self.min_live_servers}); dead: {', '.join(self.dead)}")
@@ -181,6 +185,7 @@ class RolloutSide:
             self.proc, self.address = spawn(os.path.join(t.run_dir, "config.yaml"), serving_host(),
                                             os.path.join(t.run_dir, "manager.log"), cpus=server_cpus)
             if trainer_cpus:  # generation and training on their own cores (docs/demo.md)
+                # after the spawn: the manager (and the servers it starts) keep the server CPUs
                 os.sched_setaffinity(0, trainer_cpus)
         self.link = Link(self.address, "driver")
 

@@ -47,7 +47,7 @@ def save_model(engine, hf: str, out: str) -> None:
     import shutil
 
     from megarl.checkpoint import META, model_sharded_state_dict
-    from megarl.checkpoint.mcore import save_sharded
+    from megarl.mcore.checkpoint import save_sharded
 
     if dist.get_rank() == 0:
         os.makedirs(out)

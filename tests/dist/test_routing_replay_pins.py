@@ -1,17 +1,17 @@
-"""megarl/models/routing_replay.py hooks megatron-core's TopKRouter and its top-k function: these
+"""megarl/mcore/routing_replay.py hooks megatron-core's TopKRouter and its top-k function: these
 checks fail first, and by name, when the installed megatron-core is not the pinned release or
 when one of the internals the replay uses changed (instead of a replay that silently stops
 forcing the routes). No ranks needed: imports, getattr and source text only."""
 import warnings
 
-from megarl.models import routing_replay
+from megarl.mcore import routing_replay
 
 
 def test_installed_megatron_core_is_the_supported_release():
     import megatron.core
 
     assert megatron.core.__version__ == routing_replay.SUPPORTED_MCORE_VERSION, (
-        f"megarl/models/routing_replay.py is pinned to megatron-core {routing_replay.SUPPORTED_MCORE_VERSION}: "
+        f"megarl/mcore/routing_replay.py is pinned to megatron-core {routing_replay.SUPPORTED_MCORE_VERSION}: "
         f"re-verify the internals in its docstring and run tests/dist/test_routing_replay.py")
 
 

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from megarl.config import ConfigError, check_world_size, load_config, save_config
+from megarl.models.checks import check_against_model
 from megarl.models.random_hf import tiny_config, write_random_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,7 +20,10 @@ def hf(tmp_path_factory):
 
 
 def load(hf, *overrides):
-    return load_config(None, [f"model.hf_path={hf}", "data.train_path=x.jsonl", *overrides])
+    """load_config, then the checks against the model's config.json that preflight runs."""
+    cfg = load_config(None, [f"model.hf_path={hf}", "data.train_path=x.jsonl", *overrides])
+    check_against_model(cfg)
+    return cfg
 
 
 def test_yaml_and_overrides(tmp_path, hf):
@@ -77,6 +81,19 @@ def test_world_size_not_divisible(hf):
 def test_missing_model_dir(tmp_path):
     with pytest.raises(ConfigError, match="^model.hf_path: no config.json"):
         load(str(tmp_path))
+
+
+def test_loading_reads_no_model_files(tmp_path):
+    # a config is loaded and validated on its own: the model directory is preflight's to check
+    cfg = load_config(None, [f"model.hf_path={tmp_path}/absent", "data.train_path=x.jsonl", "parallel.tp=3"])
+    assert (cfg.model.hf_path, cfg.parallel.tp) == (f"{tmp_path}/absent", 3)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"hf_path": f"{tmp_path}/absent"}, "data": {"train_path": "x"}}))
+    proc = subprocess.run([sys.executable, "-m", "megarl.train", str(path), f"train.run_dir={tmp_path}/run"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"megarl-train: model.hf_path: no config.json in '{tmp_path}/absent'"]
 
 
 def test_cli_reports_one_line_and_nonzero_exit(hf, tmp_path):

@@ -29,7 +29,7 @@ from megarl.config import Config
 
 ROOT = Path(__file__).resolve().parents[2] / "megarl"
 LAUNCH = ROOT.parent / "launch"  # job scripts read fields with `megarl-launch --get section.field`
-DECLARING = {ROOT / "config.py", ROOT / "config_load.py", ROOT / "fields.py", ROOT / "algo" / "config.py"}
+DECLARING = {*(ROOT / "config").glob("*.py"), ROOT / "fields.py", ROOT / "algo" / "config.py"}
 CONFIG_NAMES = {"cfg", "config"}  # names (and attributes, e.g. self.cfg) that hold a whole Config
 CFG = "<config>"
 

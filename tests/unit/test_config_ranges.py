@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from megarl import config as config_module
-from megarl import config_load, fields
+from megarl import fields
+from megarl.config import common, launch, load, model, rollout, root, train
 from megarl.algo import config as algo_config_module
 from megarl.config import Config, ConfigError, load_config
 from megarl.fields import bounds, numeric_fields
@@ -119,6 +119,7 @@ def test_no_section_validate_has_unreachable_code(cls):
     assert unreachable(tree) == []
 
 
-@pytest.mark.parametrize("module", [config_module, config_load, fields, algo_config_module])
+@pytest.mark.parametrize("module", [common, launch, load, model, rollout, root, train, fields,
+                                    algo_config_module])
 def test_no_config_module_has_unreachable_code(module):
     assert unreachable(ast.parse(inspect.getsource(module))) == []

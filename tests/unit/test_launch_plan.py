@@ -186,6 +186,17 @@ def test_cli_dry_run_emit_and_get(tmp_path):
                                   "divisible by parallel.tp * parallel.pp = 2")
 
 
+def test_cli_get_reads_the_recipe_only_and_the_plan_checks_the_model(tmp_path):
+    base = [sys.executable, "-m", "megarl.launch_plan", DEMO, f"model.hf_path={tmp_path}/absent"]
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(base + ["--get", "parallel.tp"], capture_output=True, text=True, env=env)
+    assert (out.returncode, out.stdout.splitlines()) == (0, ["1"]), out.stderr
+    out = subprocess.run(base + ["--dry-run", "--trainer-nodes", "a", "--tasks-per-node", "1"],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"megarl-launch: model.hf_path: no config.json in '{tmp_path}/absent'"
+
+
 @pytest.mark.parametrize("text, hosts", [
     ("gpu[01-03,07],cpu1", ["gpu01", "gpu02", "gpu03", "gpu07", "cpu1"]),
     ("n[8-10]", ["n8", "n9", "n10"]),

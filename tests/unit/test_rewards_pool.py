@@ -176,3 +176,23 @@ def test_executor_config_and_async_functions(plugin):
         RewardProcessPool(f"{plugin}:score", workers=0)
     with pytest.raises(ImportError, match="has no attribute 'nope'"):  # fails at start-up, not per call
         caller(plugin, fn="nope")
+
+
+def test_the_worker_pipe_speaks_typed_messages(plugin):
+    # the worker's side of the protocol in a thread, over a real pipe: every message a dataclass
+    import multiprocessing
+    import threading
+
+    from megarl.rewards.pool import RewardCall, RewardReply, WorkerReady, _serve
+
+    ours, theirs = multiprocessing.Pipe()
+    t = threading.Thread(target=_serve, args=(theirs, f"{plugin}:score", None), daemon=True)
+    t.start()
+    assert ours.recv() == WorkerReady()
+    ours.send(RewardCall("p", "abc", {"scale": 2.0}))
+    assert ours.recv() == RewardReply(True, 6.0)
+    ours.send(RewardCall("p", "raise", {"scale": 1.0}))
+    assert ours.recv() == RewardReply(False, "KeyError: 'answer'")
+    ours.close()  # the worker sees EOF and returns
+    t.join(10)
+    assert not t.is_alive()

@@ -110,17 +110,19 @@ def test_moe_config_choice():
 
 
 def test_replay_needs_an_moe_model(tmp_path):
-    from megarl.config import ConfigError, load_config, validate_against_model
+    from megarl.config import ConfigError, load_config
+    from megarl.models.checks import check_against_model
     from megarl.models.random_hf import tiny_config, write_random_hf
     from megarl.rollout.setup import route_flags, routed_experts
 
     dense = write_random_hf(str(tmp_path / "dense"), tiny_config())
     with pytest.raises(ConfigError, match="moe.routing_replay: rollout needs an MoE model"):
-        load_config(None, [f"model.hf_path={dense}", "data.train_path=x", "moe.routing_replay=rollout"])
+        check_against_model(load_config(None, [f"model.hf_path={dense}", "data.train_path=x",
+                                               "moe.routing_replay=rollout"]))
     moe = write_random_hf(str(tmp_path / "moe"), tiny_config("Qwen3MoeForCausalLM"))
     cfg = load_config(None, [f"model.hf_path={moe}", "data.train_path=x", "moe.routing_replay=rollout",
                              "train.algorithm=rl"])
-    validate_against_model(cfg)  # the local CPU server serves MoE: no refusal
+    check_against_model(cfg)  # the local CPU server serves MoE: no refusal
     assert route_flags(cfg) == ["--enable-return-routed-experts"] and routed_experts(cfg) == (4, 2)
     off = load_config(None, [f"model.hf_path={moe}", "data.train_path=x"])
     assert route_flags(off) == [] and routed_experts(off) is None

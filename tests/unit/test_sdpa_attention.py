@@ -21,7 +21,7 @@ parallel.init_model_parallel(1, 1)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megarl.models.sdpa import SDPAttention
+from megarl.mcore.sdpa import SDPAttention
 
 def case(window=None, skip=None, layer=1, groups=2, mask=False):
     cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=groups,

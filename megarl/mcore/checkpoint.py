@@ -1,105 +1,34 @@
-"""Megatron-core glue for checkpoints: THE ONLY megarl module that touches megatron-core internals.
+"""Megatron-core glue for checkpoints: the synchronous ``torch_dist`` save strategy, sharded state
+dicts, loading with one-line errors, and the optimizer fixes a load needs.
 
-Pinned to megatron-core 0.16.1 (``SUPPORTED_MCORE_VERSION``). Everything here works around or
-extends that release; a new release must be re-verified against this list (the dist tests of
-checkpointing are the behavioural check, ``tests/dist/test_checkpoint_mcore_pins.py`` fails first
-and by name when the version or one of the names below changes):
-
-Private (underscore) or internal megatron-core names used:
-
-- ``dist_checkpointing.strategies.torch.MCoreSavePlanner``: subclassed so that a chunk's data
-  can be produced lazily when it is written (``resolve_data``), see ``sync_save_strategy``.
-- ``dist_checkpointing.strategies.torch._replace_state_dict_keys_with_sharded_keys`` and
-  ``mcore_to_pyt_state_dict``: the two steps Megatron's torch_dist strategy takes to turn a
-  sharded state dict into what torch DCP writes; reused so the files are exactly ``torch_dist``.
-- ``dist_checkpointing.strategies.base.SaveShardedStrategy``: the strategy base class
-  (``__init__(backend, version)``, ``can_handle_sharded_objects``).
-- ``optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states``:
-  replaced per instance during a load (``_copy_loaded_states_only``), because 0.16.1 copies every
-  key of the torch state, 'step' included, which the fully_reshardable format keeps per group.
-- ``DistributedOptimizer.model_param_group_index_map`` (instance attribute): read by that
-  replacement to find a parameter's main copy.
-- ``DistributedOptimizer.checkpoint_fully_reshardable_formats``: must accept
-  ``"fully_reshardable"``, the only distributed-optimizer format that saves and loads here
-  (the default fails with "flattened_range is not supported").
-- ``optimizer.ChainedOptimizer.chained_optimizers`` (instance attribute) and each
-  ``MegatronOptimizer.optimizer`` (the wrapped torch optimizer, whose ``state`` is primed and fixed).
+Everything here works around or extends megatron-core 0.16.1; the private and deep names it uses are
+pinned in `megarl.mcore.pins.CHECKPOINT_PINS` (and the optimizer ones in ``OPTIMIZER_PINS``), with
+why each is used.
 
 Behaviours of 0.16.1 this module corrects (no name to check; the dist tests catch them):
 a fresh torch Adam has empty state, so the load template would hold no optimizer tensors
 (``prime_optimizer_state``); ``DistributedOptimizer.load_state_dict`` gives every parameter the
 SAME ``step`` tensor, which torch Adam then advances once per parameter per step
-(``load_optimizer``); Megatron's async writer forks a Manager that re-imports ``__main__`` and
-needs psutil (``sync_save_strategy`` writes synchronously instead).
+(``load_optimizer``); its ``_set_main_param_and_optimizer_states`` copies every key of the torch
+state, 'step' included, which the fully_reshardable format keeps per group (``load_optimizer``
+replaces it per instance for the load); the default distributed-optimizer format fails with
+"flattened_range is not supported", so ``fully_reshardable`` is used; Megatron's async writer forks a
+Manager that re-imports ``__main__`` and needs psutil (``sync_save_strategy`` writes synchronously
+instead).
 
 Megatron is imported inside functions so that ``import megarl.checkpoint`` stays cheap for tools
-that only look at files.
+that only look at files; so are megarl.checkpoint's own modules (that package imports this one).
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import types
 import warnings
 from typing import Callable, Optional
 
 import torch
 
-from megarl.checkpoint.layout import CheckpointError
-from megarl.checkpoint.safe import check_safe
-
-SUPPORTED_MCORE_VERSION = "0.16.1"
-
-# (module, dotted attribute) pairs that must resolve; see the module docstring for why each is used
-PRIVATE_NAMES = (
-    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlanner"),
-    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlanner.resolve_data"),
-    ("megatron.core.dist_checkpointing.strategies.torch", "_replace_state_dict_keys_with_sharded_keys"),
-    ("megatron.core.dist_checkpointing.strategies.torch", "mcore_to_pyt_state_dict"),
-    ("megatron.core.dist_checkpointing.strategies.base", "SaveShardedStrategy"),
-    ("megatron.core.dist_checkpointing.strategies.base", "SaveShardedStrategy.can_handle_sharded_objects"),
-    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._set_main_param_and_optimizer_states"),
-    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.checkpoint_fully_reshardable_formats"),
-    ("megatron.core.optimizer.optimizer_config", "OptimizerConfig.use_precision_aware_optimizer"),
-)
-# (module, class, attribute) set in __init__, so only the class source can show they still exist
-INSTANCE_ATTRS = (
-    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "model_param_group_index_map"),
-    ("megatron.core.optimizer.optimizer", "ChainedOptimizer", "chained_optimizers"),
-    ("megatron.core.optimizer.optimizer", "MegatronOptimizer", "optimizer"),
-)
+# the distributed optimizer's only format that saves and loads here (see the module docstring)
 _DISTOPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-def pin_problems() -> list[str]:
-    """What no longer matches this module's assumptions in the installed megatron-core (empty when
-    all is well). Not called at run time; the pin test calls it."""
-    problems = []
-    for module, path in PRIVATE_NAMES:
-        try:
-            obj = importlib.import_module(module)
-            for part in path.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as e:
-            problems.append(f"{module}.{path}: gone ({e})")
-    for module, cls, attr in INSTANCE_ATTRS:
-        try:
-            source = inspect.getsource(getattr(importlib.import_module(module), cls))
-        except (ImportError, AttributeError, OSError, TypeError) as e:
-            problems.append(f"{module}.{cls}: gone ({e})")
-            continue
-        if f"self.{attr}" not in source:
-            problems.append(f"{module}.{cls}: no longer sets self.{attr}")
-    if not problems:
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
-
-        params = list(inspect.signature(DO._set_main_param_and_optimizer_states).parameters)
-        if params != ["self", "model_param", "tensors"]:
-            problems.append(f"DistributedOptimizer._set_main_param_and_optimizer_states{params}: "
-                            "signature changed; _copy_loaded_states_only replaces it")
-        if _DISTOPT_META["distrib_optim_sharding_type"] not in DO.checkpoint_fully_reshardable_formats:
-            problems.append("DistributedOptimizer no longer accepts the 'fully_reshardable' format")
-    return problems
 
 
 # ----------------------------------------------------------------------------- format: save
@@ -174,6 +103,20 @@ def training_sharded_state_dict(chunks, optimizer, is_loading: bool) -> dict:
     return sd
 
 
+def stacked_piece(key: str, shape: tuple, dtype: torch.dtype, layer: Optional[int],
+                  expert: Optional[int]):
+    """A load request for one layer (and expert) of the stacked checkpoint key ``key`` of global
+    ``shape``: a ``[1, (1,) ...]`` piece at offset ``layer`` of axis 0 (and ``expert`` of axis 1).
+    Not ``prepend_axis_num``, whose legacy path needs every layer local in a 1-rank world."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    offsets = [] if layer is None else [(0, layer, shape[0])]
+    if expert is not None:
+        offsets.append((1, expert, shape[1]))
+    piece = (1,) * len(offsets) + tuple(shape[len(offsets):])
+    return ShardedTensor.from_rank_offsets(key, torch.empty(piece, dtype=dtype), *offsets)
+
+
 def save_sharded(sharded: dict, ckpt_dir: str) -> None:
     """Writes a sharded state dict into ``ckpt_dir`` (collective; the directory must exist)."""
     from megatron.core import dist_checkpointing
@@ -191,6 +134,7 @@ def check_shapes(sharded: dict, ckpt_dir: str) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from megarl.checkpoint.layout import CheckpointError
     from megarl.checkpoint.safe import read_dcp_metadata
 
     stored = read_dcp_metadata(ckpt_dir).state_dict_metadata
@@ -212,6 +156,8 @@ def load_sharded(sharded: dict, ckpt_dir: str) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    from megarl.checkpoint.layout import CheckpointError
+
     check_shapes(sharded, ckpt_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -231,6 +177,8 @@ def load_sharded(sharded: dict, ckpt_dir: str) -> dict:
 
 def load_modules(chunks, state: dict, ckpt_dir: str) -> None:
     """Copies the loaded model state into ``chunks``; every parameter must be restored."""
+    from megarl.checkpoint.layout import CheckpointError
+
     for i, chunk in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{i}"
         result = _unwrap(chunk).load_state_dict(state[key], strict=False)
@@ -243,6 +191,8 @@ def load_modules(chunks, state: dict, ckpt_dir: str) -> None:
 def load_model_weights(chunks, ckpt_dir: str) -> None:
     """Loads only the model weights of a checkpoint (any saving layout) into ``chunks``.
     Collective over all ranks."""
+    from megarl.checkpoint.safe import check_safe
+
     check_safe(ckpt_dir)
     load_modules(chunks, load_sharded(model_sharded_state_dict(chunks), ckpt_dir), ckpt_dir)
 

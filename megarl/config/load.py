@@ -1,5 +1,7 @@
-"""Reading a config without silent surprises: strict YAML, overrides merged field by field, which
-source a value came from, and output paths that belong to the run.
+"""The one config loader: strict YAML, overrides merged field by field, coercion of each value to
+its field's type, which source a value came from, and output paths that belong to the run.
+
+    cfg = load_config("configs/tiny_sft.yaml", ["train.steps=20", "parallel.tp=2"])
 
 - A key given twice in one YAML mapping (a recipe file or an override value) is an error naming
   the file (or override), the key and both lines; PyYAML alone keeps the last one silently.
@@ -8,7 +10,7 @@ source a value came from, and output paths that belong to the run.
 - `given` records where each ``section.field`` was set: 0 default, 1 the recipe, 2 the command
   line. Two fields that are alternatives of one knob (`max_staleness` / `staleness_threshold`)
   are settled by it: the one set by the later source wins, the same source setting both is an
-  error (megarl.config).
+  error (RolloutConfig.validate).
 - Relative output paths (`OUTPUT_PATHS`) are under ``train.run_dir``; an output inside another
   run's directory (one holding that run's resolved config.yaml) is refused, so a run with an
   overridden run_dir never writes into a recipe's fixed directory of another run.
@@ -16,15 +18,17 @@ source a value came from, and output paths that belong to the run.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import types
 import typing
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message starts with the dotted field name."""
+from megarl.config.root import Config
+from megarl.config.rollout import RolloutConfig
+from megarl.errors import ConfigError
 
 
 # (section, field) of every path a run writes to; relative ones are resolved under train.run_dir
@@ -182,3 +186,106 @@ def check_outputs(cfg) -> None:
             if parent == d:
                 break
             d = parent
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_config(path: Optional[str], overrides: list[str] = (), validate: bool = True) -> Config:
+    """Reads a YAML recipe, applies ``a.b=c`` overrides (values parsed as YAML; a mapping for a
+    whole section is merged field by field), settles alternatives by source, validates."""
+    raw = read_yaml(path) if path else {}
+    given = recipe_keys(raw)
+    given.update(apply_overrides(raw, overrides, Config))
+    cfg = from_dict(Config, raw, prefix="")
+    _settle_staleness(cfg.rollout, given)
+    resolve_outputs(cfg)
+    if validate:
+        cfg.validate()
+        check_outputs(cfg)  # looks at the disk (another run's directory): the loader's, not validate's
+    return cfg
+
+
+def _settle_staleness(r: RolloutConfig, given: dict[str, int]) -> None:
+    """max_staleness (AReaL) and staleness_threshold (verl) are two spellings of one bound: when
+    both are non-zero, the one set by the later source (default < recipe < command line) wins
+    and the other becomes 0; set by the same source they must agree (RolloutConfig.validate)."""
+    if not (r.max_staleness and r.staleness_threshold) or r.max_staleness == r.staleness_threshold:
+        return
+    ms, st = given.get("rollout.max_staleness", 0), given.get("rollout.staleness_threshold", 0)
+    if st > ms:
+        r.max_staleness = 0
+    elif ms > st:
+        r.staleness_threshold = 0.0
+
+
+def from_dict(cls, data: Any, prefix: str):
+    """Builds dataclass ``cls`` from a mapping, checking keys and types against annotations."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(tp, value, name):
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, prefix=name + ".")
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, name)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        return [_coerce(item_tp, v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if tp is float:
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if number is None:
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # nan/inf would pass every range check (nan < 0 is False)
+            raise ConfigError(f"{name}: expected a finite number, got {value!r}")
+        return number
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # `server_args=[--threads,2]`, `api_key=1234`: YAML reads numbers
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    return value
+
+
+def save_config(cfg: Config, run_dir: str) -> str:
+    """Writes the resolved config to ``<run_dir>/config.yaml`` (atomically) and returns the path."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.yaml")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
+    os.replace(tmp, path)
+    return path

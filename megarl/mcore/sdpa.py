@@ -12,6 +12,9 @@ GQA without repeating KV, the window (left, 0) as a boolean mask. Anything else 
 supports but this does not (an explicit attention mask or bias, packed sequences, a softmax offset,
 query-key layer scaling, attention dropout while training, sq != sk) runs the original ``forward``.
 GPU runs use the TE spec and never reach this.
+
+It lives in `megarl.mcore` because it depends on `DotProductAttention`'s instance attributes and the
+layout of the local layer spec (pinned in `megarl.mcore.pins.ATTENTION_PINS`).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
-__all__ = ["SDPAttention", "window_mask"]
+__all__ = ["SDPAttention", "use_sdpa_core_attention", "window_mask"]
 
 
 def window_mask(s: int, left: int, device) -> torch.Tensor:
@@ -69,3 +72,9 @@ class SDPAttention(DotProductAttention):
             enable_gqa=heads != self.num_query_groups_per_partition)
         # [b, n, s, hn] -> [s, b, n * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+
+def use_sdpa_core_attention(spec):
+    """The local layer ``spec`` with its core attention replaced by :class:`SDPAttention`."""
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec

@@ -1,0 +1,130 @@
+"""The model, parallel-layout, optimizer and critic sections (`model.*`, `parallel.*`, `optim.*`,
+`critic.*`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megarl.config.common import _check, _choice
+from megarl.errors import ConfigError
+from megarl.fields import bounded
+
+
+@dataclass
+class ModelConfig:
+    hf_path: str = ""
+    """HF model directory: config.json (architecture, sizes) and, for init=hf, safetensors."""
+    init: str = "hf"
+    """hf: load the HF safetensors in hf_path; random: fresh init from config.json only."""
+    dtype: str = "float32"
+    """Parameter/compute dtype: float32 or bfloat16 (bf16 needs a GPU)."""
+    seed: int = bounded(1234, ge=0)
+    """Seed for weight init and dropout."""
+    spec: str = "auto"
+    """Layer spec: auto (TE when TE and CUDA are present, else local), te, or local."""
+    attention: str = "sdpa"
+    """Core attention of the local spec: sdpa (torch's fused scaled_dot_product_attention) or
+    unfused (megatron-core's DotProductAttention). The TE spec uses TE's kernels either way."""
+    recompute: bool = False
+    """Full activation recomputation (saves memory for large models)."""
+    ref_hf_path: str = ""
+    """Reference policy for the KL term (HF directory, loaded frozen with the same parallel
+    layout when algo.kl_coef > 0); empty = the initial weights (model.hf_path)."""
+    make_vocab_size_divisible_by: int = bounded(128, ge=1)
+    """Megatron pads the embedding and output layer to a multiple of this times parallel.tp (as
+    Megatron's trainer does); the padding is stripped from every export and masked in logprobs."""
+
+    def validate(self) -> None:
+        _check(self, "model")
+        _choice("model.init", self.init, ("hf", "random"))
+        _choice("model.dtype", self.dtype, ("float32", "bfloat16"))
+        _choice("model.spec", self.spec, ("auto", "te", "local"))
+        _choice("model.attention", self.attention, ("sdpa", "unfused"))
+        if not self.hf_path:
+            raise ConfigError("model.hf_path: required (an HF model directory with config.json)")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = bounded(1, ge=1)
+    """Tensor-parallel size; must divide attention heads and query groups."""
+    pp: int = bounded(1, ge=1)
+    """Pipeline-parallel size, up to the number of layers (uneven splits: docs/models.md)."""
+    first_stage_layers: Optional[int] = bounded(None, ge=1)
+    """Layers on the first pipeline stage (Megatron's num_layers_in_first_pipeline_stage; the
+    middle stages split the rest evenly); null = automatic."""
+    last_stage_layers: Optional[int] = bounded(None, ge=1)
+    """Layers on the last pipeline stage (num_layers_in_last_pipeline_stage); null = automatic."""
+    ep: int = bounded(1, ge=1)
+    """Expert-parallel size for MoE models (experts split over this many ranks of the DP
+    dimension; must divide the experts and the DP size). 1 for dense models."""
+    vpp: Optional[int] = bounded(None, ge=1)
+    """Virtual pipeline stages per rank (interleaved 1F1B): not supported yet, must stay null."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs the TE spec and TP > 1)."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state over DP (Megatron distributed optimizer)."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo."""
+    world_size: Optional[int] = bounded(None, ge=1)
+    """Ranks to start when run directly (not under torchrun/srun/mpirun); default tp*pp."""
+
+    def validate(self) -> None:
+        _check(self, "parallel")
+        if self.vpp is not None:
+            # Checked on CPU with megatron-core 0.16.1: the interleaved schedule with token-budget
+            # micro-batches gave wrong gradients (and hung with fewer micro-batches than stages),
+            # so it is refused rather than trained on silently.
+            raise ConfigError("parallel.vpp: the interleaved (virtual) pipeline schedule is not "
+                              "supported yet; use parallel.pp without vpp")
+        _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
+        if self.world_size is not None:
+            if self.world_size % (self.tp * self.pp):
+                raise ConfigError(f"parallel.world_size: {self.world_size} is not divisible by "
+                                  f"tp*pp={self.tp * self.pp}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = bounded(1e-5, gt=0)
+    """Peak learning rate."""
+    min_lr: float = bounded(0.0, ge=0)
+    """Learning rate at the end of decay."""
+    weight_decay: float = bounded(0.0, ge=0)
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = bounded(0.9, ge=0, lt=1)
+    """Adam beta1."""
+    adam_beta2: float = bounded(0.999, ge=0, lt=1)
+    """Adam beta2."""
+    adam_eps: float = bounded(1e-8, gt=0)
+    """Adam epsilon."""
+    clip_grad: float = bounded(1.0, ge=0)
+    """Global grad-norm clip; 0 disables clipping."""
+    lr_warmup_steps: int = bounded(0, ge=0)
+    """Linear warmup steps."""
+    lr_decay_style: str = "constant"
+    """constant, linear or cosine."""
+    lr_decay_steps: Optional[int] = bounded(None, ge=1)
+    """Steps over which to decay (default: train.steps)."""
+
+    def validate(self) -> None:
+        _check(self, "optim")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"optim.min_lr: must be in [0, optim.lr], got {self.min_lr}")
+        _choice("optim.lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine"))
+
+
+@dataclass
+class CriticConfig:
+    hf_path: str = ""
+    """Critic backbone (HF directory) for algo.advantage=gae; empty = model.hf_path. Its LM head is
+    replaced by a fresh scalar value head."""
+    lr: Optional[float] = bounded(None, gt=0)
+    """Critic peak learning rate; null = optim.lr (other optimizer settings from optim)."""
+    value_clip: Optional[float] = bounded(0.2, gt=0)
+    """Value clip c: the loss also scores V_old + clip(V - V_old, -c, c); null = off."""
+    warmup_steps: int = bounded(0, ge=0)
+    """RL steps that train only the critic before the actor starts updating."""
+
+    def validate(self) -> None:
+        _check(self, "critic")

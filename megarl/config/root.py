@@ -1,0 +1,89 @@
+"""The whole config (`Config`: one field per section) and the rules that span sections."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from megarl.algo.config import AlgoConfig
+from megarl.config.launch import LaunchConfig
+from megarl.config.model import CriticConfig, ModelConfig, OptimConfig, ParallelConfig
+from megarl.config.rollout import RewardConfig, RolloutConfig, WeightSyncConfig
+from megarl.config.train import CheckpointConfig, DataConfig, LoggingConfig, TrainConfig
+from megarl.errors import ConfigError
+from megarl.models.moe_config import MoEConfig
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def validate(self) -> None:
+        """Types, ranges and rules across fields; no file reads, no model code (the checks against
+        the model's files are `megarl.models.checks`, run by `megarl.preflight`)."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            try:
+                section.validate()
+            except ConfigError:
+                raise
+            except ValueError as e:  # sections from megarl.algo raise plain ValueError
+                raise ConfigError(str(e)) from None
+        if self.moe.replay_check and self.algo.prox_logp_mode == "loglinear":
+            raise ConfigError("moe.replay_check: needs algo.prox_logp_mode recompute or metrics (loglinear "
+                              "runs no prox recompute to check)")
+        if self.moe.routing_replay != "none" and self.model.recompute and self.parallel.pp > 1:
+            # a recomputed layer reads the routes of the micro-batch last fed to its stage, which under
+            # 1F1B is not the one being recomputed
+            raise ConfigError("moe.routing_replay: not supported with model.recompute and parallel.pp > 1")
+        if self.train.is_rl:
+            validate_learning_signal(self)
+            if self.algo.overlong_buffer_len > self.rollout.max_new_tokens:
+                raise ConfigError(f"algo.overlong_buffer_len: {self.algo.overlong_buffer_len} is longer than "
+                                  f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
+            name = "train.require_batches" if self.train.require_batches else "train.global_batch_size"
+            if self.train.step_batch_size % self.rollout.group_size:
+                raise ConfigError(f"{name}: a step of {self.train.step_batch_size} sequences is not whole "
+                                  f"groups of rollout.group_size={self.rollout.group_size}")
+            if not self.rollout.partial_rollout and self.weights.pause_mode != "abort":
+                raise ConfigError(f"weights.pause_mode: {self.weights.pause_mode} keeps requests running "
+                                  "across the push, which rollout.partial_rollout=false forbids; use abort")
+
+
+def validate_learning_signal(cfg: Config) -> None:
+    """RL settings that run to the end while learning nothing are refused at load."""
+    from megarl.algo.advantages import AdvantageEstimator
+
+    r = cfg.rollout
+    if r.group_size == 1 and AdvantageEstimator(cfg.algo.advantage).group_relative:
+        raise ConfigError(f"rollout.group_size: 1 with algo.advantage={cfg.algo.advantage} (a group-relative "
+                          "baseline) gives every sample advantage 0 and nothing is learned; use group_size "
+                          ">= 2 or algo.advantage=reinforce_pp or gae")
+    if r.group_size == 1 and cfg.algo.dynamic_sampling:
+        raise ConfigError("algo.dynamic_sampling: drops groups whose rewards are all equal, which is every "
+                          "group of rollout.group_size=1: no batch would ever fill")
+
+
+def check_world_size(cfg: Config, world_size: int) -> int:
+    """Returns the data-parallel size; the world must be a multiple of TP*PP."""
+    mp = cfg.parallel.tp * cfg.parallel.pp
+    if world_size % mp:
+        raise ConfigError(
+            f"parallel.tp: world size {world_size} is not divisible by tp*pp={mp} "
+            f"(tp={cfg.parallel.tp}, pp={cfg.parallel.pp})")
+    if (world_size // mp) % cfg.parallel.ep:
+        raise ConfigError(f"parallel.ep: {cfg.parallel.ep} does not divide the data-parallel size "
+                          f"{world_size // mp} (world size {world_size})")
+    return world_size // mp
