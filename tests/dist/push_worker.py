@@ -1,4 +1,4 @@
-"""torchrun worker for the weight push. Mode "layouts": for each (tp, pp) layout and transport,
+"""torchrun worker for the weight push. Mode "layouts": for each (tp, pp[, ep]) layout and transport,
 reset a real megarl CPU server to weights A, push the trainer's weights B, and record (rank 0)
 the max |server logprob - trainer logprob| and whether every server tensor equals the HF export.
 Mode "stall": push to a server that is SIGSTOPped (hangs) or killed (dead); record how long it
@@ -28,13 +28,13 @@ def post(url, body, timeout=60):
         return json.loads(r.read())
 
 
-def build(hf_b, server, tp, pp, transport, work, timeout_s=60, trainable=False):
+def build(hf_b, server, tp, pp, transport, work, timeout_s=60, trainable=False, ep=1):
     cfg = load_config(None, [f"model.hf_path={hf_b}", "data.train_path=x", f"parallel.tp={tp}",
-                             f"parallel.pp={pp}", f"weights.transport={transport}",
+                             f"parallel.pp={pp}", f"parallel.ep={ep}", f"weights.transport={transport}",
                              f"weights.timeout_s={timeout_s}", "weights.bucket_mb=1",
                              f"weights.disk_dir={work}/push_{transport}_{tp}{pp}",
                              f"rollout.servers=[{server}]", f"train.run_dir={work}/run"])
-    ps = parallel.init_model_parallel(tp, pp)
+    ps = parallel.init_model_parallel(tp, pp, ep=ep)
     engine = Engine.build(cfg, ps, trainable=trainable)
     cluster = RolloutCluster.from_config(cfg, [server], driver=dist.get_rank() == 0)
     return engine, WeightPusher(cfg, engine, cluster)
@@ -69,11 +69,11 @@ def server_weights_equal(server, reference_dir):
 def layouts(hf_a, hf_b, server, work, specs):
     results = {}
     for spec in specs:
-        tp, pp, transport = spec.split(",")
+        tp, pp, transport, *ep = spec.split(",")  # "tp,pp,transport[,ep]"
         if dist.get_rank() == 0:  # reset the server to weights A
             assert post(f"{server}/update_weights_from_disk", {"model_path": hf_a})["success"]
         dist.barrier()
-        engine, pusher = build(hf_b, server, int(tp), int(pp), transport, work)
+        engine, pusher = build(hf_b, server, int(tp), int(pp), transport, work, ep=int(ep[0]) if ep else 1)
         before, _ = server_vs_trainer(engine, server)
         m = pusher.push()
         after, version = server_vs_trainer(engine, server)

@@ -4,8 +4,10 @@ bitwise, for every transport; a hung or dead server makes every rank fail within
 An odd-shaped model (vocab 333, which Megatron pads to 512 rows at TP=2; 3 layers split [2, 1]
 over PP=2) reaches the server with its original 333-row tensors."""
 import json
+import os
 
 import pytest
+from safetensors.torch import load_file
 
 from distrun import start_server, torchrun
 from megarl.models.random_hf import tiny_config, write_random_hf
@@ -42,6 +44,38 @@ def test_push_makes_server_equal_trainer(layouts, spec):
     assert r["bad"] == []  # every HF tensor on the server equals the export, bitwise
     assert r["version"] == "1"
     assert r["bytes"] == 657664  # fp32 tiny Llama: 164,416 params
+
+
+MOE_SPECS = [f"1,1,{transport},2" for transport in ("distributed", "disk", "tensor")]  # EP=2 (DP=2)
+
+
+@pytest.fixture(scope="module")
+def moe_layouts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("push_moe")
+    cfg = tiny_config("Qwen3MoeForCausalLM")
+    a = write_random_hf(str(d / "a"), cfg, seed=1)
+    b = write_random_hf(str(d / "b"), cfg, seed=2)
+    url, proc = start_server(a, str(d / "server.log"))
+    try:
+        out = d / "layouts.json"
+        torchrun("push_worker.py", 2, "layouts", a, b, url, d, out, *MOE_SPECS)
+        hf_bytes = sum(t.numel() * t.element_size()
+                       for t in load_file(os.path.join(b, "model.safetensors")).values())
+        return json.loads(out.read_text()), hf_bytes
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("spec", MOE_SPECS)
+def test_moe_experts_reach_the_server_by_every_transport(moe_layouts, spec):
+    """Qwen3-MoE with its experts split over 2 expert-parallel ranks: every transport gathers them
+    and the served MoE model then equals the trainer."""
+    results, hf_bytes = moe_layouts
+    r = results[spec]
+    assert r["before"] > 0.1 and r["after"] <= 1e-5
+    assert r["bad"] == []  # every expert tensor (and the routers) equal the HF file bitwise
+    assert r["version"] == "1"
+    assert r["bytes"] == hf_bytes  # each expert sent once, though each rank holds half of them
 
 
 ODD_SPECS = ["2,2,distributed", "1,2,tensor"]
