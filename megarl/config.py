@@ -24,6 +24,7 @@ from megarl.algo.config import AlgoConfig
 from megarl.config_load import (ConfigError, apply_overrides, check_outputs, read_yaml, recipe_keys,
                                 resolve_outputs)
 from megarl.fields import bounded, check_bounds
+from megarl.models.moe_config import MoEConfig
 
 
 _COLD = ("temperature 0 samples every completion of a group alike: the advantages are all 0 and "
@@ -544,6 +545,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -636,9 +638,16 @@ def validate_against_model(cfg: Config) -> None:
                              f"({args.architecture} is dense)")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if args.num_experts and cfg.train.is_rl and not cfg.rollout.servers:
-        raise ConfigError(f"rollout.servers: the local megarl CPU rollout server does not serve MoE "
-                          f"models ({args.architecture}); list SGLang servers")
+    if cfg.moe.routing_replay != "none" and not args.num_experts:
+        raise ConfigError(f"moe.routing_replay: {cfg.moe.routing_replay} needs an MoE model "
+                          f"({args.architecture} is dense)")
+    if cfg.moe.replay_check and cfg.algo.prox_logp_mode == "loglinear":
+        raise ConfigError("moe.replay_check: needs algo.prox_logp_mode recompute or metrics (loglinear "
+                          "runs no prox recompute to check)")
+    if cfg.moe.routing_replay != "none" and cfg.model.recompute and cfg.parallel.pp > 1:
+        # a recomputed layer reads the routes of the micro-batch last fed to its stage, which under
+        # 1F1B is not the one being recomputed
+        raise ConfigError("moe.routing_replay: not supported with model.recompute and parallel.pp > 1")
 
 
 def check_world_size(cfg: Config, world_size: int) -> int:

@@ -81,6 +81,9 @@ def pack_batch(trajs, dp: int, stats: dict, rejoin: list[str]) -> Batch:
               "lengths": np.array([len(t.input_ids) for t in trajs], dtype=np.int64),
               "rewards": np.array([t.reward for t in trajs], dtype=np.float64),
               "group_ids": np.array([t.group_id for t in trajs], dtype=np.int64), "dp_rank": dp_rank}
+    if trajs and all(t.routes is not None for t in trajs):  # MoE routing replay: [tokens, layers, k]
+        arrays["route_ids"] = np.concatenate([t.routes.ids for t in trajs]).astype(np.int32)
+        arrays["route_weights"] = np.concatenate([t.routes.weights for t in trajs]).astype(np.float32)
     return Batch(infos=[t.info for t in trajs], stats=stats, rejoin=rejoin, arrays=arrays)
 
 
@@ -112,6 +115,7 @@ class RolloutManager:
     def start_servers(self) -> list[str]:
         from megarl.net import serving_host
         from megarl.rollout.local import LocalCluster
+        from megarl.rollout.setup import route_flags
 
         r, t = self.cfg.rollout, self.cfg.train
         if r.servers:
@@ -119,7 +123,8 @@ class RolloutManager:
         # the trainer pinned this process to rollout.server_cpus already (RolloutSide.start)
         server_cpus = set(r.server_cpus) & os.sched_getaffinity(0) if r.server_cpus else None
         self.local = LocalCluster(self.cfg.model.hf_path, r.local_servers, f"{t.run_dir}/servers",
-                                  extra=["--threads", r.server_threads, *r.server_args], host=serving_host(),
+                                  extra=["--threads", r.server_threads, *route_flags(self.cfg), *r.server_args],
+                                  host=serving_host(),
                                   weights_roots=[self.cfg.weights.disk_dir or f"{t.run_dir}/weights"],
                                   cpus=server_cpus)
         return self.stack.enter_context(self.local)

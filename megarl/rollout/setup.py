@@ -52,8 +52,25 @@ def make_workflow(cfg, tok, template, reward: Optional[RewardCaller], sampling: 
     return load_workflow(r.workflow, ctx, args)
 
 
+def routed_experts(cfg) -> Optional[tuple[int, int]]:
+    """(decoder layers, experts per token) when the run replays the rollout's MoE routing
+    (moe.routing_replay: rollout): the client asks every /generate for the routes."""
+    if cfg.moe.routing_replay != "rollout":
+        return None
+    from megarl.models.registry import read_model_args
+
+    args = read_model_args(cfg.model.hf_path)
+    return args.num_layers, args.moe_topk
+
+
+def route_flags(cfg) -> list[str]:
+    """megarl-server flags of the local servers: routes returned when the run replays them."""
+    return ["--enable-return-routed-experts"] if cfg.moe.routing_replay == "rollout" else []
+
+
 def build_controller(cfg, cluster, timeline=None) -> RolloutController:
     r = cfg.rollout
+    routes = routed_experts(cfg)
     tok, template, reward, sampling = task_parts(cfg)
     workflow = make_workflow(cfg, tok, template, reward, sampling, r.group_size)
     dataset = prompt_dataset(cfg, cfg.data.train_path, tok, template, getattr(workflow, "tool_schemas", None))
@@ -66,7 +83,8 @@ def build_controller(cfg, cluster, timeline=None) -> RolloutController:
         partial_rollout=r.partial_rollout, max_retries=r.max_retries,
         failed_log=os.path.join(cfg.train.run_dir, "failed_prompts.jsonl"), timeline=timeline,
         sampling_seed=r.seed, max_consecutive_failures=r.max_consecutive_failures,
-        hold_timeout_s=cfg.weights.timeout_s)
+        hold_timeout_s=cfg.weights.timeout_s,
+        client_kwargs={"routed_experts": routes} if routes is not None else None)
 
 
 def build_eval(cfg, reward: RewardCaller) -> Optional[PeriodicEval]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from megarl.wire import (SAFETENSORS_B64, DiskWeightsUpdate, DistributedWeightsMeta,
                          ModelRequest, ModelResponse, PauseMode, PauseRequest, RoutedExperts,
@@ -26,11 +27,19 @@ class Trajectory:
     reward: float
     group_id: int  # samples of one prompt share it
     info: dict = field(default_factory=dict)
+    # MoE routing replay (moe.routing_replay: rollout): row j = the experts position j was routed
+    # to by the forward that sampled token j + 1 - ids int32 [tokens, layers, top_k] (-1: no
+    # route, e.g. the last position, which feeds no sampled token, or a dense layer) and weights
+    # float32 (NaN: the server sent ids only; the trainer's router gives the weights)
+    routes: Optional[RoutedExperts] = None
 
     def __post_init__(self):
         n = len(self.input_ids)
         if not (len(self.loss_mask) == len(self.behave_logp) == len(self.versions) == n):
             raise ValueError(f"trajectory fields must be token-aligned ({n} tokens)")
+        if self.routes is not None and (self.routes.rows != n or self.routes.weights is None
+                                        or self.routes.weights.shape != self.routes.ids.shape):
+            raise ValueError(f"trajectory routes must have ids and weights for each of its {n} tokens")
 
     @property
     def response_len(self) -> int:

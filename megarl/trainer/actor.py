@@ -239,6 +239,11 @@ class Actor:
         if missing:
             raise ValueError(f"Actor.ppo_update: batch lacks field(s) {missing}")
         acc = StatsTracker()
+        if getattr(self.engine, "replay", None) is not None:  # MoE routing replay: did the routes arrive?
+            none = torch.zeros((), dtype=torch.int64)
+            covered, fed = batch.routes.coverage(batch.lengths) if batch.routes is not None else (none, none)
+            acc.add_stats({"moe/routes_frac": Stat(covered.double().to(self.ps.device),
+                                                   fed.double().to(self.ps.device))})
         full = self._step_inputs(batch, acc, version)
         # Same on every DP rank (from the gathered counts): all ranks step the optimizer together.
         n_mini = num_minibatches(dp_counts(len(batch), self.ps), cfg.train.ppo_mini_batch_size)
@@ -260,6 +265,8 @@ class Actor:
                 skipped += 1 - int(out["update_ok"])  # NaN/inf gradient: the engine skipped it
                 lr = out["lr"]
                 clock.k += 1
+        if getattr(self.engine, "replay", None) is not None:  # what the replay changed, over all of the step's forwards
+            acc.add_stats(self.engine.replay.take_stats(self.ps.device))
         metrics = acc.reduce(self.ps)
         metrics.update(
             loss=mean_or_zero(losses), grad_norm=mean_or_zero(grad_norms),
@@ -282,6 +289,11 @@ class Actor:
         if spec.prox_logp_mode != ProxLogpMode.LOGLINEAR and spec.policy_loss.needs_prox_logp:
             res = self.engine.compute_logp(batch, with_entropy=not train_entropy)
             batch = batch.with_fields(prox_logp=res.logp)
+            if self.cfg.moe.replay_check:  # the same recompute with the trainer's own routing
+                own = self.engine.compute_logp(dataclasses.replace(batch, routes=None)).logp
+                delta = (res.logp - own).abs()
+                acc.add_stats({"moe/replay_logp_delta_mean": Stat.masked_mean(delta, batch["loss_mask"]),
+                               "moe/replay_logp_delta_max": Stat.masked_max(delta, batch["loss_mask"])})
             acc.add_stats(onpolicy_mismatch(res.logp, batch["behave_logp"], batch["versions"],
                                             batch["loss_mask"], version))
             if res.entropy is not None:  # the entropy metric without paying for it in backward

@@ -8,6 +8,8 @@ A :class:`TensorBatch` is this DP rank's share of a step, built ONCE from per-sa
     fields[name]   [B, S] float32  token-aligned, 0 past the row's length (loss_mask, behave_logp,
                                    versions, advantages, returns, prox_logp, ref_logp, values, ...)
     sample_fields  [B]             one value per sample (rewards float64, group_ids long, ...)
+    routes         [B, S, layers, k]  MoE routing replay, optional (`Routes`): expert ids int32
+                                   (-1: no route) and weights float32 (NaN: none), padded with -1 / NaN
 
 Padding carries loss_mask 0 and sits after the real tokens, so causal attention needs no mask and
 every masked sum ignores it. `make_microbatches` cuts token-budget micro-batches by indexing rows
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from megarl.data.datasets import pack_microbatches
@@ -68,6 +71,46 @@ def _sample_tensor(values: Any) -> torch.Tensor:
 
 
 @dataclass
+class Routes:
+    """Per-token MoE routing of padded rows: ``ids`` int32 [B, S, layers, k] (-1 where a position
+    has no route: padding, the last position of a sample, dense layers) and ``weights`` float32
+    in the same layout (NaN where the rollout sent ids only)."""
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+
+    def coverage(self, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions that carry a route on every MoE layer, positions) over the positions that
+        fed a sampled or prompt token, 0..length-2 of each row; MoE layers = those with a route
+        somewhere in the batch (a dense layer has none)."""
+        fed = valid_mask(lengths - 1, self.ids.shape[1])
+        has = self.ids[..., 0] >= 0  # [B, S, layers]
+        moe = has.flatten(0, 1).any(0)
+        full = has[..., moe].all(-1) & fed if bool(moe.any()) else torch.zeros_like(fed)
+        return full.sum(), fed.sum()
+
+    def select(self, idx: torch.Tensor, s: int) -> "Routes":
+        return Routes(self.ids[idx, :s], self.weights[idx, :s])
+
+    def to(self, device) -> "Routes":
+        return Routes(self.ids.to(device), self.weights.to(device))
+
+    @classmethod
+    def from_trajectories(cls, trajs: Sequence[Any], seq_len: int) -> Optional["Routes"]:
+        """None unless every trajectory carries routes (`Trajectory.routes`)."""
+        if not trajs or any(getattr(t, "routes", None) is None for t in trajs):
+            return None
+        layers, k = trajs[0].routes.ids.shape[1:]
+        ids = torch.full((len(trajs), seq_len, layers, k), -1, dtype=torch.int32)
+        w = torch.full((len(trajs), seq_len, layers, k), float("nan"), dtype=torch.float32)
+        for i, t in enumerate(trajs):
+            n = t.routes.rows
+            ids[i, :n] = torch.from_numpy(np.ascontiguousarray(t.routes.ids, np.int32))
+            w[i, :n] = torch.from_numpy(np.ascontiguousarray(t.routes.weights, np.float32))
+        return cls(ids, w)
+
+
+@dataclass
 class TensorBatch:
     """Padded-tensor batch (module docstring). Immutable by convention: `with_fields`,
     `with_sample_fields` and `select` return new batches sharing the untouched tensors."""
@@ -76,12 +119,18 @@ class TensorBatch:
     lengths: torch.Tensor
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     sample_fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    routes: Optional[Routes] = None
 
     def __post_init__(self):
         b = self.tokens.shape[0]
         if self.tokens.dim() != 2 or self.lengths.shape != (b,):
             raise ValueError(f"batch: tokens {tuple(self.tokens.shape)} must be [B, S] and "
                              f"lengths {tuple(self.lengths.shape)} [B]")
+        if self.routes is not None and (self.routes.ids.shape[:2] != self.tokens.shape
+                                        or self.routes.weights.shape != self.routes.ids.shape):
+            raise ValueError(f"batch routes: ids {tuple(self.routes.ids.shape)} / weights "
+                             f"{tuple(self.routes.weights.shape)} must be [B, S, layers, k] with "
+                             f"[B, S] = {tuple(self.tokens.shape)}")
         for name, t in self.fields.items():
             if t.shape != self.tokens.shape:
                 raise ValueError(f"batch field {name!r}: shape {tuple(t.shape)}, expected "
@@ -113,14 +162,18 @@ class TensorBatch:
     def from_trajectories(cls, trajs: Sequence[Any]) -> "TensorBatch":
         """Rollout trajectories (duck-typed `megarl.rollout.types.Trajectory`: input_ids,
         loss_mask, behave_logp, versions lists, reward, group_id) -> fields loss_mask,
-        behave_logp, versions and sample fields rewards, group_ids."""
-        return cls.from_lists(
+        behave_logp, versions and sample fields rewards, group_ids; the MoE routes when every
+        trajectory has them."""
+        batch = cls.from_lists(
             [t.input_ids for t in trajs],
             {"loss_mask": [t.loss_mask for t in trajs],
              "behave_logp": [t.behave_logp for t in trajs],
              "versions": [t.versions for t in trajs]},
             {"rewards": torch.tensor([float(t.reward) for t in trajs], dtype=torch.float64),
              "group_ids": torch.tensor([int(t.group_id) for t in trajs], dtype=torch.long)})
+        batch.routes = Routes.from_trajectories(trajs, batch.seq_len)
+        batch.__post_init__()
+        return batch
 
     # ------------------------------------------------------------------ access
     def __len__(self) -> int:
@@ -141,13 +194,13 @@ class TensorBatch:
     def with_fields(self, **fields: torch.Tensor) -> "TensorBatch":
         """A new batch with these [B, S] token fields added or replaced."""
         return TensorBatch(self.tokens, self.lengths, {**self.fields, **fields},
-                           dict(self.sample_fields))
+                           dict(self.sample_fields), self.routes)
 
     def with_sample_fields(self, **sample_fields: Any) -> "TensorBatch":
         """A new batch with these [B] per-sample fields added or replaced."""
         new = {k: _sample_tensor(v) for k, v in sample_fields.items()}
         return TensorBatch(self.tokens, self.lengths, dict(self.fields),
-                           {**self.sample_fields, **new})
+                           {**self.sample_fields, **new}, self.routes)
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> "TensorBatch":
         """Rows `indices` (in that order), padding trimmed to the longest selected row."""
@@ -157,7 +210,8 @@ class TensorBatch:
         s = int(lengths.max()) if len(idx) else 0
         return TensorBatch(self.tokens[idx, :s], lengths,
                            {k: v[idx, :s] for k, v in self.fields.items()},
-                           {k: v[idx] for k, v in self.sample_fields.items()})
+                           {k: v[idx] for k, v in self.sample_fields.items()},
+                           self.routes.select(idx, s) if self.routes is not None else None)
 
 
 @dataclass
@@ -168,6 +222,7 @@ class MicroBatch:
     lengths: torch.Tensor  # [b] long, on the device of `tokens`
     indices: torch.Tensor  # [b] long (CPU): rows of the TensorBatch
     step_tokens: float = 1.0  # loss_mask tokens in the whole step (all micro-batches, all DP)
+    routes: Optional[Routes] = None  # [b, s, layers, k] MoE routing to replay, on `tokens`' device
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.fields[name]
@@ -191,5 +246,6 @@ def make_microbatches(batch: TensorBatch, max_tokens: int, device) -> list[Micro
         pos = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous()
         out.append(MicroBatch(sub.tokens.to(device), pos.to(device),
                               {k: v.to(device) for k, v in sub.fields.items()},
-                              sub.lengths.to(device), torch.as_tensor(idx, dtype=torch.long)))
+                              sub.lengths.to(device), torch.as_tensor(idx, dtype=torch.long),
+                              routes=sub.routes.to(device) if sub.routes is not None else None))
     return out

@@ -59,6 +59,11 @@ class Engine:
         self.chunks, self.tconfig, self.use_te = chunks, tconfig, use_te
         self.optimizer, self.scheduler = optimizer, scheduler
         self.step = 0
+        self.replay = None  # MoE routing replay (moe.routing_replay: rollout), trainable engines only
+        if optimizer is not None and args.num_experts and cfg.moe.routing_replay == "rollout":
+            from megarl.models.routing_replay import RoutingReplay
+
+            self.replay = RoutingReplay.install(chunks, ps, cfg.parallel.sequence_parallel)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -128,21 +133,44 @@ class Engine:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if self.replay is not None:  # the routers of this stage replay this micro-batch's routes
+                self.replay.set(mb.routes)
             out = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
             return out, partial(loss_func, mb)
 
         # Interleaved schedules pull from one iterator per model chunk; all see the same list.
         its = [iter(mbs) for _ in self.chunks] if len(self.chunks) > 1 else iter(mbs)
         max_len = max(m.tokens.shape[1] for m in mbs)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=its,
-            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-            num_microbatches=len(mbs), seq_length=max_len, micro_batch_size=mbs[0].tokens.shape[0],
-            forward_only=forward_only)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=its,
+                model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+                num_microbatches=len(mbs), seq_length=max_len, micro_batch_size=mbs[0].tokens.shape[0],
+                forward_only=forward_only)
+        finally:
+            if self.replay is not None:
+                self.replay.set(None)
 
     def _logits_to_logp(self, logits, mb: MicroBatch, with_entropy: bool):
         return shift_logprobs(logits, mb.tokens, self.ps.tp_group, self.ps.tp, self.ps.tp_rank,
                               with_entropy, vocab_size=self.args.vocab_size)
+
+    def _microbatches(self, batch: TensorBatch) -> list[MicroBatch]:
+        """Token-budget micro-batches of ``batch``. With expert parallelism every MoE layer's
+        all-to-all pairs the EP ranks micro-batch by micro-batch, so each rank runs as many as
+        the EP rank with the most: the others add filler micro-batches (one token, loss mask 0,
+        no row of the batch)."""
+        mbs = make_microbatches(batch, self.cfg.train.micro_batch_tokens, self.ps.device)
+        if self.ps.ep > 1:
+            n = torch.tensor([len(mbs)], dtype=torch.int64, device=self.ps.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.ps.ep_group)
+            one = TensorBatch(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                              {k: torch.zeros(1, 1, dtype=v.dtype) for k, v in batch.fields.items()})
+            while len(mbs) < int(n):
+                filler = make_microbatches(one, 1, self.ps.device)[0]
+                filler.indices = torch.zeros(0, dtype=torch.long)
+                mbs.append(filler)
+        return mbs
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -154,16 +182,16 @@ class Engine:
         names = ["logp", "entropy"] if with_entropy else ["logp"]
         # Filled in place by the last stage's loss_func; zeros elsewhere until the broadcast.
         out = {n: torch.zeros(len(batch), batch.seq_len, dtype=torch.float32) for n in names}
-        if len(batch) == 0:  # schedules need a micro-batch; TP/PP peers hold the same empty batch
+        if len(batch) == 0 and self.ps.ep == 1:  # TP/PP peers hold the same empty batch
             return LogpResult(out["logp"], out.get("entropy"))
-        mbs = make_microbatches(batch, self.cfg.train.micro_batch_tokens, self.ps.device)
+        mbs = self._microbatches(batch)
 
         def loss_func(mb, logits):
             logp, ent = self._logits_to_logp(logits, mb, with_entropy)
             valid = mb.valid.bool()
             s = mb.tokens.shape[1]  # each row of the batch is written by exactly one micro-batch
             for name, t in (("logp", logp), ("entropy", ent)):
-                if t is not None:  # padding positions hold garbage: keep the batch zero-padded
+                if t is not None and len(mb.indices):  # padding positions hold garbage: keep zeros
                     out[name][mb.indices, :s] = torch.where(valid, t, 0.0).float().cpu()
             return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
 
@@ -183,7 +211,7 @@ class Engine:
             c.train()
             c.zero_grad_buffer()  # DDP accumulates over micro-batches: every step starts at 0
         self.optimizer.zero_grad()
-        mbs = make_microbatches(batch, self.cfg.train.micro_batch_tokens, self.ps.device)
+        mbs = self._microbatches(batch)
         step_tokens = batch["loss_mask"].sum(dtype=torch.float64).reshape(1).to(self.ps.device)
         dist.all_reduce(step_tokens, group=self.ps.dp_group)  # one denominator on every DP rank
         for mb in mbs:

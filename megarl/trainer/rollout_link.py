@@ -22,12 +22,13 @@ import os
 import subprocess
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megarl.rollout.channel import (AdminCall, BatchRequest, ClusterCall, EvalPoll, EvalSubmit, Init,
                                     Link, RemoteError, StateRequest)
-from megarl.rollout.types import Trajectory
+from megarl.rollout.types import RoutedExperts, Trajectory
 
 log = logging.getLogger("megarl.link")
 
@@ -270,19 +271,37 @@ class ManagerState:
         self.loaded = state
 
 
+def _broadcast_routes(batch, ps, n_tok: int, layers: int, k: int):
+    """Rank 0's route arrays on every rank: one int32 and one float32 broadcast."""
+    ids = torch.empty(n_tok, layers, k, dtype=torch.int32)
+    w = torch.empty(n_tok, layers, k, dtype=torch.float32)
+    if ps.rank == 0:
+        ids = torch.from_numpy(np.ascontiguousarray(batch.arrays["route_ids"], np.int32))
+        w = torch.from_numpy(np.ascontiguousarray(batch.arrays["route_weights"], np.float32))
+    dist.broadcast(ids, src=0)
+    dist.broadcast(w, src=0)
+    return ids.numpy(), w.numpy()
+
+
 _INT_FIELDS = ("input_ids", "loss_mask", "versions")
 _SAMPLE_FIELDS = ("lengths", "group_ids", "dp_rank")
 
 
 def unpack_step(batch, ps) -> tuple[list[Trajectory], dict, list[str]]:
-    """Rank 0's `Batch` -> every rank's trajectories: two tensor broadcasts (ints, floats) plus a
-    small object broadcast (servers to re-admit). Infos and stats stay on rank 0."""
+    """Rank 0's `Batch` -> every rank's trajectories: two tensor broadcasts (ints, floats), two
+    more with MoE routes, plus a small object broadcast (servers to re-admit). Infos and stats
+    stay on rank 0."""
+    routes = None  # MoE routing replay: (ids, weights) [tokens, layers, k] numpy
     if ps.world_size > 1:
-        head = torch.zeros(2, dtype=torch.int64)
+        head = torch.zeros(4, dtype=torch.int64)
         if ps.rank == 0:
             head[0], head[1] = len(batch.arrays["input_ids"]), len(batch.arrays["lengths"])
+            if "route_ids" in batch.arrays:
+                head[2], head[3] = batch.arrays["route_ids"].shape[1:]
         dist.broadcast(head, src=0)
         n_tok, n = int(head[0]), int(head[1])
+        if head[2] > 0:
+            routes = _broadcast_routes(batch, ps, n_tok, int(head[2]), int(head[3]))
         ints = torch.empty(3 * n_tok + 3 * n, dtype=torch.int64)
         floats = torch.empty(n_tok + n, dtype=torch.float64)
         if ps.rank == 0:
@@ -299,13 +318,16 @@ def unpack_step(batch, ps) -> tuple[list[Trajectory], dict, list[str]]:
         cols["behave_logp"], cols["rewards"] = floats[:n_tok].tolist(), floats[n_tok:].tolist()
         infos, stats, rejoin = (batch.infos, batch.stats, rejoin[0]) if ps.rank == 0 else ([{}] * n, {}, rejoin[0])
     else:
-        cols = {k: v.tolist() for k, v in batch.arrays.items()}
+        cols = {k: v.tolist() for k, v in batch.arrays.items() if not k.startswith("route_")}
         infos, stats, rejoin = batch.infos, batch.stats, batch.rejoin
+        if "route_ids" in batch.arrays:
+            routes = batch.arrays["route_ids"], batch.arrays["route_weights"]
     trajs, at = [], 0
     for i, n_i in enumerate(cols["lengths"]):
         s = slice(at, at + n_i)
+        r = RoutedExperts(routes[0][s], routes[1][s]) if routes is not None else None
         t = Trajectory(cols["input_ids"][s], cols["loss_mask"][s], cols["behave_logp"][s], cols["versions"][s],
-                       float(cols["rewards"][i]), int(cols["group_ids"][i]), dict(infos[i]))
+                       float(cols["rewards"][i]), int(cols["group_ids"][i]), dict(infos[i]), r)
         t.info["dp_rank"] = int(cols["dp_rank"][i])
         trajs.append(t)
         at += n_i

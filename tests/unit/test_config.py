@@ -117,12 +117,16 @@ def test_moe_parallel_fields(tmp_path, hf):
     moe = write_random_hf(str(tmp_path / "moe"), tiny_config("Qwen3MoeForCausalLM"))
     assert load(moe, "parallel.ep=2").parallel.ep == 2
     assert load(moe, "train.algorithm=grpo", "rollout.servers=[http://sglang:30000]").rollout.servers
+    assert not load(moe, "train.algorithm=grpo").rollout.servers  # the local CPU server serves MoE
     for model, overrides, msg in [
         (moe, ["parallel.tp=2"], "parallel.tp: MoE models (Qwen3MoeForCausalLM) run with tp=1"),
         (moe, ["parallel.ep=3"], "parallel.ep: 3 does not divide num_experts=4"),
         (hf, ["parallel.ep=2"], "parallel.ep: 2 > 1 needs an MoE model"),
-        (moe, ["train.algorithm=grpo"], "rollout.servers: the local megarl CPU rollout server does "
-                                        "not serve MoE models"),
+        (moe, ["moe.routing_replay=rollout", "model.recompute=true", "parallel.pp=2"],
+         "moe.routing_replay: not supported with model.recompute and parallel.pp > 1"),
+        (moe, ["moe.routing_replay=rollout", "moe.replay_check=true", "algo.prox_logp_mode=loglinear",
+               "algo.policy_loss=decoupled_ppo"], "moe.replay_check: needs algo.prox_logp_mode recompute"),
+        (moe, ["moe.replay_check=true"], "moe.replay_check: needs moe.routing_replay: rollout"),
     ]:
         with pytest.raises(ConfigError) as e:
             load(model, *overrides)

@@ -25,11 +25,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
+import numpy as np
+
 from megarl.data.chat import ChatTemplate
 from megarl.data.prompts import PromptSample
 from megarl.data.tokenizer import Tokenizer
 from megarl.rewards.base import RewardCaller
-from megarl.rollout.types import ModelResponse, SamplingParams, Trajectory
+from megarl.rollout.types import ModelResponse, RoutedExperts, SamplingParams, Trajectory
 
 __all__ = ["WorkflowContext", "RolloutWorkflow", "TokenTrace", "load_workflow", "load_workflow_class",
            "check_episode", "completion_text"]
@@ -79,6 +81,7 @@ class TokenTrace:
         self.loss_mask: list[int] = []
         self.behave_logp: list[float] = []
         self.versions: list[int] = []
+        self.routes: Optional[RoutedExperts] = None  # set by the first response that has them
         self.add_context(prompt_ids)
 
     def __len__(self) -> int:
@@ -91,14 +94,47 @@ class TokenTrace:
         self.versions += [-1] * len(ids)
 
     def add_generated(self, resp: ModelResponse) -> None:
+        if resp.routed_experts is not None:
+            self._add_routes(resp)
         self.input_ids += resp.output_tokens
         self.loss_mask += [1] * len(resp.output_tokens)
         self.behave_logp += resp.output_logprobs
         self.versions += resp.output_versions
 
+    def _add_routes(self, resp: ModelResponse) -> None:
+        """Routes token-aligned with the trace (`Trajectory.routes`). The response's row q is
+        position q of its request + output. When the request was this whole trace, every row
+        lands on its position; rows the trace holds already (an earlier turn's) are kept, like
+        `RoutedExperts.extend` keeps a resubmitted segment's prefix. Otherwise (the workflow sent
+        other context) only the rows of the generated tokens are placed."""
+        got = resp.routed_experts
+        n_old, n_new = len(self.input_ids), len(self.input_ids) + resp.output_len
+        _, layers, k = got.ids.shape
+        ids = np.full((n_new, layers, k), -1, np.int32)
+        w = np.full((n_new, layers, k), np.nan, np.float32)
+        if self.routes is not None:
+            held = self.routes.rows  # context added since then has no rows yet
+            ids[:held], w[:held] = self.routes.ids, self.routes.weights
+        first = 0 if resp.input_tokens == self.input_ids else resp.input_len  # response rows to place
+        shift = n_old - resp.input_len  # trace position of response row q: q + shift
+        rows = np.arange(first, min(got.rows, resp.input_len + resp.output_len))
+        rows = rows[rows + shift >= 0]
+        held = (ids >= 0).any(axis=(1, 2))  # rows of earlier turns
+        rows = rows[~held[rows + shift]]
+        ids[rows + shift] = got.ids[rows]
+        if got.weights is not None:
+            w[rows + shift] = got.weights[rows]
+        self.routes = RoutedExperts(ids, w)
+
     def to_trajectory(self, reward: float, group_id: int, info: dict) -> Trajectory:
+        routes = self.routes
+        if routes is not None and routes.rows < len(self.input_ids):  # context added after the last turn
+            pad = len(self.input_ids) - routes.rows
+            routes = RoutedExperts(np.concatenate([routes.ids, np.full((pad, *routes.ids.shape[1:]), -1, np.int32)]),
+                                   np.concatenate([routes.weights, np.full((pad, *routes.ids.shape[1:]), np.nan,
+                                                                           np.float32)]))
         return Trajectory(list(self.input_ids), list(self.loss_mask), list(self.behave_logp),
-                          list(self.versions), float(reward), group_id, info)
+                          list(self.versions), float(reward), group_id, info, routes)
 
 
 def load_workflow(path: str, ctx: WorkflowContext, args: Optional[dict] = None) -> RolloutWorkflow:
