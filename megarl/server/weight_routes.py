@@ -161,6 +161,8 @@ def _in_place_targets(model, names, dtypes, shapes) -> dict:
     """{name: parameter} for the announced tensors a broadcast may write straight into (same
     dtype, contiguous); empty when any name or shape is bad, so a bad announce writes nothing
     and its error comes from the load, after every byte was received (the trainer never hangs)."""
+    if model.tp is not None:  # a TP rank holds slices: full tensors land in `model.load`
+        return {}
     try:
         canon = [model.check_update(n, s) for n, s in zip(names, shapes)]
     except (KeyError, ValueError):
@@ -216,7 +218,7 @@ async def get_weights_by_name(request: web.Request) -> web.Response:
     k = body_field(body, "truncate_size", int, 100)
     model = state.engine.model
     canon = _param(model, name, "name")
-    t = await on_engine(state, lambda: model.params[canon][:k].float().clone())
+    t = await on_engine(state, lambda: model.full_param(canon)[:k].float().clone())
     return web.json_response(t.tolist())
 
 
@@ -237,7 +239,7 @@ async def weights_checksum(request: web.Request) -> web.Response:
     canon = {n: _param(model, n, "names") for n in names}
 
     def digests():  # on the engine thread: never between the tensors of a load
-        return {n: tensor_digest(model.params[canon[n]], d) for n, d in zip(names, casts)}
+        return {n: tensor_digest(model.full_param(canon[n]), d) for n, d in zip(names, casts)}
 
     return result(True, f"{len(names)} checksums", checksums=await on_engine(state, digests))
 
