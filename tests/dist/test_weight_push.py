@@ -127,3 +127,27 @@ def test_delta_push_sends_only_changed_tensors(models):
     assert r["second_bytes"] == 657664 - 4 * (128 * 64 + 36992) == 476928
     assert r["after"] <= 1e-5 and r["version"] == "2"
     assert r["compared"] == 39 and r["differ"] == [] and r["verify"] == []
+
+
+# trainer TP 1 and 2 into a megarl-server --tp 2 (the TP=1 server cells are SPECS above)
+SERVER_TP_SPECS = ["1,1,distributed", "2,1,distributed", "2,1,tensor"]
+
+
+@pytest.fixture(scope="module")
+def tp2_server_layouts(models):
+    d, a, b = models
+    url, proc = start_server(a, str(d / "server_tp2.log"), ["--tp", "2"])
+    try:
+        out = d / "layouts_tp2.json"
+        torchrun("push_worker.py", 2, "layouts", a, b, url, d, out, *SERVER_TP_SPECS)
+        return json.loads(out.read_text())
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("spec", SERVER_TP_SPECS)
+def test_push_into_tp2_server_makes_it_equal_trainer(tp2_server_layouts, spec):
+    r = tp2_server_layouts[spec]
+    assert r["before"] > 0.1 and r["after"] <= 1e-5 and r["version"] == "1"
+    assert r["bad"] == []  # every tensor, gathered from both server ranks, equals the export bitwise
+    assert r["bytes"] == 657664
