@@ -124,6 +124,10 @@ class TPGroup:
 
 def follow(model, cache, group: TPGroup) -> None:
     """A follower's life: run the leader's commands until it says stop (or its socket dies)."""
+    from megarl.net import new_process_group
+    from megarl.server.weights import WeightGroup, receive_shards
+
+    groups: dict[str, WeightGroup] = {}  # weight-update groups this rank joined (shard refit)
     with torch.inference_mode():
         while True:
             op, args = group.receive()
@@ -141,9 +145,15 @@ def follow(model, cache, group: TPGroup) -> None:
                 model.load_local(args[0])
             elif op == "gather":
                 model.gather_full(args[0])
-            elif op == "receive_shards":
-                from megarl.server.weights import receive_shards
-
-                receive_shards(model, *args)
+            elif op == "join":  # addr, port, the leader's rank, world, name, backend, timeout
+                addr, port, rank, world, name, backend, timeout = args
+                groups[name] = WeightGroup(new_process_group(addr, port, rank + group.rank, world, name,
+                                                             backend, timeout))
+            elif op == "destroy":
+                pg = groups.pop(args[0], None)
+                if pg is not None:
+                    dist.destroy_process_group(pg.pg)
+            elif op == "receive_shards":  # name, units, trainer TP
+                receive_shards(model, groups[args[0]], args[1], args[2])
             else:
                 raise RuntimeError(f"server TP rank {group.rank}: unknown command {op!r}")

@@ -85,11 +85,19 @@ async def init_group(request: web.Request) -> web.Response:
         raise BadRequest(f"rank_offset={rank} must be in [1, world_size={world})")
     if name in state.groups:
         return result(False, f"group {name!r} already exists; destroy it first")
+    # shard refit: every server TP rank joins, as rank_offset + its TP rank (megarl extension)
+    tp_ranks = bool(body.get("server_tp_ranks", False)) and state.engine.model.tp is not None
+    if tp_ranks:
+        if rank + state.engine.model.tp_size > world:
+            raise BadRequest(f"rank_offset={rank} + tp_size={state.engine.model.tp_size} exceeds world_size={world}")
+        await on_engine(state, lambda: state.engine.model.tp.command("join", addr, port, rank, world, name,
+                                                                     backend, timeout))
     try:
         pg = await asyncio.to_thread(new_process_group, addr, port, rank, world, name, backend, timeout)
     except Exception as e:  # noqa: BLE001 - rendezvous failures are the caller's to see
         return result(False, f"init_weights_update_group failed: {type(e).__name__}: {e}")
     state.groups[name] = W.WeightGroup(pg)
+    state.groups[name].tp_ranks = tp_ranks
     return result(True, f"joined {name!r} as rank {rank}/{world} ({backend})")
 
 
@@ -99,7 +107,12 @@ async def destroy_group(request: web.Request) -> web.Response:
     group = state.groups.pop(name, None)
     if group is None:
         return result(False, f"no group {name!r}")
-    await on_engine(state, lambda: W.destroy_weight_update_group(group.pg))
+    def destroy():
+        if getattr(group, "tp_ranks", False):
+            state.engine.model.tp.command("destroy", name)
+        W.destroy_weight_update_group(group.pg)
+
+    await on_engine(state, destroy)
     return result(True, f"destroyed {name!r}")
 
 
@@ -124,6 +137,8 @@ async def from_distributed(request: web.Request) -> web.Response:
             raise BadRequest(f"shapes[{i}] must be a list of non-negative ints, got {shape!r}")
     name = body_field(body, "group_name", str, "weight_update_group")
     load_format = body_field(body, "load_format", str, None)
+    if load_format == SHARD_REFIT:
+        return await _from_shards(state, body, names)
     if load_format not in (None, FLATTENED_BUCKET, DIRECT_BUCKET):
         raise BadRequest(f"load_format: {load_format!r} is not supported "
                          f"(None, {FLATTENED_BUCKET!r} or {DIRECT_BUCKET!r})")
@@ -155,6 +170,56 @@ async def from_distributed(request: web.Request) -> web.Response:
 
 class _ReceiveError(RuntimeError):
     pass
+
+
+SHARD_REFIT = "shard_refit"
+
+
+async def _from_shards(state: ServerState, body: dict, names: list) -> web.Response:
+    """load_format "shard_refit" (megarl extension, `megarl.weights.refit`): ``refit_units`` (one
+    ``[key, kind, dim, length, padded, dtype]`` per name) arrive point to point from the
+    ``refit_src_tp`` trainer TP ranks, each server TP rank receiving its own slices."""
+    from megarl.weights.refit import UNIT_KINDS
+
+    units = body_field(body, "refit_units", list, required=True)
+    src_tp = body_field(body, "refit_src_tp", int, required=True)
+    name = body_field(body, "group_name", str, "weight_update_group")
+    model = state.engine.model
+    try:
+        if len(units) != len(names) or src_tp < 1:
+            raise ValueError(f"{len(units)} units for {len(names)} names, refit_src_tp={src_tp}")
+        for u in units:
+            if not (isinstance(u, list) and len(u) == 6 and u[1] in UNIT_KINDS):
+                raise ValueError(f"bad unit {str(u)[:80]}")
+            model.storage(u[0])
+            W.parse_dtype(u[5])
+    except (KeyError, ValueError, TypeError) as e:
+        raise BadRequest(f"refit_units: {e}") from e
+    group = state.groups.get(name)
+    if group is None:
+        return result(False, f"no weight update group {name!r}; call /init_weights_update_group")
+    if model.tp is not None and not getattr(group, "tp_ranks", False):
+        return result(False, f"group {name!r} was joined without server_tp_ranks; shard refit needs every TP rank")
+    version, abort_all = _version(body), bool(body.get("abort_all_requests", False))
+
+    def receive():
+        if abort_all:
+            state.engine.abort(None, abort_all=True)
+        if model.tp is not None:
+            model.tp.command("receive_shards", name, units, src_tp)
+        try:
+            n = W.receive_shards(model, group, units, src_tp)
+        except Exception as e:  # noqa: BLE001
+            raise _ReceiveError(f"{type(e).__name__}: {e}") from e
+        if version is not None:
+            state.engine.weight_version = version
+        return n
+
+    try:
+        n = await on_engine(state, receive)
+    except _ReceiveError as e:
+        return result(False, f"shard receive failed: {e}")
+    return result(True, f"received {n} slices of {len(units)} units", weight_version=state.engine.weight_version)
 
 
 def _in_place_targets(model, names, dtypes, shapes) -> dict:

@@ -12,6 +12,7 @@ from megarl.models.random_hf import tiny_config, write_random_hf
 
 SPECS = [f"{layout},{transport}" for transport in ("distributed", "disk", "tensor")
          for layout in ("1,1", "2,1", "1,2", "2,2")]  # TP=1, TP=2, PP=2, TP=2 x PP=2
+SPECS += ["1,1,distributed,shard", "2,1,distributed,shard"]  # weights.refit=shard into a TP=1 server
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,8 @@ def test_delta_push_sends_only_changed_tensors(models):
 
 
 # trainer TP 1 and 2 into a megarl-server --tp 2 (the TP=1 server cells are SPECS above)
-SERVER_TP_SPECS = ["1,1,distributed", "2,1,distributed", "2,1,tensor"]
+SERVER_TP_SPECS = ["1,1,distributed", "2,1,distributed", "2,1,tensor",
+                   "1,1,distributed,shard", "2,1,distributed,shard"]  # 4th field: weights.refit
 
 
 @pytest.fixture(scope="module")
@@ -150,4 +152,7 @@ def test_push_into_tp2_server_makes_it_equal_trainer(tp2_server_layouts, spec):
     r = tp2_server_layouts[spec]
     assert r["before"] > 0.1 and r["after"] <= 1e-5 and r["version"] == "1"
     assert r["bad"] == []  # every tensor, gathered from both server ranks, equals the export bitwise
-    assert r["bytes"] == 657664
+    assert r["verify"] == []  # and its checksum equals the trainer's
+    # shard refit sends the replicated tensors (embedding, lm_head, 9 norms of 64) to both server
+    # ranks: 657,664 + 4 x (2 x 128 x 64 + 9 x 64) = 725,504 bytes; the gathered push sends each once
+    assert r["bytes"] == (725504 if spec.endswith("shard") else 657664)
