@@ -72,7 +72,7 @@ class ShardRefitTransport:
             return
         box = [None]
         if ps.tp_rank == 0:
-            infos = self.admin.call(lambda c: c._admin("/get_server_info", method="GET"), self.timeout_s)
+            infos = self.admin.call(lambda c: c.get_server_info(), self.timeout_s)
             self.server_tp = [int(infos[a].get("tp_size", 1)) for a in self.admin.addresses]
             addr = advertised_address(self.addr, url_host(self.admin.addresses[0]))
             box = [(addr, free_port(addr), self.server_tp)]
@@ -86,8 +86,7 @@ class ShardRefitTransport:
                     "group_name": self.group_name, "backend": self.backend, "server_tp_ranks": True,
                     "timeout": self.timeout_s}
             bodies = {a: {**body, "rank_offset": o} for a, o in zip(self.admin.addresses, offsets)}
-            joined = self.admin.submit(lambda c: c._admin("/init_weights_update_group", bodies=bodies,
-                                                          timeout=self.timeout_s))
+            joined = self.admin.submit(lambda c: c.shard_refit_call("/init_weights_update_group", bodies))
         try:
             self.group = new_process_group(addr, port, ps.tp_rank, world, self.group_name, self.backend,
                                            self.timeout_s)
@@ -122,8 +121,8 @@ class ShardRefitTransport:
                     "shapes": [[] for _ in units], "group_name": self.group_name,
                     "load_format": "shard_refit", "refit_units": units, "refit_src_tp": ps.tp,
                     "flush_cache": False}
-            announced = self.admin.submit(lambda c: c._admin("/update_weights_from_distributed", body,
-                                                             timeout=self.timeout_s))
+            bodies = {a: body for a in self.admin.addresses}
+            announced = self.admin.submit(lambda c: c.shard_refit_call("/update_weights_from_distributed", bodies))
         args = e.args
         heads, groups, hd = args.num_heads, args.num_kv_heads, args.head_dim
         works, pieces, base = [], [], ps.tp

@@ -56,3 +56,18 @@ def test_refusals_name_the_flag():
         shard_config(cfg(), 3)
     with pytest.raises(ValueError, match=r"num_key_value_heads=3"):
         shard_config(cfg(num_attention_heads=6, num_key_value_heads=3, head_dim=16), 2)
+
+
+def test_shard_refit_config_refusals(tmp_path):
+    from megarl.config import ConfigError, load_config
+    from megarl.models.random_hf import write_random_hf
+
+    hf = write_random_hf(str(tmp_path / "m"), tiny_config(), seed=0)
+    base = [f"model.hf_path={hf}", "data.train_path=x", "weights.refit=shard"]
+    with pytest.raises(ConfigError, match=r"weights.refit: shard needs weights.transport=distributed"):
+        load_config(None, base + ["weights.transport=disk"])
+    with pytest.raises(ConfigError, match=r"weights.refit: shard supports dense models on one pipeline stage"):
+        load_config(None, base + ["parallel.pp=2"])
+    with pytest.raises(ConfigError, match=r"weights.refit"):
+        load_config(None, [f"model.hf_path={hf}", "data.train_path=x", "weights.refit=scatter"])
+    assert load_config(None, base).weights.refit == "shard"
