@@ -2,15 +2,15 @@
 
     megarl-server --model HF_DIR [--host 127.0.0.1 --port 30000] [--dtype float32|bfloat16]
                   [--api-key KEY] [--max-running-requests N] [--context-length N] [--threads N]
-                  [--enable-return-routed-experts] [--device cpu|cuda|cuda:N]
+                  [--enable-return-routed-experts] [--device cpu|cuda|cuda:N] [--tp N]
 
 It exists so that the whole RL loop (partial rollouts, weight pushes over gloo/disk/tensor) runs
 and is tested on a CPU-only machine with the same client that drives real SGLang servers.
 Modules: `model` (HF Llama/Mistral/Qwen2/Qwen3 forward + KV cache, sliding windows), `moe` (the
 Qwen3-MoE / Qwen2-MoE expert MLP and its routing record), `sampling` (batched sampler),
-`engine` (continuous batching thread), `protocol` (/generate JSON), `app` + `weight_routes`
-(HTTP endpoints, both built on `state`), `weights` (safetensors dirs, tensor payloads, broadcast
-receive).
+`engine` (continuous batching thread), `tp` (``--tp N``: tensor-parallel ranks over gloo),
+`protocol` (/generate JSON), `app` + `weight_routes` (HTTP endpoints, both built on `state`),
+`weights` (safetensors dirs, tensor payloads, broadcast and shard-refit receive).
 """
 
 from __future__ import annotations

@@ -349,7 +349,7 @@ class CausalLM:
         names = [self.check_update(n, t.shape) for n, t in tensors.items()]
         canon = dict(zip(names, tensors.values()))
         if self.tp is not None and self.tp.leader:
-            self.tp.command("load", canon)
+            self.tp.send_tensors(canon)
         self.load_local(canon)
 
     def load_local(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -113,6 +113,22 @@ class TPGroup:
         dist.broadcast_object_list(box, src=0, group=self.pg)
         return box[0]
 
+    def send_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Leader: ``load`` a dict of full tensors on every follower: the names, dtypes and shapes
+        as a command, the bytes as one tensor broadcast each (no pickling of tensor data)."""
+        tensors = {n: t.contiguous() for n, t in tensors.items()}
+        self.command("load", [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+        works = [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in tensors.values()]
+        for w in works:
+            w.wait()
+
+    def receive_tensors(self, meta: list) -> dict[str, torch.Tensor]:
+        out = {n: torch.empty(shape, dtype=dtype) for n, dtype, shape in meta}
+        works = [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in out.values()]
+        for w in works:
+            w.wait()
+        return out
+
     def all_reduce(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, group=self.pg)
 
@@ -142,7 +158,7 @@ def follow(model, cache, group: TPGroup) -> None:
             elif op == "cache_clear":
                 cache.clear()
             elif op == "load":
-                model.load_local(args[0])
+                model.load_local(group.receive_tensors(args[0]))
             elif op == "gather":
                 model.gather_full(args[0])
             elif op == "join":  # addr, port, the leader's rank, world, name, backend, timeout

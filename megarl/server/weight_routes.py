@@ -8,6 +8,12 @@
   "direct_bucket": large tensors straight into their parameters, the small ones packed; see
   `weights.receive_broadcast`), then load them all (every announced tensor is received even when a name is bad, so the trainer's
   broadcasts never hang; the bad name is reported afterwards).
+- megarl extensions for shard-to-shard refit (`megarl.weights.shard_push`): ``server_tp_ranks:
+  true`` in ``/init_weights_update_group`` makes every TP rank of a ``--tp N`` server join, as
+  ``rank_offset + tp_rank``; ``load_format: "shard_refit"`` with ``refit_units`` and
+  ``refit_src_tp`` receives the units' slices point to point on every TP rank
+  (`weights.receive_shards`). A TP server's other loads take full tensors on rank 0, which hands
+  each follower its slices.
 - ``/update_weights_from_disk`` {model_path, weight_version}: a full HF safetensors dir, only under
   the server's weights roots (``--weights-root``; default the model dir's parent).
 - ``/update_weights_from_tensor`` {serialized_named_tensors: [base64 safetensors], load_format,
