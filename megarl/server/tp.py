@@ -146,7 +146,10 @@ def follow(model, cache, group: TPGroup) -> None:
     groups: dict[str, WeightGroup] = {}  # weight-update groups this rank joined (shard refit)
     with torch.inference_mode():
         while True:
-            op, args = group.receive()
+            try:
+                op, args = group.receive()
+            except RuntimeError:  # the leader closed the group: it exited (its SIGKILL follows)
+                return
             if op == "stop":
                 return
             if op == "prefill":

@@ -51,6 +51,12 @@ def test_tp2_server_equals_tp1(tmp_path, start_server):
         assert code == 200 and torch.equal(torch.tensor(got), ref[name]), name
     sums = [http("POST", s.url + "/weights_checksum", {"names": names})[1]["checksums"] for s in (one, two)]
     assert sums[0] == sums[1] and len(sums[0]) == len(names)
+    # a shard-refit announce naming a storage the server does not have is refused before any receive
+    code, out = http("POST", two.url + "/update_weights_from_distributed", {
+        "names": ["model.layers.9.mlp.gate_up"], "dtypes": ["float32"], "shapes": [[]],
+        "load_format": "shard_refit", "refit_src_tp": 2,
+        "refit_units": [["model.layers.9.mlp.gate_up", "gate_up", 0, 128, 0, "float32"]]})
+    assert code == 400 and out["message"] == "refit_units: \"unknown shard-refit unit 'model.layers.9.mlp.gate_up'\""
 
 
 def test_moe_server_refuses_tp(tmp_path):
