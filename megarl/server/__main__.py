@@ -6,6 +6,9 @@ Security defaults: binds 127.0.0.1 unless ``--host`` says otherwise (a non-loopb
 directories (default: the model dir's parent). Bad startup input (model dir, config.json,
 safetensors, tokenizer, a port in use) is one line ``megarl-server: <message>`` and exit status
 2; ``--debug`` shows the traceback instead.
+
+``--tp N`` (dense models, CPU): this process is TP rank 0 and starts ranks 1..N-1 as children
+(``--tp-rank``, hidden) that die with it; see `megarl.server.tp`.
 """
 
 from __future__ import annotations
@@ -145,8 +148,8 @@ def serve(args, argv=None) -> int:
     app = build_app(state)
 
     async def announce(_app):
-        log.info("megarl-server ready on %s (model %s, %.1fs)", http_url(args.host, args.port),
-                 args.model, time.perf_counter() - t0)
+        log.info("megarl-server ready on %s (model %s%s, %.1fs)", http_url(args.host, args.port),
+                 args.model, f", {args.tp} TP ranks" if args.tp > 1 else "", time.perf_counter() - t0)
 
     app.on_startup.append(announce)
     # A server started with SIGTERM ignored (by a trainer or launcher that owns its lifetime, see
