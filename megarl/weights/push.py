@@ -190,7 +190,9 @@ class WeightPusher:
            its parameters into byte-capped buckets (Resharder); the stage source sends each one:
            distributed = announce names/dtypes/shapes over HTTP + broadcast the tensors over the
            stage's weight-update group; tensor = POST the bucket; disk = (after all stages) write
-           the HF checkpoint atomically and POST ``/update_weights_from_disk``.
+           the HF checkpoint atomically and POST ``/update_weights_from_disk``. With
+           ``weights.refit: shard`` there are no buckets: every TP rank of DP rank 0 sends its own
+           slices point to point to the server TP ranks that hold them (`shard_push`).
         3. driver, ``cluster.end_push``: once every bucket is loaded, ``/update_weight_version``
            {new_version} (servers flip version atomically), ``/end_weight_update``, the version
            committed on the rollout side (the staleness window moves), then - also after a
