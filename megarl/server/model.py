@@ -357,24 +357,6 @@ class CausalLM:
         for name, t in tensors.items():
             self.params[name].copy_(local_slice(name, t, self.full_cfg, self.tp_rank, self.tp_size))
 
-    def storage(self, key: str) -> torch.Tensor:
-        """This rank's local tensor for a shard-refit unit key: an HF name whose parameter is a
-        whole storage, or a fused one, ``model.layers.N.self_attn.qkv[_bias]`` /
-        ``model.layers.N.mlp.gate_up[_bias]`` (KeyError otherwise)."""
-        if key == "lm_head.weight" and self.cfg.tie_word_embeddings:
-            key = "model.embed_tokens.weight"
-        if key in self.params:
-            return self.params[key]
-        head, _, leaf = key.rpartition(".")
-        parts = head.split(".")
-        fused = {"qkv": "qkv", "qkv_bias": "qkv_b", "gate_up": "gate_up", "gate_up_bias": "gate_up_b"}
-        if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and leaf in fused:
-            layer = int(parts[2])
-            t = self.layers[layer].get(fused[leaf]) if layer < len(self.layers) else None
-            if t is not None:
-                return t
-        raise KeyError(f"unknown shard-refit unit {key!r}")
-
     def full_param(self, name: str) -> torch.Tensor:
         """Canonical parameter ``name`` as the full HF tensor (under TP: gathered from every rank)."""
         if self.tp is None:

@@ -185,6 +185,7 @@ async def _from_shards(state: ServerState, body: dict, names: list) -> web.Respo
     """load_format "shard_refit" (megarl extension, `megarl.weights.refit`): ``refit_units`` (one
     ``[key, kind, dim, length, padded, dtype]`` per name) arrive point to point from the
     ``refit_src_tp`` trainer TP ranks, each server TP rank receiving its own slices."""
+    from megarl.server.tp import storage
     from megarl.weights.refit import UNIT_KINDS
 
     units = body_field(body, "refit_units", list, required=True)
@@ -197,7 +198,7 @@ async def _from_shards(state: ServerState, body: dict, names: list) -> web.Respo
         for u in units:
             if not (isinstance(u, list) and len(u) == 6 and u[1] in UNIT_KINDS):
                 raise ValueError(f"bad unit {str(u)[:80]}")
-            model.storage(u[0])
+            storage(model, u[0])
             W.parse_dtype(u[5])
     except (KeyError, ValueError, TypeError) as e:
         raise BadRequest(f"refit_units: {e}") from e

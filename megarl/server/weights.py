@@ -170,13 +170,14 @@ def receive_shards(model, group: WeightGroup, units: list, src_tp: int) -> int:
     the whole plan, so both sides agree without another message. Returns the slices received."""
     import torch.distributed as dist
 
+    from megarl.server.tp import storage
     from megarl.weights.refit import unit_slices
 
     full = model.full_cfg
     me, s = model.tp_rank, model.tp_size
     works, copies, tag, n = [], [], 0, 0
     for key, kind, dim, length, padded, dtype in units:
-        dst = model.storage(key)
+        dst = storage(model, key)
         want = parse_dtype(dtype)
         for sl in unit_slices(kind, dim, length, padded, src_tp, s, full.num_heads, full.num_kv_heads,
                               full.head_dim):
