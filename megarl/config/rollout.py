@@ -184,10 +184,20 @@ class WeightSyncConfig:
     transport; for the distributed one, large tensors broadcast straight into the server's
     parameters and the small ones packed, per bucket) or sglang (real SGLang: its tensor payload,
     one broadcast per tensor)."""
+    refit: str = "gather"
+    """How tensor-parallel shards reach the servers: gather (the stage source gathers each full
+    tensor over its TP group and broadcasts it; any server) or shard (shard-to-shard refit: every
+    trainer TP rank sends its own slices point to point to the megarl-server TP ranks that hold
+    them, no full tensor on any rank; needs transport distributed, tensor_format megarl, one
+    pipeline stage and a dense model; see megarl/weights/shard_push.py)."""
 
     def validate(self) -> None:
         _check(self, "weights")
         _choice("weights.transport", self.transport, ("distributed", "disk", "tensor"))
+        _choice("weights.refit", self.refit, ("gather", "shard"))
+        if self.refit == "shard" and (self.transport != "distributed" or self.tensor_format != "megarl"):
+            raise ConfigError("weights.refit: shard needs weights.transport=distributed and "
+                              "weights.tensor_format=megarl (megarl-server)")
         _choice("weights.tensor_format", self.tensor_format, ("megarl", "sglang"))
         _choice("weights.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         _choice("weights.pause_mode", self.pause_mode, ("abort", "retract", "in_place"))

@@ -41,6 +41,9 @@ class Config:
                 raise
             except ValueError as e:  # sections from megarl.algo raise plain ValueError
                 raise ConfigError(str(e)) from None
+        if self.weights.refit == "shard" and self.parallel.pp > 1:
+            raise ConfigError("weights.refit: shard supports dense models on one pipeline stage "
+                              f"(parallel.pp={self.parallel.pp}); use weights.refit=gather")
         if self.moe.replay_check and self.algo.prox_logp_mode == "loglinear":
             raise ConfigError("moe.replay_check: needs algo.prox_logp_mode recompute or metrics (loglinear "
                               "runs no prox recompute to check)")

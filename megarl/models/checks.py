@@ -58,6 +58,9 @@ def check_against_model(cfg) -> None:
     except (OSError, ValueError) as e:  # unreadable, bad JSON or UTF-8, missing or mistyped keys
         raise ConfigError(f"model.hf_path: {e}") from None
     tp, pp, vpp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp
+    if cfg.weights.refit == "shard" and args.num_experts:  # parallel.pp > 1: Config.validate
+        raise ConfigError("weights.refit: shard supports dense models on one pipeline stage "
+                          f"({args.architecture} is MoE); use weights.refit=gather")
     if args.num_heads % tp:
         raise ConfigError(f"parallel.tp: {tp} does not divide num_attention_heads={args.num_heads}")
     if args.num_kv_heads % tp:

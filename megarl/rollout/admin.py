@@ -98,6 +98,14 @@ class AdminClient(HttpClient):
         """Announce one bucket; the trainer must broadcast it concurrently (src=0)."""
         return await self._admin("/update_weights_from_distributed", meta.to_json(), timeout=self.weight_timeout)
 
+    async def get_server_info(self) -> dict[str, dict]:
+        return await self._admin("/get_server_info", method="GET")
+
+    async def shard_refit_call(self, path: str, bodies: dict[str, dict]) -> dict:
+        """A shard-refit step (megarl-server extension, `megarl.weights.shard_push`): ``path`` with
+        each server's own JSON body ({address: body})."""
+        return await self._admin(path, bodies=bodies, timeout=self.weight_timeout)
+
     async def update_weights_from_disk(self, update: DiskWeightsUpdate) -> dict:
         return await self._admin("/update_weights_from_disk", update.to_json(), timeout=self.weight_timeout)
 

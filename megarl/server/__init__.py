@@ -2,15 +2,15 @@
 
     megarl-server --model HF_DIR [--host 127.0.0.1 --port 30000] [--dtype float32|bfloat16]
                   [--api-key KEY] [--max-running-requests N] [--context-length N] [--threads N]
-                  [--enable-return-routed-experts] [--device cpu|cuda|cuda:N]
+                  [--enable-return-routed-experts] [--device cpu|cuda|cuda:N] [--tp N]
 
 It exists so that the whole RL loop (partial rollouts, weight pushes over gloo/disk/tensor) runs
 and is tested on a CPU-only machine with the same client that drives real SGLang servers.
 Modules: `model` (HF Llama/Mistral/Qwen2/Qwen3 forward + KV cache, sliding windows), `moe` (the
 Qwen3-MoE / Qwen2-MoE expert MLP and its routing record), `sampling` (batched sampler),
-`engine` (continuous batching thread), `protocol` (/generate JSON), `app` + `weight_routes`
-(HTTP endpoints, both built on `state`), `weights` (safetensors dirs, tensor payloads, broadcast
-receive).
+`engine` (continuous batching thread), `tp` (``--tp N``: tensor-parallel ranks over gloo),
+`protocol` (/generate JSON), `app` + `weight_routes` (HTTP endpoints, both built on `state`),
+`weights` (safetensors dirs, tensor payloads, broadcast and shard-refit receive).
 """
 
 from __future__ import annotations
@@ -91,17 +91,19 @@ def build_state(
     weights_roots: Optional[list[str]] = None,
     enable_return_routed_experts: bool = False,
     device: str = "cpu",
+    tp_size: int = 1,
+    tp_join=None,
 ):
     """Load config, weights and tokenizer; start the engine thread; return the app state.
     Bad input raises OSError/ValueError naming the file. ``weights_roots``: directories
     /update_weights_from_disk may read under (default: the model dir's parent, see
     `state.default_weights_roots`). ``enable_return_routed_experts``: requests may ask for the
     MoE routing (an MoE model only). ``device``: where weights, KV cache and compute live ("cpu",
-    "cuda", "cuda:N"); a CUDA device on a machine without one is a ValueError."""
+    "cuda", "cuda:N"); a CUDA device on a machine without one is a ValueError. ``tp_size`` > 1:
+    this process is the server TP leader (`megarl.server.tp`); ``tp_join()``, called once its
+    weights are loaded, returns the `TPGroup` (every follower has joined)."""
     from megarl.server.engine import GenerationEngine
-    from megarl.server.model import CausalLM, DecoderConfig
     from megarl.server.state import ServerState, default_weights_roots
-    from megarl.server.weights import parse_dtype, read_hf_dir
 
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model {model_dir}: no such directory")
@@ -109,6 +111,30 @@ def build_state(
     for r in roots:
         if not os.path.isdir(r):
             raise FileNotFoundError(f"--weights-root {r}: no such directory")
+    model, cfg, ctx = build_model(model_dir, dtype, context_length, device, 0, tp_size,
+                                  enable_return_routed_experts)
+    if tp_size > 1:
+        model.tp = tp_join()
+    tok = load_tokenizer_or_none(model_dir)
+    if tok is not None and tok.vocab_size > cfg.vocab_size:
+        # text prompts would encode to ids without an embedding row
+        raise ValueError(f"{model_dir}: the tokenizer has {tok.vocab_size} tokens but config.json "
+                         f"vocab_size={cfg.vocab_size}")
+    engine = GenerationEngine(model, tok, max_running_requests, ctx, max_prefill_tokens, weight_version,
+                              seed)
+    engine.start()
+    return ServerState(engine, model_dir, tok, model_dir if tok is not None else None, api_key,
+                       weights_roots=tuple(dict.fromkeys([os.path.realpath(model_dir), *roots])),
+                       return_routed_experts=enable_return_routed_experts)
+
+
+def build_model(model_dir: str, dtype: str, context_length: Optional[int], device: str, tp_rank: int = 0,
+                tp_size: int = 1, enable_return_routed_experts: bool = False):
+    """(CausalLM holding TP rank ``tp_rank``'s slices, its full DecoderConfig, context length),
+    weights loaded from ``model_dir``; every server TP rank builds its own."""
+    from megarl.server.model import CausalLM, DecoderConfig
+    from megarl.server.weights import parse_dtype, read_hf_dir
+
     config = os.path.join(model_dir, "config.json")
     try:
         cfg = DecoderConfig.from_dir(model_dir)
@@ -121,7 +147,10 @@ def build_state(
     if enable_return_routed_experts and cfg.moe is None:
         raise ValueError(f"--enable-return-routed-experts: {cfg.architecture} has no experts")
     ctx = int(context_length or cfg.max_position_embeddings)
-    model = CausalLM(cfg, parse_dtype(dtype), max_len=ctx, device=check_device(device))
+    if tp_size > 1 and check_device(device) != "cpu":
+        raise ValueError(f"--tp {tp_size}: server tensor parallelism runs on CPU only (--device cpu)")
+    model = CausalLM(cfg, parse_dtype(dtype), max_len=ctx, device=check_device(device), tp_rank=tp_rank,
+                     tp_size=tp_size)
     tensors = read_hf_dir(model_dir)
     missing = model.missing(tensors)
     if missing:
@@ -130,14 +159,4 @@ def build_state(
     if unknown:
         log.warning("ignoring %d unexpected tensors, e.g. %s", len(unknown), unknown[:3])
     model.load({k: v for k, v in tensors.items() if k not in unknown})
-    tok = load_tokenizer_or_none(model_dir)
-    if tok is not None and tok.vocab_size > cfg.vocab_size:
-        # text prompts would encode to ids without an embedding row
-        raise ValueError(f"{model_dir}: the tokenizer has {tok.vocab_size} tokens but config.json "
-                         f"vocab_size={cfg.vocab_size}")
-    engine = GenerationEngine(model, tok, max_running_requests, ctx, max_prefill_tokens, weight_version,
-                              seed)
-    engine.start()
-    return ServerState(engine, model_dir, tok, model_dir if tok is not None else None, api_key,
-                       weights_roots=tuple(dict.fromkeys([os.path.realpath(model_dir), *roots])),
-                       return_routed_experts=enable_return_routed_experts)
+    return model, cfg, ctx

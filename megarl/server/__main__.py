@@ -6,11 +6,16 @@ Security defaults: binds 127.0.0.1 unless ``--host`` says otherwise (a non-loopb
 directories (default: the model dir's parent). Bad startup input (model dir, config.json,
 safetensors, tokenizer, a port in use) is one line ``megarl-server: <message>`` and exit status
 2; ``--debug`` shows the traceback instead.
+
+``--tp N`` (dense models, CPU): this process is TP rank 0 and starts ranks 1..N-1 as children
+(``--tp-rank``, hidden) that die with it; see `megarl.server.tp`.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
+import subprocess
 import signal
 import sys
 import time
@@ -44,19 +49,66 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None, help="seed for requests without a seed")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="MoE models: requests may set return_routed_experts (SGLang's flag)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (CPU, gloo; dense models): this process serves HTTP and "
+                        "starts the other N-1, which hold the other shards (megarl.server.tp)")
+    p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set for followers
+    p.add_argument("--tp-port", type=int, default=0, help=argparse.SUPPRESS)  # the TP group's store
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     add_debug_flag(p)
     args = p.parse_args(argv)
     for flag, v in (("--port", args.port), ("--max-running-requests", args.max_running_requests),
                     ("--max-prefill-tokens", args.max_prefill_tokens), ("--threads", args.threads),
-                    ("--context-length", args.context_length or 1)):
+                    ("--context-length", args.context_length or 1), ("--tp", args.tp)):
         if v < (0 if flag == "--port" else 1) or (flag == "--port" and v > 65535):
             p.error(f"{flag}: out of range: {v}")
     return args
 
 
-def serve(args) -> int:
+def _spawn_followers(args, argv, port: int) -> list:
+    """The leader starts TP ranks 1..N-1 as children that die with it (SIGKILL on its death)."""
+    from megarl.signals import owned_child_setup
+
+    return [subprocess.Popen([sys.executable, "-m", "megarl.server", *argv, "--tp-rank", str(r),
+                              "--tp-port", str(port)], preexec_fn=owned_child_setup)
+            for r in range(1, args.tp)]
+
+
+def _join(rank: int, size: int, port: int, procs=()):
+    from megarl.net import LOOPBACK, new_process_group
+    from megarl.server.tp import GROUP_NAME, TPGroup
+
+    try:
+        pg = new_process_group(LOOPBACK, port, rank, size, GROUP_NAME, "gloo", 120.0)
+    except Exception as e:  # noqa: BLE001 - a follower that failed to start says why in the log
+        dead = [p.pid for p in procs if p.poll() is not None]
+        raise StartupError(f"--tp {size}: TP rank {rank} cannot join its group on port {port}: {e}"
+                           + (f" (followers exited: {dead})" if dead else "")) from e
+    return TPGroup(pg, rank, size)
+
+
+def follow(args) -> int:
+    """A TP follower (``--tp-rank`` r >= 1): its shard, its KV cache, the leader's commands."""
+    import torch
+
+    from megarl.server import build_model
+    from megarl.server.model import KVCache
+    from megarl.server.tp import follow as run
+    from megarl.server.weights import parse_dtype
+
+    torch.set_num_threads(max(1, args.threads))
+    try:
+        model, _, ctx = build_model(args.model, args.dtype, args.context_length, args.device, args.tp_rank,
+                                    args.tp)
+    except (OSError, ValueError, KeyError) as e:
+        raise StartupError(f"TP rank {args.tp_rank}: cannot load {args.model}: {e}") from e
+    model.tp = _join(args.tp_rank, args.tp, args.tp_port)
+    run(model, KVCache(model.cfg, parse_dtype(args.dtype), args.max_running_requests, ctx), model.tp)
+    return 0
+
+
+def serve(args, argv=None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("megarl.server")
     t0 = time.perf_counter()
@@ -68,11 +120,25 @@ def serve(args) -> int:
     from megarl.server.app import build_app
 
     torch.set_num_threads(max(1, args.threads))
+    tp_join, procs = None, []
+    if args.tp > 1:
+        from megarl.net import LOOPBACK, free_port
+
+        from megarl.server.model import DecoderConfig
+        from megarl.server.tp import shard_config
+
+        try:  # refuse a layout before any follower starts (one error line, not N)
+            shard_config(DecoderConfig.from_dir(args.model), args.tp)
+        except (OSError, ValueError, KeyError) as e:
+            raise StartupError(f"cannot load {args.model}: {e}") from e
+        port = free_port(LOOPBACK)
+        procs = _spawn_followers(args, sys.argv[1:] if argv is None else list(argv), port)
+        tp_join = lambda: _join(0, args.tp, port, procs)  # noqa: E731
     try:
         state = build_state(
             args.model, args.dtype, args.api_key, args.max_running_requests, args.context_length,
             args.max_prefill_tokens, args.weight_version, args.seed, args.weights_root,
-            args.enable_return_routed_experts, args.device,
+            args.enable_return_routed_experts, args.device, args.tp, tp_join,
         )
     except (OSError, ValueError, KeyError) as e:
         raise StartupError(f"cannot load {args.model}: {e}") from e
@@ -82,8 +148,8 @@ def serve(args) -> int:
     app = build_app(state)
 
     async def announce(_app):
-        log.info("megarl-server ready on %s (model %s, %.1fs)", http_url(args.host, args.port),
-                 args.model, time.perf_counter() - t0)
+        log.info("megarl-server ready on %s (model %s%s, %.1fs)", http_url(args.host, args.port),
+                 args.model, f", {args.tp} TP ranks" if args.tp > 1 else "", time.perf_counter() - t0)
 
     app.on_startup.append(announce)
     # A server started with SIGTERM ignored (by a trainer or launcher that owns its lifetime, see
@@ -100,7 +166,9 @@ def serve(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return run_main(PROG, lambda: serve(args), args.debug, expected=(StartupError,), code=2)
+    if args.tp_rank:
+        return run_main(PROG, lambda: follow(args), args.debug, expected=(StartupError,), code=2)
+    return run_main(PROG, lambda: serve(args, argv), args.debug, expected=(StartupError,), code=2)
 
 
 if __name__ == "__main__":

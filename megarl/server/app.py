@@ -141,6 +141,7 @@ async def server_info(request: web.Request) -> web.Response:
     eng = state.engine
     return web.json_response({
         "weight_version": eng.weight_version,
+        "tp_size": eng.model.tp_size,
         "num_running": len(eng.running),
         "num_waiting": len(eng.waiting),
         "uptime_s": time.time() - state.started,

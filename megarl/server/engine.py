@@ -107,7 +107,7 @@ class GenerationEngine:
         self.max_running, self.context_length = max_running, context_length
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = weight_version
-        self.cache = KVCache(model.cfg, model.dtype, max_running, context_length, model.device)
+        self.cache = KVCache(model.cfg, model.dtype, max_running, context_length, model.device, model.tp)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         self.sampler = BatchSampler(gen)
         self.eos_ids = frozenset(model.cfg.eos_token_ids) | frozenset(

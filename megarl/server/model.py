@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.server.moe import MOE_ARCHITECTURES, MoESpec, Routes, alloc_layer, moe_mlp
+from megarl.server.tp import TPGroup, assemble, full_shape, local_slice, shard_config
 
 
 @dataclass(frozen=True)
@@ -194,8 +195,9 @@ class KVCache:
     """Per-layer K/V tensors [slots, kv_heads, capacity, head_dim], grown by doubling."""
 
     def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, max_slots: int, max_len: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", tp=None):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.tp = tp if tp is not None and tp.leader else None  # the leader mirrors moves/clears
         self.max_slots, self.max_len = max_slots, max_len
         self.slots, self.capacity = 0, 0
         self.k: list[torch.Tensor] = []
@@ -222,12 +224,16 @@ class KVCache:
 
     def move(self, src: list[int], dst: list[int], length: int) -> None:
         """Copy slots `src` into slots `dst` (first `length` positions)."""
+        if self.tp is not None:
+            self.tp.command("cache_move", src, dst, length)
         s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
         for cache in (self.k, self.v):
             for t in cache:
                 t[d, :, :length] = t[s, :, :length]
 
     def clear(self) -> None:
+        if self.tp is not None:
+            self.tp.command("cache_clear")
         self.k, self.v, self.slots, self.capacity = [], [], 0, 0
 
 
@@ -235,8 +241,13 @@ class CausalLM:
     """Weights + batched prefill/decode over a `KVCache`. Not thread-safe: one owner thread."""
 
     def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32, max_len: int = 4096,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", tp_rank: int = 0, tp_size: int = 1):
+        # ``cfg`` is the full model's; with server TP (`megarl.server.tp`) the storages and the
+        # forward use this rank's `shard_config`, and ``params`` maps HF names to local slices
+        self.full_cfg, self.tp_rank, self.tp_size = cfg, tp_rank, tp_size
+        cfg = shard_config(cfg, tp_size)
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.tp: Optional[TPGroup] = None  # attached once every rank has loaded its weights
         c = cfg
         self.embed = self._zeros(c.vocab_size, c.hidden_size)
         self.norm = self._zeros(c.hidden_size)
@@ -323,15 +334,38 @@ class CausalLM:
             name = "model.embed_tokens.weight"
         if name not in self.params:
             raise KeyError(f"unknown parameter {name!r}")
-        if tuple(self.params[name].shape) != tuple(shape):
-            raise ValueError(f"{name}: shape {tuple(shape)} != expected {tuple(self.params[name].shape)}")
+        want = self.full_shape(name)
+        if tuple(want) != tuple(shape):
+            raise ValueError(f"{name}: shape {tuple(shape)} != expected {tuple(want)}")
         return name
 
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The HF (unsharded) shape of parameter ``name``."""
+        return full_shape(name, self.params[name].shape, self.full_cfg, self.tp_size)
+
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in place (dtype converted). Validates all before writing any."""
+        """Copy full HF-named tensors in place (dtype converted). Validates all before writing any.
+        Under server TP the leader sends them to every rank, which keeps its slices."""
         names = [self.check_update(n, t.shape) for n, t in tensors.items()]
-        for name, t in zip(names, tensors.values()):
-            self.params[name].copy_(t)
+        canon = dict(zip(names, tensors.values()))
+        if self.tp is not None and self.tp.leader:
+            self.tp.send_tensors(canon)
+        self.load_local(canon)
+
+    def load_local(self, tensors: dict[str, torch.Tensor]) -> None:
+        """This rank's slices of full, already validated, canonical-named tensors."""
+        for name, t in tensors.items():
+            self.params[name].copy_(local_slice(name, t, self.full_cfg, self.tp_rank, self.tp_size))
+
+    def full_param(self, name: str) -> torch.Tensor:
+        """Canonical parameter ``name`` as the full HF tensor (under TP: gathered from every rank)."""
+        if self.tp is None:
+            return self.params[name]
+        self.tp.command("gather", name)
+        return self.gather_full(name)
+
+    def gather_full(self, name: str) -> torch.Tensor:
+        return assemble(name, self.tp.all_gather(self.params[name]), self.full_cfg, self.tp_size)
 
     def missing(self, names) -> list[str]:
         have = set(names)
@@ -359,7 +393,16 @@ class CausalLM:
         if routes is not None:
             routes.add_dense()
         gate, up = F.linear(h, L["gate_up"], L["gate_up_b"]).split(c.intermediate_size, dim=-1)
-        return x + F.linear(F.silu(gate) * up, L["down"], L["down_b"])
+        return x + self._row_parallel(F.silu(gate) * up, L["down"], L["down_b"])
+
+    def _row_parallel(self, x, w, b):
+        """``x @ w.T + b`` where ``x``/``w`` hold this rank's columns: the partial products are
+        summed over the TP group, the (replicated) bias added once."""
+        if self.tp is None:
+            return F.linear(x, w, b)
+        y = F.linear(x, w)
+        self.tp.all_reduce(y)
+        return y if b is None else y + b
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
@@ -378,6 +421,8 @@ class CausalLM:
         """Run prompts (right-padded) into slots first_slot.. ; returns fp32 logits of each last
         token [m, V] (or of every position [m, L, V] with all_logits). ``routes`` (from
         `new_routes((m, max_len))`) records the MoE routing of every position, pads included."""
+        if self.tp is not None and self.tp.leader:
+            self.tp.command("prefill", seqs, first_slot, all_logits)
         c, m = self.cfg, len(seqs)
         lens = [len(s) for s in seqs]
         T = max(lens)
@@ -404,7 +449,7 @@ class CausalLM:
             else:  # query i sees keys i-W < j <= i
                 d = pos.unsqueeze(1) - pos.unsqueeze(0)
                 a = F.scaled_dot_product_attention(q, k, v, attn_mask=(d >= 0) & (d < W), enable_gqa=True)
-            x = x + F.linear(a.transpose(1, 2).reshape(m, T, -1), L["o"], L["o_b"])
+            x = x + self._row_parallel(a.transpose(1, 2).reshape(m, T, -1), L["o"], L["o_b"])
             x = self._mlp(L, x, routes)
         if all_logits:
             return self._logits(x)
@@ -416,6 +461,8 @@ class CausalLM:
                routes: Optional[Routes] = None) -> torch.Tensor:
         """One token for each running slot 0..B-1 at `positions` [B]; returns fp32 logits [B, V].
         ``routes`` (from `new_routes((B,))`) records the MoE routing of each row's token."""
+        if self.tp is not None and self.tp.leader:
+            self.tp.command("decode", tokens, positions)
         c, B = self.cfg, tokens.shape[0]
         T = int(positions.max()) + 1
         cache.ensure(B, T)
@@ -436,7 +483,7 @@ class CausalLM:
             a = F.scaled_dot_product_attention(
                 q.unsqueeze(2), kc[:B, :, lo:T], vc[:B, :, lo:T], attn_mask=mask, enable_gqa=True
             )
-            x = x + F.linear(a.reshape(B, -1), L["o"], L["o_b"])
+            x = x + self._row_parallel(a.reshape(B, -1), L["o"], L["o_b"])
             x = self._mlp(L, x, routes)
         return self._logits(x)
 

@@ -9,6 +9,12 @@
   `weights.receive_broadcast`), then load them all, in the same engine job (every announced tensor
   is received even when a name is bad, so the trainer's broadcasts never hang; the bad name is
   reported afterwards, and a bad announce writes no parameter in place).
+- megarl extensions for shard-to-shard refit (`megarl.weights.shard_push`): ``server_tp_ranks:
+  true`` in ``/init_weights_update_group`` makes every TP rank of a ``--tp N`` server join, as
+  ``rank_offset + tp_rank``; ``load_format: "shard_refit"`` with ``refit_units`` and
+  ``refit_src_tp`` receives the units' slices point to point on every TP rank
+  (`weights.receive_shards`). A TP server's other loads take full tensors on rank 0, which hands
+  each follower its slices.
 - ``/update_weights_from_disk`` {model_path, weight_version}: a full HF safetensors dir, only under
   the server's weights roots (``--weights-root``; default the model dir's parent).
 - ``/update_weights_from_tensor`` {serialized_named_tensors: [base64 safetensors], load_format,
@@ -86,11 +92,19 @@ async def init_group(request: web.Request) -> web.Response:
         raise BadRequest(f"rank_offset={rank} must be in [1, world_size={world})")
     if name in state.groups:
         return result(False, f"group {name!r} already exists; destroy it first")
+    # shard refit: every server TP rank joins, as rank_offset + its TP rank (megarl extension)
+    tp_ranks = bool(body.get("server_tp_ranks", False)) and state.engine.model.tp is not None
+    if tp_ranks:
+        if rank + state.engine.model.tp_size > world:
+            raise BadRequest(f"rank_offset={rank} + tp_size={state.engine.model.tp_size} exceeds world_size={world}")
+        await on_engine(state, lambda: state.engine.model.tp.command("join", addr, port, rank, world, name,
+                                                                     backend, timeout))
     try:
         pg = await asyncio.to_thread(new_process_group, addr, port, rank, world, name, backend, timeout)
     except Exception as e:  # noqa: BLE001 - rendezvous failures are the caller's to see
         return result(False, f"init_weights_update_group failed: {type(e).__name__}: {e}")
     state.groups[name] = W.WeightGroup(pg)
+    state.groups[name].tp_ranks = tp_ranks
     return result(True, f"joined {name!r} as rank {rank}/{world} ({backend})")
 
 
@@ -100,7 +114,12 @@ async def destroy_group(request: web.Request) -> web.Response:
     group = state.groups.pop(name, None)
     if group is None:
         return result(False, f"no group {name!r}")
-    await on_engine(state, lambda: W.destroy_weight_update_group(group.pg))
+    def destroy():
+        if getattr(group, "tp_ranks", False):
+            state.engine.model.tp.command("destroy", name)
+        W.destroy_weight_update_group(group.pg)
+
+    await on_engine(state, destroy)
     return result(True, f"destroyed {name!r}")
 
 
@@ -125,6 +144,8 @@ async def from_distributed(request: web.Request) -> web.Response:
             raise BadRequest(f"shapes[{i}] must be a list of non-negative ints, got {shape!r}")
     name = body_field(body, "group_name", str, "weight_update_group")
     load_format = body_field(body, "load_format", str, None)
+    if load_format == SHARD_REFIT:
+        return await _from_shards(state, body, names)
     if load_format not in (None, FLATTENED_BUCKET, DIRECT_BUCKET):
         raise BadRequest(f"load_format: {load_format!r} is not supported "
                          f"(None, {FLATTENED_BUCKET!r} or {DIRECT_BUCKET!r})")
@@ -158,10 +179,63 @@ class _ReceiveError(RuntimeError):
     pass
 
 
+SHARD_REFIT = "shard_refit"
+
+
+async def _from_shards(state: ServerState, body: dict, names: list) -> web.Response:
+    """load_format "shard_refit" (megarl extension, `megarl.weights.refit`): ``refit_units`` (one
+    ``[key, kind, dim, length, padded, dtype]`` per name) arrive point to point from the
+    ``refit_src_tp`` trainer TP ranks, each server TP rank receiving its own slices."""
+    from megarl.server.tp import storage
+    from megarl.weights.refit import UNIT_KINDS
+
+    units = body_field(body, "refit_units", list, required=True)
+    src_tp = body_field(body, "refit_src_tp", int, required=True)
+    name = body_field(body, "group_name", str, "weight_update_group")
+    model = state.engine.model
+    try:
+        if len(units) != len(names) or src_tp < 1:
+            raise ValueError(f"{len(units)} units for {len(names)} names, refit_src_tp={src_tp}")
+        for u in units:
+            if not (isinstance(u, list) and len(u) == 6 and u[1] in UNIT_KINDS):
+                raise ValueError(f"bad unit {str(u)[:80]}")
+            storage(model, u[0])
+            W.parse_dtype(u[5])
+    except (KeyError, ValueError, TypeError) as e:
+        raise BadRequest(f"refit_units: {e}") from e
+    group = state.groups.get(name)
+    if group is None:
+        return result(False, f"no weight update group {name!r}; call /init_weights_update_group")
+    if model.tp is not None and not getattr(group, "tp_ranks", False):
+        return result(False, f"group {name!r} was joined without server_tp_ranks; shard refit needs every TP rank")
+    version, abort_all = _version(body), bool(body.get("abort_all_requests", False))
+
+    def receive():
+        if abort_all:
+            state.engine.abort(None, abort_all=True)
+        if model.tp is not None:
+            model.tp.command("receive_shards", name, units, src_tp)
+        try:
+            n = W.receive_shards(model, group, units, src_tp)
+        except Exception as e:  # noqa: BLE001
+            raise _ReceiveError(f"{type(e).__name__}: {e}") from e
+        if version is not None:
+            state.engine.weight_version = version
+        return n
+
+    try:
+        n = await on_engine(state, receive)
+    except _ReceiveError as e:
+        return result(False, f"shard receive failed: {e}")
+    return result(True, f"received {n} slices of {len(units)} units", weight_version=state.engine.weight_version)
+
+
 def _in_place_targets(model, names, dtypes, shapes) -> dict:
     """{name: parameter} for the announced tensors a broadcast may write straight into (same
     dtype, contiguous); empty when any name or shape is bad, so a bad announce writes nothing
     and its error comes from the load, after every byte was received (the trainer never hangs)."""
+    if model.tp is not None:  # a TP rank holds slices: full tensors land in `model.load`
+        return {}
     try:
         canon = [model.check_update(n, s) for n, s in zip(names, shapes)]
     except (KeyError, ValueError):
@@ -217,7 +291,7 @@ async def get_weights_by_name(request: web.Request) -> web.Response:
     k = body_field(body, "truncate_size", int, 100)
     model = state.engine.model
     canon = _param(model, name, "name")
-    t = await on_engine(state, lambda: model.params[canon][:k].float().clone())
+    t = await on_engine(state, lambda: model.full_param(canon)[:k].float().clone())
     return web.json_response(t.tolist())
 
 
@@ -238,7 +312,7 @@ async def weights_checksum(request: web.Request) -> web.Response:
     canon = {n: _param(model, n, "names") for n in names}
 
     def digests():  # on the engine thread: never between the tensors of a load
-        return {n: tensor_digest(model.params[canon[n]], d) for n, d in zip(names, casts)}
+        return {n: tensor_digest(model.full_param(canon[n]), d) for n, d in zip(names, casts)}
 
     return result(True, f"{len(names)} checksums", checksums=await on_engine(state, digests))
 

@@ -103,6 +103,7 @@ class WeightGroup:
     def __init__(self, pg):
         self.pg = pg
         self.scratch = torch.empty(0, dtype=torch.uint8)
+        self.tp_ranks = False  # every server TP rank joined (shard refit), not only the leader
 
     def buffer(self, nbytes: int, device) -> torch.Tensor:
         if self.scratch.numel() < nbytes or self.scratch.device != torch.device(device):
@@ -158,3 +159,40 @@ def receive_broadcast(group: WeightGroup, names, dtypes, shapes, load_format=Non
     for w in works:
         w.wait()
     return out, in_place
+
+
+def receive_shards(model, group: WeightGroup, units: list, src_tp: int) -> int:
+    """Shard-to-shard refit (`megarl.weights.refit`), this server TP rank's part: for every
+    announced unit ``[key, kind, dim, length, padded, dtype]``, receive the slices whose
+    destination is this rank from trainer TP rank ``src_rank`` (group rank ``src_rank``) straight
+    into this rank's storage (a non-contiguous or other-dtype slice through a temporary). Trainer
+    TP rank i is group rank i; the sender tags each slice with its position in
+    the whole plan, so both sides agree without another message. Returns the slices received."""
+    import torch.distributed as dist
+
+    from megarl.server.tp import storage
+    from megarl.weights.refit import unit_slices
+
+    full = model.full_cfg
+    me, s = model.tp_rank, model.tp_size
+    works, copies, tag, n = [], [], 0, 0
+    for key, kind, dim, length, padded, dtype in units:
+        dst = storage(model, key)
+        want = parse_dtype(dtype)
+        for sl in unit_slices(kind, dim, length, padded, src_tp, s, full.num_heads, full.num_kv_heads,
+                              full.head_dim):
+            tag += 1
+            if sl.dst_rank != me:
+                continue
+            view = dst.narrow(dim, sl.dst_row, sl.rows)
+            buf = view if view.is_contiguous() and view.dtype == want else torch.empty(
+                view.shape, dtype=want, device=view.device)
+            works.append(dist.irecv(buf, src=sl.src_rank, group=group.pg, tag=tag))
+            if buf is not view:
+                copies.append((view, buf))
+            n += 1
+    for w in works:
+        w.wait()
+    for view, buf in copies:
+        view.copy_(buf)
+    return n

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megarl.rollout.admin import AdminRunner
 from megarl.rollout.cluster import RolloutCluster
-from megarl.weights.resharder import Resharder
+from megarl.weights.resharder import Resharder, ReshardTimes
 from megarl.weights.transports import (DiskTransport, DistributedTransport, PushError,
                                        TensorTransport)
 from megarl.wire import tensor_digest
@@ -70,7 +70,8 @@ class WeightPusher:
         # weights.delta: only a trainable engine's frozen rows are known not to change (a
         # forward-only engine has no optimizer to tell: its weights may be set by hand); not the
         # disk transport, which writes whole checkpoints
-        self.delta = w.delta and getattr(engine, "optimizer", None) is not None and w.transport != "disk"
+        self.delta = w.delta and getattr(engine, "optimizer", None) is not None and w.transport != "disk" \
+            and w.refit != "shard"  # shard refit sends every tensor
         self._frozen_sent: frozenset = frozenset()  # rows frozen at the last push that reached every server
         self.digest_s, self._recording = 0.0, False
         self._connect()
@@ -91,7 +92,14 @@ class WeightPusher:
             else:
                 self.admin = AdminRunner(self.cluster.addresses, self.cfg.rollout.api_key or None, w.timeout_s)
             self._own_admin = True
-        if w.transport == "distributed":
+        self.refit = w.refit == "shard"
+        if self.refit:  # every trainer TP rank sends its own slices (megarl.weights.shard_push)
+            from megarl.weights.shard_push import ShardRefitTransport
+
+            backend = "nccl" if ps.device.type == "cuda" else "gloo"
+            self.transport = ShardRefitTransport(self.admin, self.engine, w.master_address, w.timeout_s,
+                                                 backend, self.dtype)
+        elif w.transport == "distributed":
             backend = "nccl" if ps.device.type == "cuda" else "gloo"
             self.transport = DistributedTransport(self.admin, w.master_address, w.timeout_s, backend,
                                                   flat=w.tensor_format == "megarl")
@@ -139,6 +147,15 @@ class WeightPusher:
             raise PushError("weight push failed on another rank (see its log)")
 
     def _setup(self) -> None:
+        if self.refit:  # one group: DP rank 0's TP ranks and every server TP rank
+            err = None
+            try:
+                self.transport.setup()
+            except Exception as e:  # noqa: BLE001
+                err = e
+            self._agree(err)
+            self._ready = True
+            return
         for stage in range(self.ps.pp):  # stage by stage: groups form in a fixed order
             err = None
             if self.ps.pp_rank == stage and self.ps.is_pp_source:
@@ -176,7 +193,9 @@ class WeightPusher:
            HTTP + broadcast the tensors over the stage's weight-update group (megarl-server: large
            tensors one by one straight into its parameters, small ones packed, one wait per
            bucket); tensor = POST the bucket; disk = (after all stages) write the HF checkpoint
-           atomically and POST ``/update_weights_from_disk``.
+           atomically and POST ``/update_weights_from_disk``. With
+           ``weights.refit: shard`` there are no buckets: every TP rank of DP rank 0 sends its own
+           slices point to point to the server TP ranks that hold them (`shard_push`).
         3. driver, ``cluster.end_push``: once every bucket is loaded, ``/update_weight_version``
            {new_version} (servers flip version atomically), ``/end_weight_update``, the version
            committed on the rollout side (the staleness window moves), then - also after a
@@ -242,6 +261,16 @@ class WeightPusher:
         each bucket is built and freed once it is sent, so at most ``PIPELINE_DEPTH`` buckets are
         alive. Returns the sender's busy time."""
         send_s = 0.0
+        if self.refit:  # no buckets: each TP rank sends its own slices (megarl.weights.shard_push)
+            err = None
+            try:
+                send_s = self.transport.push(version)
+            except Exception as e:  # noqa: BLE001
+                err = e
+            self.resharder.times = ReshardTimes(bytes=self.transport.bytes, buckets=int(self.ps.tp_rank == 0
+                                                                                      and self.ps.dp_rank == 0))
+            self._agree(err)
+            return send_s
         for stage in range(self.ps.pp):
             err = None
             if self.ps.pp_rank == stage and not isinstance(self.transport, DiskTransport):
@@ -294,7 +323,8 @@ class WeightPusher:
         One HTTP call per server, from the driver. Collective; returns ``["addr:name", ...]``, one
         entry per differing tensor and server, on every rank; raises `PushError` when a server
         cannot answer (real SGLang has no such endpoint)."""
-        local = self._gather_digests() if isinstance(self.transport, DiskTransport) else self.digests
+        # disk and shard refit never see buckets: hash the tensors again here
+        local = self._gather_digests() if isinstance(self.transport, DiskTransport) or self.refit else self.digests
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, local)
         want = {name: d for part in parts for name, d in part.items()}

@@ -1,6 +1,9 @@
 """Shard-to-shard refit plan (pure): which rows of which trainer TP shard go to which rows of which
 server TP shard, so that no rank ever holds a full tensor (NeMo-RL's refit, Megatron's resharding).
-Planned only: the transport and megarl-server TP that would execute it are not built yet.
+Executed by ``weights.refit: shard`` (`megarl.weights.shard_push`) into megarl-server ``--tp N``
+(`megarl.server.weights.receive_shards`): both sides derive the same slices from the announced
+units (`unit_slices`), the trainer ranks send theirs point to point, each server rank receives
+into its own storages.
 
 Coordinates are rows along the tensor-parallel dimension of each side's *local fused* shard:
 
@@ -96,3 +99,30 @@ def qkv_plan(heads: int, groups: int, head_dim: int, t: int, s: int) -> list[Sli
             out.append(Slice(i, j, base + per * head_dim, k_row, head_dim))
             out.append(Slice(i, j, base + (per + 1) * head_dim, k_row + kv_s * head_dim, head_dim))
     return _merge(out)
+
+
+# ---- units: what the shard push announces, and the slices both sides derive from it -------------
+# A unit is one trainer parameter as the server stores it: [key, kind, dim, length, padded].
+# kind "qkv" / "gate_up": fused, planned above (length = heads*head_dim rows / ffn rows);
+# "split": plain TP split of ``length`` along ``dim``; "replicated": every server rank gets trainer
+# rank 0's whole tensor; "vocab": the trainer's vocab-parallel rows (``padded`` in all, the
+# padding last) -> ``length`` real rows, on every server rank (servers replicate embeddings).
+UNIT_KINDS = ("qkv", "gate_up", "split", "replicated", "vocab")
+
+
+def unit_slices(kind: str, dim: int, length: int, padded: int, t: int, s: int, heads: int, groups: int,
+                head_dim: int) -> list[Slice]:
+    """The slices of one unit (rows along ``dim``), in an order both sides iterate alike."""
+    if kind == "qkv":
+        return qkv_plan(heads, groups, head_dim, t, s)
+    if kind == "gate_up":
+        return gate_up_plan(length, t, s)
+    if kind == "split":
+        return plain_plan(length, t, s)
+    if kind == "replicated":
+        return [Slice(0, j, 0, 0, length) for j in range(s)]
+    if kind == "vocab":
+        bt = _blocks(padded, t, "trainer vocab rows")
+        return [Slice(i, j, 0, i * bt, min(bt, length - i * bt)) for i in range(t) for j in range(s)
+                if length - i * bt > 0]
+    raise ValueError(f"unknown refit unit kind {kind!r}; known: {UNIT_KINDS}")

@@ -28,10 +28,10 @@ def post(url, body, timeout=60):
         return json.loads(r.read())
 
 
-def build(hf_b, server, tp, pp, transport, work, timeout_s=60, trainable=False, ep=1):
+def build(hf_b, server, tp, pp, transport, work, timeout_s=60, trainable=False, refit="gather", ep=1):
     cfg = load_config(None, [f"model.hf_path={hf_b}", "data.train_path=x", f"parallel.tp={tp}",
                              f"parallel.pp={pp}", f"parallel.ep={ep}", f"weights.transport={transport}",
-                             f"weights.timeout_s={timeout_s}", "weights.bucket_mb=1",
+                             f"weights.timeout_s={timeout_s}", "weights.bucket_mb=1", f"weights.refit={refit}",
                              f"weights.disk_dir={work}/push_{transport}_{tp}{pp}",
                              f"rollout.servers=[{server}]", f"train.run_dir={work}/run"])
     ps = parallel.init_model_parallel(tp, pp, ep=ep)
@@ -69,17 +69,19 @@ def server_weights_equal(server, reference_dir):
 def layouts(hf_a, hf_b, server, work, specs):
     results = {}
     for spec in specs:
-        tp, pp, transport, *ep = spec.split(",")  # "tp,pp,transport[,ep]"
+        tp, pp, transport, *rest = spec.split(",")  # "tp,pp,transport[,refit[,ep]]"
         if dist.get_rank() == 0:  # reset the server to weights A
             assert post(f"{server}/update_weights_from_disk", {"model_path": hf_a})["success"]
         dist.barrier()
-        engine, pusher = build(hf_b, server, int(tp), int(pp), transport, work, ep=int(ep[0]) if ep else 1)
+        engine, pusher = build(hf_b, server, int(tp), int(pp), transport, work,
+                               refit=rest[0] if rest else "gather", ep=int(rest[1]) if len(rest) > 1 else 1)
         before, _ = server_vs_trainer(engine, server)
         m = pusher.push()
         after, version = server_vs_trainer(engine, server)
         bad = server_weights_equal(server, hf_b) if dist.get_rank() == 0 else None
+        checked = pusher.verify()  # checksums of what the trainer holds vs what the server holds
         results[spec] = {"before": before, "after": after, "version": version, "bad": bad,
-                         "bytes": m.bytes, "buckets": m.buckets}
+                         "bytes": m.bytes, "buckets": m.buckets, "verify": checked}
         pusher.close()
         pusher.cluster.close()
         parallel.destroy_model_parallel_only()

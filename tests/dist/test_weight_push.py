@@ -14,6 +14,7 @@ from megarl.models.random_hf import tiny_config, write_random_hf
 
 SPECS = [f"{layout},{transport}" for transport in ("distributed", "disk", "tensor")
          for layout in ("1,1", "2,1", "1,2", "2,2")]  # TP=1, TP=2, PP=2, TP=2 x PP=2
+SPECS += ["1,1,distributed,shard", "2,1,distributed,shard"]  # weights.refit=shard into a TP=1 server
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_push_makes_server_equal_trainer(layouts, spec):
     assert r["bytes"] == 657664  # fp32 tiny Llama: 164,416 params
 
 
-MOE_SPECS = [f"1,1,{transport},2" for transport in ("distributed", "disk", "tensor")]  # EP=2 (DP=2)
+MOE_SPECS = [f"1,1,{transport},gather,2" for transport in ("distributed", "disk", "tensor")]  # EP=2 (DP=2)
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +162,31 @@ def test_delta_push_sends_only_changed_tensors(models):
     assert r["second_bytes"] == 657664 - 4 * (128 * 64 + 36992) == 476928
     assert r["after"] <= 1e-5 and r["version"] == "2"
     assert r["compared"] == 39 and r["differ"] == [] and r["verify"] == []
+
+
+# trainer TP 1 and 2 into a megarl-server --tp 2 (the TP=1 server cells are SPECS above)
+SERVER_TP_SPECS = ["1,1,distributed", "2,1,distributed", "2,1,tensor",
+                   "1,1,distributed,shard", "2,1,distributed,shard"]  # 4th field: weights.refit
+
+
+@pytest.fixture(scope="module")
+def tp2_server_layouts(models):
+    d, a, b = models
+    url, proc = start_server(a, str(d / "server_tp2.log"), ["--tp", "2"])
+    try:
+        out = d / "layouts_tp2.json"
+        torchrun("push_worker.py", 2, "layouts", a, b, url, d, out, *SERVER_TP_SPECS)
+        return json.loads(out.read_text())
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("spec", SERVER_TP_SPECS)
+def test_push_into_tp2_server_makes_it_equal_trainer(tp2_server_layouts, spec):
+    r = tp2_server_layouts[spec]
+    assert r["before"] > 0.1 and r["after"] <= 1e-5 and r["version"] == "1"
+    assert r["bad"] == []  # every tensor, gathered from both server ranks, equals the export bitwise
+    assert r["verify"] == []  # and its checksum equals the trainer's
+    # shard refit sends the replicated tensors (embedding, lm_head, 9 norms of 64) to both server
+    # ranks: 657,664 + 4 x (2 x 128 x 64 + 9 x 64) = 725,504 bytes; the gathered push sends each once
+    assert r["bytes"] == (725504 if spec.endswith("shard") else 657664)

@@ -115,3 +115,33 @@ def test_gate_up_plan_moves_real_shards(t, s):
         got[sl.dst_rank][sl.dst_row:sl.dst_row + sl.rows] = trainer[sl.src_rank][sl.src_row:sl.src_row + sl.rows]
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+# ---- the units the shard push announces (unit_slices) ----------------------------------------
+from megarl.weights.refit import unit_slices  # noqa: E402
+
+
+def test_vocab_unit_drops_padding_and_reaches_every_server_rank():
+    # 10 real rows padded to 12 on 2 trainer ranks (6 each: rank 1 holds rows 6-9 + 2 pad rows);
+    # servers replicate the embedding: both server ranks get rows 0-5 from rank 0, 6-9 from rank 1
+    assert unit_slices("vocab", 0, 10, 12, 2, 2, 4, 2, 8) == [
+        S(0, 0, 0, 0, 6), S(0, 1, 0, 0, 6), S(1, 0, 0, 6, 4), S(1, 1, 0, 6, 4)]
+
+
+def test_vocab_unit_rank_holding_only_padding_sends_nothing():
+    # 5 real rows padded to 8 on 4 ranks of 2: rank 2 holds row 4 + 1 pad row, rank 3 only padding
+    assert unit_slices("vocab", 0, 5, 8, 4, 1, 4, 2, 8) == [
+        S(0, 0, 0, 0, 2), S(1, 0, 0, 2, 2), S(2, 0, 0, 4, 1)]
+
+
+def test_replicated_unit_from_trainer_rank_0_to_every_server_rank():
+    assert unit_slices("replicated", 0, 64, 0, 2, 3, 4, 2, 8) == [S(0, 0, 0, 0, 64), S(0, 1, 0, 0, 64),
+                                                                 S(0, 2, 0, 0, 64)]
+
+
+def test_split_and_fused_units_follow_the_plans():
+    assert unit_slices("split", 1, 8, 0, 2, 4, 4, 2, 8) == plain_plan(8, 2, 4)
+    assert unit_slices("gate_up", 0, 4, 0, 1, 2, 4, 2, 8) == gate_up_plan(4, 1, 2)
+    assert unit_slices("qkv", 0, 64, 64, 2, 2, 4, 2, 8) == qkv_plan(4, 2, 8, 2, 2)
+    with pytest.raises(ValueError, match="unknown refit unit kind 'rows'"):
+        unit_slices("rows", 0, 8, 0, 1, 1, 4, 2, 8)
