@@ -174,7 +174,7 @@ class WeightSyncConfig:
     (print it and count it in the metric push/verify_mismatches)."""
     delta: bool = True
     """Send only the tensors that may have changed since the last push: rows whose every shard has
-    requires_grad False (frozen embeddings, frozen layers) were frozen at the last push too are
+    requires_grad False (optim.freeze: frozen embeddings, frozen layers) were frozen at the last push too are
     skipped and the servers keep them. Exact because only the optimizer writes parameters between
     pushes, and it writes only trainable ones; applies to the distributed and tensor transports of
     a trainable engine (the disk transport writes whole checkpoints; a forward-only engine pushes

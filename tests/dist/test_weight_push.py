@@ -110,9 +110,9 @@ def test_late_server_gets_current_weights_and_verify(models):
 
 
 def test_delta_push_sends_only_changed_tensors(models):
-    """weights.delta (default on): frozen rows (embedding + layer 0 of the tiny Llama) are sent by
-    the first push only; after an update of every trainable parameter the second push carries the
-    rest, and the server then equals the trainer bitwise on all 39 tensors."""
+    """weights.delta (default on) with optim.freeze = embedding + layer 0 of the tiny Llama: the
+    optimizer leaves those bitwise unchanged through 4 real steps, the first push sends them and
+    the next two do not; afterwards the server equals the trainer bitwise on all 39 tensors."""
     d, a, b = models
     url, proc = start_server(a, str(d / "server_delta.log"))
     try:
@@ -121,9 +121,10 @@ def test_delta_push_sends_only_changed_tensors(models):
         r = json.loads(out.read_text())
     finally:
         proc.kill()
-    assert r["first_bytes"] == 657664  # fp32 tiny Llama: 164,416 params
     # frozen: embedding 128*64 + layer 0 (q 64*64, k, v 32*64 each, o 64*64, gate/up/down 128*64
-    # each, two norms of 64) = 8,192 + 36,992 params = 180,736 bytes
-    assert r["second_bytes"] == 657664 - 4 * (128 * 64 + 36992) == 476928
-    assert r["after"] <= 1e-5 and r["version"] == "2"
+    # each, two norms of 64) = 8,192 + 36,992 params = 180,736 bytes; fp32 model: 164,416 params
+    assert r["sent"] == [657664, 657664 - 4 * (128 * 64 + 36992), 476928] and r["sent"][1] == 476928
+    # rank 0's frozen Megatron params: embedding, fused qkv, proj, fc1, fc2 and their 2 norm weights
+    assert r["frozen_params"] == 7 and r["frozen_changed"] == [] and r["trainable_unchanged"] == []
+    assert r["after"] <= 1e-5 and r["version"] == "3"
     assert r["compared"] == 39 and r["differ"] == [] and r["verify"] == []
