@@ -165,6 +165,42 @@ def delta(hf_a, hf_b, server, work):
             "compared": len(everything), "differ": differ, "verify": checked}
 
 
+def disk_delta(hf_a, hf_b, server, work):
+    """TP=2, weights.transport=disk with weights.delta, optim.freeze = embedding + layer 0: push
+    v1 (raw records), two real optimizer steps, v2, two more, v3 (XOR+zlib records against the last
+    push); the server rebuilds every tensor (CRC-32 checked) and equals the trainer bitwise."""
+    from megarl.trainer.sft import sft_loss
+
+    if dist.get_rank() == 0:
+        assert post(f"{server}/update_weights_from_disk", {"model_path": hf_a})["success"]
+    dist.barrier()
+    engine, pusher = build(hf_b, server, 2, 1, "disk", work, trainable=True,
+                           extra=('optim.freeze=["model.embed_tokens.weight","model.layers.0.*"]',
+                                  "optim.lr=0.01"))
+    ids = [[1, 5, 9, 17, 33, 2, 8, 40, 3, 7, 11, 60]] * 2
+    batch = TensorBatch.from_lists(ids, {"loss_mask": [[0.0] * 4 + [1.0] * 8] * 2})
+    sent = [pusher.push().bytes]
+    for _ in range(2):
+        for _ in range(2):
+            engine.train_batch(batch, sft_loss)
+        sent.append(pusher.push().bytes)
+    codecs = {}
+    if dist.get_rank() == 0:
+        with open(os.path.join(pusher.transport.dir, "v3", "megarl_delta.json")) as f:
+            man = json.load(f)
+        codecs = {"base": man["base"], "xor": sum(e[3] == "xor" for e in man["tensors"].values()),
+                  "frozen_record_bytes": sum(e[2] for n, e in man["tensors"].items()
+                                             if n == "model.embed_tokens.weight" or n.startswith("model.layers.0."))}
+    after, version = server_vs_trainer(engine, server)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, pusher._gather_digests())
+    everything = {n: d for part in parts for n, d in part.items()}
+    differ = pusher._compare(everything) if dist.get_rank() == 0 else None
+    pusher.close()
+    return {"sent": sent, "after": after, "version": version, "compared": len(everything),
+            "differ": differ, **codecs}
+
+
 def main():
     mode, hf_a, hf_b, server, work, out, *rest = sys.argv[1:]
     compat.quiet_megatron_warnings()
@@ -176,6 +212,8 @@ def main():
         results = join(hf_a, hf_b, server, rest[0], work)
     elif mode == "delta":
         results = delta(hf_a, hf_b, server, work)
+    elif mode == "disk_delta":
+        results = disk_delta(hf_a, hf_b, server, work)
     else:
         results = stall(hf_b, server, work, int(rest[0]), rest[1])
     if dist.get_rank() == 0:

@@ -128,3 +128,23 @@ def test_delta_push_sends_only_changed_tensors(models):
     assert r["frozen_params"] == 7 and r["frozen_changed"] == [] and r["trainable_unchanged"] == []
     assert r["after"] <= 1e-5 and r["version"] == "3"
     assert r["compared"] == 39 and r["differ"] == [] and r["verify"] == []
+
+
+def test_disk_delta_push_is_bitwise(models):
+    """weights.transport=disk with weights.delta: the first push writes raw records, the next two
+    XOR+zlib records against the last push (frozen rows become a few bytes each); the server
+    rebuilds every tensor, checks its CRC-32 and then equals the trainer bitwise."""
+    d, a, b = models
+    url, proc = start_server(a, str(d / "server_disk_delta.log"))
+    try:
+        out = d / "disk_delta.json"
+        torchrun("push_worker.py", 2, "disk_delta", a, b, url, d, out)
+        r = json.loads(out.read_text())
+    finally:
+        proc.kill()
+    assert r["sent"][0] == 657664  # raw: 164,416 fp32 params
+    # XOR records: the 10 frozen tensors (embedding + layer 0: 180,736 raw bytes) compress to <= 128
+    # bytes each, so each delta push writes less than the 476,928 raw bytes of the trainable rows
+    assert r["frozen_record_bytes"] <= 10 * 128 and all(n < 476928 for n in r["sent"][1:])
+    assert r["base"] == "2" and r["xor"] == 39 and r["version"] == "3"
+    assert r["after"] <= 1e-5 and r["compared"] == 39 and r["differ"] == []
