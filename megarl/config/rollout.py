@@ -177,8 +177,12 @@ class WeightSyncConfig:
     requires_grad False (optim.freeze: frozen embeddings, frozen layers) were frozen at the last push too are
     skipped and the servers keep them. Exact because only the optimizer writes parameters between
     pushes, and it writes only trainable ones; applies to the distributed and tensor transports of
-    a trainable engine (the disk transport writes whole checkpoints; a forward-only engine pushes
-    everything). A new server, a retry or a rebuilt server set gets every tensor."""
+    a trainable engine (a forward-only engine pushes everything). A new server, a retry or a
+    rebuilt server set gets every tensor. With the disk transport and megarl-server it writes, in
+    place of an HF checkpoint, per-tensor XOR+zlib records against the last push with a CRC-32
+    each (the server rebuilds bitwise and refuses any mismatch; the push after a failed one writes
+    raw records); it needs weights.dtype = the server's dtype, and the trainer keeps a CPU copy of
+    the last pushed weights (docs/benchmarks.md: bytes and time against a full write)."""
     tensor_format: str = "megarl"
     """Which server's weight formats: megarl (megarl-server: safetensors payloads for the tensor
     transport; for the distributed one, large tensors broadcast straight into the server's
