@@ -1,10 +1,11 @@
-"""The disk transport's delta format (``weights.delta`` with ``weights.transport=disk`` and
+"""The disk transport's delta format (``weights.disk_delta`` with ``weights.transport=disk`` and
 megarl-server): each push writes, per pipeline stage, one file of per-tensor records plus a
 manifest, instead of a whole HF checkpoint.
 
-A record is either ``raw`` (the tensor's bytes; every tensor of the first push, and of the push
-after a failed one) or ``xor`` (zlib-compressed XOR of the tensor's bytes with the ones pushed
-last: unchanged bytes become zeros, which compress to almost nothing). Every record carries the
+A record is ``raw`` (the tensor's bytes; every tensor of the first push and of the push after a
+failed one, and with ``raw`` every changed tensor), ``same`` (equal to the last push: no payload;
+frozen rows) or, with ``weights.disk_delta=xor``, ``xor`` (zlib-compressed XOR of the tensor's bytes
+with the ones pushed last: unchanged bytes become zeros). Every record carries the
 CRC-32 of the tensor it reconstructs; the server rebuilds each tensor from its own current
 weights (which are the last pushed version: the manifest names it, and a server at another
 version refuses) and loads nothing unless every checksum matches. The trainer keeps a CPU copy of
@@ -31,14 +32,17 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
 
 
-def encode(tensors, base: Optional[dict], out) -> tuple[dict, dict]:
+def encode(tensors, base: Optional[dict], out, xor: bool = True) -> tuple[dict, dict]:
     """Writes records of ``(name, tensor)`` pairs to the open file ``out``; returns (manifest
-    entries, the new base {name: bytes}). ``base`` None: raw records."""
+    entries, the new base {name: bytes}). ``base`` None: raw records. A tensor equal to its base
+    is a ``same`` record (no payload); a changed one is ``xor`` (``xor`` True) or ``raw``."""
     entries, new = {}, {}
     for name, t in tensors:
         b = _bytes(t).copy()
         prev = None if base is None else base.get(name)
-        if prev is not None and prev.shape == b.shape:
+        if prev is not None and prev.shape == b.shape and np.array_equal(b, prev):
+            payload, codec = b"", "same"
+        elif xor and prev is not None and prev.shape == b.shape:
             payload, codec = zlib.compress(np.bitwise_xor(b, prev).tobytes(), LEVEL), "xor"
         else:
             payload, codec = b.tobytes(), "raw"
@@ -75,14 +79,17 @@ def decode(path: str, current: dict[str, torch.Tensor], version: Optional[str]) 
                 cur = current.get(name)
                 if cur is None or cur.dtype != dt or list(cur.shape) != shape:
                     raise ValueError(f"{name}: no {dtype} {shape} base tensor on the server")
-                try:
-                    x = np.frombuffer(zlib.decompress(payload), dtype=np.uint8)
-                except zlib.error as e:
-                    raise ValueError(f"{name}: corrupt delta record ({e})") from None
                 base = _bytes(cur)
-                if x.shape != base.shape:
-                    raise ValueError(f"{name}: delta of {x.size} bytes for a {base.size}-byte tensor")
-                b = np.bitwise_xor(x, base)
+                if codec == "same":
+                    b = base.copy()
+                else:
+                    try:
+                        x = np.frombuffer(zlib.decompress(payload), dtype=np.uint8)
+                    except zlib.error as e:
+                        raise ValueError(f"{name}: corrupt delta record ({e})") from None
+                    if x.shape != base.shape:
+                        raise ValueError(f"{name}: delta of {x.size} bytes for a {base.size}-byte tensor")
+                    b = np.bitwise_xor(x, base)
             if zlib.crc32(b) != crc:
                 raise ValueError(f"{name}: checksum mismatch after reconstruction")
             out[name] = torch.from_numpy(b.copy()).view(dt).reshape(shape)

@@ -1,5 +1,5 @@
 """``DiskDeltaTransport``: the disk transport writing `megarl.weights.delta_format` (weights.delta
-with megarl-server): per stage one file of raw/XOR+zlib records with per-tensor CRC-32s."""
+with megarl-server): per stage one file of raw/same/XOR+zlib records with per-tensor CRC-32s."""
 from __future__ import annotations
 
 import json
@@ -16,8 +16,9 @@ from megarl.wire import DiskWeightsUpdate
 class DiskDeltaTransport(DiskTransport):
     """DiskTransport writing the delta format (same ``finish(version, engine)`` contract, collective)."""
 
-    def __init__(self, admin, directory: str, keep: int, timeout_s: float, dtype):
+    def __init__(self, admin, directory: str, keep: int, timeout_s: float, dtype, xor: bool = False):
         super().__init__(admin, directory, keep, timeout_s, dtype)
+        self.xor = xor  # weights.disk_delta=xor: changed tensors as XOR+zlib records, else raw
         self.base: Optional[dict] = None  # this writer's last pushed bytes; None: next push is raw
         self.base_version: Optional[str] = None
         self.written = 0  # bytes written by the last push (all stages; rank 0)
@@ -38,7 +39,7 @@ class DiskDeltaTransport(DiskTransport):
             tensors = iter_hf_tensors(engine.chunks, engine.args, ps, engine.use_te, self.dtype)
             if writer:
                 with open(os.path.join(tmp, f"stage{ps.pp_rank}.bin"), "wb") as f:
-                    entries, new = encode(tensors, self.base, f)
+                    entries, new = encode(tensors, self.base, f, self.xor)
                     part = (entries, f.tell())
             else:
                 for _ in tensors:  # the gather is collective over the TP group

@@ -99,10 +99,11 @@ class WeightPusher:
             self.transport = TensorTransport(self.admin, w.timeout_s, w.tensor_format)
         else:
             directory = w.disk_dir or f"{self.cfg.train.run_dir}/weights"
-            if w.delta and w.tensor_format == "megarl":  # XOR+zlib records against the last push
+            if w.disk_delta != "off":  # records against the last push
                 from megarl.weights.disk_delta import DiskDeltaTransport
 
-                self.transport = DiskDeltaTransport(self.admin, directory, w.keep_versions, w.timeout_s, self.dtype)
+                self.transport = DiskDeltaTransport(self.admin, directory, w.keep_versions, w.timeout_s,
+                                                    self.dtype, w.disk_delta == "xor")
             else:
                 self.transport = DiskTransport(self.admin, directory, w.keep_versions, w.timeout_s, self.dtype)
         self._ready = False

@@ -166,9 +166,10 @@ def delta(hf_a, hf_b, server, work):
 
 
 def disk_delta(hf_a, hf_b, server, work):
-    """TP=2, weights.transport=disk with weights.delta, optim.freeze = embedding + layer 0: push
-    v1 (raw records), two real optimizer steps, v2, two more, v3 (XOR+zlib records against the last
-    push); the server rebuilds every tensor (CRC-32 checked) and equals the trainer bitwise."""
+    """TP=2, weights.transport=disk with weights.disk_delta=raw, optim.freeze = embedding + layer 0: push
+    v1 (raw records), two real optimizer steps, v2 (frozen: same records, the rest raw), two more,
+    v3 as with weights.disk_delta=xor (XOR+zlib records against v2); the server rebuilds every tensor
+    (CRC-32 checked) and equals the trainer bitwise."""
     from megarl.trainer.sft import sft_loss
 
     if dist.get_rank() == 0:
@@ -176,19 +177,20 @@ def disk_delta(hf_a, hf_b, server, work):
     dist.barrier()
     engine, pusher = build(hf_b, server, 2, 1, "disk", work, trainable=True,
                            extra=('optim.freeze=["model.embed_tokens.weight","model.layers.0.*"]',
-                                  "optim.lr=0.01"))
+                                  "optim.lr=0.01", "weights.disk_delta=raw"))
     ids = [[1, 5, 9, 17, 33, 2, 8, 40, 3, 7, 11, 60]] * 2
     batch = TensorBatch.from_lists(ids, {"loss_mask": [[0.0] * 4 + [1.0] * 8] * 2})
     sent = [pusher.push().bytes]
-    for _ in range(2):
+    for xor in (False, True):  # v2: weights.disk_delta=raw, v3: as with =xor
         for _ in range(2):
             engine.train_batch(batch, sft_loss)
+        pusher.transport.xor = xor
         sent.append(pusher.push().bytes)
     codecs = {}
     if dist.get_rank() == 0:
         with open(os.path.join(pusher.transport.dir, "v3", "megarl_delta.json")) as f:
             man = json.load(f)
-        codecs = {"base": man["base"], "xor": sum(e[3] == "xor" for e in man["tensors"].values()),
+        codecs = {"base": man["base"], "codecs": sorted(e[3] for e in man["tensors"].values()),
                   "frozen_record_bytes": sum(e[2] for n, e in man["tensors"].items()
                                              if n == "model.embed_tokens.weight" or n.startswith("model.layers.0."))}
     after, version = server_vs_trainer(engine, server)

@@ -211,7 +211,7 @@ def test_weights_checksum_is_of_what_the_server_holds(tiny_model, new_weights, s
 
 
 def _write_delta(path, tensors, base, base_version, version):
-    """A weights.delta disk directory (megarl.weights.delta_format) of ``tensors`` against ``base``."""
+    """A weights.disk_delta directory (megarl.weights.delta_format) of ``tensors`` against ``base``."""
     import json
     import os
 
@@ -227,7 +227,7 @@ def _write_delta(path, tensors, base, base_version, version):
 
 def test_update_from_disk_delta_rebuilds_bitwise_and_refuses_corruption(tiny_model, new_weights, servers,
                                                                         tmp_path):
-    """weights.delta's disk format: raw records, then XOR+zlib records against what the server
+    """weights.disk_delta's format: raw records, then XOR+zlib records against what the server
     holds, rebuild every tensor bitwise (sha256 of what it holds); a record with a flipped byte
     fails its CRC-32, a delta against another version is refused, and neither changes anything."""
     from megarl.weights.delta_format import _bytes
