@@ -20,6 +20,7 @@ from megarl.trainer.batch import TensorBatch
 from megarl.trainer.engine import Engine
 from megarl.rollout.cluster import RolloutCluster
 from megarl.weights.push import WeightPusher
+from megarl.weights.transports import PushError
 
 
 def post(url, body, timeout=60):
@@ -193,6 +194,23 @@ def disk_delta(hf_a, hf_b, server, work):
         codecs = {"base": man["base"], "codecs": sorted(e[3] for e in man["tensors"].values()),
                   "frozen_record_bytes": sum(e[2] for n, e in man["tensors"].items()
                                              if n == "model.embed_tokens.weight" or n.startswith("model.layers.0."))}
+    # the server moves to another version behind the trainer's back: the next delta (against v3)
+    # is refused, and the push after it writes every tensor raw
+    if dist.get_rank() == 0:
+        assert post(f"{server}/update_weight_version", {"new_version": "elsewhere"})["success"]
+    dist.barrier()
+    engine.train_batch(batch, sft_loss)
+    try:
+        pusher.push()
+        refused = ""
+    except PushError as e:
+        refused = str(e)
+    sent.append(pusher.push().bytes)
+    if dist.get_rank() == 0:
+        with open(os.path.join(pusher.transport.dir, "v4", "megarl_delta.json")) as f:
+            man = json.load(f)
+        codecs["retry_base"] = man["base"]
+        codecs["retry_codecs"] = sorted(set(e[3] for e in man["tensors"].values()))
     after, version = server_vs_trainer(engine, server)
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, pusher._gather_digests())
@@ -200,7 +218,7 @@ def disk_delta(hf_a, hf_b, server, work):
     differ = pusher._compare(everything) if dist.get_rank() == 0 else None
     pusher.close()
     return {"sent": sent, "after": after, "version": version, "compared": len(everything),
-            "differ": differ, **codecs}
+            "differ": differ, "refused": refused, **codecs}
 
 
 def main():

@@ -133,7 +133,8 @@ def test_delta_push_sends_only_changed_tensors(models):
 def test_disk_delta_push_is_bitwise(models):
     """weights.transport=disk with weights.disk_delta=raw and optim.freeze = embedding + layer 0: the first
     push writes raw records; the second writes nothing for the 10 frozen tensors and the trainable
-    ones raw; the third (as with weights.disk_delta=xor) XOR+zlib records against the second. The server rebuilds
+    ones raw; the third (as with weights.disk_delta=xor) XOR+zlib records against the second; a
+    delta the server refuses (it moved to another version) is followed by an all-raw push. The server rebuilds
     every tensor, checks its CRC-32 and then equals the trainer bitwise."""
     d, a, b = models
     url, proc = start_server(a, str(d / "server_disk_delta.log"))
@@ -146,5 +147,9 @@ def test_disk_delta_push_is_bitwise(models):
     # raw: 164,416 fp32 params; then the trainable 476,928 bytes (as in the distributed delta test)
     assert r["sent"][:2] == [657664, 476928] and r["sent"][2] < 476928
     assert r["codecs"] == ["same"] * 10 + ["xor"] * 29 and r["frozen_record_bytes"] == 0
-    assert r["base"] == "2" and r["version"] == "3"
+    assert r["base"] == "2"
+    # a server moved to another version refuses the next delta; the push after it is all raw
+    assert "delta against version 3, the server holds elsewhere" in r["refused"]
+    assert r["sent"][3] == 657664 and r["retry_base"] is None and r["retry_codecs"] == ["raw"]
+    assert r["version"] == "4"
     assert r["after"] <= 1e-5 and r["compared"] == 39 and r["differ"] == []
