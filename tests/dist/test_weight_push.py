@@ -131,11 +131,11 @@ def test_delta_push_sends_only_changed_tensors(models):
 
 
 def test_disk_delta_push_is_bitwise(models):
-    """weights.transport=disk with weights.disk_delta=raw and optim.freeze = embedding + layer 0: the first
-    push writes raw records; the second writes nothing for the 10 frozen tensors and the trainable
-    ones raw; the third (as with weights.disk_delta=xor) XOR+zlib records against the second; a
-    delta the server refuses (it moved to another version) is followed by an all-raw push. The server rebuilds
-    every tensor, checks its CRC-32 and then equals the trainer bitwise."""
+    """weights.transport=disk with weights.disk_delta=raw and optim.freeze = embedding + layer 0:
+    the first push writes raw records; the second writes nothing for the 10 frozen tensors and the
+    trainable ones raw; the third (as with weights.disk_delta=xor) XOR+zlib records against the
+    second; a delta the server refuses (it moved to another version) is followed by an all-raw
+    push. The server rebuilds every tensor, checks its CRC-32 and then equals the trainer bitwise."""
     d, a, b = models
     url, proc = start_server(a, str(d / "server_disk_delta.log"))
     try:
