@@ -1,4 +1,4 @@
-"""``DiskDeltaTransport``: the disk transport writing `megarl.weights.delta_format` (weights.delta
+"""``DiskDeltaTransport``: the disk transport writing `megarl.weights.delta_format` (weights.disk_delta
 with megarl-server): per stage one file of raw/same/XOR+zlib records with per-tensor CRC-32s."""
 from __future__ import annotations
 
