@@ -2,7 +2,7 @@
 `critic.*`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from megarl.config.common import _check, _choice
@@ -106,9 +106,17 @@ class OptimConfig:
     """constant, linear or cosine."""
     lr_decay_steps: Optional[int] = bounded(None, ge=1)
     """Steps over which to decay (default: train.steps)."""
+    freeze: list[str] = field(default_factory=list)
+    """Policy tensors that do not train: shell-style patterns (fnmatch: * also crosses dots) over
+    the HF checkpoint's tensor names, e.g. ["model.embed_tokens.weight"] or ["model.layers.0.*",
+    "model.layers.1.*"]. Frozen parameters have no gradient or Adam state, and with weights.delta
+    the pushes after the first skip them. A pattern matching nothing, one that splits a fused
+    Megatron parameter (q/k/v, gate/up) or freezing everything is a config error."""
 
     def validate(self) -> None:
         _check(self, "optim")
+        if any(not isinstance(p, str) or not p for p in self.freeze):
+            raise ConfigError(f"optim.freeze: must be a list of non-empty name patterns; got {self.freeze!r}")
         if self.min_lr > self.lr:
             raise ConfigError(f"optim.min_lr: must be in [0, optim.lr], got {self.min_lr}")
         _choice("optim.lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine"))

@@ -32,11 +32,13 @@ the version is unchanged (SGLang semantics).
 from __future__ import annotations
 
 import asyncio
+import os
 
 from aiohttp import web
 
 from megarl.net import new_process_group
 from megarl.server import weights as W
+from megarl.weights import delta_format as disk_delta
 from megarl.wire import DIRECT_BUCKET, FLATTENED_BUCKET, tensor_digest
 from megarl.server.state import (BadRequest, ServerState, allowed_weights_path, body_field, on_engine,
                                          read_body, result)
@@ -253,8 +255,12 @@ async def from_disk(request: web.Request) -> web.Response:
     except BadRequest as e:
         return result(False, str(e))
     try:
-        tensors = await asyncio.to_thread(W.read_hf_dir, real)
-    except (OSError, ValueError) as e:
+        if os.path.exists(os.path.join(real, disk_delta.MANIFEST)):  # weights.delta's format
+            tensors = await asyncio.to_thread(disk_delta.decode, real, state.engine.model.params,
+                                              state.engine.weight_version)
+        else:
+            tensors = await asyncio.to_thread(W.read_hf_dir, real)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         return result(False, f"cannot read {path}: {e}")
     missing = state.engine.model.missing(tensors)
     if missing:

@@ -113,7 +113,8 @@ def critic_config(cfg):
     c = cfg.critic
     model = dataclasses.replace(cfg.model, hf_path=c.hf_path or cfg.model.hf_path)
     optim = dataclasses.replace(cfg.optim, lr=c.lr if c.lr is not None else cfg.optim.lr,
-                                min_lr=min(cfg.optim.min_lr, c.lr or cfg.optim.lr))
+                                min_lr=min(cfg.optim.min_lr, c.lr or cfg.optim.lr),
+                                freeze=[])  # optim.freeze names the policy's tensors
     return dataclasses.replace(cfg, model=model, optim=optim)
 
 

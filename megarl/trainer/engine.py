@@ -100,6 +100,10 @@ class Engine:
         if cfg.model.init == "hf":
             hf_io.load_hf_weights(chunks, args, cfg.model.hf_path, ps.tp, ps.tp_rank, use_te)
         cls.adapt_chunks(chunks, cfg, args, tconfig)
+        if trainable:  # optim.freeze: before DDP and the optimizer, which then leave them out
+            from megarl.trainer.freeze import apply_freeze
+
+            apply_freeze(chunks, args, cfg.optim.freeze, use_te)
         if not trainable:
             for c in chunks:
                 c.requires_grad_(False)

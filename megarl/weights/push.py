@@ -107,7 +107,13 @@ class WeightPusher:
             self.transport = TensorTransport(self.admin, w.timeout_s, w.tensor_format)
         else:
             directory = w.disk_dir or f"{self.cfg.train.run_dir}/weights"
-            self.transport = DiskTransport(self.admin, directory, w.keep_versions, w.timeout_s, self.dtype)
+            if w.disk_delta != "off":  # records against the last push
+                from megarl.weights.disk_delta import DiskDeltaTransport
+
+                self.transport = DiskDeltaTransport(self.admin, directory, w.keep_versions, w.timeout_s,
+                                                    self.dtype, w.disk_delta == "xor")
+            else:
+                self.transport = DiskTransport(self.admin, directory, w.keep_versions, w.timeout_s, self.dtype)
         self._ready = False
         self._frozen_sent = frozenset()  # a new server set (or a retry) gets every tensor
 
@@ -248,7 +254,7 @@ class WeightPusher:
         t = self.resharder.times
         nbytes = t.bytes
         if isinstance(self.transport, DiskTransport) and self.ps.rank == 0:
-            nbytes = self.resharder.total_bytes()
+            nbytes = getattr(self.transport, "written", None) or self.resharder.total_bytes()
         stats = torch.tensor([nbytes, t.buckets, t.gather_s, t.convert_s, send_s, self.digest_s],
                              dtype=torch.float64)
         dist.all_reduce(stats)  # sources hold the counts; times summed over stages

@@ -20,6 +20,7 @@ from megarl.trainer.batch import TensorBatch
 from megarl.trainer.engine import Engine
 from megarl.rollout.cluster import RolloutCluster
 from megarl.weights.push import WeightPusher
+from megarl.weights.transports import PushError
 
 
 def post(url, body, timeout=60):
@@ -28,12 +29,13 @@ def post(url, body, timeout=60):
         return json.loads(r.read())
 
 
-def build(hf_b, server, tp, pp, transport, work, timeout_s=60, trainable=False, refit="gather", ep=1):
+def build(hf_b, server, tp, pp, transport, work, timeout_s=60, trainable=False, refit="gather", ep=1,
+          extra=()):
     cfg = load_config(None, [f"model.hf_path={hf_b}", "data.train_path=x", f"parallel.tp={tp}",
                              f"parallel.pp={pp}", f"parallel.ep={ep}", f"weights.transport={transport}",
                              f"weights.timeout_s={timeout_s}", "weights.bucket_mb=1", f"weights.refit={refit}",
                              f"weights.disk_dir={work}/push_{transport}_{tp}{pp}",
-                             f"rollout.servers=[{server}]", f"train.run_dir={work}/run"])
+                             f"rollout.servers=[{server}]", f"train.run_dir={work}/run", *extra])
     ps = parallel.init_model_parallel(tp, pp, ep=ep)
     engine = Engine.build(cfg, ps, trainable=trainable)
     cluster = RolloutCluster.from_config(cfg, [server], driver=dist.get_rank() == 0)
@@ -130,26 +132,30 @@ def join(hf_a, hf_b, server, server2, work):
 
 
 def delta(hf_a, hf_b, server, work):
-    """TP=2, trainable engine: the embedding and layer 0 frozen (requires_grad False), push v1
-    (everything), change every trainable parameter, push v2: only the changed rows travel, and
-    afterwards every server tensor equals the trainer's bitwise (sha256 of all of them)."""
+    """TP=2, trainable engine with optim.freeze = the embedding and layer 0: push v1 (everything),
+    two real optimizer steps (SFT loss), push v2, two more, push v3: v2 and v3 carry only the
+    trainable rows; the frozen ones stay bitwise unchanged in the trainer, and afterwards every
+    server tensor equals the trainer's bitwise (sha256 of all of them)."""
     from megarl.models.hf_io import local_params
+    from megarl.trainer.sft import sft_loss
 
     if dist.get_rank() == 0:
         assert post(f"{server}/update_weights_from_disk", {"model_path": hf_a})["success"]
     dist.barrier()
-    engine, pusher = build(hf_b, server, 2, 1, "distributed", work, trainable=True)
-    for lp in local_params(engine.chunks, engine.args, engine.use_te):
-        if lp.pmap.mcore.startswith("embedding.") or lp.layer == 0:
-            lp.param.requires_grad_(False)
-    first = pusher.push()
-    torch.manual_seed(dist.get_rank() // 2)  # the same change on both TP ranks of a replicated norm
-    with torch.no_grad():  # an update: the optimizer's writes, to trainable parameters only
-        for c in engine.chunks:
-            for p in c.parameters():
-                if p.requires_grad:
-                    p.add_(0.05 * torch.randn_like(p))
-    second = pusher.push()
+    engine, pusher = build(hf_b, server, 2, 1, "distributed", work, trainable=True,
+                           extra=('optim.freeze=["model.embed_tokens.weight","model.layers.0.*"]',
+                                  "optim.lr=0.01"))
+    lps = local_params(engine.chunks, engine.args, engine.use_te)
+    frozen = {lp.local_name: lp.param.detach().clone() for lp in lps if not lp.param.requires_grad}
+    trainable = {lp.local_name: lp.param.detach().clone() for lp in lps if lp.param.requires_grad}
+    ids = [[1, 5, 9, 17, 33, 2, 8, 40, 3, 7, 11, 60]] * 2
+    batch = TensorBatch.from_lists(ids, {"loss_mask": [[0.0] * 4 + [1.0] * 8] * 2})
+    sent = [pusher.push().bytes]
+    for _ in range(2):
+        for _ in range(2):
+            engine.train_batch(batch, sft_loss)
+        sent.append(pusher.push().bytes)
+    now = {lp.local_name: lp.param.detach() for lp in lps}
     after, version = server_vs_trainer(engine, server)
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, pusher._gather_digests())  # every tensor, not only those sent
@@ -157,8 +163,65 @@ def delta(hf_a, hf_b, server, work):
     differ = pusher._compare(everything) if dist.get_rank() == 0 else None
     checked = pusher.verify()
     pusher.close()
-    return {"first_bytes": first.bytes, "second_bytes": second.bytes, "after": after, "version": version,
+    return {"sent": sent, "after": after, "version": version, "frozen_params": len(frozen),
+            "frozen_changed": sorted(n for n, t in frozen.items() if not torch.equal(t, now[n])),
+            "trainable_unchanged": sorted(n for n, t in trainable.items() if torch.equal(t, now[n])),
             "compared": len(everything), "differ": differ, "verify": checked}
+
+
+def disk_delta(hf_a, hf_b, server, work):
+    """TP=2, weights.transport=disk with weights.disk_delta=raw, optim.freeze = embedding + layer 0: push
+    v1 (raw records), two real optimizer steps, v2 (frozen: same records, the rest raw), two more,
+    v3 as with weights.disk_delta=xor (XOR+zlib records against v2); the server rebuilds every tensor
+    (CRC-32 checked) and equals the trainer bitwise."""
+    from megarl.trainer.sft import sft_loss
+
+    if dist.get_rank() == 0:
+        assert post(f"{server}/update_weights_from_disk", {"model_path": hf_a})["success"]
+    dist.barrier()
+    engine, pusher = build(hf_b, server, 2, 1, "disk", work, trainable=True,
+                           extra=('optim.freeze=["model.embed_tokens.weight","model.layers.0.*"]',
+                                  "optim.lr=0.01", "weights.disk_delta=raw"))
+    ids = [[1, 5, 9, 17, 33, 2, 8, 40, 3, 7, 11, 60]] * 2
+    batch = TensorBatch.from_lists(ids, {"loss_mask": [[0.0] * 4 + [1.0] * 8] * 2})
+    sent = [pusher.push().bytes]
+    for xor in (False, True):  # v2: weights.disk_delta=raw, v3: as with =xor
+        for _ in range(2):
+            engine.train_batch(batch, sft_loss)
+        pusher.transport.xor = xor
+        sent.append(pusher.push().bytes)
+    codecs = {}
+    if dist.get_rank() == 0:
+        with open(os.path.join(pusher.transport.dir, "v3", "megarl_delta.json")) as f:
+            man = json.load(f)
+        codecs = {"base": man["base"], "codecs": sorted(e[3] for e in man["tensors"].values()),
+                  "frozen_record_bytes": sum(e[2] for n, e in man["tensors"].items()
+                                             if n == "model.embed_tokens.weight" or n.startswith("model.layers.0."))}
+    # the server moves to another version behind the trainer's back: the next delta (against v3)
+    # is refused, and the push after it writes every tensor raw
+    if dist.get_rank() == 0:
+        assert post(f"{server}/update_weight_version", {"new_version": "elsewhere"})["success"]
+    dist.barrier()
+    engine.train_batch(batch, sft_loss)
+    try:
+        pusher.push()
+        refused = ""
+    except PushError as e:
+        refused = str(e)
+    sent.append(pusher.push().bytes)
+    if dist.get_rank() == 0:
+        with open(os.path.join(pusher.transport.dir, "v4", "megarl_delta.json")) as f:
+            man = json.load(f)
+        codecs["retry_base"] = man["base"]
+        codecs["retry_codecs"] = sorted(set(e[3] for e in man["tensors"].values()))
+    after, version = server_vs_trainer(engine, server)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, pusher._gather_digests())
+    everything = {n: d for part in parts for n, d in part.items()}
+    differ = pusher._compare(everything) if dist.get_rank() == 0 else None
+    pusher.close()
+    return {"sent": sent, "after": after, "version": version, "compared": len(everything),
+            "differ": differ, "refused": refused, **codecs}
 
 
 def main():
@@ -172,6 +235,8 @@ def main():
         results = join(hf_a, hf_b, server, rest[0], work)
     elif mode == "delta":
         results = delta(hf_a, hf_b, server, work)
+    elif mode == "disk_delta":
+        results = disk_delta(hf_a, hf_b, server, work)
     else:
         results = stall(hf_b, server, work, int(rest[0]), rest[1])
     if dist.get_rank() == 0:

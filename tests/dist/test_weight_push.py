@@ -145,9 +145,9 @@ def test_late_server_gets_current_weights_and_verify(models):
 
 
 def test_delta_push_sends_only_changed_tensors(models):
-    """weights.delta (default on): frozen rows (embedding + layer 0 of the tiny Llama) are sent by
-    the first push only; after an update of every trainable parameter the second push carries the
-    rest, and the server then equals the trainer bitwise on all 39 tensors."""
+    """weights.delta (default on) with optim.freeze = embedding + layer 0 of the tiny Llama: the
+    optimizer leaves those bitwise unchanged through 4 real steps, the first push sends them and
+    the next two do not; afterwards the server equals the trainer bitwise on all 39 tensors."""
     d, a, b = models
     url, proc = start_server(a, str(d / "server_delta.log"))
     try:
@@ -156,11 +156,12 @@ def test_delta_push_sends_only_changed_tensors(models):
         r = json.loads(out.read_text())
     finally:
         proc.kill()
-    assert r["first_bytes"] == 657664  # fp32 tiny Llama: 164,416 params
     # frozen: embedding 128*64 + layer 0 (q 64*64, k, v 32*64 each, o 64*64, gate/up/down 128*64
-    # each, two norms of 64) = 8,192 + 36,992 params = 180,736 bytes
-    assert r["second_bytes"] == 657664 - 4 * (128 * 64 + 36992) == 476928
-    assert r["after"] <= 1e-5 and r["version"] == "2"
+    # each, two norms of 64) = 8,192 + 36,992 params = 180,736 bytes; fp32 model: 164,416 params
+    assert r["sent"] == [657664, 657664 - 4 * (128 * 64 + 36992), 476928] and r["sent"][1] == 476928
+    # rank 0's frozen Megatron params: embedding, fused qkv, proj, fc1, fc2 and their 2 norm weights
+    assert r["frozen_params"] == 7 and r["frozen_changed"] == [] and r["trainable_unchanged"] == []
+    assert r["after"] <= 1e-5 and r["version"] == "3"
     assert r["compared"] == 39 and r["differ"] == [] and r["verify"] == []
 
 
@@ -190,3 +191,28 @@ def test_push_into_tp2_server_makes_it_equal_trainer(tp2_server_layouts, spec):
     # shard refit sends the replicated tensors (embedding, lm_head, 9 norms of 64) to both server
     # ranks: 657,664 + 4 x (2 x 128 x 64 + 9 x 64) = 725,504 bytes; the gathered push sends each once
     assert r["bytes"] == (725504 if spec.endswith("shard") else 657664)
+
+
+def test_disk_delta_push_is_bitwise(models):
+    """weights.transport=disk with weights.disk_delta=raw and optim.freeze = embedding + layer 0:
+    the first push writes raw records; the second writes nothing for the 10 frozen tensors and the
+    trainable ones raw; the third (as with weights.disk_delta=xor) XOR+zlib records against the
+    second; a delta the server refuses (it moved to another version) is followed by an all-raw
+    push. The server rebuilds every tensor, checks its CRC-32 and then equals the trainer bitwise."""
+    d, a, b = models
+    url, proc = start_server(a, str(d / "server_disk_delta.log"))
+    try:
+        out = d / "disk_delta.json"
+        torchrun("push_worker.py", 2, "disk_delta", a, b, url, d, out)
+        r = json.loads(out.read_text())
+    finally:
+        proc.kill()
+    # raw: 164,416 fp32 params; then the trainable 476,928 bytes (as in the distributed delta test)
+    assert r["sent"][:2] == [657664, 476928] and r["sent"][2] < 476928
+    assert r["codecs"] == ["same"] * 10 + ["xor"] * 29 and r["frozen_record_bytes"] == 0
+    assert r["base"] == "2"
+    # a server moved to another version refuses the next delta; the push after it is all raw
+    assert "delta against version 3, the server holds elsewhere" in r["refused"]
+    assert r["sent"][3] == 657664 and r["retry_base"] is None and r["retry_codecs"] == ["raw"]
+    assert r["version"] == "4"
+    assert r["after"] <= 1e-5 and r["compared"] == 39 and r["differ"] == []

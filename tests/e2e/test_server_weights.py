@@ -208,3 +208,65 @@ def test_weights_checksum_is_of_what_the_server_holds(tiny_model, new_weights, s
             await a.update_weights_from_tensor(TensorWeightsUpdate([encode_megarl(sd0)]))
 
     asyncio.run(main())
+
+
+def _write_delta(path, tensors, base, base_version, version):
+    """A weights.disk_delta directory (megarl.weights.delta_format) of ``tensors`` against ``base``."""
+    import json
+    import os
+
+    from megarl.weights.delta_format import MANIFEST, encode
+
+    os.makedirs(path)
+    with open(os.path.join(path, "stage0.bin"), "wb") as f:
+        entries, _ = encode(sorted(tensors.items()), base, f)
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump({"base": base_version, "version": version, "tensors": entries}, f)
+    return entries
+
+
+def test_update_from_disk_delta_rebuilds_bitwise_and_refuses_corruption(tiny_model, new_weights, servers,
+                                                                        tmp_path):
+    """weights.disk_delta's format: raw records, then XOR+zlib records against what the server
+    holds, rebuild every tensor bitwise (sha256 of what it holds); a record with a flipped byte
+    fails its CRC-32, a delta against another version is refused, and neither changes anything."""
+    from megarl.weights.delta_format import _bytes
+    from megarl.wire import tensor_digest
+
+    (old_path, sd0), (new_path, sd1) = tiny_model, new_weights
+    names = sorted(sd0)
+    srv = servers[0]
+    b1 = {n: _bytes(t).copy() for n, t in sd1.items()}
+
+    async def holds(a, sd):
+        sums = (await a.weights_checksum(names, ["float32"] * len(names)))[srv.url]
+        return sums == {n: tensor_digest(sd[n]) for n in names}
+
+    async def main():
+        async with AdminClient([srv.url], api_key=API_KEY) as a:
+            _write_delta(tmp_path / "d1", sd1, None, None, "d1")  # raw records
+            await a.update_weights_from_disk(DiskWeightsUpdate(str(tmp_path / "d1"), weight_version="d1"))
+            assert await holds(a, sd1)
+            e = _write_delta(tmp_path / "d2", sd0, b1, "d1", "d2")  # XOR against sd1
+            assert {v[3] for v in e.values()} == {"xor"}
+            await a.update_weights_from_disk(DiskWeightsUpdate(str(tmp_path / "d2"), weight_version="d2"))
+            assert await holds(a, sd0)
+            # a raw record (no base for model.norm.weight) with one byte flipped: CRC-32 mismatch
+            b0 = {n: _bytes(t).copy() for n, t in sd0.items() if n != "model.norm.weight"}
+            e = _write_delta(tmp_path / "bad", sd1, b0, "d2", "d3")
+            _, offset, length, codec, *_ = e["model.norm.weight"]
+            assert codec == "raw"
+            with open(tmp_path / "bad" / "stage0.bin", "r+b") as f:
+                f.seek(offset + 5)
+                byte = f.read(1)
+                f.seek(offset + 5)
+                f.write(bytes([byte[0] ^ 0x40]))
+            with pytest.raises(AdminError, match="model.norm.weight: checksum mismatch"):
+                await a.update_weights_from_disk(DiskWeightsUpdate(str(tmp_path / "bad"), weight_version="d3"))
+            assert await holds(a, sd0)
+            _write_delta(tmp_path / "stale", sd1, b1, "d1", "d3")  # the server is at d2
+            with pytest.raises(AdminError, match="delta against version d1, the server holds d2"):
+                await a.update_weights_from_disk(DiskWeightsUpdate(str(tmp_path / "stale"), weight_version="d3"))
+            assert await holds(a, sd0)
+
+    asyncio.run(main())

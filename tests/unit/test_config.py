@@ -255,3 +255,14 @@ def test_output_inside_another_run_is_refused(tmp_path, hf):
     # its own outputs, and a resume of run a, are fine
     assert load(hf, f"train.run_dir={other}", f"checkpoint.hf_export_dir={other}/model").checkpoint.hf_export_dir
     assert load(hf, mine, f"checkpoint.hf_export_dir={tmp_path}/exports/b").checkpoint.hf_export_dir
+
+
+def test_weights_disk_delta_choices():
+    base = ["data.train_path=x", "model.hf_path=x", "weights.transport=disk"]
+    assert load_config(None, base).weights.disk_delta == "off"
+    assert load_config(None, base + ["weights.disk_delta=xor"]).weights.disk_delta == "xor"
+    with pytest.raises(ConfigError, match=r"^weights.disk_delta: must be one of off, raw, xor; got 'zstd'$"):
+        load_config(None, base + ["weights.disk_delta=zstd"])
+    with pytest.raises(ConfigError, match=r"^weights.disk_delta: real SGLang"):
+        load_config(None, base + ["weights.disk_delta=raw", "weights.tensor_format=sglang",
+                                  "weights.verify_interval=0"])
