@@ -35,6 +35,7 @@ import torch
 
 from megarl import compat
 from megarl.algo import Stat, aggregate
+from megarl.mcore.heads import replace_output_layer
 from megarl.metrics import StatsTracker
 from megarl.trainer.actor import (dp_counts, mean_or_zero, minibatch_indices,
                                   minibatch_loss_weights, num_minibatches, shuffle_seed,
@@ -72,7 +73,6 @@ class ValueHead(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)  # same init on every TP/DP rank
         self.weight = torch.nn.Parameter((torch.randn(1, hidden, generator=g) * std).to(dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
-        self.sequence_parallel = False  # read by GPTModel._postprocess
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
@@ -81,11 +81,10 @@ class ValueHead(torch.nn.Module):
 def attach_value_head(chunks: list, hidden: int, std: float, dtype: torch.dtype, seed: int) -> None:
     """Replaces the LM head of the last-stage chunk by a `ValueHead`; unties embeddings."""
     for model in chunks:
-        model.share_embeddings_and_output_weights = False
-        if model.post_process:
-            model.output_layer = ValueHead(hidden, std, dtype, seed)
-            if compat.HAVE_CUDA:
-                model.output_layer.cuda(torch.cuda.current_device())
+        head = ValueHead(hidden, std, dtype, seed)
+        if compat.HAVE_CUDA:
+            head.cuda(torch.cuda.current_device())
+        replace_output_layer(model, head)
 
 
 class CriticEngine(Engine):
