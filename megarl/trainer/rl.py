@@ -228,7 +228,8 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None, side: Optional[RolloutSide]
                             ps.rank == 0 else None)
         stack.callback(timeline.close)
         actor = Actor.build(cfg, ps, engine)
-        critic = Critic.build(CriticSpec.from_config(cfg), ps) if actor.spec.advantage.estimator == AdvantageEstimator.GAE else None
+        gae = actor.spec.advantage.estimator == AdvantageEstimator.GAE
+        critic = Critic.build(CriticSpec.from_config(cfg), ps) if gae else None
         if critic is not None:
             ckpt.add_engine("critic", critic.engine)
         start, cluster = connect_rollout_side(cfg, ps, ckpt, side)

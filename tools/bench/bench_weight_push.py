@@ -146,7 +146,8 @@ def worker(args):
     engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=False)
     if args.manager:
         return manager_pushes(args, cfg, ps, engine)
-    pusher = WeightPusher(PushSpec.from_config(cfg), engine, RolloutCluster.from_config(cfg, [server], driver=ps.rank == 0))
+    cluster = RolloutCluster.from_config(cfg, [server], driver=ps.rank == 0)
+    pusher = WeightPusher(PushSpec.from_config(cfg), engine, cluster)
     pusher.push()  # warm-up: groups, first allocation
     sizes = [sum(s.nbytes(pusher.resharder.serving_dtype) for s in b) for b in pusher.resharder.stage_plan(0)]
     raw = RawBaseline(sizes, args.repeats + 1) if ps.rank == 0 else None
