@@ -89,7 +89,7 @@ def train(cfg, stop: StopRequest) -> int:
     from megarl.checkpoint import CheckpointManager
     from megarl.config import check_world_size
     from megarl.metrics import MetricsLogger
-    from megarl.trainer.engine import Engine
+    from megarl.trainer.engine import Engine, EngineSpec
 
     info = parallel.init_distributed(cfg.parallel.backend)
     if info.rank == 0:
@@ -106,7 +106,7 @@ def train(cfg, stop: StopRequest) -> int:
         from megarl.trainer.rollout_link import RolloutSide
         side = RolloutSide(cfg, ps)
         side.start()
-    engine = Engine.build(cfg, ps)
+    engine = Engine.build(EngineSpec.from_config(cfg), ps)
     ckpt = CheckpointManager(cfg, ps, engine)
     logger = MetricsLogger(cfg.train.run_dir, tensorboard=cfg.logging.tensorboard,
                            wandb_project=cfg.logging.wandb_project or None,

@@ -14,6 +14,8 @@ megarl needs:
                    non-finite gradient norm
     routing_replay.py  RoutingReplay: MoE routers take the rollout engine's expert ids and weights
     moe.py         the router-loss tracker (load-balancing and z-loss values per layer)
+    heads.py       replace_output_layer: another module (the critic's value head) in place of
+                   GPTModel's LM head
     checkpoint.py  the torch_dist save strategy, sharded state dicts, loads with one-line errors,
                    the optimizer-load fixes, stacked_piece (one layer of a stacked checkpoint key)
 

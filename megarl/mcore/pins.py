@@ -201,7 +201,27 @@ MOE_LOSS_PINS = (
         "the per-layer load-balancing / z-loss values the routers saved in the step's forwards", "()"),
 )
 
-PINS = CPU_PINS + ATTENTION_PINS + OPTIMIZER_PINS + CHECKPOINT_PINS + ROUTING_REPLAY_PINS + MOE_LOSS_PINS
+_GPT = "megatron.core.models.gpt.gpt_model"
+
+HEAD_PINS = (
+    Pin(f"{_GPT}:GPTModel.output_layer", "self", "heads.py", "replaced by the critic's value head"),
+    Pin(f"{_GPT}:GPTModel.post_process", "self", "heads.py", "only the last stage's chunk holds the head"),
+    Pin(f"{_GPT}:GPTModel.share_embeddings_and_output_weights", "self", "heads.py",
+        "set False: the replaced head is not tied to the input embedding"),
+    Pin(f"{_GPT}:GPTModel._postprocess", "call", "heads.py",
+        "calls output_layer(hidden, weight=, runtime_gather_output=) and reads its sequence_parallel",
+        "(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos, "
+        "rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, decoder_input=None, attention_mask=None, "
+        "inference_params=None, packed_seq_params=None, sequence_len_offset=None, runtime_gather_output=None, "
+        "extra_block_kwargs=None, inference_context=None)"),
+    Pin("megatron.core.tensor_parallel.layers:ColumnParallelLinear.forward", "call", "heads.py",
+        "the call signature a replacement head takes", "(self, input_, weight=None, runtime_gather_output=None)"),
+    Pin("megatron.core.tensor_parallel.layers:ColumnParallelLinear.sequence_parallel", "self", "heads.py",
+        "the head attribute _postprocess reads; a replacement sets it False"),
+)
+
+PINS = (CPU_PINS + ATTENTION_PINS + OPTIMIZER_PINS + CHECKPOINT_PINS + ROUTING_REPLAY_PINS + MOE_LOSS_PINS
+        + HEAD_PINS)
 
 
 def call_signature(obj) -> str:

@@ -45,6 +45,32 @@ class ClusterListener(Protocol):
     def on_server_added(self, address: str) -> None: ...  # it holds the current weights
 
 
+class PushTarget(Protocol):
+    """The cluster `megarl.weights.push.WeightPusher` talks to: `RolloutCluster` (in the trainer
+    or the rollout manager) or the trainer's `megarl.trainer.rollout_link.ManagerCluster`."""
+
+    addresses: list[str]  # the servers that receive weights, the same on every rank
+    driver: bool  # this rank runs the protocol's HTTP steps (global rank 0)
+    admin: Optional[AdminRunner]  # the driver's admin connection (None on other ranks)
+    version: int  # the policy version the servers hold
+
+    def stage_admin(self, rank: int) -> AdminRunner: ...  # a pipeline-stage source's own connection
+
+    def pause_for_update(self) -> None: ...  # protocol step 1 (settles the previous push first)
+
+    def end_push(self, version: Optional[int]) -> None: ...  # step 3: publish (or not), resume
+
+    def commit(self, version: int) -> None: ...  # step 4, every rank
+
+    def unhealthy(self) -> list[str]: ...  # driver: servers that do not answer /health
+
+    def add_server(self, address: str) -> None: ...
+
+    def admitted(self, address: str) -> None: ...
+
+    def remove_server(self, address: str) -> None: ...
+
+
 class ClusterError(RuntimeError):
     """Too few rollout servers left to go on (rollout.min_live_servers)."""
 
@@ -96,6 +122,11 @@ class RolloutCluster:
 
     def subscribe(self, listener: ClusterListener) -> None:
         self.listeners.append(listener)
+
+    def stage_admin(self, rank: int) -> AdminRunner:
+        """A pipeline-stage source's own admin connection to the servers (it announces its stage's
+        buckets itself, beside the driver's connection)."""
+        return AdminRunner(self.addresses, self.api_key, self.timeout_s)
 
     # ------------------------------------------------------------------ the server set
     def add_server(self, address: str) -> None:

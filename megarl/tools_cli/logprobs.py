@@ -131,7 +131,7 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
     from megarl.checkpoint import load_model_weights
     from megarl.config import load_config
     from megarl.trainer.batch import TensorBatch, per_sample
-    from megarl.trainer.engine import Engine
+    from megarl.trainer.engine import Engine, EngineSpec
 
     cfg = load_config(None, [f"model.hf_path={source.path}",
                              f"model.init={'hf' if source.kind == 'hf' else 'random'}",
@@ -139,7 +139,7 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
                              f"train.micro_batch_tokens={a.micro_batch_tokens}",
                              f"model.make_vocab_size_divisible_by={a.make_vocab_size_divisible_by}",
                              f"parallel.ep={a.ep}"])
-    engine = Engine.build(cfg, ps, trainable=False)
+    engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=False)
     if source.kind == "mcore":
         load_model_weights(engine.chunks, source.path)
     tmp = a.output + ".tmp"

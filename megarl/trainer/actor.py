@@ -183,9 +183,9 @@ class Actor:
     @classmethod
     def build(cls, cfg, ps, engine=None) -> "Actor":
         """Engine (unless given) + the frozen reference when the algorithm needs one."""
-        from megarl.trainer.engine import Engine
+        from megarl.trainer.engine import Engine, EngineSpec
 
-        engine = engine or Engine.build(cfg, ps)
+        engine = engine or Engine.build(EngineSpec.from_config(cfg), ps)
         spec = cfg.algo.build()
         ref = build_reference(cfg, ps, engine) if spec.uses_ref_model else None
         return cls(cfg, ps, engine, ref, spec)
@@ -350,12 +350,12 @@ def mean_or_zero(xs: list[float]) -> float:
 def build_reference(cfg, ps, engine):
     """The frozen reference policy, same parallel layout as `engine`: model.ref_hf_path, else
     model.hf_path; with model.init=random and no ref path, a copy of the actor's initial weights."""
-    from megarl.trainer.engine import Engine
+    from megarl.trainer.engine import Engine, EngineSpec
 
     path = cfg.model.ref_hf_path or cfg.model.hf_path
     copy_actor = cfg.model.init == "random" and not cfg.model.ref_hf_path
     model = dataclasses.replace(cfg.model, hf_path=path, init="random" if copy_actor else "hf")
-    ref = Engine.build(dataclasses.replace(cfg, model=model), ps, trainable=False)
+    ref = Engine.build(dataclasses.replace(EngineSpec.from_config(cfg), model=model), ps, trainable=False)
     if copy_actor:
         with torch.no_grad():
             for src, dst in zip(engine.chunks, ref.chunks):

@@ -1,7 +1,7 @@
 """The critic for GAE: a Megatron GPTModel whose vocab-parallel LM head is replaced by a scalar
 value head, trained by the same engine machinery as the actor.
 
-    critic = Critic.build(cfg, ps)                  # critic.hf_path, else model.hf_path
+    critic = Critic.build(CriticSpec.from_config(cfg), ps)   # critic.hf_path, else model.hf_path
     batch = batch.with_fields(values=critic.values(batch))   # V_t at the step start (old values)
     batch = actor.with_advantages(batch)            # gae -> advantages + returns
     metrics = critic.update(batch)                  # clipped value loss, epochs x mini-batches
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Optional
 
@@ -35,12 +36,15 @@ import torch
 
 from megarl import compat
 from megarl.algo import Stat, aggregate
+from megarl.algo.config import AlgoSpec
+from megarl.config import Config, CriticConfig
+from megarl.mcore.heads import replace_output_layer
 from megarl.metrics import StatsTracker
 from megarl.trainer.actor import (dp_counts, mean_or_zero, minibatch_indices,
                                   minibatch_loss_weights, num_minibatches, shuffle_seed,
                                   step_norm_len)
 from megarl.trainer.batch import MicroBatch, TensorBatch
-from megarl.trainer.engine import Engine
+from megarl.trainer.engine import Engine, EngineSpec
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
@@ -72,7 +76,6 @@ class ValueHead(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)  # same init on every TP/DP rank
         self.weight = torch.nn.Parameter((torch.randn(1, hidden, generator=g) * std).to(dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
-        self.sequence_parallel = False  # read by GPTModel._postprocess
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
@@ -81,20 +84,19 @@ class ValueHead(torch.nn.Module):
 def attach_value_head(chunks: list, hidden: int, std: float, dtype: torch.dtype, seed: int) -> None:
     """Replaces the LM head of the last-stage chunk by a `ValueHead`; unties embeddings."""
     for model in chunks:
-        model.share_embeddings_and_output_weights = False
-        if model.post_process:
-            model.output_layer = ValueHead(hidden, std, dtype, seed)
-            if compat.HAVE_CUDA:
-                model.output_layer.cuda(torch.cuda.current_device())
+        head = ValueHead(hidden, std, dtype, seed)
+        if compat.HAVE_CUDA:
+            head.cuda(torch.cuda.current_device())
+        replace_output_layer(model, head)
 
 
 class CriticEngine(Engine):
     """`Engine` whose per-token output is V_t instead of log p(y_t)."""
 
     @classmethod
-    def adapt_chunks(cls, chunks, cfg, args, tconfig) -> None:
+    def adapt_chunks(cls, chunks, spec: EngineSpec, args, tconfig) -> None:
         attach_value_head(chunks, args.hidden_size, args.initializer_range, tconfig.params_dtype,
-                          cfg.model.seed)
+                          spec.model.seed)
 
     def _per_token(self, values, mb: MicroBatch, with_entropy: bool):
         """V_t [b, s] aligned like logprobs (module docstring); the critic has no entropy."""
@@ -108,32 +110,46 @@ class CriticEngine(Engine):
         raise NotImplementedError("the critic has no HF export (its head is not an LM head)")
 
 
-def critic_config(cfg):
-    """The Config the critic engine is built from: critic.hf_path / critic.lr over the actor's."""
-    c = cfg.critic
-    model = dataclasses.replace(cfg.model, hf_path=c.hf_path or cfg.model.hf_path)
-    optim = dataclasses.replace(cfg.optim, lr=c.lr if c.lr is not None else cfg.optim.lr,
-                                min_lr=min(cfg.optim.min_lr, c.lr or cfg.optim.lr),
-                                freeze=[])  # optim.freeze names the policy's tensors
-    return dataclasses.replace(cfg, model=model, optim=optim)
+@dataclass(frozen=True)
+class CriticSpec:
+    """What a `Critic` is built from: its own section, its engine's spec (the actor's model and
+    optim sections with critic.hf_path / critic.lr over them), the loss weighting of the algorithm
+    and the mini-batch plan it shares with the actor."""
+
+    critic: CriticConfig
+    engine: EngineSpec
+    algo: AlgoSpec  # algo.build(): the loss aggregation the value loss shares with the actor
+    ppo_mini_batch_size: int
+    ppo_epochs: int
+    seed: int  # train.seed: the critic shuffles with seed + 1
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "CriticSpec":
+        c = cfg.critic
+        model = dataclasses.replace(cfg.model, hf_path=c.hf_path or cfg.model.hf_path)
+        optim = dataclasses.replace(cfg.optim, lr=c.lr if c.lr is not None else cfg.optim.lr,
+                                    min_lr=min(cfg.optim.min_lr, c.lr or cfg.optim.lr),
+                                    freeze=[])  # optim.freeze names the policy's tensors
+        engine = dataclasses.replace(EngineSpec.from_config(cfg), model=model, optim=optim)
+        return cls(c, engine, cfg.algo.build(), cfg.train.ppo_mini_batch_size, cfg.train.ppo_epochs,
+                   cfg.train.seed)
 
 
 class Critic:
     """Value model for GAE: step-start values, and a clipped-value-loss update per RL step."""
 
-    def __init__(self, cfg, ps, engine: CriticEngine):
-        self.cfg, self.ps, self.engine = cfg, ps, engine
-        self.spec = cfg.algo.build()
+    def __init__(self, spec: CriticSpec, ps, engine: CriticEngine):
+        self.spec, self.ps, self.engine = spec, ps, engine
         self.updates = 0
 
     @classmethod
-    def build(cls, cfg, ps) -> "Critic":
-        return cls(cfg, ps, CriticEngine.build(critic_config(cfg), ps))
+    def build(cls, spec: CriticSpec, ps) -> "Critic":
+        return cls(spec, ps, CriticEngine.build(spec.engine, ps))
 
     @property
     def warming_up(self) -> bool:
         """True for the first critic.warmup_steps updates: the actor should not update yet."""
-        return self.updates < self.cfg.critic.warmup_steps
+        return self.updates < self.spec.critic.warmup_steps
 
     def values(self, batch: TensorBatch) -> torch.Tensor:
         """V_t [B, S] of this rank's samples (forward-only; on every PP stage)."""
@@ -146,17 +162,17 @@ class Critic:
         missing = [n for n in ("loss_mask", "values", "returns") if n not in batch.fields]
         if missing:
             raise ValueError(f"Critic.update: batch lacks field(s) {missing}")
-        train = self.cfg.train
-        n_mini = num_minibatches(dp_counts(len(batch), self.ps), train.ppo_mini_batch_size)
-        norm_len = step_norm_len(batch, self.spec, self.ps) if n_mini else None
+        spec = self.spec
+        n_mini = num_minibatches(dp_counts(len(batch), self.ps), spec.ppo_mini_batch_size)
+        norm_len = step_norm_len(batch, spec.algo, self.ps) if n_mini else None
         acc, losses, grad_norms = StatsTracker(), [], []
-        for epoch in range(train.ppo_epochs if n_mini else 0):
+        for epoch in range(spec.ppo_epochs if n_mini else 0):
             # a different stream from the actor's shuffle (same seed would couple them)
-            seed = shuffle_seed(train.seed + 1, self.updates, epoch)
+            seed = shuffle_seed(spec.seed + 1, self.updates, epoch)
             for idx in minibatch_indices(len(batch), n_mini, seed):
                 mini = batch.select(idx)
                 mini = mini.with_fields(
-                    loss_weight=minibatch_loss_weights(mini, self.spec, self.ps, norm_len))
+                    loss_weight=minibatch_loss_weights(mini, spec.algo, self.ps, norm_len))
                 out = self.engine.train_batch(mini, partial(self._loss_fn, acc))
                 losses.append(out["loss"])
                 grad_norms.append(out["grad_norm"])
@@ -169,6 +185,6 @@ class Critic:
     def _loss_fn(self, acc: StatsTracker, values: torch.Tensor, entropy, mb: MicroBatch):
         m = mb["loss_mask"]
         per_token, stats = value_loss(values, mb["values"], mb["returns"], m,
-                                      self.cfg.critic.value_clip)
+                                      self.spec.critic.value_clip)
         acc.add_stats(stats)
         return aggregate(per_token, mb["loss_weight"]), {}

@@ -1,6 +1,6 @@
 """The loss-agnostic Megatron training engine.
 
-    engine = Engine.build(cfg, ps)                  # GPTModel chunks + DDP + optimizer + LR sched
+    engine = Engine.build(EngineSpec.from_config(cfg), ps)   # GPTModel chunks + DDP + optimizer + LR
     logp = engine.compute_logp(batch).logp          # forward-only, per-token logprobs [B, S]
     metrics = engine.train_batch(batch, loss_fn)    # forward+backward over micro-batches + step
 
@@ -35,11 +35,12 @@ import torch
 import torch.distributed as dist
 
 from megarl.algo.stats import Stat
-from megarl.config import Config
+from megarl.config import Config, ModelConfig, OptimConfig, ParallelConfig
 from megarl.mcore.optimizer import step_unless_nonfinite
 from megarl.metrics import StatsTracker
 from megarl.models import builder, hf_io
 from megarl.models.layouts import pad_vocab
+from megarl.models.moe_config import MoEConfig
 from megarl.models.registry import ModelArgs, read_model_args
 from megarl.parallel import ParallelState
 from megarl.trainer import moe_losses
@@ -48,6 +49,24 @@ from megarl.trainer.logits import shift_logprobs
 
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], MicroBatch],
                   tuple[torch.Tensor, dict[str, Stat]]]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an `Engine` is built from: its sections and the two training values it reads."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    optim: OptimConfig
+    moe: MoEConfig
+    steps: int  # train.steps: the LR schedule's decay length when optim.lr_decay_steps is 0
+    micro_batch_tokens: int  # train.micro_batch_tokens: the token budget of one micro-batch
+    tokenizer_path: str = ""  # data.tokenizer_path: copied next to an HF export (else model.hf_path's)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "EngineSpec":
+        return cls(cfg.model, cfg.parallel, cfg.optim, cfg.moe, cfg.train.steps, cfg.train.micro_batch_tokens,
+                   cfg.data.tokenizer_path)
 
 
 @dataclass
@@ -69,77 +88,77 @@ class LogpResult:
 
 
 class Engine:
-    def __init__(self, cfg: Config, ps: ParallelState, args: ModelArgs, chunks, tconfig, use_te: bool,
+    def __init__(self, spec: EngineSpec, ps: ParallelState, args: ModelArgs, chunks, tconfig, use_te: bool,
                  optimizer=None, scheduler=None):
-        self.cfg, self.ps, self.args = cfg, ps, args
+        self.spec, self.ps, self.args = spec, ps, args
         self.chunks, self.tconfig, self.use_te = chunks, tconfig, use_te
         self.optimizer, self.scheduler = optimizer, scheduler
         self.step = 0
         self.replay = None  # MoE routing replay (moe.routing_replay: rollout), trainable engines only
-        if optimizer is not None and args.num_experts and cfg.moe.routing_replay == "rollout":
+        if optimizer is not None and args.num_experts and spec.moe.routing_replay == "rollout":
             from megarl.mcore.routing_replay import RoutingReplay
 
-            self.replay = RoutingReplay.install(chunks, ps, cfg.parallel.sequence_parallel)
+            self.replay = RoutingReplay.install(chunks, ps, spec.parallel.sequence_parallel)
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def build(cls, cfg: Config, ps: ParallelState, trainable: bool = True) -> "Engine":
+    def build(cls, spec: EngineSpec, ps: ParallelState, trainable: bool = True) -> "Engine":
         """Model (HF weights or random init), DDP, Megatron optimizer and LR scheduler.
         Subclasses change the bare model chunks (e.g. a value head) in :meth:`adapt_chunks`."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
-        args = pad_vocab(read_model_args(cfg.model.hf_path), cfg.model.make_vocab_size_divisible_by, ps.tp)
-        use_te = builder.resolve_spec(cfg.model.spec)
+        args = pad_vocab(read_model_args(spec.model.hf_path), spec.model.make_vocab_size_divisible_by, ps.tp)
+        use_te = builder.resolve_spec(spec.model.spec)
         tconfig = builder.transformer_config(
-            args, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, first_stage_layers=cfg.parallel.first_stage_layers,
-            last_stage_layers=cfg.parallel.last_stage_layers, dtype=cfg.model.dtype, ep=ps.ep,
-            sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.model.recompute,
-            use_te=use_te, moe=cfg.moe)
-        chunks = builder.build_model_chunks(args, tconfig, use_te, cfg.model.attention)
-        if cfg.model.init == "hf":
-            hf_io.load_hf_weights(chunks, args, cfg.model.hf_path, ps.tp, ps.tp_rank, use_te)
-        cls.adapt_chunks(chunks, cfg, args, tconfig)
+            args, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, first_stage_layers=spec.parallel.first_stage_layers,
+            last_stage_layers=spec.parallel.last_stage_layers, dtype=spec.model.dtype, ep=ps.ep,
+            sequence_parallel=spec.parallel.sequence_parallel, recompute=spec.model.recompute,
+            use_te=use_te, moe=spec.moe)
+        chunks = builder.build_model_chunks(args, tconfig, use_te, spec.model.attention)
+        if spec.model.init == "hf":
+            hf_io.load_hf_weights(chunks, args, spec.model.hf_path, ps.tp, ps.tp_rank, use_te)
+        cls.adapt_chunks(chunks, spec, args, tconfig)
         if trainable:  # optim.freeze: before DDP and the optimizer, which then leave them out
             from megarl.trainer.freeze import apply_freeze
 
-            apply_freeze(chunks, args, cfg.optim.freeze, use_te)
+            apply_freeze(chunks, args, spec.optim.freeze, use_te)
         if not trainable:
             for c in chunks:
                 c.requires_grad_(False)
                 c.eval()
-            return cls(cfg, ps, args, chunks, tconfig, use_te)
+            return cls(spec, ps, args, chunks, tconfig, use_te)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.parallel.distributed_optimizer)
+            use_distributed_optimizer=spec.parallel.distributed_optimizer)
         chunks = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c,
                                           disable_bucketing=i > 0) for i, c in enumerate(chunks)]
         for c in chunks:
             c.broadcast_params()  # DP replicas start identical even from a random init
-        optimizer, scheduler = cls._optimizer(cfg, chunks)
+        optimizer, scheduler = cls._optimizer(spec, chunks)
         tconfig.finalize_model_grads_func = finalize_model_grads
         tconfig.grad_scale_func = optimizer.scale_loss
         tconfig.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
-        return cls(cfg, ps, args, chunks, tconfig, use_te, optimizer, scheduler)
+        return cls(spec, ps, args, chunks, tconfig, use_te, optimizer, scheduler)
 
     @classmethod
-    def adapt_chunks(cls, chunks, cfg: Config, args: ModelArgs, tconfig) -> None:
+    def adapt_chunks(cls, chunks, spec: EngineSpec, args: ModelArgs, tconfig) -> None:
         """Hook between weight loading and DDP wrapping; the policy engine changes nothing."""
 
     @staticmethod
-    def _optimizer(cfg: Config, chunks):
+    def _optimizer(spec: EngineSpec, chunks):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        o = cfg.optim
-        bf16 = cfg.model.dtype == "bfloat16"
+        o = spec.optim
+        bf16 = spec.model.dtype == "bfloat16"
         oconf = OptimizerConfig(
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
             clip_grad=o.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-            use_distributed_optimizer=cfg.parallel.distributed_optimizer)
+            use_distributed_optimizer=spec.parallel.distributed_optimizer)
         optimizer = get_megatron_optimizer(oconf, chunks)
-        decay_steps = o.lr_decay_steps or cfg.train.steps
+        decay_steps = o.lr_decay_steps or spec.steps
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
             lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=max(decay_steps, o.lr_warmup_steps + 1),
@@ -183,7 +202,7 @@ class Engine:
         all-to-all pairs the EP ranks micro-batch by micro-batch, so each rank runs as many as
         the EP rank with the most: the others add filler micro-batches (one token, loss mask 0,
         no row of the batch)."""
-        mbs = make_microbatches(batch, self.cfg.train.micro_batch_tokens, self.ps.device)
+        mbs = make_microbatches(batch, self.spec.micro_batch_tokens, self.ps.device)
         if self.ps.ep > 1:
             n = torch.tensor([len(mbs)], dtype=torch.int64, device=self.ps.device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.ps.ep_group)
@@ -250,7 +269,7 @@ class Engine:
         if router_losses:
             routed = batch.lengths.sum(dtype=torch.float64).reshape(1).to(self.ps.device)
             dist.all_reduce(routed, group=self.ps.dp_group)
-            moe = self.cfg.moe
+            moe = self.spec.moe
             moe_losses.set_step_coefficients(self.tconfig, moe.aux_loss_coeff, moe.z_loss_coeff,
                                              max(float(step_tokens.item()), 1.0), float(routed.item()))
             moe_losses.clear_tracker()
@@ -275,24 +294,24 @@ class Engine:
             self.step += 1
         metrics = tracker.reduce(self.ps)
         if router_losses:
-            metrics.update(moe_losses.step_metrics(self.ps, len(mbs), self.args.num_layers, self.cfg.moe))
+            metrics.update(moe_losses.step_metrics(self.ps, len(mbs), self.args.num_layers, self.spec.moe))
         metrics.update(grad_norm=grad_norm, lr=lr, tokens=float(step_tokens.item()),
                        step_time=time.perf_counter() - t0, update_ok=float(bool(ok)))
         return metrics
 
     def _router_losses_on(self) -> bool:
         """An MoE model with a load-balancing loss or z-loss (`megarl.trainer.moe_losses`)."""
-        moe = self.cfg.moe
+        moe = self.spec.moe
         return bool(self.args.num_experts) and (moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0)
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Megatron's optimizer step, except that a NaN/inf gradient norm skips the update on every
         rank (`megarl.mcore.optimizer`). Returns (updated, grad norm)."""
-        return step_unless_nonfinite(self.optimizer, self.cfg.optim.clip_grad)
+        return step_unless_nonfinite(self.optimizer, self.spec.optim.clip_grad)
 
     # ------------------------------------------------------------------ weights
     def export_hf(self, out_dir: str, dtype: Optional[torch.dtype] = None) -> None:
-        tokenizer_dir = self.cfg.data.tokenizer_path or self.cfg.model.hf_path
+        tokenizer_dir = self.spec.tokenizer_path or self.spec.model.hf_path
         hf_io.export_hf(self.chunks, self.args, self.ps, out_dir, src_hf_dir=tokenizer_dir,
                         use_te=self.use_te, dtype=dtype)
 

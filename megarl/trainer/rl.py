@@ -47,11 +47,11 @@ from megarl.rollout.types import Trajectory
 from megarl.timeline import Timeline
 from megarl.trainer.actor import Actor
 from megarl.trainer.batch import TensorBatch
-from megarl.trainer.critic import Critic
+from megarl.trainer.critic import Critic, CriticSpec
 from megarl.trainer.gates import check_mismatch, mismatch_threshold, verify_push
 from megarl.trainer.rollout_link import ManagerCluster, ManagerState, RolloutSide
 from megarl.trainer.rollout_stats import StepTimer, batch_metrics, dump_generations
-from megarl.weights.push import WeightPusher
+from megarl.weights.push import PushSpec, WeightPusher
 
 
 def _broadcast(obj, src: int = 0):
@@ -228,14 +228,15 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None, side: Optional[RolloutSide]
                             ps.rank == 0 else None)
         stack.callback(timeline.close)
         actor = Actor.build(cfg, ps, engine)
-        critic = Critic.build(cfg, ps) if actor.spec.advantage.estimator == AdvantageEstimator.GAE else None
+        gae = actor.spec.advantage.estimator == AdvantageEstimator.GAE
+        critic = Critic.build(CriticSpec.from_config(cfg), ps) if gae else None
         if critic is not None:
             ckpt.add_engine("critic", critic.engine)
         start, cluster = connect_rollout_side(cfg, ps, ckpt, side)
         actor.updates = start  # one PPO update per step: the mini-batch shuffle continues where it was
         if critic is not None:
             critic.updates = start  # and so does the critic's (and its warm-up count)
-        pusher = WeightPusher(cfg, engine, cluster)
+        pusher = WeightPusher(PushSpec.from_config(cfg), engine, cluster)
         stack.callback(pusher.close)
         pusher.push(bump=False)  # servers hold exactly the trainer's weights before any rollout
         if pusher.verify_due(cluster.version):  # a server that cannot hold them fails here, before work

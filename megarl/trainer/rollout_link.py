@@ -73,8 +73,8 @@ class RemoteAdmin:
 
 class ManagerCluster:
     """The trainer's view of the server set and the one policy-version counter; the driver
-    (global rank 0) forwards the protocol steps to the manager's `RolloutCluster`. Same interface
-    as `RolloutCluster` for `WeightPusher`."""
+    (global rank 0) forwards the protocol steps to the manager's `RolloutCluster`. A
+    `megarl.rollout.cluster.PushTarget` for `WeightPusher`, as `RolloutCluster` is."""
 
     def __init__(self, addresses: list[str], *, link: Optional[Link], manager_address: str,
                  version: int = 0, min_live_servers: int = 1, timeout_s: float = 60.0, side=None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Optional
 
 import torch.distributed as dist
 

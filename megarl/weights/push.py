@@ -7,15 +7,29 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from megarl.config import WeightSyncConfig
+
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.admin import AdminRunner
-from megarl.rollout.cluster import RolloutCluster
+from megarl.rollout.cluster import PushTarget
 from megarl.weights.resharder import Resharder, ReshardTimes
 from megarl.weights.transports import (DiskTransport, DistributedTransport, PushError,
                                        TensorTransport)
 from megarl.wire import tensor_digest
+
+
+@dataclass(frozen=True)
+class PushSpec:
+    """What a `WeightPusher` is built from: the weights section and the run directory (the disk
+    transport's default directory is <run_dir>/weights)."""
+
+    weights: WeightSyncConfig
+    run_dir: str
+
+    @classmethod
+    def from_config(cls, cfg) -> "PushSpec":
+        return cls(cfg.weights, cfg.train.run_dir)
 
 
 @dataclass
@@ -55,13 +69,13 @@ class WeightPusher:
     """Collective over all trainer ranks. Build once after the engine with the job's
     `RolloutCluster` (the owner of the server set and of the policy version); call :meth:`push`."""
 
-    def __init__(self, cfg, engine, cluster: RolloutCluster):
-        w = cfg.weights
-        self.cfg, self.engine, self.ps, self.cluster = cfg, engine, engine.ps, cluster
+    def __init__(self, spec: PushSpec, engine, cluster: PushTarget):
+        w = spec.weights
+        self.spec, self.engine, self.ps, self.cluster = spec, engine, engine.ps, cluster
         self.timeout_s = w.timeout_s
         self.dtype = None if w.dtype == "auto" else getattr(torch, w.dtype)
         self.resharder = Resharder(engine, bucket_bytes=w.bucket_mb * 2**20, dtype=self.dtype)
-        self.admin, self.transport = None, None
+        self.admin, self.transport = None, None  # transport: a `Transport`, made by _connect
         self._own_admin = False
         self.verify_every = w.verify_every
         # {name: (dtype, sha256)} of what this rank sent, kept across pushes (a delta push's
@@ -83,14 +97,11 @@ class WeightPusher:
     def _connect(self) -> None:
         """Transport for the cluster's current server list. The driver (rank 0) sends through the
         cluster's admin connection; other pipeline-stage sources announce their own buckets."""
-        w, ps = self.cfg.weights, self.ps
+        w, ps = self.spec.weights, self.ps
         if self.cluster.driver:
             self.admin, self._own_admin = self.cluster.admin, False
         elif ps.is_pp_source and w.transport != "disk":
-            if hasattr(self.cluster, "stage_admin"):  # the rollout manager's admin, over a link of its own
-                self.admin = self.cluster.stage_admin(ps.rank)
-            else:
-                self.admin = AdminRunner(self.cluster.addresses, self.cfg.rollout.api_key or None, w.timeout_s)
+            self.admin = self.cluster.stage_admin(ps.rank)
             self._own_admin = True
         self.refit = w.refit == "shard"
         if self.refit:  # every trainer TP rank sends its own slices (megarl.weights.shard_push)
@@ -106,7 +117,7 @@ class WeightPusher:
         elif w.transport == "tensor":
             self.transport = TensorTransport(self.admin, w.timeout_s, w.tensor_format)
         else:
-            directory = w.disk_dir or f"{self.cfg.train.run_dir}/weights"
+            directory = w.disk_dir or f"{self.spec.run_dir}/weights"
             if w.disk_delta != "off":  # records against the last push
                 from megarl.weights.disk_delta import DiskDeltaTransport
 
@@ -253,7 +264,7 @@ class WeightPusher:
             self._frozen_sent = frozen
         t = self.resharder.times
         nbytes = t.bytes
-        if isinstance(self.transport, DiskTransport) and self.ps.rank == 0:
+        if not self.transport.streams_buckets and not self.refit and self.ps.rank == 0:
             nbytes = getattr(self.transport, "written", None) or self.resharder.total_bytes()
         stats = torch.tensor([nbytes, t.buckets, t.gather_s, t.convert_s, send_s, self.digest_s],
                              dtype=torch.float64)
@@ -279,7 +290,7 @@ class WeightPusher:
             return send_s
         for stage in range(self.ps.pp):
             err = None
-            if self.ps.pp_rank == stage and not isinstance(self.transport, DiskTransport):
+            if self.ps.pp_rank == stage and self.transport.streams_buckets:
                 sender = _Sender(self.transport, version, self._record if self._recording else None,
                                  self._forget)
                 try:
@@ -330,7 +341,7 @@ class WeightPusher:
         entry per differing tensor and server, on every rank; raises `PushError` when a server
         cannot answer (real SGLang has no such endpoint)."""
         # disk and shard refit never see buckets: hash the tensors again here
-        local = self._gather_digests() if isinstance(self.transport, DiskTransport) or self.refit else self.digests
+        local = self.digests if self.transport.streams_buckets else self._gather_digests()
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, local)
         want = {name: d for part in parts for name, d in part.items()}

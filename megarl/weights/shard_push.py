@@ -54,6 +54,8 @@ def describe(lp, args, tp: int, dtype: torch.dtype) -> tuple[list, torch.Tensor]
 class ShardRefitTransport:
     """Built on every trainer rank; only DP rank 0's TP group takes part (others idle)."""
 
+    streams_buckets = False  # no buckets: push() sends each rank's own slices (WeightPusher.refit)
+
     def __init__(self, admin, engine, master_address: str, timeout_s: float, backend: str, dtype):
         self.admin, self.engine, self.ps = admin, engine, engine.ps
         self.addr, self.timeout_s, self.backend, self.dtype = master_address, timeout_s, backend, dtype

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Optional
+from typing import ClassVar, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,11 +33,29 @@ class PushError(RuntimeError):
     """A push step failed; the message names the step and the server(s)."""
 
 
+class Transport(Protocol):
+    """What `megarl.weights.push.WeightPusher` needs of a transport (one per trainer rank)."""
+
+    # True: step 2 hands the resharder's buckets to send() (the pusher pipelines them and records
+    # their checksums); False: finish() writes whole checkpoints itself and send() is never called
+    streams_buckets: ClassVar[bool]
+
+    def setup(self, stage: int) -> None: ...  # stage source, once per server set
+
+    def send(self, bucket: Bucket, version: str) -> None: ...  # stage source, one bucket
+
+    def finish(self, version: str, engine) -> None: ...  # every rank, after every stage sent
+
+    def close(self) -> None: ...
+
+
 class DistributedTransport:
     """``flat`` (megarl-server, load_format "direct_bucket"): a broadcast per large tensor and one
     for all the small ones, instead of one per tensor (SGLang): a collective's fixed latency (~1 ms
     on loopback gloo) times ~40 small tensors was most of a small model's push, and packing the
     large ones too cost a memcpy on each side (the old "flattened_bucket")."""
+
+    streams_buckets = True
 
     def __init__(self, admin: AdminRunner, master_address: str, timeout_s: float, backend: str,
                  flat: bool = False):
@@ -136,6 +154,8 @@ class TensorTransport:
     """``wire``: "megarl" (safetensors) for megarl-server, "sglang" for real SGLang (see
     megarl.weights.tensor_wire)."""
 
+    streams_buckets = True
+
     def __init__(self, admin: AdminRunner, timeout_s: float, wire: WireFormat = "megarl"):
         self.admin, self.timeout_s, self.wire = admin, timeout_s, wire
 
@@ -158,6 +178,8 @@ class TensorTransport:
 
 class DiskTransport:
     """Writes through the engine's HF export (collective, atomic) in :meth:`finish`."""
+
+    streams_buckets = False
 
     def __init__(self, admin: Optional[AdminRunner], directory: str, keep: int, timeout_s: float, dtype):
         self.admin, self.dir, self.keep, self.timeout_s, self.dtype = admin, directory, keep, timeout_s, dtype

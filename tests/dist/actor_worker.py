@@ -18,7 +18,7 @@ from megarl import compat, parallel
 from megarl.config import load_config
 from megarl.trainer.actor import Actor, step_advantages
 from megarl.trainer.batch import TensorBatch, pad_sequences, per_sample
-from megarl.trainer.critic import Critic
+from megarl.trainer.critic import Critic, CriticSpec
 
 VERSION = 3
 ALGO = ["algo.policy_loss=decoupled_ppo", "algo.prox_logp_mode=metrics",
@@ -100,7 +100,7 @@ def run_critic(hf_dir, tp, pp, mbt, step):
     cfg = config(hf_dir, tp, pp, mbt, 0, ["algo.advantage=gae", "algo.lam=0.95",
                                           "critic.lr=0.01", "critic.value_clip=0.5"])
     ps = parallel.init_model_parallel(tp, pp, seed=1234)
-    critic = Critic.build(cfg, ps)
+    critic = Critic.build(CriticSpec.from_config(cfg), ps)
     mine = [i for i in range(len(ids)) if i % ps.dp == ps.dp_rank]
     local = TensorBatch.from_lists(ids, {"loss_mask": mask},
                                    {"rewards": rewards, "group_ids": gids}).select(mine)

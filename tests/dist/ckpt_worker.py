@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megarl import compat, parallel
 from megarl.checkpoint import CheckpointManager
 from megarl.config import load_config
-from megarl.trainer.engine import Engine
+from megarl.trainer.engine import Engine, EngineSpec
 from megarl.trainer.sft import SFTData, sft_loss
 
 STEPS = 6
@@ -37,7 +37,7 @@ def make_cfg(work, save_dir, tp, dist_opt, keep_last=2, pp=1):
 
 def setup(cfg):
     ps = parallel.init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.model.seed)
-    engine = Engine.build(cfg, ps)
+    engine = Engine.build(EngineSpec.from_config(cfg), ps)
     data = SFTData(cfg, ps)
     ckpt = CheckpointManager(cfg, ps, engine)
     ckpt.register("data", data)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megarl import compat, parallel
 from megarl.config import load_config
 from megarl.trainer.batch import TensorBatch, per_sample
-from megarl.trainer.engine import Engine
+from megarl.trainer.engine import Engine, EngineSpec
 from megarl.trainer.sft import sft_loss
 
 
@@ -31,7 +31,7 @@ def run_layout(hf_dir, tp, pp, mbt, dist_opt, batch, ep=1, aux=0.0):
                              f"parallel.distributed_optimizer={str(dist_opt).lower()}", f"parallel.ep={ep}",
                              f"moe.aux_loss_coeff={aux}"])
     ps = parallel.init_model_parallel(tp, pp, seed=1234, ep=ep)
-    engine = Engine.build(cfg, ps)
+    engine = Engine.build(EngineSpec.from_config(cfg), ps)
     mine = [i for i in range(len(batch)) if i % ps.dp == ps.dp_rank]
     local = batch.select(mine)
     before = per_sample(engine.compute_logp(local).logp, local.lengths)

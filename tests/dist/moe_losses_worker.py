@@ -9,7 +9,7 @@ import torch
 
 from megarl import compat, parallel
 from megarl.config import load_config
-from megarl.trainer.engine import Engine
+from megarl.trainer.engine import Engine, EngineSpec
 from megarl.trainer.sft import sft_loss
 
 from layouts_worker import make_batch
@@ -20,7 +20,7 @@ def run(hf_dir: str, aux: float, z: float, batch) -> dict:
                              "optim.lr=0.01", "optim.clip_grad=0", f"moe.aux_loss_coeff={aux}",
                              f"moe.z_loss_coeff={z}"])
     ps = parallel.init_model_parallel(1, 1, seed=1234)
-    engine = Engine.build(cfg, ps)
+    engine = Engine.build(EngineSpec.from_config(cfg), ps)
     layers = engine.chunks[0].module.decoder.layers
     captured = {i: [] for i in range(len(layers))}
 

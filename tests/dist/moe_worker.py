@@ -20,14 +20,14 @@ def reshard_and_export(work: str, name: str, pp: int, ep: int) -> None:
     writes it, from an Engine whose experts are split over ``ep`` ranks."""
     from megarl import parallel
     from megarl.config import load_config
-    from megarl.trainer.engine import Engine
+    from megarl.trainer.engine import Engine, EngineSpec
     from megarl.weights.resharder import Resharder
 
     hf = f"{work}/{name}/hf"
     cfg = load_config(None, [f"model.hf_path={hf}", "data.train_path=x", f"parallel.pp={pp}",
                              f"parallel.ep={ep}"])
     ps = parallel.init_model_parallel(1, pp, ep=ep)
-    engine = Engine.build(cfg, ps, trainable=False)
+    engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=False)
     tensors = {}
     for bucket in Resharder(engine, bucket_bytes=40_000).iter_buckets():
         tensors.update({n: t.clone() for n, t in zip(bucket.names, bucket.tensors)})

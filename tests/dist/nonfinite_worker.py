@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from megarl import compat, parallel
 from megarl.config import load_config
-from megarl.trainer.engine import Engine
+from megarl.trainer.engine import Engine, EngineSpec
 from megarl.trainer.sft import sft_loss
 from layouts_worker import make_batch
 
@@ -29,7 +29,7 @@ def main():
     cfg = load_config(None, [f"model.hf_path={hf_dir}", "data.train_path=x", f"parallel.tp={tp}",
                              "optim.lr=0.01"])
     ps = parallel.init_model_parallel(tp, 1, seed=1234)
-    engine = Engine.build(cfg, ps)
+    engine = Engine.build(EngineSpec.from_config(cfg), ps)
     batch = make_batch()
     before = snapshot(engine)
     bad = engine.train_batch(batch, nan_loss)

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from megarl import compat, parallel
 from megarl.config import load_config
 from megarl.trainer.batch import TensorBatch
-from megarl.trainer.engine import Engine
+from megarl.trainer.engine import Engine, EngineSpec
 from megarl.rollout.cluster import RolloutCluster
-from megarl.weights.push import WeightPusher
+from megarl.weights.push import PushSpec, WeightPusher
 from megarl.weights.transports import PushError
 
 
@@ -37,9 +37,9 @@ def build(hf_b, server, tp, pp, transport, work, timeout_s=60, trainable=False, 
                              f"weights.disk_dir={work}/push_{transport}_{tp}{pp}",
                              f"rollout.servers=[{server}]", f"train.run_dir={work}/run", *extra])
     ps = parallel.init_model_parallel(tp, pp, ep=ep)
-    engine = Engine.build(cfg, ps, trainable=trainable)
+    engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=trainable)
     cluster = RolloutCluster.from_config(cfg, [server], driver=dist.get_rank() == 0)
-    return engine, WeightPusher(cfg, engine, cluster)
+    return engine, WeightPusher(PushSpec.from_config(cfg), engine, cluster)
 
 
 def server_vs_trainer(engine, server):

@@ -16,7 +16,7 @@ from megarl.config import load_config
 from megarl.server.model import CausalLM, DecoderConfig, KVCache
 from megarl.server.weights import read_hf_dir
 from megarl.trainer.batch import Routes, TensorBatch
-from megarl.trainer.engine import Engine
+from megarl.trainer.engine import Engine, EngineSpec
 from megarl.trainer.sft import sft_loss
 
 
@@ -81,7 +81,7 @@ def main():
                              f"parallel.ep={ep}", "train.micro_batch_tokens=32", "optim.lr=0.05",
                              "moe.routing_replay=rollout"])
     ps = parallel.init_model_parallel(1, pp, seed=1234, ep=ep)
-    engine = Engine.build(cfg, ps)
+    engine = Engine.build(EngineSpec.from_config(cfg), ps)
     mine = [i for i in range(len(rows)) if i % ps.dp == ps.dp_rank]
     local = batch_of([rows[i] for i in mine], [served[i] for i in mine])
     ids_only = batch_of([rows[i] for i in mine], [served[i] for i in mine], with_weights=False)

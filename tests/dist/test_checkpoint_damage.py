@@ -163,12 +163,12 @@ import sys
 from megarl import parallel
 from megarl.checkpoint import CheckpointError, CheckpointManager
 from megarl.config import load_config
-from megarl.trainer.engine import Engine
+from megarl.trainer.engine import Engine, EngineSpec
 cfg = load_config(None, [f"model.hf_path={sys.argv[1]}", "model.init=random", "data.train_path=x"])
 parallel.init_distributed()
 ps = parallel.init_model_parallel(1, 1, seed=0)
 try:
-    CheckpointManager(cfg, ps, Engine.build(cfg, ps)).load(sys.argv[2])
+    CheckpointManager(cfg, ps, Engine.build(EngineSpec.from_config(cfg), ps)).load(sys.argv[2])
 except CheckpointError as e:
     print("ERR", e)
 """

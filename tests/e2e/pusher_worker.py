@@ -14,9 +14,9 @@ import torch
 
 from megarl import compat, parallel
 from megarl.config import load_config
-from megarl.trainer.engine import Engine
+from megarl.trainer.engine import Engine, EngineSpec
 from megarl.rollout.cluster import RolloutCluster
-from megarl.weights.push import WeightPusher
+from megarl.weights.push import PushSpec, WeightPusher
 
 PROMPT = [1, 5, 9, 17]
 
@@ -43,7 +43,8 @@ def main():
                                  f"rollout.servers=[{server}]", f"rollout.api_key={key}",
                                  f"train.run_dir={work}/run"])
         cluster = RolloutCluster.from_config(cfg, [server], driver=True)
-        pusher = WeightPusher(cfg, Engine.build(cfg, ps, trainable=False), cluster)
+        engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=False)
+        pusher = WeightPusher(PushSpec.from_config(cfg), engine, cluster)
         metrics = pusher.push()
         # checksums of what was sent (disk: gathered again) against the server's /weights_checksum
         checked = pusher.verify() if tensor_format == "megarl" else None

@@ -21,7 +21,7 @@ from megarl import compat, parallel
 from megarl.config import load_config
 from megarl.parallel import destroy_model_parallel_only
 from megarl.trainer.batch import TensorBatch
-from megarl.trainer.engine import Engine
+from megarl.trainer.engine import Engine, EngineSpec
 from megarl.trainer.sft import sft_loss
 
 PROMPT = [1, 5, 9, 17, 33]
@@ -41,7 +41,7 @@ def config(hf: str, *overrides: str):
 def train(hf: str, dtype: str, spec: str, steps: str) -> dict:
     cfg = config(hf, f"model.dtype={dtype}", f"model.spec={spec}", "optim.lr=3e-3",
                  "optim.lr_warmup_steps=0", "optim.clip_grad=1.0", f"train.steps={steps}")
-    engine = Engine.build(cfg, parallel.init_model_parallel(1, 1))
+    engine = Engine.build(EngineSpec.from_config(cfg), parallel.init_model_parallel(1, 1))
     batch = counting_batch()
     losses, norms = [], []
     for _ in range(int(steps)):
@@ -60,7 +60,7 @@ def specs(hf: str, dtype: str) -> dict:
     out, experts = {}, {}  # experts: the MoE expert module of each spec (None: dense)
     for spec in ("te", "local"):
         cfg = config(hf, f"model.spec={spec}", f"model.dtype={dtype}")
-        engine = Engine.build(cfg, parallel.init_model_parallel(1, 1), trainable=False)
+        engine = Engine.build(EngineSpec.from_config(cfg), parallel.init_model_parallel(1, 1), trainable=False)
         out[spec] = engine.compute_logp(batch).logp[:, 1:].float().cpu()
         mlp = engine.chunks[0].decoder.layers[0].mlp
         experts[spec] = type(mlp.experts).__name__ if hasattr(mlp, "experts") else None
@@ -91,18 +91,18 @@ def gap(engine: Engine, ids: list[int], server_lps: list[float]) -> tuple[float,
 
 def push(hf: str, server: str, transport: str, dtype: str) -> dict:
     from megarl.rollout.cluster import RolloutCluster
-    from megarl.weights.push import WeightPusher
+    from megarl.weights.push import PushSpec, WeightPusher
 
     work = os.path.dirname(os.path.abspath(hf))
     cfg = config(hf, f"model.dtype={dtype}", f"weights.transport={transport}", "weights.timeout_s=120",
                  f"rollout.servers=[{server}]", f"train.run_dir={work}/run",
                  f"weights.disk_dir={work}/push_disk")
     ps = parallel.init_model_parallel(1, 1)
-    engine = Engine.build(cfg, ps, trainable=False)
+    engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=False)
     ids0, lps0, _ = generate(server)  # the server still holds its own (other) weights
     before = gap(engine, ids0, lps0)
     cluster = RolloutCluster.from_config(cfg, [server], driver=True)
-    pusher = WeightPusher(cfg, engine, cluster)
+    pusher = WeightPusher(PushSpec.from_config(cfg), engine, cluster)
     metrics = pusher.push()
     backend = getattr(pusher.transport, "backend", None)
     pusher.close()

@@ -9,6 +9,12 @@ field as read only through a qualified read of its own section:
     f(cfg.checkpoint) ... def f(c): c.x  a parameter that receives a section (by position/keyword)
     getattr(cfg.rollout, "temperature")
     r.staleness                          a property of the section: the fields it reads count
+    def f(m: ModelConfig): m.seed        a name annotated with a section's class
+    spec.model.seed                      a holder: a class with fields annotated with section
+                                         classes (`model: ModelConfig`), reached through a name
+                                         annotated with it, a call `Holder(...)` /
+                                         `Holder.from_config(...)`, or `self.x` set from one
+                                         (looked up in the method's class and its bases)
 
 Job scripts in launch/ count where they name `section.field` in full (`--get`). So
 `model.temperature` on some other object, or `.dtype` of a tensor, reads nothing. A scratch
@@ -23,6 +29,7 @@ import inspect
 import re
 import textwrap
 from pathlib import Path
+from typing import Optional
 
 from megarl.algo.config import AlgoConfig
 from megarl.config import Config
@@ -32,6 +39,16 @@ LAUNCH = ROOT.parent / "launch"  # job scripts read fields with `megarl-launch -
 DECLARING = {*(ROOT / "config").glob("*.py"), ROOT / "fields.py", ROOT / "algo" / "config.py"}
 CONFIG_NAMES = {"cfg", "config"}  # names (and attributes, e.g. self.cfg) that hold a whole Config
 CFG = "<config>"
+OWNER = "<class>"  # env key: the class a scope is a method (or closure) of
+
+
+def _ann(ann) -> str:
+    """``ModelConfig`` of an annotation ``ModelConfig`` / ``"ModelConfig"`` / ``Optional[ModelConfig]``."""
+    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+        ann = ast.parse(ann.value, mode="eval").body
+    if isinstance(ann, ast.Subscript) and getattr(ann.value, "id", None) == "Optional":
+        ann = ann.slice
+    return getattr(ann, "id", getattr(ann, "attr", ""))
 
 
 def section_classes() -> dict[str, type]:
@@ -83,20 +100,69 @@ class Reads:
                     self.funcs.setdefault(node.name, []).append((node, skip))
         self.params: dict[int, dict[str, str]] = {}  # id(def) -> {param: section or CFG}
         self.self_attrs: dict[str, str] = {}
+        # holders: classes whose annotated fields hold sections; kinds "holder:<class>"
+        types = {cls.__name__: s for s, cls in section_classes().items()}
+        self.types = types
+        self.holders: dict[str, dict[str, str]] = {}
+        self.bases: dict[str, list[str]] = {}
+        self.owner: dict[int, str] = {}  # id(def) -> the class whose method (or closure) it is
+        self.class_attrs: dict[tuple[str, str], str] = {}  # (class, attr) -> kind of self.attr
+        for tree in trees:
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    self.bases[node.name] = [getattr(b, "id", getattr(b, "attr", "")) for b in node.bases]
+                    held = {i.target.id: types[_ann(i.annotation)] for i in node.body
+                            if isinstance(i, ast.AnnAssign) and isinstance(i.target, ast.Name)
+                            and _ann(i.annotation) in types}
+                    if held:
+                        self.holders[node.name] = held
+                    for item in node.body:
+                        if isinstance(item, defs):
+                            for sub in ast.walk(item):
+                                if isinstance(sub, defs):
+                                    self.owner[id(sub)] = node.name
+
+    def annotated(self, ann) -> Optional[str]:
+        """The kind a name annotated ``ann`` holds: a section, a holder, or None."""
+        name = _ann(ann)
+        if name in self.types:
+            return self.types[name]
+        return f"holder:{name}" if name in self.holders else None
+
+    def self_attr(self, cls: Optional[str], attr: str) -> Optional[str]:
+        """``self.attr`` in a method of ``cls`` (set there or in a base class)."""
+        if cls is None:
+            return self.self_attrs.get(attr)
+        seen = set()
+        while cls and cls not in seen:
+            seen.add(cls)
+            if (cls, attr) in self.class_attrs:
+                return self.class_attrs[(cls, attr)]
+            cls = next((b for b in self.bases.get(cls, []) if b in self.bases), None)
+        return None
 
     def resolve(self, e: ast.AST, env: dict[str, str]):
-        """CFG for a whole config, a section name, or None."""
+        """CFG for a whole config, a section name, "holder:<class>", or None."""
         if isinstance(e, ast.Name):
             return env.get(e.id) or (CFG if e.id in CONFIG_NAMES else None)
         if isinstance(e, ast.Attribute):
             if e.attr in CONFIG_NAMES:
                 return CFG
+            if isinstance(e.value, ast.Name) and e.value.id == "self":
+                return self.self_attr(env.get(OWNER), e.attr)
             base = self.resolve(e.value, env)
             if base == CFG and e.attr in self.sections:
                 return e.attr
-            if isinstance(e.value, ast.Name) and e.value.id == "self":
-                return self.self_attrs.get(e.attr)
+            if base and base.startswith("holder:"):
+                return self.holders[base[7:]].get(e.attr)
             return None
+        if isinstance(e, ast.Call):
+            func = e.func  # Holder(...), Holder.from_config(...)
+            if isinstance(func, ast.Name) and func.id in self.holders:
+                return f"holder:{func.id}"
+            if isinstance(func, ast.Attribute) and func.attr == "from_config" \
+                    and getattr(func.value, "id", None) in self.holders:
+                return f"holder:{func.value.id}"
         if isinstance(e, ast.Call) and e.args:  # dataclasses.replace(cfg.model, ...), critic_config(cfg)
             name = e.func.attr if isinstance(e.func, ast.Attribute) else getattr(e.func, "id", "")
             if name in ("replace", "critic_config"):
@@ -105,6 +171,13 @@ class Reads:
 
     def scope_env(self, scope: ast.AST) -> dict[str, str]:
         env = dict(self.params.get(id(scope), {}))
+        if id(scope) in self.owner:
+            env[OWNER] = self.owner[id(scope)]
+        if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for a in scope.args.posonlyargs + scope.args.args + scope.args.kwonlyargs:
+                kind = self.annotated(a.annotation) if a.annotation is not None else None
+                if kind and a.arg not in env:
+                    env[a.arg] = kind
         for _ in range(2):  # aliases of aliases
             for node in self.nodes(scope):
                 if not isinstance(node, ast.Assign):
@@ -120,6 +193,8 @@ class Reads:
                         elif kind and isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) \
                                 and t.value.id == "self":
                             self.self_attrs[t.attr] = kind
+                            if OWNER in env:
+                                self.class_attrs[(env[OWNER], t.attr)] = kind
         return env
 
     def scopes(self):
@@ -142,7 +217,9 @@ class Reads:
                 given = list(zip(names, call.args)) + [(k.arg, k.value) for k in call.keywords if k.arg]
                 for param, arg in given:
                     kind = self.resolve(arg, env)
-                    if kind and self.params.setdefault(id(fn), {}).get(param) != kind:
+                    # first binding wins: a parameter passed different kinds at different calls
+                    # (a Config here, a holder there) must not flip forever
+                    if kind and param not in self.params.setdefault(id(fn), {}):
                         self.params[id(fn)][param] = kind
                         changed = True
         return changed
@@ -218,6 +295,45 @@ def test_qualified_reads_are_resolved():
                  "rollout.max_staleness", "rollout.staleness_threshold"):  # the last two: the property
         assert name not in unread, name
     for name in ("model.seed", "rollout.group_size", "rollout.max_new_tokens"):
+        assert name in unread, name
+
+
+def test_holders_and_annotations_are_resolved():
+    src = textwrap.dedent("""
+        @dataclass(frozen=True)
+        class PartSpec:
+            model: ModelConfig
+            weights: "WeightSyncConfig"
+            steps: int
+
+            @classmethod
+            def from_config(cls, cfg):
+                return cls(cfg.model, cfg.weights, 3)
+
+        class Part:
+            def __init__(self, spec: PartSpec, moe: MoEConfig):
+                self.spec = spec
+                use(moe.aux_loss_coeff)
+
+            def run(self):
+                def inner():
+                    return self.spec.weights.bucket_mb
+                return self.spec.model.seed, inner()
+
+        class Other:
+            def __init__(self, spec):
+                self.spec = spec
+
+            def run(self):
+                return self.spec.model.dtype, self.spec.weights.dtype
+
+        def build(cfg):
+            return PartSpec.from_config(cfg).model.hf_path
+    """)
+    unread = set(unread_fields(trees=[ast.parse(src)]))
+    for name in ("model.seed", "weights.bucket_mb", "moe.aux_loss_coeff", "model.hf_path"):
+        assert name not in unread, name
+    for name in ("model.dtype", "weights.dtype"):  # Other's self.spec is not a holder
         assert name in unread, name
 
 

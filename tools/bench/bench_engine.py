@@ -52,7 +52,7 @@ def main() -> int:
     from megarl.config import load_config
     from megarl.models.random_hf import tiny_config, write_random_hf
     from megarl.trainer.batch import TensorBatch
-    from megarl.trainer.engine import Engine
+    from megarl.trainer.engine import Engine, EngineSpec
     from megarl.trainer.sft import sft_loss
 
     compat.quiet_megatron_warnings()
@@ -70,7 +70,7 @@ def main() -> int:
     cfg = load_config(None, [f"model.hf_path={hf}", "data.train_path=x", "optim.lr=1e-5",
                              f"train.micro_batch_tokens={tokens}", f"train.max_seq_len={args.seq}"])
     ps = parallel.init_model_parallel(1, 1)
-    engine = Engine.build(cfg, ps)
+    engine = Engine.build(EngineSpec.from_config(cfg), ps)
     m_logp = timed(lambda: engine.compute_logp(batch), args.iters)
     m_train = timed(lambda: engine.train_batch(batch, sft_loss), args.iters)
 

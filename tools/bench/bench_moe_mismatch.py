@@ -38,7 +38,7 @@ from megarl.models.random_hf import tiny_config, write_random_hf  # noqa: E402
 from megarl.server.model import CausalLM, DecoderConfig, KVCache  # noqa: E402
 from megarl.server.weights import read_hf_dir  # noqa: E402
 from megarl.trainer.batch import Routes, TensorBatch  # noqa: E402
-from megarl.trainer.engine import Engine  # noqa: E402
+from megarl.trainer.engine import Engine, EngineSpec  # noqa: E402
 from megarl.trainer.sft import sft_loss  # noqa: E402
 
 MODES = ("none", "ids", "rollout")
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     cfg = load_config(None, [f"model.hf_path={hf}", "data.train_path=x", f"optim.lr={args.lr}",
                              "optim.lr_warmup_steps=0", "train.micro_batch_tokens=4096", "moe.routing_replay=rollout"])
     ps = parallel.init_model_parallel(1, 1, seed=1234)
-    engine = Engine.build(cfg, ps)
+    engine = Engine.build(EngineSpec.from_config(cfg), ps)
     dtype = getattr(torch, args.server_dtype)
     server = CausalLM(DecoderConfig.from_dir(hf), dtype, max_len=256)
     server.load({k: v.to(dtype) for k, v in read_hf_dir(hf).items()})

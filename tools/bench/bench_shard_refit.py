@@ -33,8 +33,8 @@ def worker(args):
     from megarl import compat, parallel
     from megarl.config import load_config
     from megarl.rollout.cluster import RolloutCluster
-    from megarl.trainer.engine import Engine
-    from megarl.weights.push import WeightPusher
+    from megarl.trainer.engine import Engine, EngineSpec
+    from megarl.weights.push import PushSpec, WeightPusher
 
     compat.quiet_megatron_warnings()
     parallel.init_distributed()
@@ -47,13 +47,13 @@ def worker(args):
                                   f"weights.refit={refit}"])
 
     ps = parallel.init_model_parallel(2, 1)
-    engine = Engine.build(cfg("gather"), ps, trainable=False)
+    engine = Engine.build(EngineSpec.from_config(cfg("gather")), ps, trainable=False)
     times = {"gather": [], "shard": []}
     nbytes = {}
     for _ in range(args.repeats):
         for mode in ("gather", "shard"):
             c = cfg(mode)
-            pusher = WeightPusher(c, engine, RolloutCluster.from_config(c, [server], driver=ps.rank == 0))
+            pusher = WeightPusher(PushSpec.from_config(c), engine, RolloutCluster.from_config(c, [server], driver=ps.rank == 0))
             pusher.push()  # warm-up: the group, first allocations
             dist.barrier()
             m = pusher.push()

@@ -130,9 +130,9 @@ class RawBaseline:
 def worker(args):
     from megarl import compat, parallel
     from megarl.config import load_config
-    from megarl.trainer.engine import Engine
+    from megarl.trainer.engine import Engine, EngineSpec
     from megarl.rollout.cluster import RolloutCluster
-    from megarl.weights.push import WeightPusher
+    from megarl.weights.push import PushSpec, WeightPusher
 
     compat.quiet_megatron_warnings()
     parallel.init_distributed()
@@ -143,10 +143,11 @@ def worker(args):
                              "weights.timeout_s=300", f"train.run_dir={os.environ['BENCH_WORK']}/run",
                              f"weights.verify_interval={int(args.verify)}"])
     ps = parallel.init_model_parallel(args.tp, 1)
-    engine = Engine.build(cfg, ps, trainable=False)
+    engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=False)
     if args.manager:
         return manager_pushes(args, cfg, ps, engine)
-    pusher = WeightPusher(cfg, engine, RolloutCluster.from_config(cfg, [server], driver=ps.rank == 0))
+    cluster = RolloutCluster.from_config(cfg, [server], driver=ps.rank == 0)
+    pusher = WeightPusher(PushSpec.from_config(cfg), engine, cluster)
     pusher.push()  # warm-up: groups, first allocation
     sizes = [sum(s.nbytes(pusher.resharder.serving_dtype) for s in b) for b in pusher.resharder.stage_plan(0)]
     raw = RawBaseline(sizes, args.repeats + 1) if ps.rank == 0 else None
@@ -193,14 +194,14 @@ def manager_pushes(args, cfg, ps, engine):
     """The push as megarl-train runs it: through a rollout manager process."""
     from megarl.config import save_config
     from megarl.trainer.rollout_link import RolloutSide
-    from megarl.weights.push import WeightPusher
+    from megarl.weights.push import PushSpec, WeightPusher
 
     if ps.rank == 0:
         save_config(cfg, cfg.train.run_dir)
     dist.barrier()
     side = RolloutSide(cfg, ps)
     side.start()
-    pusher = WeightPusher(cfg, engine, side.connect(0, None))
+    pusher = WeightPusher(PushSpec.from_config(cfg), engine, side.connect(0, None))
     pusher.push()  # warm-up: groups, first allocation
     rows, verify_s = [], []
     for _ in range(args.repeats):
