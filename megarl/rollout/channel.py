@@ -109,6 +109,14 @@ class EvalPoll:
 
 
 @dataclass
+class EvalReport:
+    """Manager -> driver, the answer to `EvalPoll`: the finished evaluations' metrics (eval/*,
+    empty when none finished) and how many submitted ones are still running."""
+    metrics: dict
+    running: int
+
+
+@dataclass
 class StateRequest:
     """Driver -> manager: the exactly-once ledger for a checkpoint. Reply: `Reply`(value=state)."""
 
@@ -128,7 +136,9 @@ class Reply:
 
 
 MESSAGES = {cls.__name__: cls for cls in (Hello, Init, BatchRequest, Batch, AdminCall, ClusterCall,
-                                          EvalSubmit, EvalPoll, StateRequest, Close, Reply)}
+                                          EvalSubmit, EvalPoll, EvalReport, StateRequest, Close, Reply)}
+# answers that travel as themselves, not inside a `Reply` (a batch carries arrays)
+DIRECT_REPLIES = (Batch, EvalReport)
 
 
 # ------------------------------------------------------------------------------- encoding
@@ -304,8 +314,9 @@ class Link:
         if not self._pending:
             raise ChannelError("no request is waiting for a reply")
         msg = self.channel.recv(timeout)
-        # (the manager answers a BatchRequest with the Batch itself, arrays attached)
-        if isinstance(msg, Batch):  # a batch answers its request directly
+        # (the manager answers a BatchRequest with the Batch itself, arrays attached, an EvalPoll
+        # with an EvalReport)
+        if isinstance(msg, DIRECT_REPLIES):
             msg = Reply(value=msg)
         if not isinstance(msg, Reply):
             raise ChannelError(f"{self.channel.peer}: expected a reply, got {type(msg).__name__}")

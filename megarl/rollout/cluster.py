@@ -104,10 +104,14 @@ class RolloutCluster:
 
     @classmethod
     def from_config(cls, cfg, addresses: list[str], driver: bool) -> "RolloutCluster":
-        """From ``rollout.api_key``, ``weights.timeout_s`` and ``weights.pause_mode``."""
-        return cls(addresses, driver=driver, api_key=cfg.rollout.api_key or None,
-                   timeout_s=cfg.weights.timeout_s, pause_mode=cfg.weights.pause_mode,
-                   min_live_servers=cfg.rollout.min_live_servers)
+        return cls.from_sections(cfg.rollout, cfg.weights, addresses, driver)
+
+    @classmethod
+    def from_sections(cls, rollout, weights, addresses: list[str], driver: bool) -> "RolloutCluster":
+        """From ``rollout.api_key``, ``rollout.min_live_servers``, ``weights.timeout_s`` and
+        ``weights.pause_mode``."""
+        return cls(addresses, driver=driver, api_key=rollout.api_key or None, timeout_s=weights.timeout_s,
+                   pause_mode=weights.pause_mode, min_live_servers=rollout.min_live_servers)
 
     # ------------------------------------------------------------------ the version
     def get_version(self) -> int:

@@ -38,13 +38,18 @@ import socket
 import sys
 import threading
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from megarl.rollout.channel import (AdminCall, Batch, BatchRequest, Channel, ChannelError, Close,
-                                    ClusterCall, EvalPoll, EvalSubmit, Hello, Init, Reply,
-                                    StateRequest, from_wire)
+from megarl.rollout.channel import (DIRECT_REPLIES, AdminCall, Batch, BatchRequest, Channel, ChannelError,
+                                    Close, ClusterCall, EvalPoll, EvalReport, EvalSubmit, Hello, Init,
+                                    Reply, StateRequest, from_wire)
+
+if TYPE_CHECKING:
+    from megarl.config import RolloutConfig, WeightSyncConfig
+    from megarl.rollout.setup import ControllerSpec, EvalSpec
 
 log = logging.getLogger("megarl.manager")
 
@@ -88,12 +93,36 @@ def pack_batch(trajs, dp: int, stats: dict, rejoin: list[str]) -> Batch:
     return Batch(infos=[t.info for t in trajs], stats=stats, rejoin=rejoin, arrays=arrays)
 
 
+@dataclass(frozen=True)
+class ManagerSpec:
+    """What the rollout manager is built from: the rollout section (servers, local server
+    processes, API key), the weights section (deadline, pause mode, the disk transport's
+    directory), the served model, the run directory, whether it writes a timeline, the local
+    servers' extra flags, and the specs of its controller and evaluator."""
+
+    rollout: "RolloutConfig"
+    weights: "WeightSyncConfig"
+    model_path: str
+    run_dir: str
+    controller: "ControllerSpec"
+    eval: "EvalSpec"
+    server_flags: tuple[str, ...] = ()
+    timeline: bool = False
+
+    @classmethod
+    def from_config(cls, cfg) -> "ManagerSpec":
+        from megarl.rollout.setup import ControllerSpec, EvalSpec, route_flags
+
+        return cls(cfg.rollout, cfg.weights, cfg.model.hf_path, cfg.train.run_dir, ControllerSpec.from_config(cfg),
+                   EvalSpec.from_config(cfg), tuple(route_flags(cfg)), cfg.logging.timeline)
+
+
 class RolloutManager:
     """The rollout side of one run: local servers (if any), the server set and its admin
     connection, the controller and the evaluator; driven by trainer links (`serve`)."""
 
-    def __init__(self, cfg):
-        self.cfg = cfg
+    def __init__(self, spec: Optional[ManagerSpec]):
+        self.spec = spec
         self.stack = contextlib.ExitStack()
         self.cluster = self.controller = self.evaluator = self.local = None
         self.dp = 1
@@ -116,18 +145,17 @@ class RolloutManager:
     def start_servers(self) -> list[str]:
         from megarl.net import serving_host
         from megarl.rollout.local import LocalCluster
-        from megarl.rollout.setup import route_flags
 
-        r, t = self.cfg.rollout, self.cfg.train
+        spec, r = self.spec, self.spec.rollout
         if r.servers:
             return list(r.servers)
         # the trainer pinned this process to rollout.server_cpus already (RolloutSide.start)
         # only CPUs this process may use: pinning a server to a CPU outside the allowed set would fail
         server_cpus = set(r.server_cpus) & os.sched_getaffinity(0) if r.server_cpus else None
-        self.local = LocalCluster(self.cfg.model.hf_path, r.local_servers, f"{t.run_dir}/servers",
-                                  extra=["--threads", r.server_threads, *route_flags(self.cfg), *r.server_args],
+        self.local = LocalCluster(spec.model_path, r.local_servers, f"{spec.run_dir}/servers",
+                                  extra=["--threads", r.server_threads, *spec.server_flags, *r.server_args],
                                   host=serving_host(),
-                                  weights_roots=[self.cfg.weights.disk_dir or f"{t.run_dir}/weights"],
+                                  weights_roots=[spec.weights.disk_dir or f"{spec.run_dir}/weights"],
                                   cpus=server_cpus)
         return self.stack.enter_context(self.local)
 
@@ -142,16 +170,15 @@ class RolloutManager:
             raise self._servers_error
         servers = self._servers
         self.dp = msg.dp
-        self.cluster = RolloutCluster.from_config(self.cfg, servers, driver=True)
+        self.cluster = RolloutCluster.from_sections(self.spec.rollout, self.spec.weights, servers, driver=True)
         # the trainer's version (a resumed run's is > 0): the staleness clock continues from it
         self.cluster.version = int(msg.version)
         if self.local is not None:
             self.cluster.restart = self.local.restart
         self.stack.callback(self.cluster.close)
-        t = self.cfg.train
-        timeline = Timeline(f"{t.run_dir}/timeline/manager.jsonl" if self.cfg.logging.timeline else None)
+        timeline = Timeline(f"{self.spec.run_dir}/timeline/manager.jsonl" if self.spec.timeline else None)
         self.stack.callback(timeline.close)
-        self.controller = build_controller(self.cfg, self.cluster, timeline)
+        self.controller = build_controller(self.spec.controller, self.cluster, timeline)
         # a resumed run: the pending prompts of the checkpoint are issued before any new draw
         if msg.state is not None:
             self.controller.load_state_dict(msg.state)
@@ -165,7 +192,7 @@ class RolloutManager:
         self.cluster.subscribe(self.controller)
         self.controller.start()
         self.stack.callback(self.controller.stop)
-        self.evaluator = build_eval(self.cfg, self.controller.reward)
+        self.evaluator = build_eval(self.spec.eval, self.controller.reward)
 
     # ------------------------------------------------------------------ requests
     def next_batch(self, msg: BatchRequest) -> Batch:
@@ -241,9 +268,9 @@ class RolloutManager:
             return None
         if isinstance(msg, EvalPoll):
             if self.evaluator is None:
-                return {"eval/running": 0}
+                return EvalReport(metrics={}, running=0)
             out = self.evaluator.poll(wait=msg.wait, timeout_s=msg.timeout_s, diagnose=self.controller.diagnose)
-            return {**out, "eval/running": self.evaluator.running} if out else {}
+            return EvalReport(metrics=out or {}, running=self.evaluator.running)
         if isinstance(msg, StateRequest):
             return self.controller.state_dict()
         if isinstance(msg, Close):
@@ -265,7 +292,7 @@ class RolloutManager:
                 t0 = time.perf_counter()
                 try:
                     value = self.handle(msg)
-                    reply = value if isinstance(value, Batch) else Reply(value=value)
+                    reply = value if isinstance(value, DIRECT_REPLIES) else Reply(value=value)
                 except Exception as e:  # noqa: BLE001 - the trainer gets the error as one line
                     log.warning("%s failed: %s: %s", type(msg).__name__, type(e).__name__, e)
                     # first line only: the trainer re-raises it as one line (RemoteError), the traceback stays in this log
@@ -338,7 +365,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="[manager] %(levelname)s %(message)s")
     from megarl.config import load_config
 
-    cfg = load_config(args.config)
+    spec = ManagerSpec.from_config(load_config(args.config))
     import torch
 
     torch.set_num_threads(1)  # nothing heavy runs here: the cores are the trainer's and the servers'
@@ -349,7 +376,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     host, port = listener.getsockname()[:2]
     print(f"listening {host}:{port}", flush=True)
     os.dup2(2, 1)  # the spawner reads that one line; everything else goes to the manager's log
-    manager = RolloutManager(cfg)
+    manager = RolloutManager(spec)
     manager.begin_servers()  # the trainer's connection waits in the listen backlog meanwhile
     try:
         serve_forever(manager, listener)

@@ -239,10 +239,9 @@ class RolloutSide:
         them, within ``timeout_s`` (the manager raises past it, naming what the evaluation waits on)."""
         if self.ps.rank != 0 or not self.evals_pending:
             return {}
-        out = self._request(EvalPoll(wait, timeout_s), timeout_s + 30.0 if wait else 60.0)
-        if out:
-            self.evals_pending = int(out.pop("eval/running", 0))
-        return out
+        report = self._request(EvalPoll(wait, timeout_s), timeout_s + 30.0 if wait else 60.0)
+        self.evals_pending = report.running
+        return report.metrics
 
     def state_dict(self) -> dict:
         return self._request(StateRequest(), 120.0) if self.ps.rank == 0 else {}

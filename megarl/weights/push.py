@@ -31,6 +31,12 @@ class PushSpec:
     def from_config(cls, cfg) -> "PushSpec":
         return cls(cfg.weights, cfg.train.run_dir)
 
+    @property
+    def streams_buckets(self) -> bool:
+        """Buckets go over the wire (a `Transport` whose ``streams_buckets`` is true); the disk
+        transport writes whole checkpoints through the engine's export instead."""
+        return self.weights.transport != "disk"
+
 
 @dataclass
 class PushMetrics:
@@ -84,7 +90,7 @@ class WeightPusher:
         # weights.delta: only a trainable engine's frozen rows are known not to change (a
         # forward-only engine has no optimizer to tell: its weights may be set by hand); not the
         # disk transport, which writes whole checkpoints
-        self.delta = w.delta and getattr(engine, "optimizer", None) is not None and w.transport != "disk" \
+        self.delta = w.delta and getattr(engine, "optimizer", None) is not None and spec.streams_buckets \
             and w.refit != "shard"  # shard refit sends every tensor
         self._frozen_sent: frozenset = frozenset()  # rows frozen at the last push that reached every server
         self.digest_s, self._recording = 0.0, False
@@ -100,7 +106,7 @@ class WeightPusher:
         w, ps = self.spec.weights, self.ps
         if self.cluster.driver:
             self.admin, self._own_admin = self.cluster.admin, False
-        elif ps.is_pp_source and w.transport != "disk":
+        elif ps.is_pp_source and self.spec.streams_buckets:  # disk: the export is collective, rank 0 announces
             self.admin = self.cluster.stage_admin(ps.rank)
             self._own_admin = True
         self.refit = w.refit == "shard"

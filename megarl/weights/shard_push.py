@@ -25,7 +25,7 @@ from megarl.models.hf_io import local_params
 from megarl.models.registry import GATE_UP, QKV, VOCAB
 from megarl.net import advertised_address, free_port, new_process_group, url_host
 from megarl.weights.refit import unit_slices
-from megarl.weights.transports import PushError, _finish
+from megarl.weights.transports import PushError, _finish, leave_update_group
 
 
 def describe(lp, args, tp: int, dtype: torch.dtype) -> tuple[list, torch.Tensor]:
@@ -159,11 +159,6 @@ class ShardRefitTransport:
 
     def close(self) -> None:
         if self.group is not None:
-            if self.ps.tp_rank == 0:
-                try:
-                    self.admin.call(lambda c: c.destroy_weights_update_group(self.group_name),
-                                    min(5.0, self.timeout_s))
-                except Exception:  # noqa: BLE001 - best effort at shutdown
-                    pass
-            dist.destroy_process_group(self.group)
+            leave_update_group(self.admin, self.group, self.group_name, self.timeout_s,
+                               tell_servers=self.ps.tp_rank == 0)
             self.group = None

@@ -136,14 +136,22 @@ class DistributedTransport:
 
     def close(self) -> None:
         if self.group is not None:
-            try:
-                # short: after a failure the group may include a dead or hung server
-                self.admin.call(lambda c: c.destroy_weights_update_group(self.group_name),
-                                min(5.0, self.timeout_s))
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
-            dist.destroy_process_group(self.group)
+            leave_update_group(self.admin, self.group, self.group_name, self.timeout_s)
             self.group = None
+
+
+def leave_update_group(admin: Optional[AdminRunner], group, name: str, timeout_s: float,
+                       tell_servers: bool = True) -> None:
+    """Ends a weight-update group: the servers are asked to destroy their side (best effort), then
+    this rank's side is destroyed. ``tell_servers``: false on ranks that share a group some other
+    rank already announced (shard refit: only TP rank 0 speaks to the servers)."""
+    if tell_servers:
+        try:
+            # short: after a failure the group may include a dead or hung server
+            admin.call(lambda c: c.destroy_weights_update_group(name), min(5.0, timeout_s))
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
+    dist.destroy_process_group(group)
 
 
 def dtype_name(t: torch.Tensor) -> str:

@@ -17,7 +17,7 @@ from megarl.rollout.controller import RolloutController
 from megarl.rewards import HttpReward
 from megarl.rollout.types import Trajectory
 from megarl.rollout.workflows import ToolCallingWorkflow
-from megarl.rollout.setup import build_controller
+from megarl.rollout.setup import ControllerSpec, EvalSpec, build_controller
 
 pq = pytest.importorskip("pyarrow.parquet")
 pa = pytest.importorskip("pyarrow")
@@ -44,7 +44,7 @@ def test_config_reaches_dataset_workflow_and_reward(tmp_path, model_dir):
         "rollout.reward_fn=megarl.rewards:HttpReward",
         "reward.args={url: 'http://127.0.0.1:9/score', max_batch: 8}", "reward.timeout_s=7",
         "reward.on_error_value=-1"])
-    c = build_controller(cfg, RolloutCluster([], driver=False))
+    c = build_controller(ControllerSpec.from_config(cfg), RolloutCluster([], driver=False))
     ds, wf = c.dataset, c.workflow
     assert ds.stats == {"total": 3, "kept": 2, "filtered": 1, "truncated": 0}
     assert [s.answer for s in ds] == ["1", "2"] and ds[0].messages == rows[0]["q"]
@@ -97,8 +97,8 @@ def test_eval_is_built_from_the_configured_workflow(tmp_path, model_dir):
         "rollout.eval_size=2", "rollout.workflow=megarl.rollout.workflows:ToolCallingWorkflow",
         "rollout.workflow_args={tools: [calculator], max_turns: 3, group_size: 16}",
         "logging.dump_eval_generations=true"])
-    c = build_controller(cfg, RolloutCluster([], driver=False))
-    ev = build_eval(cfg, c.reward)
+    c = build_controller(ControllerSpec.from_config(cfg), RolloutCluster([], driver=False))
+    ev = build_eval(EvalSpec.from_config(cfg), c.reward)
     greedy, sampled = ev.workflows.greedy, ev.workflows.sampled
     assert isinstance(greedy, ToolCallingWorkflow) and isinstance(sampled, ToolCallingWorkflow)
     assert (greedy.group_size, greedy.ctx.sampling.temperature, greedy.max_turns) == (1, 0.0, 3)

@@ -58,6 +58,14 @@ def test_push_spec():
         dataclasses.replace(WeightSyncConfig(), bucket_mb=9), "/r")
 
 
+@pytest.mark.parametrize("transport,cls", [("distributed", DistributedTransport), ("tensor", TensorTransport),
+                                           ("disk", DiskTransport)])
+def test_push_spec_knows_whether_its_transport_streams(transport, cls):
+    """The pusher decides delta pushes and stage sources' own admin links before it builds the
+    transport: the spec's answer is the transport class's."""
+    assert PushSpec(WeightSyncConfig(transport=transport), "/r").streams_buckets is cls.streams_buckets
+
+
 def _members(proto) -> set[str]:
     own = {n for n in vars(proto) if not n.startswith("_")} - {"streams_buckets"}
     return own | set(getattr(proto, "__annotations__", {}))
@@ -85,3 +93,98 @@ def test_both_clusters_are_push_targets():
         assert isinstance(admin, AdminRunner) and admin.addresses == local.addresses
     finally:
         admin.close()
+
+
+# ---------------------------------------------------------------- the rollout side: controller, eval, manager
+def _task_files(tmp_path):
+    """A tokenizer directory and a three-prompt jsonl file (the task a rollout spec names)."""
+    import json
+
+    from chatml import write_chat_tokenizer
+
+    write_chat_tokenizer(str(tmp_path / "tok"))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(3)))
+    return str(tmp_path / "tok"), str(data)
+
+
+def test_controller_and_eval_built_from_their_sections_without_a_config(tmp_path):
+    from megarl.config import DataConfig, RewardConfig, RolloutConfig
+    from megarl.rollout.setup import ControllerSpec, EvalSpec, TaskSpec, build_controller, build_eval
+
+    tok, data = _task_files(tmp_path)
+    rollout = RolloutConfig(group_size=2, max_staleness=3, max_concurrent=5, temperature=0.7, max_new_tokens=9,
+                            max_retries=4, seed=11, eval_k=2, eval_size=2)
+    task = TaskSpec(rollout, DataConfig(train_path=data, eval_path=data, shuffle=False), RewardConfig(), tok, 256)
+    spec = ControllerSpec(task, batch_groups=6, seed=3, dynamic_sampling=True, hold_timeout_s=42.0,
+                          failed_log=str(tmp_path / "failed.jsonl"), routes=(4, 2))
+    c = build_controller(spec, RolloutCluster([], driver=False))
+    assert (c.staleness.batch_size, c.staleness.max_staleness, c.staleness.max_concurrent) == (6, 3, 5)
+    assert (c.dynamic_sampling, c.hold_timeout_s, c.max_retries, c.sampling_seed) == (True, 42.0, 4, 11)
+    assert c.failed_log == str(tmp_path / "failed.jsonl") and c._client_kwargs == {"routed_experts": (4, 2)}
+    assert [s.answer for s in c.dataset] == ["0", "1", "2"] and c.sampler.next_batch(3) == [0, 1, 2]
+    wf = c.workflow
+    assert (wf.ctx.group_size, wf.ctx.max_seq_len, wf.ctx.sampling.temperature,
+            wf.ctx.sampling.max_new_tokens) == (2, 256, 0.7, 9)
+
+    ev = build_eval(EvalSpec(task, dump_path=str(tmp_path / "gen.jsonl")), c.reward)
+    assert ev.workflows.greedy.ctx.sampling.temperature == 0.0 and ev.workflows.sampled.group_size == 2
+    assert len(ev.samples) == 2 and ev.dump_path == str(tmp_path / "gen.jsonl")
+    no_eval = TaskSpec(rollout, DataConfig(train_path=data), RewardConfig(), tok, 256)
+    assert build_eval(EvalSpec(no_eval), c.reward) is None  # data.eval_path empty: no evaluation
+
+
+def test_rollout_specs_from_config_read_their_sections(tmp_path):
+    from megarl.rollout.manager import ManagerSpec
+    from megarl.rollout.setup import ControllerSpec, EvalSpec, TaskSpec
+
+    cfg = _cfg("model.hf_path=/m", "data.tokenizer_path=/tok", "train.max_seq_len=300", "train.run_dir=/run",
+               "train.global_batch_size=8", "rollout.group_size=2", "train.trigger_parameter_sync_step=3",
+               "train.seed=9", "weights.timeout_s=77", "algo.dynamic_sampling=true", "logging.timeline=true",
+               "logging.dump_eval_generations=true", "weights.disk_dir=/d")
+    task = TaskSpec.from_config(cfg)
+    assert task == TaskSpec(cfg.rollout, cfg.data, cfg.reward, "/tok", 300)
+    assert TaskSpec.from_config(_cfg("model.hf_path=/m")).tokenizer_path == "/m"  # the model's tokenizer
+    c = ControllerSpec.from_config(cfg)
+    # the staleness clock ticks once per push: 4 groups a step x 3 steps a push
+    assert (c.batch_groups, c.seed, c.dynamic_sampling, c.hold_timeout_s) == (12, 9, True, 77.0)
+    assert (c.failed_log, c.routes, c.task) == ("/run/failed_prompts.jsonl", None, task)
+    assert EvalSpec.from_config(cfg) == EvalSpec(task, "/run/eval_generations.jsonl")
+    assert EvalSpec.from_config(_cfg("model.hf_path=/m")).dump_path is None
+    m = ManagerSpec.from_config(cfg)
+    assert (m.model_path, m.run_dir, m.timeline, m.server_flags, m.weights.disk_dir) == ("/m", "/run", True, (), "/d")
+    assert m.controller == c and m.eval == EvalSpec.from_config(cfg) and m.rollout is cfg.rollout
+
+
+def test_manager_built_from_its_spec_without_a_config(tmp_path):
+    """The manager on external servers: its cluster takes the key, deadline and pause mode of its
+    sections, the staleness clock continues from the trainer's version, the controller is its spec's."""
+    from megarl.config import DataConfig, RewardConfig, RolloutConfig
+    from megarl.rollout.channel import Init
+    from megarl.rollout.manager import ManagerSpec, RolloutManager
+    from megarl.rollout.setup import ControllerSpec, EvalSpec, TaskSpec
+
+    tok, data = _task_files(tmp_path)
+    rollout = RolloutConfig(servers=["127.0.0.1:9"], api_key="k", group_size=2)
+    weights = WeightSyncConfig(timeout_s=13.0, pause_mode="retract")
+    task = TaskSpec(rollout, DataConfig(train_path=data), RewardConfig(), tok, 128)
+    spec = ManagerSpec(rollout, weights, "/unused-model", str(tmp_path / "run"),
+                       ControllerSpec(task, batch_groups=2, seed=0), EvalSpec(task))
+    m = RolloutManager(spec)
+    try:
+        assert m.init(Init(dp=2, version=5)) == ["http://127.0.0.1:9"]
+        assert m.local is None  # rollout.servers given: no local server processes
+        cl = m.cluster
+        assert (cl.version, cl.api_key, cl.timeout_s, cl.pause_mode, m.dp) == (5, "k", 13.0, "retract", 2)
+        assert m.controller.staleness.batch_size == 2 and len(m.controller.dataset) == 3
+    finally:
+        m.close()
+
+
+def test_eval_report_crosses_the_channel_as_its_own_reply():
+    from megarl.rollout.channel import DIRECT_REPLIES, EvalReport, decode, encode
+
+    frame = b"".join(encode(EvalReport(metrics={"eval/accuracy": 0.5}, running=2)))
+    back = decode(frame[4:], [])
+    assert isinstance(back, EvalReport) and back in [EvalReport({"eval/accuracy": 0.5}, 2)]
+    assert EvalReport in DIRECT_REPLIES

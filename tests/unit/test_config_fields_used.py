@@ -15,6 +15,7 @@ field as read only through a qualified read of its own section:
                                          annotated with it, a call `Holder(...)` /
                                          `Holder.from_config(...)`, or `self.x` set from one
                                          (looked up in the method's class and its bases)
+    spec.task.rollout.seed               a holder of holders (a field annotated with a holder)
 
 Job scripts in launch/ count where they name `section.field` in full (`--get`). So
 `model.temperature` on some other object, or `.dtype` of a tensor, reads nothing. A scratch
@@ -107,6 +108,7 @@ class Reads:
         self.bases: dict[str, list[str]] = {}
         self.owner: dict[int, str] = {}  # id(def) -> the class whose method (or closure) it is
         self.class_attrs: dict[tuple[str, str], str] = {}  # (class, attr) -> kind of self.attr
+        fields: dict[str, dict[str, str]] = {}  # class -> {field: annotation's class name}
         for tree in trees:
             for node in ast.walk(tree):
                 if isinstance(node, ast.ClassDef):
@@ -116,11 +118,21 @@ class Reads:
                             and _ann(i.annotation) in types}
                     if held:
                         self.holders[node.name] = held
+                    fields[node.name] = {i.target.id: _ann(i.annotation) for i in node.body
+                                         if isinstance(i, ast.AnnAssign) and isinstance(i.target, ast.Name)}
                     for item in node.body:
                         if isinstance(item, defs):
                             for sub in ast.walk(item):
                                 if isinstance(sub, defs):
                                     self.owner[id(sub)] = node.name
+        # holders of holders (`spec.task.rollout`: a field annotated with a holder class), to a fixed point
+        while True:
+            nested = {(c, f): f"holder:{a}" for c, fs in fields.items() for f, a in fs.items()
+                      if a in self.holders and f not in self.holders.get(c, {})}
+            if not nested:
+                break
+            for (c, f), kind in nested.items():
+                self.holders.setdefault(c, {})[f] = kind
 
     def annotated(self, ann) -> Optional[str]:
         """The kind a name annotated ``ann`` holds: a section, a holder, or None."""
@@ -329,11 +341,22 @@ def test_holders_and_annotations_are_resolved():
 
         def build(cfg):
             return PartSpec.from_config(cfg).model.hf_path
+
+        @dataclass(frozen=True)
+        class OuterSpec:
+            part: "PartSpec"
+            rollout: Optional[RolloutConfig] = None
+
+        def outer(spec: OuterSpec, loose):
+            w = spec.part.weights
+            return w.keep_versions, spec.rollout.top_p, loose.part.weights.pause_mode
     """)
     unread = set(unread_fields(trees=[ast.parse(src)]))
-    for name in ("model.seed", "weights.bucket_mb", "moe.aux_loss_coeff", "model.hf_path"):
+    for name in ("model.seed", "weights.bucket_mb", "moe.aux_loss_coeff", "model.hf_path",
+                 "weights.keep_versions", "rollout.top_p"):  # the last two: a holder of holders
         assert name not in unread, name
-    for name in ("model.dtype", "weights.dtype"):  # Other's self.spec is not a holder
+    # Other's self.spec is not a holder, nor is an unannotated parameter
+    for name in ("model.dtype", "weights.dtype", "weights.pause_mode"):
         assert name in unread, name
 
 

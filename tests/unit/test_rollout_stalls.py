@@ -226,7 +226,7 @@ def test_push_tail_does_not_publish_a_version_whose_load_is_still_running():
     the version is not flipped (end_push(None): resume only) and the push's tail fails, naming it."""
     from megarl.rollout.manager import RolloutManager
 
-    m = RolloutManager(cfg=None)
+    m = RolloutManager(spec=None)
     m.cluster = _Cluster()
     m._inflight = 1  # an /update_weights_from_* call that never returned
     t0 = time.monotonic()
