@@ -15,7 +15,7 @@ setup(
         "pyyaml",
         "sentencepiece",
         "safetensors",
-        "psutil",  # megatron-core's async checkpoint writer needs it
+        "psutil",  # the trainer forwards stop signals to torchrun's workers (megarl.parallel)
         "aiohttp>=3.9",  # rollout client and the CPU rollout server
     ],
     extras_require={

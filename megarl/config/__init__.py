@@ -5,7 +5,8 @@
 Every field has a type and a docstring (the string literal under it). Loading fails at once,
 with a one-line :class:`ConfigError` naming the field, on an unknown key, a value of the wrong
 type, a value out of its range or a combination of fields that cannot work. Loading reads the
-recipe and nothing else: checks against the model's files (TP not dividing the heads, PP above the
+recipe (and, for output paths, whether a directory above one holds another run's config.yaml),
+nothing of the model: checks against the model's files (TP not dividing the heads, PP above the
 layer count, ...) are `megarl.models.checks.check_against_model`, run by `megarl.preflight`. The
 resolved config is written into the run directory by :func:`save_config`.
 

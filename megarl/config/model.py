@@ -128,7 +128,9 @@ class CriticConfig:
     """Critic backbone (HF directory) for algo.advantage=gae; empty = model.hf_path. Its LM head is
     replaced by a fresh scalar value head."""
     lr: Optional[float] = bounded(None, gt=0)
-    """Critic peak learning rate; null = optim.lr (other optimizer settings from optim)."""
+    """Critic peak learning rate; null = optim.lr. Other optimizer settings come from optim, with
+    optim.min_lr capped at this lr (a floor above the peak would make the schedule rise) and
+    optim.freeze not applied (it names the policy's tensors)."""
     value_clip: Optional[float] = bounded(0.2, gt=0)
     """Value clip c: the loss also scores V_old + clip(V - V_old, -c, c); null = off."""
     warmup_steps: int = bounded(0, ge=0)

@@ -26,6 +26,8 @@ class AdminClient(HttpClient):
     def __init__(self, addresses: list[str], api_key: Optional[str] = None, *,
                  timeout: float = 60.0, weight_timeout: float = 600.0, connect_timeout: float = 5.0):
         super().__init__(addresses, api_key, connect_timeout)
+        # weight loads get their own, longer deadline (weights.timeout_s): a large model's load
+        # takes minutes where a pause or a version flip takes milliseconds
         self.timeout, self.weight_timeout = timeout, weight_timeout
 
     async def _admin(self, path: str, body: Any = None, *, method: str = "POST",
@@ -122,6 +124,7 @@ class AdminClient(HttpClient):
         """{address: {name: sha256 hex}} of the named tensors as each server holds them, in the
         pushed dtypes (megarl-server's /weights_checksum; real SGLang answers 404)."""
         body = WeightsChecksumRequest(list(names), list(dtypes)).to_json()
+        # weight_timeout: the servers hash every tensor they hold, which takes as long as a load reads them
         replies = await self._admin("/weights_checksum", body, timeout=self.weight_timeout)
         return {addr: r.get("checksums", {}) for addr, r in replies.items()}
 
@@ -166,6 +169,7 @@ class AdminRunner:
 
     def submit(self, fn: Callable[[AdminClient], Awaitable]) -> concurrent.futures.Future:
         """Starts ``fn(client)`` and returns at once (for calls that overlap a broadcast)."""
+        # the announce must be in flight while this thread broadcasts: the server receives only inside it
         return asyncio.run_coroutine_threadsafe(fn(self.client), self._loop)
 
     @property

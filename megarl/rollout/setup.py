@@ -80,18 +80,20 @@ class EvalSpec:
 
     @classmethod
     def from_config(cls, cfg) -> "EvalSpec":
-        dump = os.path.join(cfg.train.run_dir, "eval_generations.jsonl") if cfg.logging.dump_eval_generations else None
-        return cls(TaskSpec.from_config(cfg), dump)
+        dump = cfg.logging.dump_eval_generations and os.path.join(cfg.train.run_dir, "eval_generations.jsonl")
+        return cls(TaskSpec.from_config(cfg), dump or None)
 
 
 def task_parts(task: TaskSpec, with_reward: bool = True):
     """(tokenizer, chat template, reward caller, sampling params) shared by training rollouts
     and evaluation: the same reward function and dataset fields for both."""
     r = task.rollout
-    tok, template = load_tokenizer(task.tokenizer_path), load_chat_template(task.data.chat_template, task.tokenizer_path)
+    tok = load_tokenizer(task.tokenizer_path)
+    template = load_chat_template(task.data.chat_template, task.tokenizer_path)
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               stop_token_ids=None if r.ignore_eos else [tok.eos_id],  # a stop id stops even with ignore_eos
                               ignore_eos=r.ignore_eos)
+    # evaluation passes training's caller instead: one set of reward threads / worker processes
     reward = RewardCaller.from_config(r.reward_fn, task.reward) if with_reward else None
     return tok, template, reward, sampling
 
@@ -107,6 +109,7 @@ def make_workflow(task: TaskSpec, tok, template, reward: Optional[RewardCaller],
     """``rollout.workflow`` built with ``rollout.workflow_args``. Evaluation builds it with its own
     group size and sampling (a ``group_size`` in workflow_args is training's, so it is left out)."""
     r = task.rollout
+    # evaluation's group size is its own (1 greedy, eval_k sampled), whatever training's args say
     args = {k: v for k, v in r.workflow_args.items() if not (for_eval and k == "group_size")}
     ctx = WorkflowContext(tok, reward, sampling, group_size, template, task.max_seq_len)
     return load_workflow(r.workflow, ctx, args)
@@ -132,6 +135,7 @@ def build_controller(spec: ControllerSpec, cluster, timeline=None) -> RolloutCon
     r = spec.task.rollout
     tok, template, reward, sampling = task_parts(spec.task)
     workflow = make_workflow(spec.task, tok, template, reward, sampling, r.group_size)
+    # built after the workflow: a tool-calling workflow's schemas go into every rendered prompt
     dataset = prompt_dataset(spec.task.data, spec.task.data.train_path, tok, template,
                              getattr(workflow, "tool_schemas", None))
     return RolloutController(
@@ -142,6 +146,7 @@ def build_controller(spec: ControllerSpec, cluster, timeline=None) -> RolloutCon
         failed_log=spec.failed_log, timeline=timeline,
         sampling_seed=r.seed, max_consecutive_failures=r.max_consecutive_failures,
         hold_timeout_s=spec.hold_timeout_s,
+        # with routing replay every /generate asks for the routes of each token (R3)
         client_kwargs={"routed_experts": spec.routes} if spec.routes is not None else None)
 
 

@@ -23,42 +23,17 @@ log = logging.getLogger("megarl.server")
 
 
 def load_tokenizer_or_none(model_dir: str):
-    """The model dir's tokenizer (megarl.data.tokenizer, else raw sentencepiece), or None."""
+    """The model dir's tokenizer (`megarl.data.tokenizer`: HF tokenizer.json or sentencepiece), or
+    None when it has none (the server then takes and returns token ids only)."""
+    from megarl.data.tokenizer import load_tokenizer
+
     try:
-        from megarl.data.tokenizer import load_tokenizer
-    except ImportError:
-        load_tokenizer = None
-    if load_tokenizer is not None:
-        try:
-            return load_tokenizer(model_dir)
-        except FileNotFoundError:
-            return None
-        except Exception as e:  # noqa: BLE001 - a corrupt tokenizer file (sentencepiece: RuntimeError)
-            raise ValueError(f"{model_dir}: cannot load the tokenizer "
-                             f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
-    path = os.path.join(model_dir, "tokenizer.model")
-    if not os.path.exists(path):
+        return load_tokenizer(model_dir)
+    except FileNotFoundError:
         return None
-    return _SentencePiece(path)
-
-
-class _SentencePiece:
-    """Fallback tokenizer when megarl.data is unavailable."""
-
-    def __init__(self, path: str):
-        import sentencepiece as spm
-
-        self.sp = spm.SentencePieceProcessor(model_file=path)
-        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
-        self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
-        self.vocab_size = self.sp.get_piece_size()
-
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = list(self.sp.encode(text))
-        return [self.bos_id] + ids if add_bos and self.bos_id is not None else ids
-
-    def decode(self, ids) -> str:
-        return self.sp.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
+    except Exception as e:  # noqa: BLE001 - a corrupt tokenizer file (sentencepiece: RuntimeError)
+        raise ValueError(f"{model_dir}: cannot load the tokenizer "
+                         f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
 
 
 def check_device(device: str) -> str:

@@ -20,7 +20,7 @@ def frozen_rows(patterns: list[str], args: ModelArgs) -> frozenset[str]:
     """Megatron row names (``{L}`` filled in) that ``patterns`` freeze; pure."""
     if not patterns:
         return frozenset()
-    hits = {p: 0 for p in patterns}
+    hits = {p: 0 for p in patterns}  # per pattern, so one that matches nothing is named
     frozen, rows = set(), 0
     for layer, pmap in param_table(args):
         mcore, hf = pmap.names(layer)
@@ -28,6 +28,7 @@ def frozen_rows(patterns: list[str], args: ModelArgs) -> frozenset[str]:
         matched = [h for h in hf if any(fnmatchcase(h, p) for p in patterns)]
         for p in patterns:
             hits[p] += sum(fnmatchcase(h, p) for h in hf)
+        # a fused row is one tensor in Megatron: it cannot be half frozen
         if matched and len(matched) < len(hf):
             raise ConfigError(f"optim.freeze: {matched[0]!r} is fused with "
                               f"{', '.join(repr(h) for h in hf if h not in matched)} in one Megatron "
@@ -54,6 +55,7 @@ def apply_freeze(chunks, args: ModelArgs, patterns: list[str], use_te: bool) -> 
     n = 0
     for lp in local_params(chunks, args, use_te):
         if lp.pmap.names(lp.layer)[0] in rows:
+            # before DDP and the optimizer exist: neither allocates a gradient or Adam state for it
             lp.param.requires_grad_(False)
             n += 1
     return n

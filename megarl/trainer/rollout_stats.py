@@ -22,6 +22,7 @@ from megarl.rollout.types import Trajectory
 
 def batch_metrics(trajs: list[Trajectory], version: int) -> dict:
     """Reward, lengths, staleness (mean/max/histogram) and partial-rollout shape of one batch."""
+    # the oldest token decides: a partial rollout is as stale as the first version that wrote it
     stale = [version - t.min_version for t in trajs]
     spans = [t.version_span for t in trajs]
     out = {"reward": statistics.fmean(t.reward for t in trajs),
@@ -69,8 +70,10 @@ class StepTimer:
         out["trainer_idle_ratio"] = self.phases.get("wait", 0.0) / wall
         self.stale_total += int(batch.get("stale_samples", 0))
         out["stale_samples_total"] = self.stale_total
+        # over the update phase alone: waiting for rollouts is not the trainer's speed
         out["throughput/train_tokens_per_s"] = trained_tokens / max(self.phases.get("update", wall), 1e-9)
         if busy_s is not None:  # rank 0 only: the rollout client lives there
+            # busy_s is cumulative (the client's clock since start): the step's share is the difference
             if self.busy0 is not None:
                 out["rollout_idle_ratio"] = max(0.0, 1.0 - (busy_s - self.busy0) / wall)
             self.busy0 = busy_s

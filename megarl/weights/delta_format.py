@@ -38,7 +38,7 @@ def encode(tensors, base: Optional[dict], out, xor: bool = True) -> tuple[dict, 
     is a ``same`` record (no payload); a changed one is ``xor`` (``xor`` True) or ``raw``."""
     entries, new = {}, {}
     for name, t in tensors:
-        b = _bytes(t).copy()
+        b = _bytes(t).copy()  # a copy: the base must not follow the parameter as training updates it
         prev = None if base is None else base.get(name)
         if prev is not None and prev.shape == b.shape and np.array_equal(b, prev):
             payload, codec = b"", "same"
@@ -46,9 +46,10 @@ def encode(tensors, base: Optional[dict], out, xor: bool = True) -> tuple[dict, 
             payload, codec = zlib.compress(np.bitwise_xor(b, prev).tobytes(), LEVEL), "xor"
         else:
             payload, codec = b.tobytes(), "raw"
-        offset = out.tell()
+        offset = out.tell()  # records are appended back to back; the manifest says where each starts
         out.write(payload)
         entries[name] = [os.path.basename(out.name), offset, len(payload), codec,
+                         # the CRC is of the reconstructed bytes, not the payload: it checks the base too
                          str(t.dtype).removeprefix("torch."), list(t.shape), zlib.crc32(b)]
         new[name] = b
     return entries, new
@@ -65,7 +66,7 @@ def decode(path: str, current: dict[str, torch.Tensor], version: Optional[str]) 
     out, files = {}, {}
     try:
         for name, (fname, offset, length, codec, dtype, shape, crc) in man["tensors"].items():
-            if fname not in files:
+            if fname not in files:  # basename only: a manifest cannot point outside its directory
                 files[fname] = open(os.path.join(path, os.path.basename(fname)), "rb")
             fh = files[fname]
             fh.seek(offset)
@@ -92,6 +93,7 @@ def decode(path: str, current: dict[str, torch.Tensor], version: Optional[str]) 
                     b = np.bitwise_xor(x, base)
             if zlib.crc32(b) != crc:
                 raise ValueError(f"{name}: checksum mismatch after reconstruction")
+            # a copy: frombuffer memory is read-only, and `base` may view the live parameter
             out[name] = torch.from_numpy(b.copy()).view(dt).reshape(shape)
     finally:
         for fh in files.values():

@@ -33,9 +33,10 @@ class PushSpec:
 
     @property
     def streams_buckets(self) -> bool:
-        """Buckets go over the wire (a `Transport` whose ``streams_buckets`` is true); the disk
-        transport writes whole checkpoints through the engine's export instead."""
-        return self.weights.transport != "disk"
+        """Buckets go over the wire (the transport's own ``streams_buckets``, known before it is
+        built): not the disk transport, which writes whole checkpoints through the engine's export,
+        nor shard refit, where each TP rank sends its own slices without buckets."""
+        return self.weights.transport != "disk" and self.weights.refit != "shard"
 
 
 @dataclass
@@ -90,8 +91,8 @@ class WeightPusher:
         # weights.delta: only a trainable engine's frozen rows are known not to change (a
         # forward-only engine has no optimizer to tell: its weights may be set by hand); not the
         # disk transport, which writes whole checkpoints
-        self.delta = w.delta and getattr(engine, "optimizer", None) is not None and spec.streams_buckets \
-            and w.refit != "shard"  # shard refit sends every tensor
+        # (shard refit sends every tensor: it has no buckets to leave out)
+        self.delta = w.delta and getattr(engine, "optimizer", None) is not None and spec.streams_buckets
         self._frozen_sent: frozenset = frozenset()  # rows frozen at the last push that reached every server
         self.digest_s, self._recording = 0.0, False
         self._connect()

@@ -52,7 +52,9 @@ def describe(lp, args, tp: int, dtype: torch.dtype) -> tuple[list, torch.Tensor]
 
 
 class ShardRefitTransport:
-    """Built on every trainer rank; only DP rank 0's TP group takes part (others idle)."""
+    """Built on every trainer rank; only DP rank 0's TP group takes part (others idle). Not a
+    `Transport`: there are no buckets to `send`; `WeightPusher` calls `setup()` once per server
+    set and `push(version)` once per push (``weights.refit: shard``; group ranks: module docstring)."""
 
     streams_buckets = False  # no buckets: push() sends each rank's own slices (WeightPusher.refit)
 
@@ -74,10 +76,12 @@ class ShardRefitTransport:
             return
         box = [None]
         if ps.tp_rank == 0:
+            # each server's TP size decides how many ranks it adds to the group and how slices are cut
             infos = self.admin.call(lambda c: c.get_server_info(), self.timeout_s)
             self.server_tp = [int(infos[a].get("tp_size", 1)) for a in self.admin.addresses]
             addr = advertised_address(self.addr, url_host(self.admin.addresses[0]))
             box = [(addr, free_port(addr), self.server_tp)]
+        # every TP rank joins the same rendezvous, so TP rank 0's choice of address and port is shared
         dist.broadcast_object_list(box, group_src=0, group=ps.tp_group)
         addr, port, self.server_tp = box[0]
         world = ps.tp + sum(self.server_tp)
@@ -88,6 +92,7 @@ class ShardRefitTransport:
                     "group_name": self.group_name, "backend": self.backend, "server_tp_ranks": True,
                     "timeout": self.timeout_s}
             bodies = {a: {**body, "rank_offset": o} for a, o in zip(self.admin.addresses, offsets)}
+            # submitted, not awaited: the servers' ranks block in the rendezvous until ours join below
             joined = self.admin.submit(lambda c: c.shard_refit_call("/init_weights_update_group", bodies))
         try:
             self.group = new_process_group(addr, port, ps.tp_rank, world, self.group_name, self.backend,
@@ -113,12 +118,12 @@ class ShardRefitTransport:
             if lp.pmap.expert is not None:
                 raise PushError("weights.refit=shard: MoE experts are not supported; use weights.refit=gather")
             if e.args.tie_word_embeddings and lp.local_name == "output_layer.weight":
-                continue
+                continue  # tied: the server's lm_head is its embedding, sent once
             unit, shard = describe(lp, e.args, ps.tp, self.dtype)
             units.append(unit)
             shards.append(shard)
         announced = None
-        if ps.tp_rank == 0:
+        if ps.tp_rank == 0:  # one announce for the whole model: every unit, how it is split, who sends
             body = {"names": [u[0] for u in units], "dtypes": [u[5] for u in units],
                     "shapes": [[] for _ in units], "group_name": self.group_name,
                     "load_format": "shard_refit", "refit_units": units, "refit_src_tp": ps.tp,
@@ -130,6 +135,8 @@ class ShardRefitTransport:
         works, pieces, base = [], [], ps.tp
         try:
             for s in self.server_tp:
+                # tags count every slice of the plan in the same order on both sides (the server
+                # walks the same `unit_slices`), so a receive matches its send without metadata
                 tag = 0
                 for unit, shard in zip(units, shards):
                     _, kind, dim, length, padded, _ = unit
@@ -139,7 +146,7 @@ class ShardRefitTransport:
                             continue
                         piece = shard.narrow(dim, sl.src_row, sl.rows).contiguous()
                         self.bytes += piece.numel() * piece.element_size()
-                        piece = piece.cpu() if self.backend == "gloo" else piece
+                        piece = piece.cpu() if self.backend == "gloo" else piece  # gloo moves host memory only
                         pieces.append(piece)  # alive until its send completes
                         works.append(dist.isend(piece, dst=base + sl.dst_rank, group=self.group, tag=tag))
                 base += s

@@ -15,6 +15,8 @@ from megarl.trainer.critic import CriticSpec
 from megarl.trainer.engine import EngineSpec
 from megarl.trainer.rollout_link import ManagerCluster
 from megarl.weights.push import PushSpec
+from megarl.weights.disk_delta import DiskDeltaTransport
+from megarl.weights.shard_push import ShardRefitTransport
 from megarl.weights.transports import DiskTransport, DistributedTransport, TensorTransport, Transport
 
 
@@ -58,12 +60,14 @@ def test_push_spec():
         dataclasses.replace(WeightSyncConfig(), bucket_mb=9), "/r")
 
 
-@pytest.mark.parametrize("transport,cls", [("distributed", DistributedTransport), ("tensor", TensorTransport),
-                                           ("disk", DiskTransport)])
-def test_push_spec_knows_whether_its_transport_streams(transport, cls):
+@pytest.mark.parametrize("fields,cls", [
+    ({"transport": "distributed"}, DistributedTransport), ({"transport": "tensor"}, TensorTransport),
+    ({"transport": "disk"}, DiskTransport), ({"transport": "disk", "disk_delta": "xor"}, DiskDeltaTransport),
+    ({"transport": "distributed", "refit": "shard"}, ShardRefitTransport)])
+def test_push_spec_knows_whether_its_transport_streams(fields, cls):
     """The pusher decides delta pushes and stage sources' own admin links before it builds the
-    transport: the spec's answer is the transport class's."""
-    assert PushSpec(WeightSyncConfig(transport=transport), "/r").streams_buckets is cls.streams_buckets
+    transport: the spec's answer is the class's the pusher then builds (`WeightPusher._connect`)."""
+    assert PushSpec(WeightSyncConfig(**fields), "/r").streams_buckets is cls.streams_buckets
 
 
 def _members(proto) -> set[str]:
@@ -72,7 +76,7 @@ def _members(proto) -> set[str]:
 
 
 @pytest.mark.parametrize("cls,streams", [(DistributedTransport, True), (TensorTransport, True),
-                                         (DiskTransport, False)])
+                                         (DiskTransport, False), (DiskDeltaTransport, False)])
 def test_transports_declare_the_protocol(cls, streams):
     assert _members(Transport) == {"setup", "send", "finish", "close", "streams_buckets"}
     assert all(callable(getattr(cls, m)) for m in _members(Transport) - {"streams_buckets"})
