@@ -92,7 +92,7 @@ def train_step(actor: Actor, critic: Optional[Critic], batch: TensorBatch, versi
     metrics = {}
     if critic is not None:
         metrics.update({f"critic/{k}": v for k, v in critic.update(batch).items()})
-        if critic.updates <= actor.cfg.critic.warmup_steps:  # this update was a warm-up one
+        if critic.updates <= critic.spec.critic.warmup_steps:  # this update was a warm-up one
             metrics["critic/warmup"] = 1.0
             return metrics
     metrics.update(actor.ppo_update(batch, version=version))
