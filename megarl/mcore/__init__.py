@@ -13,7 +13,9 @@ megarl needs:
     optimizer.py   step_unless_nonfinite: Megatron's optimizer step from its parts, skipping a
                    non-finite gradient norm
     routing_replay.py  RoutingReplay: MoE routers take the rollout engine's expert ids and weights
-    moe.py         the router-loss tracker (load-balancing and z-loss values per layer)
+    moe.py         the router losses: per-step coefficients on the config, the per-layer tracker
+    model.py       global_layer_index / local_expert_indices: a parameter's layer and experts in the
+                   whole model (the HF weight table is keyed by them)
     heads.py       replace_output_layer: another module (the critic's value head) in place of
                    GPTModel's LM head
     checkpoint.py  the torch_dist save strategy, sharded state dicts, loads with one-line errors,

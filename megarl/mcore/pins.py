@@ -16,8 +16,11 @@ Kinds of entry:
 * ``attr``: a name that must exist (an enum, a class attribute, a property, a module global).
 * ``self``: an attribute a class sets on its instances in ``__init__`` (``self.x = ...``), so only
   the class source shows it still exists.
-* ``source``: a module global read by megatron-core that may be absent at run time (defined only
-  when Transformer Engine imports); the module source must still mention it.
+* ``source``: text megatron-core's source must still contain. Without ``text``: a module global
+  read by megatron-core that may be absent at run time (defined only when Transformer Engine
+  imports); the module source must still mention it. With ``text``: a line of behaviour megarl
+  relies on that no name shows (the router reading a config coefficient at each forward, the keys
+  of a dict it fills); the source of the function or class ``qualname`` must contain ``text``.
 """
 from __future__ import annotations
 
@@ -47,6 +50,12 @@ class Pin:
     user: str  # the megarl/mcore/ module that uses it
     why: str
     signature: Optional[str] = None  # kind "call": the recorded call signature
+    text: Optional[str] = None  # kind "source": what the source of ``qualname`` must contain
+
+    @property
+    def key(self) -> tuple[str, Optional[str]]:
+        """What identifies the row (several ``source`` rows may check one object's source)."""
+        return (self.path, self.text)
 
     @property
     def module(self) -> str:
@@ -166,18 +175,23 @@ CHECKPOINT_PINS = (
 )
 
 _ROUTER = "megatron.core.transformer.moe.router"
+_GPT = "megatron.core.models.gpt.gpt_model"
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 _TCONF = "megatron.core.transformer.transformer_config"
 
-# routing_replay.py keeps its own behaviour checks (routing_replay.pin_problems, which also reads
-# the source lines it relies on); the names are listed here with the rest.
 ROUTING_REPLAY_PINS = (
     Pin(f"{_ROUTER}:TopKRouter.routing", "call", "routing_replay.py",
         "wrapped per router instance: the replayed ids and weights replace its top-k",
         "(self, logits, padding_mask=None)"),
+    Pin(f"{_ROUTER}:TopKRouter.forward", "source", "routing_replay.py",
+        "the forward goes through the instance's routing, so the per-instance wrapper is what runs",
+        text="self.routing(logits, padding_mask=padding_mask)"),
     Pin(f"{_ROUTER}:TopKRouter.set_layer_number", "call", "routing_replay.py",
         "sets the global (stage-offset) layer number that indexes a route's layer axis",
         "(self, layer_number)"),
+    Pin(f"{_ROUTER}:Router.set_layer_number", "source", "routing_replay.py",
+        "the router keeps that number as given (1-based, global): route layer = layer_number - 1",
+        text="self.layer_number = layer_number"),
     Pin(f"{_ROUTER}:TopKRouter.topk", "self", "routing_replay.py", "k of the replayed ids"),
     Pin(f"{_ROUTER}:TopKRouter.score_function", "self", "routing_replay.py",
         "softmax or sigmoid: the trainer's probabilities at the replayed ids"),
@@ -186,6 +200,9 @@ ROUTING_REPLAY_PINS = (
         "megatron-core's score math, called with a router_replay hook that returns the rollout's ids",
         "(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None, scaling_factor=None, "
         "score_function='softmax', expert_bias=None, fused=False, router_replay=None)"),
+    Pin(f"{_MOE_UTILS}:topk_routing_with_score_function", "source", "routing_replay.py",
+        "the hook is asked for the top-k: get_replay_topk(scores, topk, num_groups, group_topk, "
+        "default_compute_topk) returns (scores at the ids, ids)", text="router_replay.get_replay_topk("),
     Pin(f"{_TCONF}:TransformerConfig.moe_router_pre_softmax", "attr", "routing_replay.py",
         "softmax before or after the top-k"),
     Pin(f"{_TCONF}:TransformerConfig.moe_router_num_groups", "attr", "routing_replay.py", "group-limited routing"),
@@ -199,9 +216,38 @@ MOE_LOSS_PINS = (
         "zeroes the per-layer router-loss values before a step", "()"),
     Pin(f"{_MOE_UTILS}:get_moe_layer_wise_logging_tracker", "call", "moe.py",
         "the per-layer load-balancing / z-loss values the routers saved in the step's forwards", "()"),
+    Pin(f"{_MOE_UTILS}:save_to_aux_losses_tracker", "source", "moe.py",
+        "a tracker entry's per-layer values are under 'values'", text='tracker[name]["values"]'),
+    Pin(f"{_MOE_UTILS}:save_to_aux_losses_tracker", "source", "moe.py",
+        "and the group the router split the loss over (TP x CP) under 'reduce_group'",
+        text='tracker[name]["reduce_group"] = reduce_group'),
+    Pin(f"{_TCONF}:TransformerConfig.moe_aux_loss_coeff", "attr", "moe.py",
+        "set on the model's config before each step (the step's token-weighted coefficient)"),
+    Pin(f"{_TCONF}:TransformerConfig.moe_z_loss_coeff", "attr", "moe.py",
+        "set likewise; None switches the z-loss off"),
+    Pin(f"{_ROUTER}:TopKRouter._apply_aux_loss", "source", "moe.py",
+        "the load-balancing coefficient is looked up at each forward, so a per-step value applies",
+        text='self.get_aux_loss_coeff("aux_loss")'),
+    Pin(f"{_ROUTER}:TopKRouter.get_aux_loss_coeff", "source", "moe.py",
+        "and read from the config (not copied at construction)", text="return self.config.moe_aux_loss_coeff"),
+    Pin(f"{_ROUTER}:TopKRouter.apply_z_loss", "source", "moe.py",
+        "the z-loss reads the config at each forward and is skipped when its coefficient is None",
+        text="if self.config.moe_z_loss_coeff is not None"),
 )
 
-_GPT = "megatron.core.models.gpt.gpt_model"
+_TLAYER = "megatron.core.transformer.transformer_layer"
+
+MODEL_PINS = (
+    Pin(f"{_GPT}:GPTModel.decoder", "self", "model.py", "the TransformerBlock holding this stage's layers"),
+    Pin("megatron.core.transformer.transformer_block:TransformerBlock.layers", "self", "model.py",
+        "this stage's layers, in the order their parameters are named (decoder.layers.<local i>)"),
+    Pin(f"{_TLAYER}:TransformerLayer.layer_number", "self", "model.py",
+        "1-based global layer number (with the pipeline stage's offset): names a parameter's layer in "
+        "the HF table"),
+    Pin(f"{_TLAYER}:TransformerLayer.mlp", "self", "model.py", "the layer's MLP or MoE layer"),
+    Pin("megatron.core.transformer.moe.moe_layer:BaseMoELayer.local_expert_indices", "self", "model.py",
+        "global indices of this EP rank's experts: names an expert's parameters in the HF table"),
+)
 
 HEAD_PINS = (
     Pin(f"{_GPT}:GPTModel.output_layer", "self", "heads.py", "replaced by the critic's value head"),
@@ -221,7 +267,7 @@ HEAD_PINS = (
 )
 
 PINS = (CPU_PINS + ATTENTION_PINS + OPTIMIZER_PINS + CHECKPOINT_PINS + ROUTING_REPLAY_PINS + MOE_LOSS_PINS
-        + HEAD_PINS)
+        + MODEL_PINS + HEAD_PINS)
 
 
 def call_signature(obj) -> str:
@@ -255,6 +301,9 @@ def pin_problem(pin: Pin) -> Optional[str]:
             cls, attr = pin.qualname.rsplit(".", 1)
             source = inspect.getsource(_resolve(pin.module, cls))
             return None if f"self.{attr}" in source else f"{pin.path}: gone (no longer sets self.{attr})"
+        if pin.kind == "source" and pin.text is not None:
+            source = inspect.getsource(_resolve(pin.module, pin.qualname))
+            return None if pin.text in source else f"{pin.path}: no longer contains {pin.text!r}"
         if pin.kind == "source":
             source = inspect.getsource(importlib.import_module(pin.module))
             return None if pin.qualname in source else f"{pin.path}: gone (no longer mentioned)"
@@ -283,8 +332,9 @@ def pin_problems(pins=None) -> list[str]:
 
 
 def markdown_table() -> str:
-    """The table as docs/architecture.md shows it (tests/unit/test_docs.py keeps the two equal)."""
+    """The table as docs/architecture.md shows it (tests/unit/test_mcore_guard.py keeps the two equal)."""
     rows = ["| megatron-core name | kind | used in megarl/mcore/ | why |", "|---|---|---|---|"]
     for pin in PINS:
-        rows.append(f"| `{pin.path}` | {pin.kind} | {pin.user} | {pin.why} |")
+        name = f"`{pin.path}`" + (f" contains `{pin.text}`" if pin.text is not None else "")
+        rows.append(f"| {name} | {pin.kind} | {pin.user} | {pin.why} |")
     return "\n".join(rows)

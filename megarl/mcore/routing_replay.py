@@ -32,8 +32,9 @@ adds the stage offset), which indexes the route's layer axis. With sequence para
 router sees its TP rank's slice of the sequence. The router's own routing still runs first
 (aux / z-loss terms stay attached to the graph with a zero-valued term).
 
-Pinned to megatron-core 0.16.1 like megarl/checkpoint/mcore.py. The internal names used, checked by
-`pin_problems` (tests/dist/test_routing_replay_pins.py fails by name when one changes):
+Written against megatron-core ``megarl.mcore.pins.SUPPORTED_MCORE_VERSION``. The internal names and
+source lines used are rows of ``pins.ROUTING_REPLAY_PINS`` (tests/dist/test_mcore_pins.py fails by
+name when one changes):
 
 - ``transformer.moe.router.TopKRouter``: found in the model; its ``routing(logits, padding_mask)``
   is wrapped per instance (``forward`` calls ``self.routing(logits, padding_mask=...)``); its
@@ -47,63 +48,11 @@ Pinned to megatron-core 0.16.1 like megarl/checkpoint/mcore.py. The internal nam
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 from typing import Optional
 
 import torch
 
-__all__ = ["RoutingReplay", "replay_routing", "pin_problems"]
-
-SUPPORTED_MCORE_VERSION = "0.16.1"
-PRIVATE_NAMES = (  # (module, dotted attribute) that must resolve
-    ("megatron.core.transformer.moe.router", "TopKRouter.routing"),
-    ("megatron.core.transformer.moe.router", "TopKRouter.set_layer_number"),
-    ("megatron.core.transformer.moe.moe_utils", "topk_routing_with_score_function"),
-    ("megatron.core.transformer.transformer_config", "TransformerConfig.moe_router_pre_softmax"),
-    ("megatron.core.transformer.transformer_config", "TransformerConfig.moe_router_num_groups"),
-    ("megatron.core.transformer.transformer_config", "TransformerConfig.moe_router_group_topk"),
-    ("megatron.core.transformer.transformer_config", "TransformerConfig.moe_router_topk_scaling_factor"),
-)
-SOURCE_TEXT = (  # (module, object, text its source must contain)
-    ("megatron.core.transformer.moe.router", "TopKRouter", "self.topk ="),
-    ("megatron.core.transformer.moe.router", "TopKRouter", "self.score_function ="),
-    ("megatron.core.transformer.moe.router", "TopKRouter", "self.expert_bias"),
-    ("megatron.core.transformer.moe.router", "TopKRouter", "self.routing(logits, padding_mask=padding_mask)"),
-    ("megatron.core.transformer.moe.router", "Router", "self.layer_number = layer_number"),
-    ("megatron.core.transformer.moe.moe_utils", "topk_routing_with_score_function",
-     "router_replay.get_replay_topk("),
-)
-
-
-def pin_problems() -> list[str]:
-    """What no longer matches this module's assumptions in the installed megatron-core (empty when
-    all is well). Not called at run time; the pin test calls it."""
-    problems = []
-    for module, path in PRIVATE_NAMES:
-        try:
-            obj = importlib.import_module(module)
-            for part in path.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as e:
-            problems.append(f"{module}.{path}: gone ({e})")
-    for module, name, text in SOURCE_TEXT:
-        try:
-            source = inspect.getsource(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError, OSError, TypeError) as e:
-            problems.append(f"{module}.{name}: gone ({e})")
-            continue
-        if text not in source:
-            problems.append(f"{module}.{name}: no longer contains {text!r}")
-    if not problems:
-        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function as f
-        from megatron.core.transformer.moe.router import TopKRouter
-
-        if "router_replay" not in inspect.signature(f).parameters:
-            problems.append("topk_routing_with_score_function: no router_replay argument")
-        if list(inspect.signature(TopKRouter.routing).parameters) != ["self", "logits", "padding_mask"]:
-            problems.append("TopKRouter.routing: signature is no longer (self, logits, padding_mask)")
-    return problems
+__all__ = ["RoutingReplay", "replay_routing"]
 
 
 class _ReplayTopK:

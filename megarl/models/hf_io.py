@@ -22,6 +22,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from megarl.mcore.model import global_layer_index, local_expert_indices
 from megarl.models import stages
 from megarl.models.layouts import (expert_shape, group_by_bytes, hf_shapes, hf_to_shard,
                                    safetensors_file_names, shards_to_hf)
@@ -113,11 +114,10 @@ def local_params(chunks: list[torch.nn.Module], args: ModelArgs, use_te: bool = 
             name = local_name
             m = _LAYER.match(local_name)
             if m:
-                module = model.decoder.layers[int(m.group(1))]
-                rest = m.group(2)
+                local_layer, rest = int(m.group(1)), m.group(2)
                 if rest.startswith("mlp.experts."):  # local expert index -> global (this EP rank's share)
-                    rest = expert_row_name(rest, module.mlp.local_expert_indices)
-                name = f"decoder.layers.{module.layer_number - 1}.{rest}"
+                    rest = expert_row_name(rest, local_expert_indices(model, local_layer))
+                name = f"decoder.layers.{global_layer_index(model, local_layer)}.{rest}"
             if name not in table:
                 raise KeyError(f"Megatron parameter {local_name!r} has no entry in the "
                                f"{args.architecture} weight table")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.parallel import ParallelState
-from megarl.mcore.moe import clear_router_loss_tracker, router_loss_tracker
+from megarl.mcore.moe import clear_router_loss_tracker, set_router_loss_coefficients, tracked_router_losses
 
 _NAMES = {"load_balancing_loss": "moe_aux_loss", "z_loss": "moe_z_loss"}
 METRICS = tuple(_NAMES.values())  # the step metrics this module adds to Engine.train_batch's result
@@ -32,8 +32,7 @@ def set_step_coefficients(tconfig, aux_coeff: float, z_coeff: float, loss_tokens
     """Scale the configured coefficients by ``loss_tokens / routed_tokens`` for this step (see the
     module docstring); a coefficient of 0 stays off (the router skips a z-loss of None)."""
     scale = loss_tokens / max(routed_tokens, 1.0)
-    tconfig.moe_aux_loss_coeff = aux_coeff * scale
-    tconfig.moe_z_loss_coeff = z_coeff * scale if z_coeff > 0 else None
+    set_router_loss_coefficients(tconfig, aux_coeff * scale, z_coeff * scale if z_coeff > 0 else None)
 
 
 def clear_tracker() -> None:
@@ -43,15 +42,15 @@ def clear_tracker() -> None:
 def step_metrics(ps: ParallelState, num_microbatches: int, num_moe_layers: int, moe) -> dict[str, float]:
     """The step's router losses whose coefficient in ``moe`` (`MoEConfig`) is on (collective over
     PP, TP and DP: every rank calls it)."""
-    tracker = router_loss_tracker()
+    tracked = tracked_router_losses()
     on = {"load_balancing_loss": moe.aux_loss_coeff > 0, "z_loss": moe.z_loss_coeff > 0}
     out = {}
     # Sorted: every rank runs the same collectives in the same order.
-    for name in sorted(n for n in tracker if on.get(n)):
-        values = tracker[name]["values"].detach().clone().to(ps.device, torch.float64)
+    for name in sorted(n for n in tracked if on.get(n)):
+        values = tracked[name].values.detach().clone().to(ps.device, torch.float64)
         if ps.pp > 1:
             dist.all_reduce(values, group=ps.pp_group)
-        if tracker[name].get("reduce_group") is not None and ps.tp > 1:
+        if tracked[name].tp_split and ps.tp > 1:
             dist.all_reduce(values, group=ps.tp_group)  # each TP rank holds a 1/tp share
         values /= max(num_microbatches, 1)
         if ps.dp > 1:

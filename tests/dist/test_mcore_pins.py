@@ -27,7 +27,11 @@ def test_installed_megatron_core_is_the_supported_release():
         "('Upgrading megatron-core') before moving the pin")
 
 
-@pytest.mark.parametrize("pin", pins.PINS, ids=lambda p: p.path)
+def _pin_id(pin) -> str:
+    return pin.path if pin.text is None else f"{pin.path} contains {pin.text}"
+
+
+@pytest.mark.parametrize("pin", pins.PINS, ids=_pin_id)
 def test_every_pinned_name_resolves_with_its_recorded_signature(pin):
     assert pins.pin_problem(pin) is None, pins.pin_problem(pin)
 
@@ -39,7 +43,7 @@ def test_the_behaviour_checks_pass():
 def test_the_table_covers_every_kind_and_records_each_call_signature():
     assert {p.kind for p in pins.PINS} == {"call", "attr", "self", "source"}
     assert all(p.signature for p in pins.PINS if p.kind == "call")
-    assert len({p.path for p in pins.PINS}) == len(pins.PINS)  # no entry twice
+    assert len({p.key for p in pins.PINS}) == len(pins.PINS)  # no entry twice
 
 
 def test_the_pin_check_names_a_missing_or_changed_entry():
@@ -50,13 +54,16 @@ def test_the_pin_check_names_a_missing_or_changed_entry():
     changed = pins.Pin("megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32", "call",
                        "optimizer.py", "test", "(parameters, max_norm)")
     unmentioned = pins.Pin("megatron.core.transformer.moe.moe_utils:no_such_global", "source", "cpu.py", "t")
-    problems = pins.pin_problems((gone, unset, changed, unmentioned))
-    assert len(problems) == 4, problems
+    unsaid = pins.Pin("megatron.core.transformer.moe.router:TopKRouter.apply_z_loss", "source", "moe.py", "t",
+                      text="if self.config.moe_z_loss_coeff > 0")
+    problems = pins.pin_problems((gone, unset, changed, unmentioned, unsaid))
+    assert len(problems) == 5, problems
     assert problems[0].startswith(f"{gone.path}: gone (AttributeError"), problems[0]
     assert problems[1] == f"{unset.path}: gone (no longer sets self.no_such_attribute)"
     assert problems[2] == (f"{changed.path}: signature changed: recorded (parameters, max_norm), installed "
                            "(parameters, max_norm, total_norm, use_decoupled_grad=False)")
     assert problems[3] == f"{unmentioned.path}: gone (no longer mentioned)"
+    assert problems[4] == f"{unsaid.path}: no longer contains 'if self.config.moe_z_loss_coeff > 0'"
 
 
 def test_call_signature_renders_names_kinds_and_defaults():
