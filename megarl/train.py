@@ -13,7 +13,8 @@ Bad input fails before any rank starts: the config (`load_config`), then what it
 (`megarl.preflight`: model, tokenizer, data, plugins, run_dir, rollout servers), as one line
 ``megarl-train: <field>: <problem>`` and exit status 2; any later error is one line and exit
 status 1. ``--debug`` (anywhere on the command line) shows the traceback instead. Nothing imports
-torch before the config has loaded: a bad config costs a fraction of a second, not torch's import.
+torch before the config has loaded: a bad config costs a fraction of a second, not torch's import
+(nor do most of preflight's checks: model config, tokenizer, data, plugins, run_dir).
 """
 from __future__ import annotations
 
@@ -69,12 +70,14 @@ def main(argv: list[str] | None = None) -> int:
 def launch(path: str, overrides: list[str], debug: bool = False) -> int:
     """Config and inputs checked here, once, before any rank exists; then this process trains or
     starts its own ranks."""
-    cfg = load_config(path, overrides)
-    from megarl import parallel  # torch, megatron-core's shim: after the config is known good
     from megarl.preflight import check_inputs
+    from megarl.ranks import under_launcher
 
-    launched = parallel.under_launcher()
+    cfg = load_config(path, overrides)
+    launched = under_launcher()
     check_inputs(cfg, cleanup_run_dir=not launched)
+    from megarl import parallel  # torch and megatron-core's shim: only once the inputs are known good
+
     nproc = cfg.parallel.world_size or cfg.parallel.tp * cfg.parallel.pp
     if nproc > 1 and not launched:
         return parallel.relaunch(nproc, "megarl.train", [path, *overrides] + ([DEBUG_FLAG] if debug else []))

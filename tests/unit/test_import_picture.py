@@ -51,10 +51,12 @@ def test_the_scan_sees_function_level_imports(tmp_path):
     assert imports(f) == [(2, "megarl.tools_cli.conversion"), (2, "megarl.tools_cli.conversion.check_hf")]
 
 
-def test_loading_a_config_imports_no_torch():
-    """megarl.config (algo.* included), a recipe's load and validation, and the megarl-train and
-    megarl-launch entry modules stay off torch (~1.2 s of imports): a command line that stops at a
-    bad config exits in a fraction of a second. A fresh interpreter, so nothing is imported yet."""
+def test_loading_a_config_imports_no_torch(tmp_path):
+    """megarl.config (algo.* included), a recipe's load and validation, the megarl-train and
+    megarl-launch entry modules, and preflight's checks of the SFT demo (model config, layout,
+    tokenizer, every data record, run_dir) stay off torch (~1.2 s of imports): a command line that
+    stops at bad input exits in a fraction of a second. A fresh interpreter, so nothing is imported yet."""
+    import os
     import subprocess
     import sys
 
@@ -63,9 +65,11 @@ def test_loading_a_config_imports_no_torch():
             "for recipe in ('tiny_grpo', 'tiny_sft', 'tiny_moe_grpo', 'qwen3-30b-a3b-gsm8k'):\n"
             "    cfg = load_config(f'configs/{recipe}.yaml', ['algo.advantage=rloo'])\n"
             "    cfg.algo.build()\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'megatron')))\n")
+            "from megarl.preflight import check_inputs\n"
+            f"check_inputs(load_config('configs/tiny_sft.yaml', ['train.run_dir={tmp_path}/run']))\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT.parent)}, timeout=60)
+                         env={**os.environ, "PYTHONPATH": str(ROOT.parent)}, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout[-2000:]
 
