@@ -16,17 +16,31 @@ from __future__ import annotations
 import importlib.util
 import warnings
 
-import torch
-
-HAVE_CUDA = torch.cuda.is_available()
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 HAVE_APEX = importlib.util.find_spec("apex") is not None
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 
 
+def have_cuda() -> bool:
+    """``compat.HAVE_CUDA``, decided on first use: asking torch imports it (~1.2 s), which the
+    modules that only need `require` (data readers, chat templates) and a command line stopped by
+    bad input do not pay."""
+    if "HAVE_CUDA" not in globals():
+        import torch
+
+        globals()["HAVE_CUDA"] = torch.cuda.is_available()
+    return globals()["HAVE_CUDA"]
+
+
+def __getattr__(name: str):  # PEP 562: compat.HAVE_CUDA
+    if name == "HAVE_CUDA":
+        return have_cuda()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def use_transformer_engine() -> bool:
     """TE kernels need both the package and a GPU; anything else runs the local spec."""
-    return HAVE_TE and HAVE_CUDA
+    return HAVE_TE and have_cuda()
 
 
 def quiet_megatron_warnings() -> None:

@@ -24,56 +24,7 @@ from megarl import compat
 from megarl.hostlist import expand_nodelist  # noqa: F401 - megarl.parallel.expand_nodelist
 from megarl.mcore.cpu import install_cpu_shim
 from megarl.net import LOOPBACK, free_port
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    source: str  # torchrun | ompi | pmix | pmi | slurm | single
-
-
-def discover_ranks(env: Optional[dict] = None) -> RankInfo:
-    """Reads rank, world size and local rank from the launcher's environment variables."""
-    env = os.environ if env is None else env
-
-    def geti(name, default=None):
-        return int(env[name]) if name in env else default
-
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world, local, source = geti("RANK"), geti("WORLD_SIZE"), geti("LOCAL_RANK", 0), "torchrun"
-    elif "OMPI_COMM_WORLD_RANK" in env:
-        rank, world = geti("OMPI_COMM_WORLD_RANK"), geti("OMPI_COMM_WORLD_SIZE")
-        local, source = geti("OMPI_COMM_WORLD_LOCAL_RANK", 0), "ompi"
-    elif "PMIX_RANK" in env:
-        rank = geti("PMIX_RANK")
-        world = geti("SLURM_NTASKS") or _mpi4py_world_size()
-        local, source = geti("SLURM_LOCALID", 0), "pmix"
-    elif "PMI_RANK" in env:
-        rank, world, local, source = geti("PMI_RANK"), geti("PMI_SIZE"), geti("MPI_LOCALRANKID", 0), "pmi"
-    elif "SLURM_PROCID" in env:
-        rank, world, local, source = geti("SLURM_PROCID"), geti("SLURM_NTASKS"), geti("SLURM_LOCALID", 0), "slurm"
-    else:
-        rank, world, local, source = 0, 1, 0, "single"
-    if world is None:
-        raise RuntimeError(f"parallel: launcher '{source}' gave a rank but no world size")
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-    if "MASTER_ADDR" in env:
-        addr = env["MASTER_ADDR"]
-    elif nodelist:
-        addr = expand_nodelist(nodelist)[0]
-    else:
-        addr = LOOPBACK
-    port = geti("MASTER_PORT", 29500)
-    return RankInfo(rank, world, local, addr, port, source)
-
-
-def under_launcher(env: Optional[dict] = None) -> bool:
-    """True under torchrun, srun or mpirun (anything :func:`discover_ranks` recognises)."""
-    return discover_ranks(env).source != "single"
+from megarl.ranks import RankInfo, discover_ranks, under_launcher  # noqa: F401 - megarl.parallel.*
 
 
 def relaunch(nproc: int, module: str, argv: list[str]) -> int:
@@ -109,14 +60,6 @@ def relaunch(nproc: int, module: str, argv: list[str]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _mpi4py_world_size() -> Optional[int]:
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return None
-    return MPI.COMM_WORLD.Get_size()
 
 
 @dataclass

@@ -12,13 +12,14 @@ every rank finish its step, save a checkpoint and exit 0 (megarl.signals); the n
 Bad input fails before any rank starts: the config (`load_config`), then what it points at
 (`megarl.preflight`: model, tokenizer, data, plugins, run_dir, rollout servers), as one line
 ``megarl-train: <field>: <problem>`` and exit status 2; any later error is one line and exit
-status 1. ``--debug`` (anywhere on the command line) shows the traceback instead.
+status 1. ``--debug`` (anywhere on the command line) shows the traceback instead. Nothing imports
+torch before the config has loaded: a bad config costs a fraction of a second, not torch's import
+(nor do most of preflight's checks: model config, tokenizer, data, plugins, run_dir).
 """
 from __future__ import annotations
 
 import sys
 
-from megarl import compat, parallel
 from megarl.cli import DEBUG_FLAG, pop_debug, run_main
 from megarl.config import ConfigError, load_config, save_config
 from megarl.signals import StopRequest, clear_stop_marker, write_stop_marker
@@ -70,10 +71,13 @@ def launch(path: str, overrides: list[str], debug: bool = False) -> int:
     """Config and inputs checked here, once, before any rank exists; then this process trains or
     starts its own ranks."""
     from megarl.preflight import check_inputs
+    from megarl.ranks import under_launcher
 
     cfg = load_config(path, overrides)
-    launched = parallel.under_launcher()
+    launched = under_launcher()
     check_inputs(cfg, cleanup_run_dir=not launched)
+    from megarl import parallel  # torch and megatron-core's shim: only once the inputs are known good
+
     nproc = cfg.parallel.world_size or cfg.parallel.tp * cfg.parallel.pp
     if nproc > 1 and not launched:
         return parallel.relaunch(nproc, "megarl.train", [path, *overrides] + ([DEBUG_FLAG] if debug else []))
@@ -82,6 +86,8 @@ def launch(path: str, overrides: list[str], debug: bool = False) -> int:
 
 
 def train(cfg, stop: StopRequest) -> int:
+    from megarl import compat, parallel
+
     compat.quiet_megatron_warnings()
     if cfg.train.torch_threads:
         import torch

@@ -12,35 +12,41 @@ sums with counts) so that they reduce over micro-batches and DP ranks before div
     W = token_weights(loss_mask, spec.loss_agg, all_reduced(step_denominators(loss_mask)))
     out = policy_loss(logp, prox_logp, behave_logp, adv, loss_mask, spec.policy_loss)
     loss = aggregate(out.loss, W)
-"""
-from megarl.algo.advantages import (AdvantageConfig, AdvantageEstimator, AdvantageOutput,
-                                    broadcast_to_tokens, compute_advantages, discounted_returns,
-                                    gae_advantages, grpo_advantages, group_stats, masked_whiten,
-                                    reinforce_pp_advantages, rloo_advantages, token_level_rewards)
-from megarl.algo.aggregation import (LossAgg, StepDenominators, aggregate, step_denominators,
-                                     step_token_weights, token_weights)
-from megarl.algo.config import AlgoConfig, AlgoSpec
-from megarl.algo.correction import (CorrectionOutput, RolloutCorrection, onpolicy_mismatch,
-                                    rollout_correction)
-from megarl.algo.filters import (dynamic_sampling_indices, dynamic_sampling_keep,
-                                 overlong_penalty, response_lengths)
-from megarl.algo.kl import KLEstimator, entropy_loss, kl_loss, kl_penalty
-from megarl.algo.losses import (CapMode, OldLogp, PolicyLossConfig, PolicyLossKind,
-                                PolicyLossOutput, clipped_surrogate, policy_loss)
-from megarl.algo.prox import (ProxLogpMode, loglinear_alpha, loglinear_prox_logp,
-                              prox_approx_stats)
-from megarl.algo.stats import Reduce, Stat, merge_stats, stats_results
 
-__all__ = [
-    "AdvantageConfig", "AdvantageEstimator", "AdvantageOutput", "AlgoConfig", "AlgoSpec",
-    "CapMode", "CorrectionOutput", "KLEstimator", "LossAgg", "OldLogp", "PolicyLossConfig",
-    "PolicyLossKind", "PolicyLossOutput", "ProxLogpMode", "Reduce", "RolloutCorrection", "Stat",
-    "StepDenominators", "aggregate", "broadcast_to_tokens", "clipped_surrogate",
-    "compute_advantages", "discounted_returns", "dynamic_sampling_indices",
-    "dynamic_sampling_keep", "entropy_loss", "gae_advantages", "grpo_advantages", "group_stats",
-    "kl_loss", "kl_penalty", "loglinear_alpha", "loglinear_prox_logp", "masked_whiten",
-    "merge_stats", "onpolicy_mismatch", "overlong_penalty", "policy_loss", "prox_approx_stats",
-    "reinforce_pp_advantages", "response_lengths", "rloo_advantages", "rollout_correction",
-    "stats_results", "step_denominators", "step_token_weights", "token_level_rewards",
-    "token_weights",
-]
+Names load on first use (PEP 562 ``__getattr__``): ``megarl.config`` imports ``megarl.algo.config``,
+which needs only the torch-free enums of ``megarl.algo.choices``, and an eager import of the math
+here would make every config load (and every command line rejecting a bad config) import torch.
+"""
+import importlib
+
+_EXPORTS = {
+    "advantages": ["AdvantageOutput", "broadcast_to_tokens", "compute_advantages", "discounted_returns",
+                   "gae_advantages", "grpo_advantages", "group_stats", "masked_whiten",
+                   "reinforce_pp_advantages", "rloo_advantages", "token_level_rewards"],
+    "aggregation": ["StepDenominators", "aggregate", "step_denominators", "step_token_weights",
+                    "token_weights"],
+    "choices": ["AdvantageConfig", "AdvantageEstimator", "CapMode", "KLEstimator", "LossAgg", "OldLogp",
+                "PolicyLossConfig", "PolicyLossKind", "ProxLogpMode", "RolloutCorrection"],
+    "config": ["AlgoConfig", "AlgoSpec"],
+    "correction": ["CorrectionOutput", "onpolicy_mismatch", "rollout_correction"],
+    "filters": ["dynamic_sampling_indices", "dynamic_sampling_keep", "overlong_penalty", "response_lengths"],
+    "kl": ["entropy_loss", "kl_loss", "kl_penalty"],
+    "losses": ["PolicyLossOutput", "clipped_surrogate", "policy_loss"],
+    "prox": ["loglinear_alpha", "loglinear_prox_logp", "prox_approx_stats"],
+    "stats": ["Reduce", "Stat", "merge_stats", "stats_results"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

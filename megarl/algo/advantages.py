@@ -23,44 +23,11 @@ r_i - kl_coef * sum_t k_t. "Next token" means next generated token: positions wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Sequence
 
 import torch
 
-
-class AdvantageEstimator(str, Enum):
-    """`algo.advantage`."""
-
-    GRPO = "grpo"
-    DRGRPO = "drgrpo"
-    RLOO = "rloo"
-    REINFORCE_PP = "reinforce_pp"
-    GAE = "gae"
-
-    @property
-    def group_relative(self) -> bool:
-        """The baseline comes from the other samples of the prompt's group (a group of one: A = 0)."""
-        return self in (AdvantageEstimator.GRPO, AdvantageEstimator.DRGRPO, AdvantageEstimator.RLOO)
-
-
-@dataclass(frozen=True)
-class AdvantageConfig:
-    """The advantage variant, chosen once (built by `AlgoConfig.build()`)."""
-
-    estimator: AdvantageEstimator = AdvantageEstimator.GRPO
-    """Which estimator (module docstring)."""
-    norm_adv_by_std: bool = True
-    """grpo: divide by the group std; gae: whiten advantages over the batch. drgrpo never divides;
-    reinforce_pp always whitens (that is the method)."""
-    gamma: float = 1.0
-    """Discount over generated tokens (reinforce_pp, gae)."""
-    lam: float = 1.0
-    """GAE lambda."""
-    kl_coef: float = 0.0
-    """Coefficient of the KL folded into the reward (used only when a `kl` tensor is passed)."""
-    eps: float = 1e-6
-    """Added to standard deviations before dividing."""
+from megarl.algo.choices import AdvantageConfig, AdvantageEstimator
 
 
 @dataclass

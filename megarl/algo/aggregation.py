@@ -27,18 +27,10 @@ when the DDP wrapper averages). A sequence is one row, so per-sequence n_i is al
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
-
-class LossAgg(str, Enum):
-    """`algo.loss_agg`."""
-
-    TOKEN_MEAN = "token_mean"
-    SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"
-    SEQ_MEAN_TOKEN_SUM = "seq_mean_token_sum"
-    SEQ_MEAN_TOKEN_SUM_NORM = "seq_mean_token_sum_norm"
+from megarl.algo.choices import LossAgg
 
 
 @dataclass

@@ -11,12 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from megarl.algo.advantages import AdvantageConfig, AdvantageEstimator
-from megarl.algo.aggregation import LossAgg
-from megarl.algo.correction import RolloutCorrection
-from megarl.algo.kl import KLEstimator
-from megarl.algo.losses import CapMode, OldLogp, PolicyLossConfig, PolicyLossKind
-from megarl.algo.prox import ProxLogpMode
+from megarl.algo.choices import (AdvantageConfig, AdvantageEstimator, CapMode, KLEstimator, LossAgg,
+                                 OldLogp, PolicyLossConfig, PolicyLossKind, ProxLogpMode,
+                                 RolloutCorrection)
 from megarl.fields import bounded, check_bounds
 
 

@@ -23,25 +23,14 @@ replaces the decoupled-PPO behaviour weight, it is the only weight in standard P
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
+from megarl.algo.choices import RolloutCorrection
 from megarl.algo.stats import Stat
 
 # exp(80) ~ 5.5e34 is still finite in fp32; larger log-ratios are already far outside any cap.
 _MAX_LOG_RATIO = 80.0
-
-
-class RolloutCorrection(str, Enum):
-    """`algo.rollout_correction`."""
-
-    NONE = "none"
-    TIS_TOKEN = "tis_token"
-    TIS_SEQ = "tis_seq"
-    MIS_TOKEN = "mis_token"
-    MIS_SEQ = "mis_seq"
-    ICEPOP = "icepop"
 
 
 @dataclass

@@ -17,23 +17,13 @@ step-level weights as the policy loss.
 """
 from __future__ import annotations
 
-from enum import Enum
-
 import torch
 
+from megarl.algo.choices import KLEstimator
 from megarl.algo.stats import Stat
 
 _K3_LOG_CLAMP = 20.0
 _K3_VALUE_CLAMP = 10.0
-
-
-class KLEstimator(str, Enum):
-    """`algo.kl_estimator`."""
-
-    K1 = "k1"
-    K2 = "k2"
-    K2_ABS = "k2_abs"
-    K3 = "k3"
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, loss_mask: torch.Tensor,

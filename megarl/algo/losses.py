@@ -32,64 +32,12 @@ tokens. With pi_theta = pi_prox = pi_behave every variant gives grad L_t = -A_t 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
-from megarl.algo.correction import RolloutCorrection, rollout_correction
+from megarl.algo.choices import CapMode, OldLogp, PolicyLossConfig, PolicyLossKind
+from megarl.algo.correction import rollout_correction
 from megarl.algo.stats import Stat
-
-
-class PolicyLossKind(str, Enum):
-    """`algo.policy_loss`."""
-
-    PPO = "ppo"
-    DECOUPLED_PPO = "decoupled_ppo"
-
-
-class OldLogp(str, Enum):
-    """`algo.old_logp`: which logprob is pi_old in standard PPO."""
-
-    PROX = "prox"
-    BEHAVE = "behave"
-
-
-class CapMode(str, Enum):
-    """`algo.behave_weight_cap_mode`: what happens to a behaviour weight above the cap."""
-
-    MASK = "mask"
-    CLAMP = "clamp"
-
-
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """The policy-loss variant, chosen once (built by `AlgoConfig.build()`)."""
-
-    kind: PolicyLossKind = PolicyLossKind.DECOUPLED_PPO
-    """ppo: ratio against one old logprob; decoupled_ppo: trust region at pi_prox, times pi_prox/pi_behave."""
-    old_logp: OldLogp = OldLogp.PROX
-    """Standard PPO only: pi_old = pi_prox (recomputed) or pi_behave (rollout engine)."""
-    eps_clip_low: float = 0.2
-    """Lower clip: the ratio is clipped at 1 - eps_clip_low."""
-    eps_clip_high: float = 0.2
-    """Upper clip: the ratio is clipped at 1 + eps_clip_high (clip-higher when > eps_clip_low)."""
-    dual_clip_c: float | None = None
-    """Dual clip constant c > 1: for A < 0 the per-token loss is at most c |A|. None = off."""
-    behave_weight_cap: float | None = 5.0
-    """Decoupled PPO only: cap on the behaviour weight pi_prox / pi_behave. None = no cap."""
-    behave_weight_cap_mode: CapMode = CapMode.MASK
-    """mask: drop tokens whose weight exceeds the cap; clamp: use min(weight, cap)."""
-    rollout_correction: RolloutCorrection = RolloutCorrection.NONE
-    """Training-inference mismatch correction on rho = pi_prox / pi_behave."""
-    rollout_correction_low: float = 0.5
-    """Lower edge of the accepted band for mis_token / mis_seq / icepop."""
-    rollout_correction_high: float = 2.0
-    """Upper edge of the band (mis_*, icepop) and truncation C (tis_*)."""
-
-    @property
-    def needs_prox_logp(self) -> bool:
-        return (self.kind == PolicyLossKind.DECOUPLED_PPO or self.old_logp == OldLogp.PROX
-                or self.rollout_correction != RolloutCorrection.NONE)
 
 
 @dataclass

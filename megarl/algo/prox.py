@@ -17,19 +17,9 @@ so out-of-order versions never extrapolate.
 """
 from __future__ import annotations
 
-from enum import Enum
-
 import torch
 
 from megarl.algo.stats import Stat
-
-
-class ProxLogpMode(str, Enum):
-    """`algo.prox_logp_mode`."""
-
-    RECOMPUTE = "recompute"
-    LOGLINEAR = "loglinear"
-    METRICS = "metrics"
 
 
 def loglinear_alpha(versions: torch.Tensor, prox_version: int | torch.Tensor,

@@ -67,7 +67,7 @@ class Config:
 
 def validate_learning_signal(cfg: Config) -> None:
     """RL settings that run to the end while learning nothing are refused at load."""
-    from megarl.algo.advantages import AdvantageEstimator
+    from megarl.algo.choices import AdvantageEstimator
 
     r = cfg.rollout
     if r.group_size == 1 and AdvantageEstimator(cfg.algo.advantage).group_relative:

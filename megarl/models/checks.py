@@ -4,20 +4,23 @@ a loaded config (TP, PP, EP), HF safetensors headers and dist-checkpoint metadat
 Pure file reads (headers and metadata only, never tensor data) and megarl's own model code; no
 Megatron, no ranks. Library code: `megarl.preflight` and the command-line tools (megarl-convert,
 megarl-logprobs) call these; config loading does not (`Config.validate` checks the config alone).
+The checks against config.json alone (`check_against_model` of a dense model, `check_layout`)
+import no torch, so megarl-train and megarl-launch reject a bad layout before paying for it.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from megarl.errors import ConfigError, ToolError
-from megarl.models.layouts import hf_shapes, mcore_shapes
 from megarl.models.registry import ModelArgs
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+_SAFETENSORS_DTYPES = ("F32", "BF16", "F16")  # the float types a checkpoint may store
 _IGNORED_HF = ("rotary_emb.inv_freq",)
 
 
@@ -47,7 +50,6 @@ def check_against_model(cfg) -> None:
     the experts. Run by `megarl.preflight.check_inputs` (megarl-train) and megarl-launch; every
     error is one `ConfigError` line naming the field."""
     from megarl.models import stages
-    from megarl.models.builder import moe_kwargs, resolve_spec
     from megarl.models.registry import read_model_args
 
     _check_shape_fields(os.path.join(cfg.model.hf_path, "config.json"))
@@ -69,6 +71,8 @@ def check_against_model(cfg) -> None:
         stages.resolve(args.num_layers, pp, vpp, cfg.parallel.first_stage_layers,
                        cfg.parallel.last_stage_layers)
         if args.num_experts:
+            from megarl.models.builder import moe_kwargs, resolve_spec  # torch: MoE models only
+
             # the spec the run asks for (a GPU recipe validates on CPU: TE's presence is checked
             # when the model is built, builder.resolve_spec)
             use_te = cfg.model.spec == "te" or (cfg.model.spec == "auto" and resolve_spec("auto"))
@@ -139,9 +143,11 @@ def _compare(found: dict[str, tuple], expected: dict[str, tuple], where: dict[st
 def check_hf(hf_dir: str, args: ModelArgs) -> torch.dtype:
     """Reads every safetensors header: keys vs the architecture, shapes vs config.json, dtypes.
     Returns the (common) stored dtype."""
+    import torch
     from safetensors import SafetensorError, safe_open
 
     from megarl.models.hf_io import HFCheckpoint
+    from megarl.models.layouts import hf_shapes
 
     ckpt = HFCheckpoint(hf_dir)  # raises naming a missing index/file or a corrupt header
     shapes, dtypes, where = {}, {}, {}
@@ -170,7 +176,8 @@ def check_hf(hf_dir: str, args: ModelArgs) -> torch.dtype:
     odd = sorted(n for n in expected if dtypes[n] not in _SAFETENSORS_DTYPES)
     if odd:
         raise ToolError(f"{odd[0]}: dtype {dtypes[odd[0]]} in {where[odd[0]]} is not a float type")
-    return _SAFETENSORS_DTYPES[sorted(kinds)[0]] if len(kinds) == 1 else torch.float32
+    stored = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    return stored[sorted(kinds)[0]] if len(kinds) == 1 else torch.float32
 
 
 def tensor_metadata(ckpt_dir: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -204,6 +211,7 @@ def check_mcore(ckpt_dir: str, args: ModelArgs) -> torch.dtype:
     """Refuses unsafe content, then checks the model tensors of a dist checkpoint against
     config.json (metadata only). Returns the stored dtype."""
     from megarl.checkpoint import check_safe
+    from megarl.models.layouts import mcore_shapes
 
     check_safe(ckpt_dir)
     args = stored_args(ckpt_dir, args)

@@ -42,7 +42,8 @@ from megarl.algo import (AdvantageConfig, AlgoSpec, ProxLogpMode, Stat, aggregat
                          compute_advantages, entropy_loss, kl_loss, kl_penalty,
                          loglinear_prox_logp, onpolicy_mismatch, policy_loss, prox_approx_stats,
                          step_denominators, token_weights)
-from megarl.algo.aggregation import LossAgg, StepDenominators
+from megarl.algo.aggregation import StepDenominators
+from megarl.algo.choices import LossAgg
 from megarl.metrics import StatsTracker
 from megarl.trainer import moe_losses
 from megarl.trainer.batch import MicroBatch, TensorBatch, cat_padded

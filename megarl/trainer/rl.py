@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megarl.algo.advantages import AdvantageEstimator
+from megarl.algo.choices import AdvantageEstimator
 from megarl.algo.filters import overlong_penalty
 from megarl.checkpoint import maybe_export_hf
 from megarl.metrics import print0, progress

@@ -1,4 +1,5 @@
-"""Tiny random HF models for the parity tiers (test_parity_convert, test_moe): built WITH
+"""Tiny random HF models for the parity tests (test_parity_convert, test_moe, test_routing_replay;
+tests/unit's server parity tests import it too: tests/conftest.py puts this tier on sys.path): built WITH
 transformers from a config, weights moved away from the init's ones/zeros so norms and biases
 matter, saved as safetensors; transformers' own fp32 per-token logprobs as the reference; a
 directory's safetensors shards read back into one dict."""

@@ -1,5 +1,9 @@
 """torchrun worker: runs one tiny model under several TP/PP(/DP) layouts and records logprobs,
-loss, grad norm and post-step logprobs on rank 0 (JSON). Used by test_parallel_equivalence.py."""
+loss, grad norm and post-step logprobs on rank 0 (JSON). Used by test_parallel_equivalence.py.
+
+    layouts_worker.py HF_DIR OUT.json LAYOUT... [+ HF_DIR OUT.json LAYOUT...]...
+
+Groups separated by ``+`` run one after the other in the same launch (the ranks' imports paid once)."""
 import json
 import random
 import sys
@@ -50,10 +54,22 @@ def run_layout(hf_dir, tp, pp, mbt, dist_opt, batch, ep=1, aux=0.0):
 
 
 def main():
-    hf_dir, out, *layouts = sys.argv[1:]
     compat.quiet_megatron_warnings()
     torch.set_num_threads(1)
     parallel.init_distributed()
+    groups, group = [], []
+    for arg in sys.argv[1:] + ["+"]:
+        if arg == "+":
+            groups.append(group)
+            group = []
+        else:
+            group.append(arg)
+    for hf_dir, out, *layouts in groups:
+        run_group(hf_dir, out, layouts)
+    dist.destroy_process_group()
+
+
+def run_group(hf_dir: str, out: str, layouts: list[str]) -> None:
     with open(f"{hf_dir}/config.json") as f:
         batch = make_batch(vocab=json.load(f)["vocab_size"])
     results = {}
@@ -65,7 +81,6 @@ def main():
         with open(out, "w") as f:
             json.dump(results, f)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

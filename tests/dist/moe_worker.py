@@ -5,6 +5,8 @@
                                         the Resharder's buckets, export_hf and a model dist checkpoint
                                         at EP=2 and PP=2 x EP=2, as WORK/<name>/{reshard,export,saved}_*
     python moe_worker.py WORK single NAME...   logprobs at EP=1, mcore-to-hf (converted and saved)
+    moe_worker.py WORK ranks4 NAME... + HF OUT LAYOUT...   then, in the same launch, layouts_worker's
+                                        training layouts of HF (its ranks' imports paid once)
 Exit status: the first non-zero tool status.
 """
 import os
@@ -65,6 +67,8 @@ def main():
     from megarl.tools_cli import convert, logprobs
 
     work, mode, *names = sys.argv[1:]
+    training = names[names.index("+") + 1:] if "+" in names else []
+    names = names[:names.index("+")] if "+" in names else names
     torch.set_num_threads(1)
     calls = []
     for name in names:
@@ -92,6 +96,10 @@ def main():
         for name in names:
             for pp, ep in ((1, 2), (2, 2)):
                 reshard_and_export(work, name, pp, ep)
+        if training:
+            from layouts_worker import run_group
+
+            run_group(training[0], training[1], training[2:])
         parallel.destroy()
     return 0
 

@@ -1,8 +1,16 @@
-"""torchrun worker for the weight push. Mode "layouts": for each (tp, pp[, ep]) layout and transport,
-reset a real megarl CPU server to weights A, push the trainer's weights B, and record (rank 0)
-the max |server logprob - trainer logprob| and whether every server tensor equals the HF export.
-Mode "stall": push to a server that is SIGSTOPped (hangs) or killed (dead); record how long it
-took to fail and the error on every rank."""
+"""torchrun worker for the weight push: ``push_worker.py PLAN.json OUT.json`` runs the plan's jobs in
+turn in one launch (the ranks' ~10 s of imports paid once) and rank 0 writes {job name: result}.
+Each job names its mode, its models (weights A, B) and its own server(s):
+
+- "layouts": for each (tp, pp[, refit[, ep]]) layout and transport, reset a real megarl CPU server
+  to weights A, push the trainer's weights B, and record (rank 0) the max |server logprob -
+  trainer logprob| and whether every server tensor equals the HF export.
+- "join", "delta", "disk_delta": a late server, delta pushes over the weight-update group / disk.
+- "stall": push to a server that is SIGSTOPped (hangs) or killed (dead); record how long it took
+  to fail and the error on every rank. A stalled push leaves its groups behind, so the test plan
+  runs stall jobs last.
+
+Model-parallel state is torn down between jobs (and between layouts)."""
 import json
 import os
 import signal
@@ -126,6 +134,7 @@ def join(hf_a, hf_b, server, server2, work):
     dist.barrier()
     tampered = pusher.verify()
     pusher.close()
+    pusher.cluster.close()
     return {"late_before": late_before, "late_after": late_after, "late_version": late_version,
             "first_after": first_after, "first_version": first_version, "verify_ok": ok,
             "verify_tampered": sorted(tampered), "pusher_version": pusher.version}
@@ -163,6 +172,7 @@ def delta(hf_a, hf_b, server, work):
     differ = pusher._compare(everything) if dist.get_rank() == 0 else None
     checked = pusher.verify()
     pusher.close()
+    pusher.cluster.close()
     return {"sent": sent, "after": after, "version": version, "frozen_params": len(frozen),
             "frozen_changed": sorted(n for n, t in frozen.items() if not torch.equal(t, now[n])),
             "trainable_unchanged": sorted(n for n, t in trainable.items() if torch.equal(t, now[n])),
@@ -220,25 +230,34 @@ def disk_delta(hf_a, hf_b, server, work):
     everything = {n: d for part in parts for n, d in part.items()}
     differ = pusher._compare(everything) if dist.get_rank() == 0 else None
     pusher.close()
+    pusher.cluster.close()
     return {"sent": sent, "after": after, "version": version, "compared": len(everything),
             "differ": differ, "refused": refused, **codecs}
 
 
+def run_job(job: dict):
+    mode, a, b, servers, work = job["mode"], job["hf_a"], job["hf_b"], job["servers"], job["work"]
+    if mode == "layouts":
+        return layouts(a, b, servers[0], work, job["specs"])
+    if mode == "join":
+        return join(a, b, servers[0], servers[1], work)
+    if mode == "delta":
+        return delta(a, b, servers[0], work)
+    if mode == "disk_delta":
+        return disk_delta(a, b, servers[0], work)
+    return stall(b, servers[0], work, job["pids"][0], job["how"])
+
+
 def main():
-    mode, hf_a, hf_b, server, work, out, *rest = sys.argv[1:]
+    plan, out = sys.argv[1:]
     compat.quiet_megatron_warnings()
     torch.set_num_threads(1)
     parallel.init_distributed()
-    if mode == "layouts":
-        results = layouts(hf_a, hf_b, server, work, rest)
-    elif mode == "join":
-        results = join(hf_a, hf_b, server, rest[0], work)
-    elif mode == "delta":
-        results = delta(hf_a, hf_b, server, work)
-    elif mode == "disk_delta":
-        results = disk_delta(hf_a, hf_b, server, work)
-    else:
-        results = stall(hf_b, server, work, int(rest[0]), rest[1])
+    results = {}
+    for job in json.load(open(plan)):
+        results[job["name"]] = run_job(job)
+        parallel.destroy_model_parallel_only()
+        dist.barrier()
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,9 +1,11 @@
-"""torchrun worker for test_routing_replay.py: a tiny Qwen3-MoE under one layout ("pp,ep") with
-moe.routing_replay=rollout. The rollout side is the megarl-server model (`CausalLM`, in process):
+"""torchrun worker for test_routing_replay.py: a tiny Qwen3-MoE under each given layout ("pp,ep"),
+one after the other in one launch, with moe.routing_replay=rollout. The rollout side is the megarl-server model (`CausalLM`, in process):
 its per-token logprobs and routes (ids + weights) of random rows. Records on rank 0, over all DP
 shares: the trainer's logprobs replaying those routes, after the trainer's routers alone were
 moved (replayed with ids + weights, with ids only, not replayed), the replayed-token count and
-how far one replayed training step moved the routers."""
+how far one replayed training step moved the routers; OUT is {layout: record}.
+
+    replay_worker.py HF_DIR OUT.json LAYOUT..."""
 import json
 import random
 import sys
@@ -68,8 +70,7 @@ def routers(engine):
 def main():
     import faulthandler
     faulthandler.dump_traceback_later(240, exit=True)  # a hang shows where, instead of the test timeout
-    hf_dir, out, layout = sys.argv[1:]
-    pp, ep = map(int, layout.split(","))
+    hf_dir, out, *layouts = sys.argv[1:]
     compat.quiet_megatron_warnings()
     torch.set_num_threads(1)
     parallel.init_distributed()
@@ -77,6 +78,16 @@ def main():
     rng = random.Random(0)
     rows = [[rng.randrange(vocab) for _ in range(n)] for n in (9, 14, 6, 20)]
     served = server_rows(hf_dir, rows)
+    results = {layout: run_layout(hf_dir, layout, rows, served) for layout in layouts}
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_layout(hf_dir: str, layout: str, rows: list, served: list) -> dict:
+    pp, ep = map(int, layout.split(","))
     cfg = load_config(None, [f"model.hf_path={hf_dir}", "data.train_path=x", f"parallel.pp={pp}",
                              f"parallel.ep={ep}", "train.micro_batch_tokens=32", "optim.lr=0.05",
                              "moe.routing_replay=rollout"])
@@ -104,12 +115,9 @@ def main():
     metrics = engine.train_batch(local, sft_loss)
     res["router_step"] = max(float((r.weight.detach() - b).abs().max()) for r, b in zip(routers(engine), before))
     res["grad_norm"] = metrics["grad_norm"]
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(res, f)
     dist.barrier()
     parallel.destroy_model_parallel_only()
-    dist.destroy_process_group()
+    return res
 
 
 if __name__ == "__main__":

@@ -43,7 +43,9 @@ def work(tmp_path_factory):
     refs = {}
     for i, (name, norm) in enumerate(MODELS.items()):
         refs[name] = reference_logprobs(build(str(d / name / "hf"), norm, seed=10 + i), rows)
-    torchrun("moe_worker.py", 4, d, "ranks4", *MODELS)
+    # the same launch then trains the "norm" model under the EP layouts of `training`
+    torchrun("moe_worker.py", 4, d, "ranks4", *MODELS, "+", d / "norm" / "hf", d / "train.json",
+             TRAIN_REF, *TRAIN_LAYOUTS)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     single = subprocess.run([sys.executable, os.path.join(HERE, "moe_worker.py"), str(d), "single", *MODELS],
                             capture_output=True, text=True, env=env, timeout=600)
@@ -51,13 +53,14 @@ def work(tmp_path_factory):
     return d, rows, refs
 
 
+TRAIN_REF, TRAIN_LAYOUTS = "1,1,4096,0", ["1,1,4096,0,2", "1,2,4096,0,2", "1,1,4096,1,2"]
+
+
 @pytest.fixture(scope="module")
 def training(work):
-    d = work[0]
-    out = d / "train.json"
-    ref, layouts = "1,1,4096,0", ["1,1,4096,0,2", "1,2,4096,0,2", "1,1,4096,1,2"]
-    torchrun("layouts_worker.py", 4, d / "norm" / "hf", out, ref, *layouts)
-    return ref, layouts, json.loads(out.read_text())
+    """layouts_worker results of the "norm" model: EP=1 reference, EP=2, PP=2 x EP=2, EP=2 with the
+    distributed optimizer (run by `work`'s launch)."""
+    return TRAIN_REF, TRAIN_LAYOUTS, json.loads((work[0] / "train.json").read_text())
 
 
 @pytest.mark.parametrize("name", list(MODELS))

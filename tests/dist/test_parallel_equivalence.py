@@ -1,6 +1,6 @@
 """TP / PP / DP layouts of one tiny model give the same logprobs, loss and grad norm
 (real megatron-core, 4 gloo ranks on CPU); also for an odd shape: vocab 333 (padded to 384 rows at
-TP=1, 512 at TP=2) and 3 layers split unevenly over PP=2."""
+TP=1, 512 at TP=2) and 3 layers split unevenly over PP=2. Both models run in one torchrun launch."""
 import json
 
 import pytest
@@ -19,12 +19,21 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def launch(tmp_path_factory):
+    """One launch: the tiny model's layouts, then the odd model's; {"plain"|"odd": results}."""
     d = tmp_path_factory.mktemp("layouts")
     hf = write_random_hf(str(d / "hf"), tiny_config("LlamaForCausalLM"), seed=3)
-    out = d / "results.json"
-    torchrun("layouts_worker.py", 4, hf, out, REF, *LAYOUTS.values())
-    return json.loads(out.read_text())
+    odd = write_random_hf(str(d / "odd_hf"), tiny_config("LlamaForCausalLM", vocab_size=333,
+                                                         num_hidden_layers=3), seed=4)
+    torchrun("layouts_worker.py", 4, hf, d / "results.json", REF, *LAYOUTS.values(),
+             "+", odd, d / "odd_results.json", REF, *ODD_LAYOUTS.values())
+    return {"plain": json.loads((d / "results.json").read_text()),
+            "odd": json.loads((d / "odd_results.json").read_text())}
+
+
+@pytest.fixture(scope="module")
+def results(launch):
+    return launch["plain"]
 
 
 def max_diff(a, b):
@@ -55,13 +64,8 @@ ODD_LAYOUTS = {"pp2_uneven_dp2": "1,2,4096,0", "tp2_pp2_uneven": "2,2,64,0",
 
 
 @pytest.fixture(scope="module")
-def odd_results(tmp_path_factory):
-    d = tmp_path_factory.mktemp("odd_layouts")
-    hf = write_random_hf(str(d / "hf"), tiny_config("LlamaForCausalLM", vocab_size=333,
-                                                    num_hidden_layers=3), seed=4)
-    out = d / "results.json"
-    torchrun("layouts_worker.py", 4, hf, out, REF, *ODD_LAYOUTS.values())
-    return json.loads(out.read_text())
+def odd_results(launch):
+    return launch["odd"]
 
 
 @pytest.mark.parametrize("name", list(ODD_LAYOUTS))

@@ -36,11 +36,19 @@ def gap(a, b):
     return max(abs(x - y) for r, s in zip(a, b) for x, y in zip(r[1:], s[1:]))
 
 
-@pytest.mark.parametrize("layout", ["1,2", "2,1"], ids=["ep2", "pp2"])
-def test_replay_forces_the_rollout_routes(model_dir, layout):
-    out = model_dir / f"{layout.replace(',', '_')}.json"
-    torchrun("replay_worker.py", 2, model_dir / "hf", out, layout)
-    r = json.loads(out.read_text())
+LAYOUTS = ["1,2", "2,1"]  # "pp,ep"
+
+
+@pytest.fixture(scope="module")
+def results(model_dir):
+    """Both layouts in one launch: {layout: record}."""
+    torchrun("replay_worker.py", 2, model_dir / "hf", model_dir / "results.json", *LAYOUTS)
+    return json.loads((model_dir / "results.json").read_text())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["ep2", "pp2"])
+def test_replay_forces_the_rollout_routes(results, layout):
+    r = results[layout]
     server = r["server"]
     assert gap(r["replay"], server) <= 1e-5
     assert gap(r["plain"], server) <= 1e-4  # same weights: the routers agree anyway

@@ -216,8 +216,10 @@ def check_cli_result(case: CliCase, res: CliResult, fill) -> None:
     assert "Traceback" not in res.stdout + res.stderr
     for needle in case.needles:
         assert fill(needle) in lines[0], lines[0]
-    for path in case.absent:
+    for path in case.absent:  # nothing half-written
         assert not os.path.exists(fill(path.replace("{id}", case.id))), path
+    for path in case.present:  # no input clobbered
+        assert os.path.exists(fill(path)), path
 
 
 def run_cases(cases: dict, fill, cwd: str, workers: int = 3) -> dict:
@@ -234,3 +236,28 @@ def docs_missing(keys) -> list[str]:
     """Case keys docs/reliability.md does not list."""
     text = open(os.path.join(REPO, "docs", "reliability.md")).read()
     return [k for k in keys if f"`{k}`" not in text]
+
+
+def corpus_tests(cases: dict):
+    """What a corpus module of CLI cases repeats, made once: a module fixture running every case
+    (``run_cases``; it needs the module's ``world`` fixture, ``(root, fill)``), one test per case
+    (``check_cli_result``) and the test that docs/reliability.md lists every case.
+
+        results, test_data_case, test_docs_list_every_case = corpus_tests(CASES)
+
+    pytest collects them under the names they are bound to in the module."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def results(world):
+        root, fill = world
+        return run_cases(cases, fill, root)
+
+    @pytest.mark.parametrize("key", list(cases))
+    def test_case(key, results, world):
+        check_cli_result(cases[key], results[key], world[1])
+
+    def test_docs_list_every_case():
+        assert not docs_missing(cases), docs_missing(cases)
+
+    return results, test_case, test_docs_list_every_case

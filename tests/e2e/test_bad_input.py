@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import re
 
 import pytest
-from badinput_support import CliCase, World, run_cli
+from badinput_support import CliCase, World, check_cli_result, docs_missing, run_cli
 from e2e_servers import API_KEY as KEY
 from e2e_servers import ServerProc, free_port, http
 
@@ -287,18 +286,7 @@ def cli_results(world):
 
 @pytest.mark.parametrize("key", list(CLI_CASES))
 def test_cli_case(key, cli_results, world):
-    case, res = CLI_CASES[key], cli_results[key]
-    lines = res.stderr.strip().splitlines()
-    assert res.rc == case.rc, (res.rc, res.stderr[-3000:])
-    assert len(lines) == 1, res.stderr[-3000:]  # one line, and no traceback
-    assert re.match(rf"{case.prog}( [a-z-]+)?: ", lines[0]), lines[0]  # "megarl-convert hf-to-mcore: "
-    assert "Traceback" not in res.stdout + res.stderr
-    for needle in case.needles:
-        assert needle in lines[0], lines[0]
-    for path in case.absent:  # nothing half-written
-        assert not os.path.exists(world.fill(path.replace("{id}", case.id))), path
-    for path in case.present:  # no input clobbered
-        assert os.path.exists(world.fill(path)), path
+    check_cli_result(CLI_CASES[key], cli_results[key], world.fill)
 
 
 def test_corpus_size():
@@ -315,8 +303,7 @@ def test_debug_flag_shows_the_traceback(prog, cli_results):
 
 
 def test_docs_list_every_case():
-    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "reliability.md")).read()
-    missing = [k for k in list(CLI_CASES) + [f"http:{c[0]}" for c in HTTP_CASES] if f"`{k}`" not in text]
+    missing = docs_missing(list(CLI_CASES) + [f"http:{c[0]}" for c in HTTP_CASES])
     assert not missing, missing
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from badinput_support import REPO, TINY, CliCase, check_cli_result, docs_missing, run_cases
+from badinput_support import REPO, TINY, CliCase, corpus_tests
 
 from megarl.net import free_port
 
@@ -138,16 +138,4 @@ def world(tmp_path_factory):
     return root, lambda text: text.format(**paths)
 
 
-@pytest.fixture(scope="module")
-def results(world):
-    root, fill = world
-    return run_cases(CASES, fill, root)
-
-
-@pytest.mark.parametrize("key", list(CASES))
-def test_checkpoint_case(key, results, world):
-    check_cli_result(CASES[key], results[key], world[1])
-
-
-def test_docs_list_every_case():
-    assert not docs_missing(CASES), docs_missing(CASES)
+results, test_checkpoint_case, test_docs_list_every_case = corpus_tests(CASES)

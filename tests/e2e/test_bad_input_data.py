@@ -12,7 +12,7 @@ import os
 import time
 
 import pytest
-from badinput_support import REPO, TINY, CliCase, check_cli_result, docs_missing, run_cases
+from badinput_support import REPO, TINY, CliCase, corpus_tests
 
 GRPO = ("{grpo_yaml}", "model.hf_path={model}", "data.eval_path=", "train.run_dir={root}/runs/{id}",
         "rollout.health_timeout_s=3")
@@ -93,19 +93,7 @@ def world(tmp_path_factory):
     return root, lambda text: text.format(**paths)
 
 
-@pytest.fixture(scope="module")
-def results(world):
-    root, fill = world
-    return run_cases(CASES, fill, root)
-
-
-@pytest.mark.parametrize("key", list(CASES))
-def test_data_case(key, results, world):
-    check_cli_result(CASES[key], results[key], world[1])
-
-
-def test_docs_list_every_case():
-    assert not docs_missing(CASES), docs_missing(CASES)
+results, test_data_case, test_docs_list_every_case = corpus_tests(CASES)
 
 
 def test_every_record_of_the_demo_file_checked_quickly():

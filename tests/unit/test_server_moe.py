@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from aiohttp import web
+from hf_models import save_random
 
 from megarl.server import build_state
 from megarl.server.app import build_app
@@ -38,14 +39,7 @@ def build(path, arch: str, seed: int, **overrides):
         cfg = transformers.Qwen3MoeConfig(**common, head_dim=16, **overrides)
     else:
         cfg = transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=48, **overrides)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in name else 0.0) + torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.08))
-    model.eval()
-    model.save_pretrained(str(path), safe_serialization=True)
-    return model
+    return save_random(transformers, cfg, str(path), seed)
 
 
 def load(path, max_len=256) -> CausalLM:

@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+from hf_models import save_random
 from test_rollout_model import _teacher_forced
 
 from megarl.server import build_state
@@ -38,14 +39,7 @@ CASES = {
 
 
 def build(path, make_cfg, seed=0):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(make_cfg(), attn_implementation="eager").float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in name else 0.0) + torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.08))
-    model.eval()
-    model.save_pretrained(str(path), safe_serialization=True)
-    return model
+    return save_random(transformers, make_cfg(), str(path), seed)
 
 
 def load(path, cfg=None) -> CausalLM:
