@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -83,17 +82,9 @@ def main():
                                     vocab_size=args.vocab, intermediate_size=args.hidden * 11 // 4,
                                     num_attention_heads=args.hidden // 64,
                                     num_key_value_heads=max(2, args.hidden // 256)))
-    sys.path.insert(0, os.path.join(REPO, "tests", "dist"))
-    from distrun import free_port, start_server
+    from rl_runs import torchrun_with_server
 
-    url, proc = start_server(hf, os.path.join(work, "server.log"), ["--tp", "2"], ready_timeout_s=300)
-    try:
-        env = dict(os.environ, BENCH_HF=hf, BENCH_SERVER=url, BENCH_WORK=work, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(free_port()), os.path.abspath(__file__), *sys.argv[1:]]
-        return subprocess.call(cmd, env=env)
-    finally:
-        proc.kill()
+    return torchrun_with_server(__file__, hf, work, 2, ["--tp", "2"], ready_timeout_s=300)
 
 
 if __name__ == "__main__":

@@ -249,18 +249,9 @@ def main():
     write_random_hf(hf, tiny_config(hidden_size=args.hidden, num_hidden_layers=args.layers,
                                     vocab_size=args.vocab, intermediate_size=args.hidden * 11 // 4,
                                     num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256)))
-    sys.path.insert(0, os.path.join(REPO, "tests", "dist"))
-    from distrun import free_port, start_server
+    from rl_runs import torchrun_with_server
 
-    url, proc = start_server(hf, os.path.join(work, "server.log"))
-    try:
-        env = dict(os.environ, BENCH_HF=hf, BENCH_SERVER=url, BENCH_WORK=work, OMP_NUM_THREADS="1",
-                   BENCH_SERVER_PID=str(proc.pid))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.tp),
-               "--master_port", str(free_port()), os.path.abspath(__file__), *sys.argv[1:]]
-        return subprocess.call(cmd, env=env)
-    finally:
-        proc.kill()
+    return torchrun_with_server(__file__, hf, work, args.tp)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Shared by the RL benchmarks: run `megarl-train` on the demo task and read its clock.
+"""Shared by the benchmarks: run `megarl-train` on the demo task and read its clock; start a
+megarl-server and re-run a bench script under torchrun against it (the push benchmarks).
 
     summary = run_train(run_dir, overrides)   # -> RunSummary of metrics.jsonl
+    return torchrun_with_server(__file__, hf, work, nproc)   # ranks see BENCH_* variables
 
 Training wall time excludes evaluation everywhere: a run's clock starts when its first step starts
 (first row's `time - step_time`) and every row's `time/eval` (blocking held-out evaluation through
@@ -201,3 +203,23 @@ def write_results(out_dir: str, results, md: str) -> None:
 
 def fmt(x, spec: str = ".3f", none: str = "-") -> str:
     return none if x is None else format(x, spec)
+
+
+def torchrun_with_server(script: str, hf: str, work: str, nproc: int, server_args=(),
+                         ready_timeout_s: float = 60.0) -> int:
+    """Starts a megarl-server on ``hf`` (log in ``work``), then ``script`` (with this process's
+    arguments) under torchrun on loopback; the ranks find the server in BENCH_SERVER (its pid in
+    BENCH_SERVER_PID), the model in BENCH_HF, the scratch directory in BENCH_WORK. Returns
+    torchrun's exit status; the server is killed either way."""
+    from megarl.net import free_port
+    from megarl.rollout.local import start_server
+
+    url, proc = start_server(hf, os.path.join(work, "server.log"), list(server_args), ready_timeout_s=ready_timeout_s)
+    try:
+        env = dict(os.environ, BENCH_HF=hf, BENCH_SERVER=url, BENCH_WORK=work, OMP_NUM_THREADS="1",
+                   BENCH_SERVER_PID=str(proc.pid))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), os.path.abspath(script), *sys.argv[1:]]
+        return subprocess.call(cmd, env=env)
+    finally:
+        proc.kill()
