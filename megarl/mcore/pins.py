@@ -88,6 +88,11 @@ CPU_PINS = (
         "(tensor, as_numpy=False, record_stream=False)"),
     Pin("megatron.core.transformer.moe.moe_utils:te_general_gemm", "source", "cpu.py",
         "defined only when TE imports, tested unconditionally by the router: set to None without TE"),
+    Pin("megatron.core.jit:enable_jit_fuser", "source", "cpu.py",
+        "binds jit_fuser to torch.compile at import; the first CPU import defers that compile to a "
+        "first call (fusions are off on CPU)", text="jit_fuser = torch.compile"),
+    Pin("megatron.core.inference.contexts.dynamic_context:HAVE_WANDB", "attr", "cpu.py",
+        "imports wandb when installed, for hooks megarl does not use: hidden during the first CPU import"),
 )
 
 ATTENTION_PINS = (
