@@ -96,22 +96,24 @@ def train(cfg, stop: StopRequest) -> int:
     from megarl.config import check_world_size
     from megarl.metrics import MetricsLogger
     from megarl.trainer.engine import Engine, EngineSpec
+    from megarl.trainer.rollout_link import RolloutSide
 
+    ranks = parallel.discover_ranks()
+    check_world_size(cfg, ranks.world_size)
+    side = RolloutSide(cfg) if cfg.train.is_rl else None
+    if ranks.rank == 0:
+        save_config(cfg, cfg.train.run_dir)  # the manager reads it
+        clear_stop_marker(cfg.train.run_dir)
+        if side is not None:  # it loads and starts its servers while megatron-core imports and the engine builds
+            side.launch()
     info = parallel.init_distributed(cfg.parallel.backend)
     if info.rank == 0:
         print(f"[megarl] {info.world_size} rank(s) from {info.source}, rendezvous "
               f"{info.master_addr}:{info.master_port}", flush=True)
-    check_world_size(cfg, info.world_size)
     ps = parallel.init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.model.seed,
                                       ep=cfg.parallel.ep)
-    if ps.rank == 0:
-        save_config(cfg, cfg.train.run_dir)
-        clear_stop_marker(cfg.train.run_dir)
-    side = None
-    if cfg.train.is_rl:  # the rollout manager starts its servers while the engine builds
-        from megarl.trainer.rollout_link import RolloutSide
-        side = RolloutSide(cfg, ps)
-        side.start()
+    if side is not None:
+        side.start(ps)
     engine = Engine.build(EngineSpec.from_config(cfg), ps)
     ckpt = CheckpointManager(cfg, ps, engine)
     logger = MetricsLogger(cfg.train.run_dir, tensorboard=cfg.logging.tensorboard,

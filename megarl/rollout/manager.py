@@ -326,26 +326,32 @@ def serve_forever(manager: RolloutManager, listener: socket.socket) -> None:
     manager.close()
 
 
-def spawn(config_path: str, host: str, log_path: str, cpus=None):
-    """Trainer rank 0: start the manager process, return (process, "host:port") once it listens."""
+def start_process(config_path: str, host: str, log_path: str, cpus=None):
+    """Start the manager process and return at once: it imports, listens and starts its servers
+    while the caller goes on (`wait_listening` then reads its address)."""
     import subprocess
 
     from megarl.signals import owned_child_setup
 
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    log_file = open(log_path, "a")
-    proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.manager", config_path, "--host", host,
-                             # port 0: the OS picks a free port and the manager prints it (no race over a chosen port)
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=log_file,
-                            preexec_fn=owned_child_setup, text=True)
+    with open(log_path, "a") as log_file:  # the child holds its own descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.manager", config_path, "--host", host,
+                                 # port 0: the OS picks a free port and the manager prints it (no race over a chosen port)
+                                 "--port", "0"], stdout=subprocess.PIPE, stderr=log_file,
+                                preexec_fn=owned_child_setup, text=True)
     if cpus:
         os.sched_setaffinity(proc.pid, cpus)
+    return proc
+
+
+def wait_listening(proc, log_path: str) -> str:
+    """The "host:port" the process from `start_process` listens on, once it does."""
     line = proc.stdout.readline().strip()  # "listening HOST:PORT", or EOF when it failed
     if not line.startswith("listening "):
         proc.wait(timeout=30)
         raise RuntimeError(f"rollout manager did not start (exit {proc.returncode}; log {log_path}): "
                            f"{_tail(log_path)}")
-    return proc, line.split(" ", 1)[1]
+    return line.split(" ", 1)[1]
 
 
 def _tail(path: str) -> str:

@@ -162,31 +162,45 @@ class RolloutSide:
     """Rank 0's handle on the manager process (spawned here unless ``rollout.manager_address``
     names one already running) and the step hand-off on every rank."""
 
-    def __init__(self, cfg, ps):
-        self.cfg, self.ps = cfg, ps
+    def __init__(self, cfg, ps=None):
+        self.cfg, self.ps = cfg, ps  # ps: given here or to `start` (`launch` runs before it exists)
         self.proc: Optional[subprocess.Popen] = None
         self.link: Optional[Link] = None
         self.address = ""
         self.evals_pending = 0  # submitted evaluations not reported yet (rank 0)
 
-    def start(self) -> None:
-        """Rank 0: the manager process (it starts the local servers while the engine builds)."""
+    def launch(self) -> None:
+        """Rank 0: start the manager process without waiting for it, so that it imports and
+        starts the local servers while this process imports megatron-core and builds the engine
+        (train.py calls this first thing); `start` then waits for its address. Nothing to start
+        when ``rollout.manager_address`` names one already running."""
         from megarl.net import serving_host
         from megarl.rollout.local import split_cpus
-        from megarl.rollout.manager import spawn
+        from megarl.rollout.manager import start_process
 
+        r, t = self.cfg.rollout, self.cfg.train
+        if self.proc is not None or r.manager_address:
+            return
+        server_cpus, trainer_cpus = split_cpus(r.server_cpus) if r.server_cpus else (None, None)
+        self.proc = start_process(os.path.join(t.run_dir, "config.yaml"), serving_host(),
+                                  os.path.join(t.run_dir, "manager.log"), cpus=server_cpus)
+        if trainer_cpus:  # generation and training on their own cores (docs/demo.md)
+            # after the spawn: the manager (and the servers it starts) keep the server CPUs
+            os.sched_setaffinity(0, trainer_cpus)
+
+    def start(self, ps=None) -> None:
+        """Rank 0: the link to the manager (launched here unless `launch` already did)."""
+        from megarl.rollout.manager import wait_listening
+
+        if ps is not None:
+            self.ps = ps
         if self.ps.rank != 0:
             return
-        r, t = self.cfg.rollout, self.cfg.train
-        if r.manager_address:
-            self.address = r.manager_address
+        if self.cfg.rollout.manager_address:
+            self.address = self.cfg.rollout.manager_address
         else:
-            server_cpus, trainer_cpus = split_cpus(r.server_cpus) if r.server_cpus else (None, None)
-            self.proc, self.address = spawn(os.path.join(t.run_dir, "config.yaml"), serving_host(),
-                                            os.path.join(t.run_dir, "manager.log"), cpus=server_cpus)
-            if trainer_cpus:  # generation and training on their own cores (docs/demo.md)
-                # after the spawn: the manager (and the servers it starts) keep the server CPUs
-                os.sched_setaffinity(0, trainer_cpus)
+            self.launch()
+            self.address = wait_listening(self.proc, os.path.join(self.cfg.train.run_dir, "manager.log"))
         self.link = Link(self.address, "driver")
 
     def connect(self, version: int, state: Optional[dict]) -> ManagerCluster:
