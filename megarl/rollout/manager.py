@@ -372,9 +372,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     from megarl.config import load_config
 
     spec = ManagerSpec.from_config(load_config(args.config))
-    import torch
-
-    torch.set_num_threads(1)  # nothing heavy runs here: the cores are the trainer's and the servers'
+    # nothing heavy runs here: the cores are the trainer's and the servers'. The manager itself
+    # never imports torch (~1.8 s before it could listen); a plugin that does gets one thread, and
+    # so do the processes it starts that do not set their own (megarl-server sets --threads).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the controller's loop thread holds the GIL most of the time; a trainer request waiting in a
     # connection thread gets it within ~1 ms instead of the default 5 ms switch interval
     sys.setswitchinterval(0.001)
