@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import random
 import socket
 from datetime import timedelta
 from typing import Optional
@@ -38,11 +39,42 @@ _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
 
 def free_port(host: str = LOOPBACK) -> int:
-    """A port free on ``host`` at the time of the call. The socket is closed before returning,
-    so another process may take it first: callers that bind later retry or fail loudly."""
-    with socket.socket() as s:
+    """A port free on ``host`` at the time of the call, below the kernel's ephemeral range.
+
+    The socket is closed before returning and the caller binds later (a server after loading its
+    model, seconds on): a port from the ephemeral range could meanwhile become the source port of
+    any outgoing connection or a gloo pair's listener (seen: a local server's port taken while
+    the trainer's ranks connected). Ports below that range are only ever taken by explicit binds,
+    so the window is left to other processes picking ports the same way; where the range is
+    unknown, the OS picks."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64 if low else 0):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(_family(host)) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(_family(host)) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux), 0 when unknown or too low to leave
+    room below it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return low if low >= 4096 else 0
+
+
+def _family(host: str) -> int:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def reachable_host(bind_host: str) -> str:
