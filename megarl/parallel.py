@@ -113,6 +113,12 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> RankInfo:
         return info
     if backend == "auto":
         backend = "nccl" if compat.HAVE_CUDA else "gloo"
+    if backend == "nccl":
+        # Host tensors (the step's arrays, push statistics, stop flags) travel over gloo and CUDA
+        # tensors over NCCL, in the default group and every group made from it; plain "nccl"
+        # fails any collective on a CPU tensor ("No backend type associated with device type
+        # cpu"), seen on the first GPU run (docs/gpu.md).
+        backend = "cpu:gloo,cuda:nccl"
     if compat.HAVE_CUDA:
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
     else:

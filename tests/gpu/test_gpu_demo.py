@@ -24,7 +24,8 @@ def test_demo_recipe_on_gpu_raises_held_out_accuracy(tmp_path, record_property):
            f"data.eval_path={REPO}/examples/tiny/data/eval_prompts.jsonl",
            f"train.run_dir={run}", "checkpoint.hf_export_dir=", f"train.steps={STEPS}",
            f"rollout.eval_interval={STEPS}", "rollout.eval_size=500", "rollout.eval_at_start=true",
-           "rollout.server_args=[--device,cuda]", "weights.transport=tensor"]
+           "rollout.server_args=[--device,cuda]", "weights.transport=tensor",
+           "--debug"]  # a failure's whole traceback in the assertion message
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=str(tmp_path),
                           env=child_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
