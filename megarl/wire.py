@@ -290,4 +290,4 @@ def tensor_digest(t, dtype=None) -> str:
     if dtype is not None and x.dtype != dtype:
         x = x.to(dtype)
     flat = x.contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(flat.numpy()).hexdigest()
+    return hashlib.sha256(flat.cpu().numpy()).hexdigest()  # a CUDA server's weights too

@@ -144,5 +144,5 @@ class Routes:
 
 def b64_array(t: torch.Tensor, dtype) -> str:
     """Base64 of the array's raw little-endian bytes in C order (SGLang's ``routed_experts``)."""
-    return base64.b64encode(np.ascontiguousarray(t.numpy(), dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+    return base64.b64encode(np.ascontiguousarray(t.cpu().numpy(), dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
                             ).decode("ascii")
