@@ -23,6 +23,9 @@ torchrun job:
     rollout.servers      RL: each answers /health (200) and /model_info (a JSON object) within
                          rollout.health_timeout_s (at most an hour), a progress line while it
                          waits - an unreachable server is an error, not a hang
+    weights.*            RL: the weight wire resolved against what the servers advertise
+                         (`check_wire`, `megarl.config.server_wire`): auto chosen, a setting a
+                         server cannot take refused naming the field and the server
 
 Nothing here imports Megatron or starts torch.distributed; torch only where a check reads tensors
 (model.init=hf safetensors headers, an existing checkpoint), so most bad inputs exit in ~0.2 s.
@@ -55,8 +58,23 @@ def check_inputs(cfg: Config, *, cleanup_run_dir: bool = True) -> None:
         check_plugins(cfg)
     check_writable("train.run_dir", cfg.train.run_dir, cleanup=cleanup_run_dir)
     check_resume(cfg, args)
-    if rl and cfg.rollout.servers:
-        check_servers(cfg.rollout.servers, cfg.rollout.api_key or None, cfg.rollout.health_timeout_s)
+    if rl:
+        check_wire(cfg)
+
+
+def check_wire(cfg: Config) -> None:
+    """The servers say what they are (``rollout.servers``: their /model_info; the servers the job
+    starts: megarl-server), and ``cfg.weights`` becomes the wire they can all take
+    (`megarl.config.server_wire.resolve_wire`: auto resolved, an impossible setting refused).
+    Rank 0 saves the resolved config, which the rollout manager reads."""
+    from megarl.config.server_wire import local_extensions, resolve_wire
+
+    if cfg.rollout.servers:
+        servers = check_servers(cfg.rollout.servers, cfg.rollout.api_key or None,
+                                cfg.rollout.health_timeout_s)
+    else:
+        servers = {"(local megarl-server)": local_extensions("megarl")}
+    cfg.weights = resolve_wire(cfg.weights, servers)
 
 
 # ----------------------------------------------------------------------------- model and tokenizer
@@ -259,13 +277,16 @@ HEALTH_WAIT_CAP_S = 3600.0  # the longest preflight waits for a server, whatever
 PROGRESS_FIRST_S = 5.0  # first "still waiting" line; then every doubling, at most a minute apart
 
 
-def check_servers(servers: list[str], api_key, timeout_s: float) -> None:
-    """Every server answers ``/health`` with 200 and ``/model_info`` with a JSON object before
+def check_servers(servers: list[str], api_key, timeout_s: float) -> dict[str, frozenset]:
+    """{url: the extensions it advertises (`megarl.wire.server_extensions`)}, once every server
+    answered ``/health`` with 200 and ``/model_info`` with a JSON object before
     one shared deadline: rollout.health_timeout_s, at most ``HEALTH_WAIT_CAP_S``. Servers that
     are still starting are retried until the deadline, with a progress line on stdout every
     5, 10, 20, 40, 60, 60 ... s; a server that answers but wrongly (HTTP 5xx, not JSON) fails at once."""
     from megarl.rollout.http import normalize_address
+    from megarl.wire import server_extensions
 
+    found: dict[str, frozenset] = {}
     wait = min(timeout_s, HEALTH_WAIT_CAP_S)
     limit = (f"rollout.health_timeout_s={timeout_s:g} s" if wait == timeout_s else
              f"{wait:g} s (rollout.health_timeout_s={timeout_s:g}, capped at {HEALTH_WAIT_CAP_S:g} s)")
@@ -289,6 +310,11 @@ def check_servers(servers: list[str], api_key, timeout_s: float) -> None:
             info = None
         if not isinstance(info, dict):
             raise ConfigError(f"{field}: {url}/model_info did not answer a JSON object: {body[:60]!r}")
+        try:
+            found[url] = server_extensions(info)
+        except ValueError as e:
+            raise ConfigError(f"{field}: {url}{e}") from None
+    return found
 
 
 def _wait_health(field: str, url: str, t0: float, deadline: float, limit: str) -> None:

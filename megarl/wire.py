@@ -233,14 +233,50 @@ def direct_split(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[int],
     return direct, [i for i in range(len(dtypes)) if i not in chosen]
 
 
-def flat_layout(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[tuple[int, int]], int]:
-    """(offset, nbytes) of each tensor in a flattened bucket, and the bucket's total bytes."""
+def flat_layout(dtypes: list[str], shapes: list[list[int]], align: int = FLAT_ALIGN
+                ) -> tuple[list[tuple[int, int]], int]:
+    """(offset, nbytes) of each tensor in a flattened bucket, and the bucket's total bytes. Each
+    tensor starts on an ``align``-byte boundary: `FLAT_ALIGN` for the packed part of a
+    "direct_bucket"; 1 for SGLang's "flattened_bucket" (tensors back to back), where every offset
+    must still be a multiple of its dtype's size (SGLang refuses the bucket otherwise):
+    `sglang_flat_order` arranges a bucket so that it is."""
     out, at = [], 0
     for dt, shape in zip(dtypes, shapes):
         n = nbytes_of(dt, shape)
+        if at % _ITEMSIZE[str(dt).replace("torch.", "")]:
+            raise ValueError(f"flattened bucket: tensor {len(out)} ({dt}) would start at byte {at}, "
+                             "not a multiple of its dtype's size")
         out.append((at, n))
-        at += -(-n // FLAT_ALIGN) * FLAT_ALIGN
+        at += -(-n // align) * align
     return out, at
+
+
+def sglang_flat_order(dtypes: list[str]) -> list[int]:
+    """An order of a bucket's tensors in which SGLang's back-to-back "flattened_bucket" layout
+    keeps every tensor aligned to its dtype's size: widest dtypes first (sizes are powers of two,
+    so every offset after a run of wider tensors is a multiple of the narrower ones' size)."""
+    return sorted(range(len(dtypes)), key=lambda i: -_ITEMSIZE[str(dtypes[i]).replace("torch.", "")])
+
+
+# ---- what a server is ------------------------------------------------------------------------------
+# megarl-server's additions to SGLang 0.5.x's protocol, listed in its /model_info under
+# "megarl_extensions". A server that lists none (real SGLang) is sent SGLang's own endpoints and
+# load formats only; the rollout side chooses the wire from these (`megarl.config.server_wire`).
+EXT_DIRECT_BUCKET = "direct_bucket"  # /update_weights_from_distributed load_format "direct_bucket"
+EXT_SAFETENSORS = SAFETENSORS_B64  # /update_weights_from_tensor with safetensors payloads
+EXT_SHARD_REFIT = "shard_refit"  # load_format "shard_refit" with server_tp_ranks
+EXT_CHECKSUM = "weights_checksum"  # /weights_checksum
+EXT_DISK_DELTA = "disk_delta"  # /update_weights_from_disk of delta records
+MEGARL_EXTENSIONS = (EXT_DIRECT_BUCKET, EXT_SAFETENSORS, EXT_SHARD_REFIT, EXT_CHECKSUM, EXT_DISK_DELTA)
+
+
+def server_extensions(model_info: dict) -> frozenset:
+    """The extensions a /model_info answer advertises (empty: SGLang's protocol only). Unknown
+    names are kept: a newer megarl-server may offer more than this client uses."""
+    got = model_info.get("megarl_extensions") or []
+    if not isinstance(got, list) or not all(isinstance(x, str) for x in got):
+        raise ValueError(f"/model_info megarl_extensions: expected a list of names, got {got!r}")
+    return frozenset(got)
 
 
 @dataclass

@@ -166,8 +166,9 @@ class WeightSyncConfig:
     """Versions kept in disk_dir."""
     verify_interval: Optional[int] = bounded(None, ge=0)
     """Every N pushes compare a sha256 of every pushed tensor with the one each server computes of
-    what it holds (megarl-server's /weights_checksum: no tensor data over HTTP); 0 = off. Unset:
-    every push with megarl-server (tensor_format megarl), off with real SGLang (no such endpoint).
+    what it holds (megarl-server's /weights_checksum: no tensor data over HTTP); 0 = off. auto (or
+    unset): every push when every server advertises /weights_checksum (megarl-server), off when
+    one does not (real SGLang); N > 0 against such a server stops at preflight.
     Cost per checked push: ~8 ms for the demo model, ~1 s for 472 MiB (docs/reliability.md)."""
     verify_mode: str = "fail"
     """What a differing checksum does: fail (stop the run naming the server and tensor) or warn
@@ -189,11 +190,14 @@ class WeightSyncConfig:
     Off by default: on this 2-core machine, for 472 MiB with the embeddings frozen, raw took 4x
     and xor 23x the time of a full write (docs/benchmarks.md); worth it where a slow shared
     filesystem, not the CPU, is the limit."""
-    tensor_format: str = "megarl"
-    """Which server's weight formats: megarl (megarl-server: safetensors payloads for the tensor
-    transport; for the distributed one, large tensors broadcast straight into the server's
-    parameters and the small ones packed, per bucket) or sglang (real SGLang: its tensor payload,
-    one broadcast per tensor)."""
+    tensor_format: str = "auto"
+    """Which weight formats: auto (chosen from what the servers advertise in /model_info, checked
+    at preflight: megarl when every server is a megarl-server, else SGLang's), megarl
+    (megarl-server's extensions: safetensors payloads for the tensor transport; for the
+    distributed one, large tensors broadcast straight into the server's parameters and the small
+    ones packed, per bucket) or sglang (SGLang 0.5.x's own: its tensor payload, one flattened
+    bucket per broadcast). A setting a server cannot take stops at preflight naming it
+    (megarl/config/server_wire.py)."""
     refit: str = "gather"
     """How tensor-parallel shards reach the servers: gather (the stage source gathers each full
     tensor over its TP group and broadcasts it; any server) or shard (shard-to-shard refit: every
@@ -205,10 +209,10 @@ class WeightSyncConfig:
         _check(self, "weights")
         _choice("weights.transport", self.transport, ("distributed", "disk", "tensor"))
         _choice("weights.refit", self.refit, ("gather", "shard"))
-        if self.refit == "shard" and (self.transport != "distributed" or self.tensor_format != "megarl"):
+        if self.refit == "shard" and (self.transport != "distributed" or self.tensor_format == "sglang"):
             raise ConfigError("weights.refit: shard needs weights.transport=distributed and "
                               "weights.tensor_format=megarl (megarl-server)")
-        _choice("weights.tensor_format", self.tensor_format, ("megarl", "sglang"))
+        _choice("weights.tensor_format", self.tensor_format, ("auto", "megarl", "sglang"))
         _choice("weights.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         _choice("weights.pause_mode", self.pause_mode, ("abort", "retract", "in_place"))
         _choice("weights.verify_mode", self.verify_mode, ("warn", "fail"))
@@ -216,13 +220,12 @@ class WeightSyncConfig:
         if self.disk_delta != "off" and self.tensor_format == "sglang":
             raise ConfigError("weights.disk_delta: real SGLang (weights.tensor_format=sglang) reads only HF "
                               "checkpoints; set it to off")
-        if self.tensor_format == "sglang" and self.verify_interval:
-            raise ConfigError("weights.verify_interval: real SGLang (weights.tensor_format=sglang) has no "
-                              "/weights_checksum, a megarl-server extension; set it to 0 or leave it unset")
 
     @property
     def verify_every(self) -> int:
-        """Pushes between checksum checks (0 = off): verify_interval, or by server kind when unset."""
-        if self.verify_interval is not None:
-            return self.verify_interval
-        return 0 if self.tensor_format == "sglang" else 1
+        """Pushes between checksum checks (0 = off), once `megarl.config.server_wire.resolve_wire`
+        resolved auto against the servers (or the config set it)."""
+        if self.verify_interval is None:
+            raise ConfigError("weights.verify_interval: auto is resolved against the servers "
+                              "(megarl.config.server_wire.resolve_wire, run by megarl-train's preflight)")
+        return self.verify_interval

@@ -78,8 +78,11 @@ class ClusterError(RuntimeError):
 class RolloutCluster:
     def __init__(self, addresses: list[str], *, driver: bool, api_key: Optional[str] = None,
                  timeout_s: float = 60.0, pause_mode: PauseMode = "abort", version: int = 0,
-                 min_live_servers: int = 1, health_timeout_s: float = 3.0):
+                 min_live_servers: int = 1, health_timeout_s: float = 3.0, required: frozenset = frozenset()):
         self.addresses = [normalize_address(a) for a in addresses]
+        # extensions the resolved weight wire needs (megarl.config.server_wire.required_extensions):
+        # a server that comes back without them is not re-admitted
+        self.required = frozenset(required)
         # a health check never waits longer than a push step would
         # a health probe never outlasts the push deadline it runs inside
         self.min_live_servers, self.health_timeout_s = min_live_servers, min(health_timeout_s, timeout_s)
@@ -110,8 +113,11 @@ class RolloutCluster:
     def from_sections(cls, rollout, weights, addresses: list[str], driver: bool) -> "RolloutCluster":
         """From ``rollout.api_key``, ``rollout.min_live_servers``, ``weights.timeout_s`` and
         ``weights.pause_mode``."""
+        from megarl.config.server_wire import required_extensions
+
         return cls(addresses, driver=driver, api_key=rollout.api_key or None, timeout_s=weights.timeout_s,
-                   pause_mode=weights.pause_mode, min_live_servers=rollout.min_live_servers)
+                   pause_mode=weights.pause_mode, min_live_servers=rollout.min_live_servers,
+                   required=required_extensions(weights))
 
     # ------------------------------------------------------------------ the version
     def get_version(self) -> int:
@@ -186,12 +192,35 @@ class RolloutCluster:
         return ready
 
     def _poll_dead(self) -> None:
+        refused: set[str] = set()
         while self.dead and not self._closed:
             for address, ok in self._health(list(self.dead)).items():
-                if ok:
+                if ok and self._speaks_wire(address, refused):
                     with self._lock:
                         self._ready.add(address)
             time.sleep(self.poll_interval_s)
+
+    def _speaks_wire(self, address: str, refused: set[str]) -> bool:
+        """A server that answers again still advertises what the weight wire needs (one at the
+        same address may be another kind of server now: SGLang where a megarl-server was)."""
+        if not self.required:
+            return True
+        from megarl.wire import server_extensions
+
+        probe = AdminRunner([address], self.api_key, self.health_timeout_s)
+        try:
+            missing = self.required - server_extensions(probe.call(lambda c: c.get_model_info())[address])
+        except Exception as e:  # noqa: BLE001 - not answering yet: polled again
+            log.debug("rollout server %s: /model_info: %s", address, e)
+            return False
+        finally:
+            probe.close()
+        if missing and address not in refused:
+            refused.add(address)
+            log.warning("rollout server %s is back without %s, which the weight wire needs "
+                        "(weights.tensor_format / verify_interval / refit / disk_delta as resolved at start); "
+                        "not re-admitted", address, ", ".join(sorted(missing)))
+        return not missing
 
     def _health(self, addresses: list[str]) -> dict[str, bool]:
         if not addresses:

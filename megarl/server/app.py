@@ -27,6 +27,7 @@ from megarl.server.protocol import build_response, parse_generate
 from megarl.server.sampling import SamplingConfig
 from megarl.server.state import (BadRequest, ServerState, body_field, error, on_engine, read_body,
                                          result)
+from megarl.wire import MEGARL_EXTENSIONS
 
 log = logging.getLogger("megarl.server")
 
@@ -133,6 +134,8 @@ async def model_info(request: web.Request) -> web.Response:
         "paused": eng.paused,
         "updating_weights": eng.updating,
         "enable_return_routed_experts": state.return_routed_experts,
+        # what this server adds to SGLang's protocol: the rollout side chooses the wire from it
+        "megarl_extensions": list(MEGARL_EXTENSIONS),
     })
 
 

@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
-from megarl.wire import DIRECT_BUCKET, FLATTENED_BUCKET, SAFETENSORS_B64, direct_split, flat_layout
+from megarl.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, SAFETENSORS_B64, direct_split,
+                         flat_layout)
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -115,8 +116,8 @@ def receive_broadcast(group: WeightGroup, names, dtypes, shapes, load_format=Non
                       targets: Optional[dict] = None) -> tuple[dict[str, torch.Tensor], int]:
     """Receive one announced bucket; returns (tensors still to load, how many were received in
     place). Per ``load_format``: None = broadcast(src=0) per tensor, in announced order;
-    "flattened_bucket" = the whole bucket in one broadcast (views into the group's buffer, valid
-    until its next receive); "direct_bucket" = `megarl.wire.direct_split`: a large tensor whose
+    "flattened_bucket" = the whole bucket in one broadcast, laid out as SGLang lays it out
+    (views into the group's buffer, valid until its next receive); "direct_bucket" = `megarl.wire.direct_split`: a large tensor whose
     name is in ``targets`` ({name: the parameter itself, same dtype/shape, contiguous}) is
     received straight into it (no copy; the caller holds the engine, so nothing reads it
     meanwhile), any other into a new tensor, then the small ones in one packed broadcast.
@@ -129,8 +130,8 @@ def receive_broadcast(group: WeightGroup, names, dtypes, shapes, load_format=Non
     # to back instead of handing each one to and from this thread
     works: list = []
 
-    def unpack(idx: list[int]) -> None:
-        layout, total = flat_layout([dtypes[i] for i in idx], [shapes[i] for i in idx])
+    def unpack(idx: list[int], align: int = FLAT_ALIGN) -> None:
+        layout, total = flat_layout([dtypes[i] for i in idx], [shapes[i] for i in idx], align)
         buf = group.buffer(total, device)
         works.append(dist.broadcast(buf, src=0, group=pg, async_op=True))
         for w in works:
@@ -139,8 +140,8 @@ def receive_broadcast(group: WeightGroup, names, dtypes, shapes, load_format=Non
         for i, (off, n) in zip(idx, layout):
             out[names[i]] = buf[off:off + n].view(parse_dtype(dtypes[i])).reshape([int(s) for s in shapes[i]])
 
-    if load_format == FLATTENED_BUCKET:
-        unpack(list(range(len(names))))
+    if load_format == FLATTENED_BUCKET:  # SGLang's layout: back to back, no padding
+        unpack(list(range(len(names))), align=1)
         return out, 0
     direct = range(len(names))
     if load_format == DIRECT_BUCKET:

@@ -72,6 +72,13 @@ class PushMetrics:
                 "push/stream_s": self.stream_s}
 
 
+def _resolved(tensor_format: str) -> str:
+    if tensor_format == "auto":  # guessing here is what once sent megarl's wire to real SGLang
+        raise PushError("weights.tensor_format: auto was not resolved against the servers "
+                        "(megarl.config.server_wire.resolve_wire, run by megarl-train's preflight)")
+    return tensor_format
+
+
 class WeightPusher:
     """Collective over all trainer ranks. Build once after the engine with the job's
     `RolloutCluster` (the owner of the server set and of the policy version); call :meth:`push`."""
@@ -120,9 +127,9 @@ class WeightPusher:
         elif w.transport == "distributed":
             backend = "nccl" if ps.device.type == "cuda" else "gloo"
             self.transport = DistributedTransport(self.admin, w.master_address, w.timeout_s, backend,
-                                                  flat=w.tensor_format == "megarl")
+                                                  wire=_resolved(w.tensor_format))
         elif w.transport == "tensor":
-            self.transport = TensorTransport(self.admin, w.timeout_s, w.tensor_format)
+            self.transport = TensorTransport(self.admin, w.timeout_s, _resolved(w.tensor_format))
         else:
             directory = w.disk_dir or f"{self.spec.run_dir}/weights"
             if w.disk_delta != "off":  # records against the last push

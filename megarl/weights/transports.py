@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from megarl.net import free_port, new_process_group
 from megarl.net import advertised_address, url_host
-from megarl.wire import (DIRECT_BUCKET, DiskWeightsUpdate, DistributedWeightsMeta, WeightsUpdateGroup,
-                         direct_split, flat_layout)
+from megarl.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, DiskWeightsUpdate,
+                         DistributedWeightsMeta, WeightsUpdateGroup, direct_split, flat_layout,
+                         sglang_flat_order)
 from megarl.rollout.admin import AdminRunner
 from megarl.weights.resharder import Bucket
 from megarl.weights.tensor_wire import WireFormat, tensor_update
@@ -50,17 +51,20 @@ class Transport(Protocol):
 
 
 class DistributedTransport:
-    """``flat`` (megarl-server, load_format "direct_bucket"): a broadcast per large tensor and one
-    for all the small ones, instead of one per tensor (SGLang): a collective's fixed latency (~1 ms
+    """``wire`` "megarl" (megarl-server, load_format "direct_bucket"): a broadcast per large tensor
+    and one for all the small ones, instead of one per tensor: a collective's fixed latency (~1 ms
     on loopback gloo) times ~40 small tensors was most of a small model's push, and packing the
-    large ones too cost a memcpy on each side (the old "flattened_bucket")."""
+    large ones too cost a memcpy on each side. "sglang" (SGLang 0.5.x, load_format
+    "flattened_bucket"): the whole bucket in one broadcast, laid out back to back as SGLang's
+    receiver expects (`megarl.wire.sglang_flat_order` keeps every tensor aligned); megarl-server
+    takes it too, so a mixed server set uses it."""
 
     streams_buckets = True
 
     def __init__(self, admin: AdminRunner, master_address: str, timeout_s: float, backend: str,
-                 flat: bool = False):
+                 wire: WireFormat = "megarl"):
         self.admin, self.addr, self.timeout_s, self.backend = admin, master_address, timeout_s, backend
-        self.flat = flat
+        self.wire = wire
         self._packbuf = torch.empty(0, dtype=torch.uint8)
         self.group = None
         self.group_name = ""
@@ -87,30 +91,38 @@ class DistributedTransport:
         print(f"[weights] stage {stage}: weight-update group {self.group_name} at {addr}:{port}", flush=True)
 
     def send(self, bucket: Bucket, version: str) -> None:
-        """Announce, then broadcast: ``flat`` (megarl-server) per `megarl.wire.direct_split`, large
-        tensors straight from the resharder's tensors (views of the parameters where no conversion
-        was needed) and the small ones packed into one reused buffer; else one per tensor."""
-        meta = DistributedWeightsMeta(bucket.names, bucket.dtypes, bucket.shapes, self.group_name,
-                                      flush_cache=False, load_format=DIRECT_BUCKET if self.flat else None)
+        """Announce, then broadcast: "megarl" per `megarl.wire.direct_split`, large tensors
+        straight from the resharder's tensors (views of the parameters where no conversion was
+        needed) and the small ones packed into one reused buffer; "sglang" the whole bucket packed
+        into that buffer in SGLang's order and layout, one broadcast."""
+        if self.wire == "megarl":
+            order, load_format, align = range(len(bucket.names)), DIRECT_BUCKET, FLAT_ALIGN
+        else:
+            order, load_format, align = sglang_flat_order(bucket.dtypes), FLATTENED_BUCKET, 1
+        names, dtypes = [bucket.names[i] for i in order], [bucket.dtypes[i] for i in order]
+        tensors, shapes = [bucket.tensors[i] for i in order], [bucket.shapes[i] for i in order]
+        meta = DistributedWeightsMeta(names, dtypes, shapes, self.group_name, flush_cache=False,
+                                      load_format=load_format)
         # announce first: the server enters its receive on this request; our broadcasts wait for it
         announced = self.admin.submit(lambda c: c.update_weights_from_distributed(meta))
         try:
             # NCCL moves CUDA tensors only; gloo moves host memory
-            dev = bucket.tensors[0].device if self.backend == "nccl" else torch.device("cpu")
-            direct, packed = direct_split(meta.dtypes, meta.shapes) if self.flat else (range(len(meta.names)), [])
+            dev = tensors[0].device if self.backend == "nccl" else torch.device("cpu")
+            direct, packed = (direct_split(dtypes, shapes) if load_format == DIRECT_BUCKET
+                              else ([], list(range(len(names)))))
             # queued without waiting, one wait at the end: the group's worker thread streams them
             # back to back instead of handing each one to and from this thread (a scheduler
             # round trip per tensor, several ms on a loaded host)
-            works = [dist.broadcast(bucket.tensors[i].to(dev).contiguous(), group=self.group, group_src=0,
+            works = [dist.broadcast(tensors[i].to(dev).contiguous(), group=self.group, group_src=0,
                                     async_op=True) for i in direct]
             if packed:
-                works.append(dist.broadcast(self._pack([bucket.tensors[i] for i in packed], dev),
+                works.append(dist.broadcast(self._pack([tensors[i] for i in packed], dev, align),
                                             group=self.group, group_src=0, async_op=True))
             for w in works:
                 w.wait()
         except Exception as e:  # noqa: BLE001
             announced.cancel()  # the server's receive fails on the broken group and answers so
-            raise PushError(f"update_weights_from_distributed: broadcast of {bucket.names[0]}... "
+            raise PushError(f"update_weights_from_distributed: broadcast of {names[0]}... "
                             f"failed ({type(e).__name__}: {str(e).splitlines()[0]}); servers "
                             f"{self.admin.addresses}") from e
         if getattr(announced, "deferred", None) is False:
@@ -120,10 +132,10 @@ class DistributedTransport:
             return
         _finish(announced, self.timeout_s, "update_weights_from_distributed")
 
-    def _pack(self, tensors: list[torch.Tensor], device) -> torch.Tensor:
-        """The small tensors in `megarl.wire.flat_layout`, in a buffer kept across buckets and pushes
+    def _pack(self, tensors: list[torch.Tensor], device, align: int) -> torch.Tensor:
+        """``tensors`` in `megarl.wire.flat_layout`, in a buffer kept across buckets and pushes
         (the sends are sequential, and a broadcast returns once its bytes left the buffer)."""
-        layout, total = flat_layout([dtype_name(t) for t in tensors], [list(t.shape) for t in tensors])
+        layout, total = flat_layout([dtype_name(t) for t in tensors], [list(t.shape) for t in tensors], align)
         if self._packbuf.numel() < total or self._packbuf.device != torch.device(device):
             self._packbuf = torch.empty(total, dtype=torch.uint8, device=device)
         buf = self._packbuf[:total]

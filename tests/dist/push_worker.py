@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from megarl import compat, parallel
 from megarl.config import load_config
+from megarl.preflight import check_wire
 from megarl.trainer.batch import TensorBatch
 from megarl.trainer.engine import Engine, EngineSpec
 from megarl.rollout.cluster import RolloutCluster
@@ -44,6 +45,7 @@ def build(hf_b, server, tp, pp, transport, work, timeout_s=60, trainable=False, 
                              f"weights.timeout_s={timeout_s}", "weights.bucket_mb=1", f"weights.refit={refit}",
                              f"weights.disk_dir={work}/push_{transport}_{tp}{pp}",
                              f"rollout.servers=[{server}]", f"train.run_dir={work}/run", *extra])
+    check_wire(cfg)  # the wire the server advertises, as megarl-train's preflight chooses it
     ps = parallel.init_model_parallel(tp, pp, ep=ep)
     engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=trainable)
     cluster = RolloutCluster.from_config(cfg, [server], driver=dist.get_rank() == 0)

@@ -47,7 +47,7 @@ def main(hf: str, server: str, out: str) -> None:
     spec = EngineSpec(ModelConfig(hf_path=hf), ParallelConfig(tp=2), OptimConfig(lr=1e-3), MoEConfig(),
                       steps=4, micro_batch_tokens=256)
     engine = Engine.build(spec, ps)
-    pusher = WeightPusher(PushSpec(WeightSyncConfig(transport="distributed", bucket_mb=1, timeout_s=60.0,
+    pusher = WeightPusher(PushSpec(WeightSyncConfig(transport="distributed", tensor_format="megarl", bucket_mb=1, timeout_s=60.0,
                                                     verify_interval=1), "/unused-run-dir"),
                           engine, RolloutCluster([server], driver=ps.rank == 0, timeout_s=60.0))
     gap_before, _ = gap(engine, server, ps)

@@ -355,7 +355,7 @@ def test_weight_pusher_all_transports(srv, models, tmp_path):
     out = tmp_path / "push.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), os.path.join(os.path.dirname(__file__), "pusher_worker.py"),
-           srv.url, KEY, models["old"][0], models["new"][0], wire, str(tmp_path), str(out)]
+           srv.url, KEY, models["old"][0], models["new"][0], str(tmp_path), str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -364,6 +364,39 @@ def test_weight_pusher_all_transports(srv, models, tmp_path):
     path, sd = models["new"]
     for transport, r in results.items():
         assert r["version"] == "1" and r["pushed"] == 1, transport
+        assert r["wire"] == wire, transport  # chosen from what the server advertises
         assert r["verify"] == ([] if wire == "megarl" else None), transport  # checksums agree
         want = reference_logprobs(path, sd, r["ids"])[len(r["ids"]) - len(r["logprobs"]):]
         assert max(abs(a - b) for a, b in zip(r["logprobs"], want)) <= TOL, transport
+
+
+def test_wire_is_chosen_by_the_server_and_forced_settings_stop_at_preflight(srv, tmp_path):
+    """megarl-train's preflight asks the server what it is (/model_info): against real SGLang a
+    megarl-only setting stops there - one line naming the field and the server, exit 2, no run
+    directory - while megarl-server takes it; with nothing forced each gets its own wire."""
+    from megarl.config import load_config
+    from megarl.preflight import check_wire
+
+    run = tmp_path / "run"
+    args = [os.path.join(REPO, "configs", "tiny_grpo.yaml"), f"rollout.servers=[{srv.url}]",
+            f"rollout.api_key={KEY}", f"train.run_dir={run}"]
+    auto = load_config(args[0], args[1:])
+    check_wire(auto)
+    want = ("sglang", 0) if srv.kind == "sglang" else ("megarl", 1)
+    assert (auto.weights.tensor_format, auto.weights.verify_interval) == want
+    forced = ["weights.tensor_format=megarl", "weights.verify_interval=1"]
+    if srv.kind == "megarl":
+        cfg = load_config(args[0], args[1:] + forced)
+        check_wire(cfg)
+        assert (cfg.weights.tensor_format, cfg.weights.verify_interval) == ("megarl", 1)
+        return
+    for setting, field, ext in ((forced[0], "weights.tensor_format", "direct_bucket"),
+                                (forced[1], "weights.verify_interval", "weights_checksum")):
+        proc = subprocess.run([sys.executable, "-m", "megarl.train", *args, setting], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            f"megarl-train: {field}: "), proc.stderr
+        assert f"needs the megarl-server extension {ext}, which server {srv.url} does not advertise" in lines[0]
+        assert not run.exists()

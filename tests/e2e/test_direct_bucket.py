@@ -31,7 +31,7 @@ def test_direct_bucket_in_place_and_bad_name(models, start_server):
     path_a, new = models
     server = start_server(path_a)
     admin = AdminRunner([server.url], None, 60)
-    tr = DistributedTransport(admin, "127.0.0.1", 60, "gloo", flat=True)
+    tr = DistributedTransport(admin, "127.0.0.1", 60, "gloo", wire="megarl")
     try:
         tr.setup(0)
         names = sorted(new)
@@ -49,6 +49,25 @@ def test_direct_bucket_in_place_and_bad_name(models, start_server):
         tr.send(Bucket(names, tensors), "1")
         assert _checksums(admin, names) == {n: tensor_digest(t) for n, t in zip(names, tensors)}
         assert before != _checksums(admin, names)
+    finally:
+        tr.close()
+        admin.close()
+
+
+def test_sglang_flattened_bucket_into_megarl_server(models, start_server):
+    """The wire megarl sends real SGLang (one "flattened_bucket" broadcast, SGLang's back-to-back
+    layout) lands bitwise in megarl-server too: what a mixed server set is sent."""
+    path_a, new = models
+    server = start_server(path_a)
+    admin = AdminRunner([server.url], None, 60)
+    tr = DistributedTransport(admin, "127.0.0.1", 60, "gloo", wire="sglang")
+    try:
+        tr.setup(0)
+        names = sorted(new)
+        tensors = [new[n].contiguous() for n in names]
+        before = _checksums(admin, names)
+        tr.send(Bucket(names, tensors), "1")
+        assert _checksums(admin, names) == {n: tensor_digest(t) for n, t in zip(names, tensors)} != before
     finally:
         tr.close()
         admin.close()

@@ -19,6 +19,7 @@ import torch
 
 from megarl import compat, parallel
 from megarl.config import load_config
+from megarl.preflight import check_wire
 from megarl.parallel import destroy_model_parallel_only
 from megarl.trainer.batch import TensorBatch
 from megarl.trainer.engine import Engine, EngineSpec
@@ -97,6 +98,7 @@ def push(hf: str, server: str, transport: str, dtype: str) -> dict:
     cfg = config(hf, f"model.dtype={dtype}", f"weights.transport={transport}", "weights.timeout_s=120",
                  f"rollout.servers=[{server}]", f"train.run_dir={work}/run",
                  f"weights.disk_dir={work}/push_disk")
+    check_wire(cfg)  # the wire the server advertises, as megarl-train's preflight chooses it
     ps = parallel.init_model_parallel(1, 1)
     engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=False)
     ids0, lps0, _ = generate(server)  # the server still holds its own (other) weights

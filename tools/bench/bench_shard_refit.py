@@ -33,6 +33,7 @@ def worker(args):
     from megarl.config import load_config
     from megarl.rollout.cluster import RolloutCluster
     from megarl.trainer.engine import Engine, EngineSpec
+    from megarl.preflight import check_wire
     from megarl.weights.push import PushSpec, WeightPusher
 
     compat.quiet_megatron_warnings()
@@ -40,10 +41,12 @@ def worker(args):
     hf, server, work = os.environ["BENCH_HF"], os.environ["BENCH_SERVER"], os.environ["BENCH_WORK"]
 
     def cfg(refit):
-        return load_config(None, [f"model.hf_path={hf}", "data.train_path=x", "parallel.tp=2",
-                                  "weights.bucket_mb=128", f"rollout.servers=[{server}]", "weights.timeout_s=300",
-                                  f"train.run_dir={work}/run", "weights.verify_interval=0",
-                                  f"weights.refit={refit}"])
+        c = load_config(None, [f"model.hf_path={hf}", "data.train_path=x", "parallel.tp=2",
+                               "weights.bucket_mb=128", f"rollout.servers=[{server}]", "weights.timeout_s=300",
+                               f"train.run_dir={work}/run", "weights.verify_interval=0",
+                               f"weights.refit={refit}"])
+        check_wire(c)  # the wire the server advertises, as megarl-train's preflight chooses it
+        return c
 
     ps = parallel.init_model_parallel(2, 1)
     engine = Engine.build(EngineSpec.from_config(cfg("gather")), ps, trainable=False)

@@ -129,6 +129,7 @@ class RawBaseline:
 
 def worker(args):
     from megarl import compat, parallel
+    from megarl.preflight import check_wire
     from megarl.config import load_config
     from megarl.trainer.engine import Engine, EngineSpec
     from megarl.rollout.cluster import RolloutCluster
@@ -142,6 +143,7 @@ def worker(args):
                              f"weights.bucket_mb={args.bucket_mb}", f"rollout.servers=[{server}]",
                              "weights.timeout_s=300", f"train.run_dir={os.environ['BENCH_WORK']}/run",
                              f"weights.verify_interval={int(args.verify)}"])
+    check_wire(cfg)  # the wire the server advertises, as megarl-train's preflight chooses it
     ps = parallel.init_model_parallel(args.tp, 1)
     engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=False)
     if args.manager:

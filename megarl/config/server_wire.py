@@ -1,0 +1,105 @@
+"""The weight wire chosen by the servers: `resolve_wire` turns ``weights.tensor_format: auto`` and
+``weights.verify_interval: auto`` into what every server of the set can take, and refuses an
+explicit setting that one of them cannot honour, naming the field and the server.
+
+What a server can take is what it advertises (`megarl.wire.server_extensions` of its
+``/model_info``): megarl-server lists its extensions to SGLang's protocol; real SGLang lists none
+and gets SGLang's endpoints and load formats only.
+
+    transport    tensor_format auto                          needs per server
+    distributed  megarl (direct_bucket) when every server    megarl: direct_bucket; sglang: -
+                 has it, else sglang (flattened_bucket,      (megarl-server takes SGLang's
+                 which megarl-server takes too)              flattened buckets as well)
+    tensor       megarl (safetensors) when every server      megarl: safetensors_b64; sglang:
+                 has it, sglang when none has; a mixed set   none (megarl-server never
+                 is refused                                  unpickles SGLang's payload)
+    disk         megarl when every server has disk_delta,    weights.disk_delta != off: disk_delta
+                 else sglang (both read HF checkpoints)
+
+    verify_interval auto: 1 (every push) when every server has weights_checksum, else 0;
+    N > 0 needs weights_checksum everywhere. refit=shard needs shard_refit everywhere.
+
+Torch-free and numpy-free at import (a config module): `megarl.wire` is imported on first use.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from megarl.errors import ConfigError
+
+
+def local_extensions(engine: str) -> frozenset:
+    """What the servers a job starts itself advertise: megarl-server all of megarl's extensions,
+    SGLang none."""
+    from megarl.wire import MEGARL_EXTENSIONS
+
+    return frozenset(MEGARL_EXTENSIONS) if engine == "megarl" else frozenset()
+
+
+def required_extensions(weights) -> frozenset:
+    """What a server must advertise to take the resolved ``weights`` wire: a server that comes
+    back (restarted, or replaced at its address) is re-admitted only if it still does."""
+    from megarl.wire import (EXT_CHECKSUM, EXT_DIRECT_BUCKET, EXT_DISK_DELTA, EXT_SAFETENSORS,
+                             EXT_SHARD_REFIT)
+
+    need = set()
+    if weights.tensor_format == "megarl" and weights.transport != "disk":
+        need.add(EXT_DIRECT_BUCKET if weights.transport == "distributed" else EXT_SAFETENSORS)
+    if weights.verify_interval:
+        need.add(EXT_CHECKSUM)
+    if weights.refit == "shard":
+        need.add(EXT_SHARD_REFIT)
+    if weights.disk_delta != "off":
+        need.add(EXT_DISK_DELTA)
+    return frozenset(need)
+
+
+def resolve_wire(weights, servers: Mapping[str, frozenset]):
+    """``weights`` (a `WeightSyncConfig`) with ``tensor_format`` and ``verify_interval`` resolved
+    for ``servers`` ({url: advertised extensions}); raises `ConfigError` naming the field and the
+    first server that cannot take an explicit setting."""
+    from megarl.wire import (EXT_CHECKSUM, EXT_DIRECT_BUCKET, EXT_DISK_DELTA, EXT_SAFETENSORS,
+                             EXT_SHARD_REFIT)
+
+    if not servers:
+        return weights
+
+    def lacking(ext: str) -> list[str]:
+        return [url for url, got in servers.items() if ext not in got]
+
+    def require(ext: str, field: str, setting: str, instead: str) -> None:
+        missing = lacking(ext)
+        if missing:
+            raise ConfigError(f"{field}: {setting} needs the megarl-server extension {ext}, which "
+                              f"server {missing[0]} does not advertise (SGLang's protocol only); {instead}")
+
+    fmt = weights.tensor_format
+    payload = {"distributed": EXT_DIRECT_BUCKET, "tensor": EXT_SAFETENSORS,
+               "disk": EXT_DISK_DELTA}[weights.transport]
+    if weights.transport == "tensor":
+        with_ext = [u for u in servers if u not in lacking(payload)]
+        if fmt == "auto" and with_ext and len(with_ext) < len(servers):
+            raise ConfigError(f"weights.transport: tensor payloads differ across the servers: "
+                              f"{with_ext[0]} takes megarl's, {lacking(payload)[0]} only SGLang's; "
+                              "a mixed server set needs weights.transport=distributed or disk")
+        if fmt == "sglang" and with_ext:
+            raise ConfigError(f"weights.tensor_format: sglang sends pickled tensor payloads, which "
+                              f"megarl-server {with_ext[0]} refuses; leave it auto or set megarl")
+    if fmt == "auto":
+        fmt = "sglang" if lacking(payload) else "megarl"
+    elif fmt == "megarl" and weights.transport != "disk":
+        require(payload, "weights.tensor_format", "megarl", "leave it auto or set sglang")
+    if weights.refit == "shard":
+        require(EXT_SHARD_REFIT, "weights.refit", "shard", "use weights.refit=gather")
+    if weights.disk_delta != "off":
+        require(EXT_DISK_DELTA, "weights.disk_delta", weights.disk_delta, "set it to off")
+
+    verify = weights.verify_interval
+    if verify is None:
+        verify = 0 if lacking(EXT_CHECKSUM) else 1
+    elif verify > 0:
+        require(EXT_CHECKSUM, "weights.verify_interval", str(verify), "set it to 0 or auto")
+    resolved = dataclasses.replace(weights, tensor_format=fmt, verify_interval=verify)
+    resolved.validate()
+    return resolved
