@@ -95,6 +95,14 @@ def resolve_wire(weights, servers: Mapping[str, frozenset]):
     if weights.disk_delta != "off":
         require(EXT_DISK_DELTA, "weights.disk_delta", weights.disk_delta, "set it to off")
 
+    if weights.pause_mode == "in_place" and weights.transport == "disk":
+        plain = [url for url, got in servers.items() if not got]
+        if plain:
+            raise ConfigError(f"weights.pause_mode: in_place keeps paused requests running on their cache, "
+                              f"and SGLang's /update_weights_from_disk (weights.transport=disk) refuses "
+                              f"to load under them (server {plain[0]}); use transport distributed or "
+                              "tensor, or pause_mode abort or retract")
+
     verify = weights.verify_interval
     if verify is None:
         verify = 0 if lacking(EXT_CHECKSUM) else 1

@@ -240,7 +240,8 @@ class RolloutCluster:
     # ------------------------------------------------------------------ push protocol (driver)
     def pause_for_update(self) -> None:
         """Steps 1-3 of a push: gates closed, ``/pause_generation`` {mode}, ``/flush_cache``
-        (cached prefixes were computed by the old weights), ``/begin_weight_update``."""
+        (cached prefixes were computed by the old weights; not for mode in_place),
+        ``/begin_weight_update``."""
         for listener in self.listeners:
             listener.hold()
         # listeners first (no new segments), then the servers: nothing is sent into a paused server
@@ -251,7 +252,12 @@ class RolloutCluster:
         except AdminError as e:
             self.unresponsive = set(e.failures)  # a hung server would stall resume() as well
             raise
-        self.admin.call(lambda c: c.flush_and_begin())  # one round trip: the two are independent
+        if self.pause_mode == "in_place":
+            # paused requests keep their KV cache and resume on it (what in_place is for); SGLang
+            # refuses /flush_cache while they hold it
+            self.admin.call(lambda c: c.begin_weight_update())
+        else:
+            self.admin.call(lambda c: c.flush_and_begin())  # one round trip: the two are independent
 
     def publish(self, version: int) -> None:
         """After every bucket landed: servers flip to ``version`` at once, then close the update."""

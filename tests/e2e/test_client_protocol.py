@@ -400,3 +400,38 @@ def test_wire_is_chosen_by_the_server_and_forced_settings_stop_at_preflight(srv,
             f"megarl-train: {field}: "), proc.stderr
         assert f"needs the megarl-server extension {ext}, which server {srv.url} does not advertise" in lines[0]
         assert not run.exists()
+
+
+def test_in_place_pause_keeps_the_request_across_a_push(srv, models):
+    """weights.pause_mode=in_place as RolloutCluster runs a push (pause, no cache flush - SGLang
+    refuses one while paused requests hold KV cache - tensor update, publish, continue): the push
+    goes through on both servers and the request's tokens are stamped 0 before the update and 1
+    after."""
+    from megarl.rollout.cluster import RolloutCluster
+
+    cluster = RolloutCluster([srv.url], driver=True, api_key=KEY, pause_mode="in_place")
+    wire = "sglang" if srv.kind == "sglang" else "megarl"
+
+    async def main():
+        async with client(srv) as (c, a):
+            req = ModelRequest([1, 5, 6], SamplingParams(max_new_tokens=600, seed=5, ignore_eos=True))
+            task = asyncio.create_task(c.agenerate(req))
+            await wait_generating(srv)
+            await asyncio.to_thread(cluster.pause_for_update)
+            # tensor (as distributed): no cache flush; SGLang's disk load flushes, and refuses
+            # while paused requests run (server_wire refuses in_place + disk against SGLang)
+            await a.update_weights_from_tensor(tensor_update(models["new"][1], wire, flush_cache=False))
+            await asyncio.to_thread(cluster.end_push, 1)
+            return await task
+
+    try:
+        r = asyncio.run(main())
+    finally:
+        cluster.close()
+    n, k = r.output_len, r.output_versions.count(0)
+    # megarl-server keeps the request in place; SGLang 0.5.23 (CPU) ended it with an abort during
+    # the update (measured: 47 tokens at version 0), and the client resubmitted it: a partial
+    # rollout, as with pause_mode abort (tools/sglang_cpu/README.md)
+    assert n == 600 and r.stop_reason == "length" and r.num_segments == (2 if srv.kind == "sglang" else 1)
+    assert 0 < k < n and r.output_versions == [0] * k + [1] * (n - k)
+    assert cluster.version == 1

@@ -165,3 +165,10 @@ def test_a_server_back_without_the_wire_is_not_readmitted(caplog):
         cluster.close()
         m_srv.shutdown()
         s_srv.shutdown()
+
+
+def test_in_place_pause_with_disk_loads_is_refused_for_sglang():
+    with pytest.raises(ConfigError, match="^weights.pause_mode: in_place .* \\(server http://s:1\\)"):
+        wire(MIXED, transport="disk", pause_mode="in_place")
+    assert wire(SGLANG, transport="distributed", pause_mode="in_place") == ("sglang", 0)
+    assert wire(MEGARL, transport="disk", pause_mode="in_place") == ("megarl", 1)
