@@ -91,24 +91,28 @@ def http_url(host: str, port: int) -> str:
 
 
 def new_process_group(addr: str, port: int, rank: int, world: int, name: str, backend: str,
-                      timeout_s: float):
+                      timeout_s: float, store=None):
     """Hosts (rank 0) or joins (rank > 0) a process group outside the default one.
 
     TCP-store rendezvous at ``addr:port`` (rank 0 serves the store), ``PrefixStore(name)`` so
     several groups can share a store, and a group built by torch's ``_new_process_group_helper``
     and registered in torch's group table with an identity rank map: collectives then accept it
     and ``group_src``/``src`` rank numbers are the group's own. Blocks until all ``world`` ranks
-    joined or ``timeout_s`` passed.
+    joined or ``timeout_s`` passed. ``store``: meet there instead (e.g. a ``FileStore`` when every
+    rank is on this host): torch's TCP store server binds every interface whatever ``addr`` says
+    (docs/reliability.md, Security), so a group that can avoid one does.
     """
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(addr, int(port), world, is_master=rank == 0, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(addr, int(port), world, is_master=rank == 0, timeout=timeout)
     pg, _ = _new_process_group_helper(world, rank, [], backend, dist.PrefixStore(name, store),
                                       group_name=name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world)}
     return pg
+
 
 def resolve(host: str) -> str:
     """IPv4 address of ``host`` (an address is returned unchanged)."""

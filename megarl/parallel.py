@@ -124,8 +124,12 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> RankInfo:
     else:
         install_cpu_shim()
     if info.source == "single" and "MASTER_PORT" not in os.environ:
-        # one process, no launcher: any free port (two single-rank jobs must not collide)
-        info = RankInfo(0, 1, 0, LOOPBACK, free_port(), "single")
+        # one process, no launcher: nothing to meet, so no store listens (torch's TCP store binds
+        # every interface, docs/reliability.md); MASTER_ADDR still names where servers bind
+        os.environ.setdefault("MASTER_ADDR", LOOPBACK)
+        dist.init_process_group(backend=backend, rank=0, world_size=1, store=dist.HashStore(),
+                                timeout=timedelta(seconds=timeout_s))
+        return RankInfo(0, 1, 0, LOOPBACK, 0, "single")
     os.environ.setdefault("MASTER_ADDR", info.master_addr)
     os.environ.setdefault("MASTER_PORT", str(info.master_port))
     dist.init_process_group(

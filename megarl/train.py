@@ -108,8 +108,8 @@ def train(cfg, stop: StopRequest) -> int:
             side.launch()
     info = parallel.init_distributed(cfg.parallel.backend)
     if info.rank == 0:
-        print(f"[megarl] {info.world_size} rank(s) from {info.source}, rendezvous "
-              f"{info.master_addr}:{info.master_port}", flush=True)
+        where = f"rendezvous {info.master_addr}:{info.master_port}" if info.master_port else "no rendezvous"
+        print(f"[megarl] {info.world_size} rank(s) from {info.source}, {where}", flush=True)
     ps = parallel.init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.model.seed,
                                       ep=cfg.parallel.ep)
     if side is not None:

@@ -29,7 +29,14 @@ class RolloutConfig:
     manager_address: str = ""
     """host:port of a rollout manager started apart (`megarl-rollout-manager RUN_DIR/config.yaml
     --host H --port P`, e.g. on the rollout partition); empty = trainer rank 0 starts one beside
-    itself. Trainer rank 0 (and each pipeline stage's weight source) connects to it."""
+    itself. Trainer rank 0 (and each pipeline stage's weight source) connects to it, proving the
+    secret in rollout.manager_secret_file (required with it)."""
+    manager_secret_file: str = ""
+    """A file holding the rollout manager's channel secret (>= 16 bytes, readable by its owner
+    only: chmod 600), for a manager started apart: `megarl-rollout-manager` reads it from its
+    config and accepts only peers that prove it (HMAC challenge-response); the trainer reads the
+    same file. Empty with rollout.manager_address empty: the trainer makes a fresh secret per run
+    and hands it to the manager it starts through an inherited pipe (docs/reliability.md, Security)."""
     api_key: str = ""
     """Bearer token for the servers' admin endpoints; empty = none."""
     health_timeout_s: float = bounded(120.0, gt=0, le=86400)
@@ -109,6 +116,13 @@ class RolloutConfig:
                               "see docs/configuration.md")
         if not isinstance(self.workflow_args, dict):
             raise ConfigError(f"rollout.workflow_args: expected a mapping, got {self.workflow_args!r}")
+        if self.manager_address:
+            host, _, port = self.manager_address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"rollout.manager_address: expected host:port, got {self.manager_address!r}")
+            if not self.manager_secret_file:
+                raise ConfigError("rollout.manager_address: a manager started apart needs "
+                                  "rollout.manager_secret_file (the file with its channel secret)")
 
     @property
     def staleness(self) -> float:

@@ -8,7 +8,16 @@ manager on a rollout partition), needs no shared memory, and nothing is unpickle
 JSON plus bytes read into numpy arrays of a declared dtype and shape (safe deserialization).
 A step's batch is a few flat arrays, so a hand-off costs one copy into the socket and one out.
 
-Every message is a dataclass registered in `MESSAGES` (no untyped dicts cross the boundary).
+Every message is a dataclass registered in `MESSAGES` (no untyped dicts cross the boundary), a
+closed set: no message names a method or an endpoint to call - an admin relay is one class per
+server operation the trainer needs (`ADMIN_MESSAGES`), each mapped to one fixed call by the
+manager. A connection carries nothing before its peer proved the run's secret (handshake.py).
+
+Sizes are capped by what the protocol carries, and checked before anything is allocated: a
+request's header at `MAX_REQUEST_HEADER` and no arrays (only the manager's `Batch` has arrays),
+a reply's header at `MAX_REPLY_HEADER` (a batch's free-form infos) and its arrays at
+`MAX_BATCH_BYTES`.
+
 Requests are answered in order on their connection: `Link` may send several requests before it
 reads their replies (`Link.submit`), which is how a weight push keeps the manager's admin work
 off the trainer's critical path.
@@ -22,12 +31,18 @@ import struct
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 
+from megarl.rollout.handshake import AuthError, prove
+
 _LEN = struct.Struct("!I")
-MAX_HEADER = 64 * 2**20  # a header is metadata only; anything bigger is a broken peer
+# a request is metadata only; the largest, a bucket's announce relayed to every server, is about
+# 100 bytes per tensor per server: 4 MiB is ~40k tensor-servers per bucket
+MAX_REQUEST_HEADER = 4 * 2**20
+MAX_REPLY_HEADER = 64 * 2**20  # a Batch's header carries every sample's free-form info
+MAX_BATCH_BYTES = 16 * 2**30  # a step's token arrays (and MoE routes); more is a broken peer
 
 
 class ChannelError(RuntimeError):
@@ -77,13 +92,78 @@ class Batch:
     arrays: dict = field(default_factory=dict)
 
 
+# ------------------------------------------------------------------ admin relay (closed set)
+# One class per server operation a trainer link asks of the manager's admin connection; the
+# manager maps each class to one fixed `AdminClient` call (manager.ADMIN_CALLS). Fields follow
+# that call's parameters; ``timeout_s`` is the manager's deadline for it.
 @dataclass
-class AdminCall:
-    """One `AdminClient` method on every server (the SGLang admin endpoints), by name."""
-    method: str
-    args: list = field(default_factory=list)
-    kwargs: dict = field(default_factory=dict)
+class InitWeightsGroup:
+    endpoint: ClassVar[str] = "/init_weights_update_group"
+    group: Any  # wire.WeightsUpdateGroup
+    rank_offsets: Optional[list] = None
     timeout_s: Optional[float] = None
+
+
+@dataclass
+class DestroyWeightsGroup:
+    endpoint: ClassVar[str] = "/destroy_weights_update_group"
+    group_name: str = "weight_update_group"
+    timeout_s: Optional[float] = None
+
+
+@dataclass
+class UpdateFromDistributed:
+    endpoint: ClassVar[str] = "/update_weights_from_distributed"
+    meta: Any  # wire.DistributedWeightsMeta
+    timeout_s: Optional[float] = None
+
+
+@dataclass
+class UpdateFromTensor:
+    endpoint: ClassVar[str] = "/update_weights_from_tensor"
+    update: Any  # wire.TensorWeightsUpdate
+    timeout_s: Optional[float] = None
+
+
+@dataclass
+class UpdateFromDisk:
+    endpoint: ClassVar[str] = "/update_weights_from_disk"
+    update: Any  # wire.DiskWeightsUpdate
+    timeout_s: Optional[float] = None
+
+
+@dataclass
+class ServerInfo:
+    endpoint: ClassVar[str] = "/get_server_info"
+    timeout_s: Optional[float] = None
+
+
+@dataclass
+class ShardJoin:
+    """Shard refit: each server joins the update group with its own body ({address: body})."""
+    endpoint: ClassVar[str] = "/init_weights_update_group"
+    bodies: dict
+    timeout_s: Optional[float] = None
+
+
+@dataclass
+class ShardAnnounce:
+    """Shard refit: one bucket announced, each server's own body ({address: body})."""
+    endpoint: ClassVar[str] = "/update_weights_from_distributed"
+    bodies: dict
+    timeout_s: Optional[float] = None
+
+
+@dataclass
+class WeightsChecksum:
+    endpoint: ClassVar[str] = "/weights_checksum"
+    names: list
+    dtypes: list
+    timeout_s: Optional[float] = None
+
+
+ADMIN_MESSAGES = (InitWeightsGroup, DestroyWeightsGroup, UpdateFromDistributed, UpdateFromTensor,
+                  UpdateFromDisk, ServerInfo, ShardJoin, ShardAnnounce, WeightsChecksum)
 
 
 @dataclass
@@ -135,8 +215,8 @@ class Reply:
     elapsed_s: float = 0.0
 
 
-MESSAGES = {cls.__name__: cls for cls in (Hello, Init, BatchRequest, Batch, AdminCall, ClusterCall,
-                                          EvalSubmit, EvalPoll, EvalReport, StateRequest, Close, Reply)}
+MESSAGES = {cls.__name__: cls for cls in (Hello, Init, BatchRequest, Batch, ClusterCall, EvalSubmit, EvalPoll,
+                                          EvalReport, StateRequest, Close, Reply, *ADMIN_MESSAGES)}
 # answers that travel as themselves, not inside a `Reply` (a batch carries arrays)
 DIRECT_REPLIES = (Batch, EvalReport)
 
@@ -156,13 +236,21 @@ def _wire_value(v: Any) -> Any:
     return v
 
 
+def _wire_class(name: Any) -> type:
+    """Only a dataclass defined in `megarl.wire` is built from a frame (no other name resolves)."""
+    from megarl import wire
+
+    cls = getattr(wire, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == wire.__name__):
+        raise ValueError(f"unknown wire type {name!r}")
+    return cls
+
+
 def from_wire(v: Any) -> Any:
     if isinstance(v, dict):
         if "__wire__" in v:
-            from megarl import wire
-
             fields = {k: from_wire(x) for k, x in v.items() if k != "__wire__"}
-            return getattr(wire, v["__wire__"])(**fields)
+            return _wire_class(v["__wire__"])(**fields)
         return {k: from_wire(x) for k, x in v.items()}
     if isinstance(v, list):
         return [from_wire(x) for x in v]
@@ -195,16 +283,23 @@ def decode(header: bytes, payloads: list[bytes]):
 
 
 def array_sizes(header: bytes) -> list[int]:
-    return [int(np.dtype(dt).itemsize * int(np.prod(shape, dtype=np.int64)))
-            for _, dt, shape in json.loads(header)["arrays"]]
+    sizes = []
+    for _, dt, shape in json.loads(header)["arrays"]:
+        if not all(isinstance(d, int) and 0 <= d < 2**40 for d in shape):
+            raise ValueError(f"array shape {shape!r}")
+        sizes.append(int(np.dtype(dt).itemsize) * int(np.prod(shape, dtype=object)))
+    return sizes
 
 
 # ------------------------------------------------------------------------------- blocking I/O
 class Channel:
-    """A blocking connection (trainer side, and each connection thread of the manager)."""
+    """A blocking connection (trainer side, and each connection thread of the manager); what
+    it reads is capped at ``max_header`` bytes of header and ``max_arrays`` bytes of arrays."""
 
-    def __init__(self, sock: socket.socket, peer: str = "rollout manager"):
+    def __init__(self, sock: socket.socket, peer: str = "rollout manager", max_header: int = MAX_REPLY_HEADER,
+                 max_arrays: int = MAX_BATCH_BYTES):
         self.sock, self.peer = sock, peer
+        self.max_header, self.max_arrays = max_header, max_arrays
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small requests go out at once
 
     def send(self, msg) -> None:
@@ -230,11 +325,16 @@ class Channel:
         self.sock.settimeout(timeout_s)
         try:
             (n,) = _LEN.unpack(self._exact(_LEN.size))
-            # a length this large means the peer speaks another protocol (or the stream is out of step)
-            if n > MAX_HEADER:
-                raise ChannelError(f"{self.peer}: header of {n} bytes (not this protocol)")
+            # both caps are checked before the bytes are allocated: a declared size costs nothing
+            if n > self.max_header:
+                raise ChannelError(f"{self.peer}: header of {n} bytes (more than the {self.max_header} "
+                                   f"this protocol carries)")
             header = self._exact(n)
-            return decode(header, [self._exact(k) for k in array_sizes(header)])
+            sizes = array_sizes(header)
+            if sum(sizes) > self.max_arrays:
+                raise ChannelError(f"{self.peer}: frame declares {sum(sizes)} bytes of arrays (more than the "
+                                   f"{self.max_arrays} this protocol carries)")
+            return decode(header, [self._exact(k) for k in sizes])
         except socket.timeout:
             raise ChannelError(f"{self.peer}: no answer within {timeout_s:.0f} s") from None
         except (ValueError, KeyError, TypeError) as e:
@@ -275,20 +375,9 @@ class Link:
     """The trainer's connection to the manager. ``request`` sends and waits; ``submit`` sends and
     returns a `Pending`; replies are matched to requests by order."""
 
-    def __init__(self, address: str, role: str, rank: int = 0, connect_timeout_s: float = 60.0):
-        host, port = address.rsplit(":", 1)
-        deadline = time.monotonic() + connect_timeout_s
-        while True:
-            try:
-                sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5.0)
-                break
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    raise ChannelError(f"rollout manager at {address}: cannot connect ({e})") from None
-                # the manager may still be binding its port: retry until connect_timeout_s
-                time.sleep(0.1)
+    def __init__(self, address: str, role: str, secret: bytes, rank: int = 0, connect_timeout_s: float = 60.0):
         self.address = address
-        self.channel = Channel(sock, f"rollout manager at {address}")
+        self.channel = Channel(connect(address, secret, connect_timeout_s), f"rollout manager at {address}")
         self._pending: deque[Pending] = deque()
         self._errors: list[str] = []  # of deferred requests, for the next settle()
         self.channel.send(Hello(role, rank))
@@ -335,3 +424,28 @@ class Link:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def connect(address: str, secret: bytes, timeout_s: float = 60.0) -> socket.socket:
+    """A socket to the manager at ``address`` that passed the handshake. Retries until
+    ``timeout_s`` while the manager is still binding its port or busy (it closes a connection
+    over its limit before the challenge); a refused secret raises at once."""
+    host, port = address.rsplit(":", 1)
+    peer = f"rollout manager at {address}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5.0)
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise ChannelError(f"{peer}: cannot connect ({e})") from None
+            time.sleep(0.1)
+            continue
+        try:
+            prove(sock, secret, peer)
+            return sock
+        except AuthError as e:
+            sock.close()
+            if not e.retry or time.monotonic() > deadline:
+                raise ChannelError(str(e)) from None
+            time.sleep(0.1)

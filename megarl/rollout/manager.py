@@ -7,7 +7,7 @@
                                              │     Batch (flat arrays, DP shares)           │
                                              │   ClusterCall  -> RolloutCluster (pause,     │
                                              │     publish, resume, commit, health, ...)    │
-                                             │   AdminCall    -> AdminRunner (announce ...) │
+                                             │   admin messages -> AdminRunner (announce...)│
                                              │   EvalSubmit/EvalPoll, StateRequest, Close   │
                                              │ controller thread: prompts -> staleness ->   │
                                              │   executor -> workflows -> rewards -> buffer │
@@ -26,12 +26,20 @@ death of its parent, so a Ctrl-C lets the trainer save (asking this process for 
 dead trainer takes the manager and its servers with it. When the driver's connection closes the
 manager stops. Its state (the prompt ledger) is saved inside the trainer's checkpoint.
 
-    python -m megarl.rollout.manager RUN_DIR/config.yaml [--host H --port P]
+Who may talk to it (docs/reliability.md, "Security"): a connection is served only after its peer
+proved the run's secret (handshake.py) - from the spawning trainer through an inherited pipe
+(``--secret-fd``), or from ``rollout.manager_secret_file`` when started apart. Then one driver
+link (global rank 0: every request, and only it ends the run) and any number of stage links
+(pipeline-stage weight sources: admin messages only), `MAX_LINKS` in all; at most
+`MAX_HANDSHAKES` connections may be proving the secret at once, `AUTH_TIMEOUT_S` each.
+
+    python -m megarl.rollout.manager RUN_DIR/config.yaml [--host H --port P] [--secret-fd N]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -41,11 +49,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-import numpy as np
-
-from megarl.rollout.channel import (DIRECT_REPLIES, AdminCall, Batch, BatchRequest, Channel, ChannelError,
-                                    Close, ClusterCall, EvalPoll, EvalReport, EvalSubmit, Hello, Init,
-                                    Reply, StateRequest, from_wire)
+from megarl.errors import ConfigError
+from megarl.rollout import handshake
+from megarl.rollout.channel import (ADMIN_MESSAGES, DIRECT_REPLIES, MAX_REQUEST_HEADER, Batch, BatchRequest,
+                                    Channel, ChannelError, Close, ClusterCall, DestroyWeightsGroup, EvalPoll,
+                                    EvalReport, EvalSubmit, Hello, Init, InitWeightsGroup, Reply, ServerInfo,
+                                    ShardAnnounce, ShardJoin, StateRequest, UpdateFromDisk,
+                                    UpdateFromDistributed, UpdateFromTensor, WeightsChecksum, from_wire)
+from megarl.rollout.packing import balance_groups, pack_batch  # noqa: F401 - the step's layout
 
 if TYPE_CHECKING:
     from megarl.config import RolloutConfig, WeightSyncConfig
@@ -57,40 +68,26 @@ log = logging.getLogger("megarl.manager")
 CLUSTER_OPS = {"pause_for_update", "publish", "resume", "commit", "finish_push", "unhealthy",
                "remove_server", "add_server", "admitted", "start", "stats"}
 
-
-def balance_groups(group_tokens: list[int], n_ranks: int) -> list[int]:
-    """Rank of each group: longest first to the rank with the fewest tokens (LPT). Groups stay
-    whole, so group-relative advantages never need another rank's samples."""
-    loads = [0] * n_ranks
-    rank = [0] * len(group_tokens)
-    # ties broken by index (group, then rank): every run of the same batch gives the same placement
-    for g in sorted(range(len(group_tokens)), key=lambda g: (-group_tokens[g], g)):
-        r = min(range(n_ranks), key=lambda r: (loads[r], r))
-        rank[g] = r
-        loads[r] += group_tokens[g]
-    return rank
-
-
-def pack_batch(trajs, dp: int, stats: dict, rejoin: list[str]) -> Batch:
-    """A step's trajectories as flat arrays plus each sample's DP rank (whole groups per rank)."""
-    groups: dict[int, list[int]] = {}
-    for i, t in enumerate(trajs):
-        groups.setdefault(t.group_id, []).append(i)
-    gids = list(groups)
-    ranks = balance_groups([sum(len(trajs[i].input_ids) for i in groups[g]) for g in gids], dp)
-    dp_rank = np.zeros(len(trajs), dtype=np.int32)
-    for g, r in zip(gids, ranks):
-        dp_rank[groups[g]] = r
-    cat = lambda name, dt: np.fromiter((x for t in trajs for x in getattr(t, name)), dtype=dt)  # noqa: E731
-    arrays = {"input_ids": cat("input_ids", np.int64), "loss_mask": cat("loss_mask", np.int8),
-              "behave_logp": cat("behave_logp", np.float64), "versions": cat("versions", np.int32),
-              "lengths": np.array([len(t.input_ids) for t in trajs], dtype=np.int64),
-              "rewards": np.array([t.reward for t in trajs], dtype=np.float64),
-              "group_ids": np.array([t.group_id for t in trajs], dtype=np.int64), "dp_rank": dp_rank}
-    if trajs and all(t.routes is not None for t in trajs):  # MoE routing replay: [tokens, layers, k]
-        arrays["route_ids"] = np.concatenate([t.routes.ids for t in trajs]).astype(np.int32)
-        arrays["route_weights"] = np.concatenate([t.routes.weights for t in trajs]).astype(np.float32)
-    return Batch(infos=[t.info for t in trajs], stats=stats, rejoin=rejoin, arrays=arrays)
+# each admin message is one fixed AdminClient call: nothing on the wire picks the method
+ADMIN_CALLS = {
+    InitWeightsGroup: lambda m, c: c.init_weights_update_group(m.group, m.rank_offsets),
+    DestroyWeightsGroup: lambda m, c: c.destroy_weights_update_group(m.group_name),
+    UpdateFromDistributed: lambda m, c: c.update_weights_from_distributed(m.meta),
+    UpdateFromTensor: lambda m, c: c.update_weights_from_tensor(m.update),
+    UpdateFromDisk: lambda m, c: c.update_weights_from_disk(m.update),
+    ServerInfo: lambda m, c: c.get_server_info(),
+    ShardJoin: lambda m, c: c.shard_refit_call("/init_weights_update_group", m.bodies),
+    ShardAnnounce: lambda m, c: c.shard_refit_call("/update_weights_from_distributed", m.bodies),
+    WeightsChecksum: lambda m, c: c.weights_checksum(m.names, m.dtypes),
+}
+assert set(ADMIN_CALLS) == set(ADMIN_MESSAGES)
+# weight loads: finish_push publishes only after every one of them is in
+_LOADS = (UpdateFromDistributed, UpdateFromTensor, UpdateFromDisk)
+# what each role may send after its Hello (a stage source only announces its own buckets)
+STAGE_MESSAGES = ADMIN_MESSAGES
+DRIVER_MESSAGES = (Init, BatchRequest, ClusterCall, EvalSubmit, EvalPoll, StateRequest, Close, *ADMIN_MESSAGES)
+MAX_LINKS = 64  # authenticated links: the driver and one per pipeline stage
+MAX_HANDSHAKES = 16  # connections still proving the secret
 
 
 @dataclass(frozen=True)
@@ -131,6 +128,9 @@ class RolloutManager:
         self._inflight = 0  # weight-update calls (any link) that publish must wait for
         self._servers: Optional[list[str]] = None
         self._servers_error: Optional[BaseException] = None
+        self._slots = threading.Lock()
+        self.handshaking = self.links = 0  # connections proving the secret / authenticated links
+        self._driver_seen = False
 
     def begin_servers(self) -> None:
         """Local servers start before the first request is read (the trainer builds its engine
@@ -207,15 +207,16 @@ class RolloutManager:
             stats["rollout/restarts"] = self.local.restarts
         return pack_batch(trajs, self.dp, stats, self.cluster.ready_to_rejoin())
 
-    def admin(self, msg: AdminCall):
-        args, kwargs = from_wire(msg.args), from_wire(msg.kwargs)
+    def admin(self, msg):
+        msg = dataclasses.replace(msg, **{f.name: from_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)})
+        call = ADMIN_CALLS[type(msg)]
         # weight loads are counted so that finish_push publishes only after every bucket is in
-        update = msg.method.startswith("update_weights_from")
+        update = isinstance(msg, _LOADS)
         if update:
             with self._updates:
                 self._inflight += 1
         try:
-            return self.cluster.admin.call(lambda c: getattr(c, msg.method)(*args, **kwargs), msg.timeout_s)
+            return self.cluster.admin.call(lambda c: call(msg, c), msg.timeout_s)
         finally:
             if update:
                 with self._updates:
@@ -258,7 +259,7 @@ class RolloutManager:
             return self.init(msg)
         if isinstance(msg, BatchRequest):
             return self.next_batch(msg)
-        if isinstance(msg, AdminCall):
+        if isinstance(msg, ADMIN_MESSAGES):
             return self.admin(msg)
         if isinstance(msg, ClusterCall):
             return self.cluster_call(msg)
@@ -279,18 +280,28 @@ class RolloutManager:
         raise ValueError(f"unexpected message {type(msg).__name__}")
 
     def serve(self, channel: Channel) -> None:
-        """One trainer link: requests in, replies out, in order. The driver's link closing (the
-        trainer ended or died) stops the manager."""
+        """One authenticated link: its `Hello` (the role), then requests in, replies out, in
+        order. Only the driver link ends the run - by `Close`, or by closing (the trainer ended
+        or died); a second driver is refused."""
         try:
-            hello = channel.recv()
+            hello = channel.recv(timeout_s=handshake.AUTH_TIMEOUT_S)
         except ChannelError:
+            channel.close()
             return
-        driver = isinstance(hello, Hello) and hello.role == "driver"
+        driver = self._claim(hello)
+        if driver is None:
+            log.warning("%s: refused (first message %s)", channel.peer, type(hello).__name__)
+            channel.close()
+            return
+        allowed = DRIVER_MESSAGES if driver else STAGE_MESSAGES
         try:
             while not self.stopped.is_set():
                 msg = channel.recv()
                 t0 = time.perf_counter()
                 try:
+                    if not isinstance(msg, allowed):
+                        raise PermissionError(f"{type(msg).__name__} is not a request a "
+                                              f"{'driver' if driver else 'stage'} link may send")
                     value = self.handle(msg)
                     reply = value if isinstance(value, DIRECT_REPLIES) else Reply(value=value)
                 except Exception as e:  # noqa: BLE001 - the trainer gets the error as one line
@@ -307,11 +318,50 @@ class RolloutManager:
             if driver:
                 self.stopped.set()
 
+    def _claim(self, hello) -> Optional[bool]:
+        """True: the run's one driver link; False: a stage link; None: refused."""
+        if not isinstance(hello, Hello) or hello.role not in ("driver", "stage"):
+            return None
+        if hello.role == "stage":
+            return False
+        with self._slots:
+            if self._driver_seen:
+                return None
+            self._driver_seen = True
+        return True
+
+    def admit(self, sock: socket.socket, addr, secret: bytes) -> None:
+        """A connection thread: the handshake, then `serve`; a peer that does not prove the
+        secret is closed with nothing read but its 64 handshake bytes."""
+        try:
+            ok = handshake.accept(sock, secret)
+        finally:
+            with self._slots:
+                self.handshaking -= 1
+                self.links += ok
+        if not ok:
+            log.warning("refused a connection from %s: no proof of the run's secret", addr)
+            sock.close()
+            return
+        try:
+            self.serve(Channel(sock, f"trainer link {addr}", max_header=MAX_REQUEST_HEADER, max_arrays=0))
+        finally:
+            with self._slots:
+                self.links -= 1
+
+    def take_slot(self) -> bool:
+        """Room for one more connection (handshakes and links are both capped)."""
+        with self._slots:
+            if self.handshaking >= MAX_HANDSHAKES or self.handshaking + self.links >= MAX_LINKS:
+                return False
+            self.handshaking += 1
+            return True
+
     def close(self) -> None:
         self.stack.close()
 
 
-def serve_forever(manager: RolloutManager, listener: socket.socket) -> None:
+def serve_forever(manager: RolloutManager, listener: socket.socket, secret: bytes) -> None:
     # accept() wakes every 0.5 s to notice `stopped` (set when the driver's link closes)
     listener.settimeout(0.5)
     while not manager.stopped.is_set():
@@ -319,26 +369,31 @@ def serve_forever(manager: RolloutManager, listener: socket.socket) -> None:
             sock, addr = listener.accept()
         except socket.timeout:
             continue
-        # a link blocks in recv between requests: no timeout on the accepted socket itself
-        sock.settimeout(None)
-        threading.Thread(target=manager.serve, args=(Channel(sock, f"trainer link {addr}"),),
-                         name="megarl-link", daemon=True).start()
+        if not manager.take_slot():  # over the limits: closed before the challenge (a trainer retries)
+            sock.close()
+            continue
+        threading.Thread(target=manager.admit, args=(sock, addr, secret), name="megarl-link", daemon=True).start()
     manager.close()
 
 
-def start_process(config_path: str, host: str, log_path: str, cpus=None):
+def start_process(config_path: str, host: str, log_path: str, secret: bytes, cpus=None):
     """Start the manager process and return at once: it imports, listens and starts its servers
-    while the caller goes on (`wait_listening` then reads its address)."""
+    while the caller goes on (`wait_listening` then reads its address). ``secret`` reaches it
+    through an inherited pipe: never argv (world-readable in /proc), never a file."""
     import subprocess
 
     from megarl.signals import owned_child_setup
 
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    with open(log_path, "a") as log_file:  # the child holds its own descriptor
-        proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.manager", config_path, "--host", host,
-                                 # port 0: the OS picks a free port and the manager prints it (no race over a chosen port)
-                                 "--port", "0"], stdout=subprocess.PIPE, stderr=log_file,
-                                preexec_fn=owned_child_setup, text=True)
+    fd = handshake.secret_pipe(secret)
+    try:
+        with open(log_path, "a") as log_file:  # the child holds its own descriptor
+            proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.manager", config_path, "--host", host,
+                                     # port 0: the OS picks a free port and the manager prints it (no race)
+                                     "--port", "0", "--secret-fd", str(fd)], stdout=subprocess.PIPE,
+                                    stderr=log_file, preexec_fn=owned_child_setup, text=True, pass_fds=(fd,))
+    finally:
+        os.close(fd)
     if cpus:
         os.sched_setaffinity(proc.pid, cpus)
     return proc
@@ -362,16 +417,62 @@ def _tail(path: str) -> str:
         return ""
 
 
+PROG = "megarl-rollout-manager"
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError(text)
+    return port
+
+
+_port.__name__ = "port (0-65535)"  # argparse's one line: "invalid port (0-65535) value: '70000'"
+
+
+def _secret(args, cfg) -> bytes:
+    """From the spawning trainer's pipe, or the user's file when started apart."""
+    if args.secret_fd is not None:
+        return handshake.read_secret_fd(args.secret_fd)
+    path = cfg.rollout.manager_secret_file
+    if not path:
+        raise ConfigError("rollout.manager_secret_file: a manager started apart needs the run's secret in a "
+                          "file only you can read, named in the config (the trainer reads the same file)")
+    try:
+        return handshake.read_secret_file(path)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        raise ConfigError(f"--host {host} --port {port}: cannot listen ({e.strerror or e})") from None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="megarl-rollout-manager", description=__doc__.splitlines()[0])
+    from megarl.cli import ArgumentParser, add_debug_flag, pop_debug, run_main
+    from megarl.errors import ConfigError as _ConfigError
+
+    argv, debug = pop_debug(sys.argv[1:] if argv is None else argv)
+    ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("config", help="the run's resolved config.yaml")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    ap.add_argument("--port", type=_port, default=0, help="0: the OS picks one (printed)")
+    ap.add_argument("--secret-fd", type=int, default=None, help=argparse.SUPPRESS)  # set by the spawning trainer
+    add_debug_flag(ap)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="[manager] %(levelname)s %(message)s")
+    return run_main(PROG, lambda: _run(args), debug, expected=(_ConfigError,), code=2)
+
+
+def _run(args) -> int:
     from megarl.config import load_config
 
-    spec = ManagerSpec.from_config(load_config(args.config))
+    logging.basicConfig(level=logging.WARNING, format="[manager] %(levelname)s %(message)s")
+    cfg = load_config(args.config)
+    secret = _secret(args, cfg)
+    spec = ManagerSpec.from_config(cfg)
     # nothing heavy runs here: the cores are the trainer's and the servers'. The manager itself
     # never imports torch (~1.8 s before it could listen); a plugin that does gets one thread, and
     # so do the processes it starts that do not set their own (megarl-server sets --threads).
@@ -379,14 +480,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     # the controller's loop thread holds the GIL most of the time; a trainer request waiting in a
     # connection thread gets it within ~1 ms instead of the default 5 ms switch interval
     sys.setswitchinterval(0.001)
-    listener = socket.create_server((args.host, args.port))
+    listener = _listen(args.host, args.port)
     host, port = listener.getsockname()[:2]
     print(f"listening {host}:{port}", flush=True)
     os.dup2(2, 1)  # the spawner reads that one line; everything else goes to the manager's log
     manager = RolloutManager(spec)
     manager.begin_servers()  # the trainer's connection waits in the listen backlog meanwhile
     try:
-        serve_forever(manager, listener)
+        serve_forever(manager, listener, secret)
     finally:
         listener.close()
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import signal
 import sys
@@ -53,7 +54,7 @@ def parse_args(argv=None):
                    help="tensor-parallel ranks (CPU, gloo; dense models): this process serves HTTP and "
                         "starts the other N-1, which hold the other shards (megarl.server.tp)")
     p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set for followers
-    p.add_argument("--tp-port", type=int, default=0, help=argparse.SUPPRESS)  # the TP group's store
+    p.add_argument("--tp-store", default="", help=argparse.SUPPRESS)  # the TP group's store (a private file)
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     add_debug_flag(p)
@@ -66,24 +67,28 @@ def parse_args(argv=None):
     return args
 
 
-def _spawn_followers(args, argv, port: int) -> list:
+def _spawn_followers(args, argv, store: str) -> list:
     """The leader starts TP ranks 1..N-1 as children that die with it (SIGKILL on its death)."""
     from megarl.signals import owned_child_setup
 
     return [subprocess.Popen([sys.executable, "-m", "megarl.server", *argv, "--tp-rank", str(r),
-                              "--tp-port", str(port)], preexec_fn=owned_child_setup)
+                              "--tp-store", store], preexec_fn=owned_child_setup)
             for r in range(1, args.tp)]
 
 
-def _join(rank: int, size: int, port: int, procs=()):
-    from megarl.net import LOOPBACK, new_process_group
+def _join(rank: int, size: int, store: str, procs=()):
+    """The TP group meets at a file store in the leader's private directory: the ranks share one
+    host, so no TCP store listens (torch's binds every interface, docs/reliability.md)."""
+    import torch.distributed as dist
+
+    from megarl.net import new_process_group
     from megarl.server.tp import GROUP_NAME, TPGroup
 
     try:
-        pg = new_process_group(LOOPBACK, port, rank, size, GROUP_NAME, "gloo", 120.0)
+        pg = new_process_group("", 0, rank, size, GROUP_NAME, "gloo", 120.0, store=dist.FileStore(store, size))
     except Exception as e:  # noqa: BLE001 - a follower that failed to start says why in the log
         dead = [p.pid for p in procs if p.poll() is not None]
-        raise StartupError(f"--tp {size}: TP rank {rank} cannot join its group on port {port}: {e}"
+        raise StartupError(f"--tp {size}: TP rank {rank} cannot join its group at {store}: {e}"
                            + (f" (followers exited: {dead})" if dead else "")) from e
     return TPGroup(pg, rank, size)
 
@@ -103,7 +108,7 @@ def follow(args) -> int:
                                     args.tp)
     except (OSError, ValueError, KeyError) as e:
         raise StartupError(f"TP rank {args.tp_rank}: cannot load {args.model}: {e}") from e
-    model.tp = _join(args.tp_rank, args.tp, args.tp_port)
+    model.tp = _join(args.tp_rank, args.tp, args.tp_store)
     run(model, KVCache(model.cfg, parse_dtype(args.dtype), args.max_running_requests, ctx), model.tp)
     return 0
 
@@ -122,7 +127,9 @@ def serve(args, argv=None) -> int:
     torch.set_num_threads(max(1, args.threads))
     tp_join, procs = None, []
     if args.tp > 1:
-        from megarl.net import LOOPBACK, free_port
+        import atexit
+        import shutil
+        import tempfile
 
         from megarl.server.model import DecoderConfig
         from megarl.server.tp import shard_config
@@ -131,9 +138,11 @@ def serve(args, argv=None) -> int:
             shard_config(DecoderConfig.from_dir(args.model), args.tp)
         except (OSError, ValueError, KeyError) as e:
             raise StartupError(f"cannot load {args.model}: {e}") from e
-        port = free_port(LOOPBACK)
-        procs = _spawn_followers(args, sys.argv[1:] if argv is None else list(argv), port)
-        tp_join = lambda: _join(0, args.tp, port, procs)  # noqa: E731
+        private = tempfile.mkdtemp(prefix="megarl-tp-")  # mode 0700: only this user joins the group
+        atexit.register(shutil.rmtree, private, True)
+        store = os.path.join(private, "store")
+        procs = _spawn_followers(args, sys.argv[1:] if argv is None else list(argv), store)
+        tp_join = lambda: _join(0, args.tp, store, procs)  # noqa: E731
     try:
         state = build_state(
             args.model, args.dtype, args.api_key, args.max_running_requests, args.context_length,

@@ -12,7 +12,12 @@
 
 `RemoteAdmin` has `AdminRunner`'s interface (``call(lambda c: c.method(...))``), so the weight
 transports are the same code whether the admin connection is local or the manager's: the lambda
-is run against a recorder that turns ``c.method(args)`` into an `AdminCall` message.
+is run against a recorder that turns ``c.method(args)`` into that operation's admin message (a
+closed set, channel.ADMIN_MESSAGES; a method without one is an error here, not on the wire).
+
+The channel's secret: rank 0 makes one per run and hands it to the manager it spawns through an
+inherited pipe, or reads ``rollout.manager_secret_file`` for a manager started apart; the other
+ranks get it with the server list (a pipeline stage's weight source opens its own link).
 No thread and no event loop of the trainer serves rollout traffic: a link is a blocking socket.
 """
 from __future__ import annotations
@@ -26,8 +31,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.channel import (AdminCall, BatchRequest, ClusterCall, EvalPoll, EvalSubmit, Init,
-                                    Link, RemoteError, StateRequest)
+from megarl.rollout.channel import (BatchRequest, ClusterCall, DestroyWeightsGroup, EvalPoll, EvalSubmit, Init,
+                                    InitWeightsGroup, Link, RemoteError, ServerInfo, ShardAnnounce, ShardJoin,
+                                    StateRequest, UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor,
+                                    WeightsChecksum)
 from megarl.rollout.types import RoutedExperts, Trajectory
 
 log = logging.getLogger("megarl.link")
@@ -37,9 +44,25 @@ class ManagerDied(RuntimeError):
     """The rollout manager process is gone: the run stops; a resume trains every pending prompt once."""
 
 
+_ADMIN_BY_METHOD = {"init_weights_update_group": InitWeightsGroup,
+                    "destroy_weights_update_group": DestroyWeightsGroup,
+                    "update_weights_from_distributed": UpdateFromDistributed,
+                    "update_weights_from_tensor": UpdateFromTensor, "update_weights_from_disk": UpdateFromDisk,
+                    "get_server_info": ServerInfo, "weights_checksum": WeightsChecksum}
+_SHARD_REFIT = {"/init_weights_update_group": ShardJoin, "/update_weights_from_distributed": ShardAnnounce}
+
+
 class _Recorder:
+    """Stands in for an `AdminClient`: ``c.method(args)`` -> that operation's admin message."""
+
+    def shard_refit_call(self, path: str, bodies: dict):
+        return _SHARD_REFIT[path](bodies)
+
     def __getattr__(self, method: str):
-        return lambda *args, **kwargs: AdminCall(method, list(args), kwargs)
+        cls = _ADMIN_BY_METHOD.get(method)
+        if cls is None:
+            raise AttributeError(f"{method}: no admin message relays it to the manager")
+        return cls
 
 
 class RemoteAdmin:
@@ -48,7 +71,7 @@ class RemoteAdmin:
     def __init__(self, link: Link, cluster: "ManagerCluster", timeout_s: float, owns_link: bool = False):
         self.link, self.cluster, self.timeout_s, self.owns_link = link, cluster, timeout_s, owns_link
 
-    def _msg(self, fn, timeout) -> AdminCall:
+    def _msg(self, fn, timeout):
         msg = fn(_Recorder())
         msg.timeout_s = timeout or self.timeout_s
         return msg
@@ -56,11 +79,11 @@ class RemoteAdmin:
     def call(self, fn, timeout: Optional[float] = None):
         msg = self._msg(fn, timeout)
         # +5 s over the manager's own deadline: its error (naming the servers) arrives before ours fires
-        return self.link.request(msg, msg.timeout_s + 5.0, what=f"/{msg.method}")
+        return self.link.request(msg, msg.timeout_s + 5.0, what=msg.endpoint)
 
     def submit(self, fn):
         msg = self._msg(fn, None)
-        return self.link.submit(msg, what=f"/{msg.method}")
+        return self.link.submit(msg, what=msg.endpoint)
 
     @property
     def addresses(self) -> list[str]:
@@ -77,9 +100,11 @@ class ManagerCluster:
     `megarl.rollout.cluster.PushTarget` for `WeightPusher`, as `RolloutCluster` is."""
 
     def __init__(self, addresses: list[str], *, link: Optional[Link], manager_address: str,
-                 version: int = 0, min_live_servers: int = 1, timeout_s: float = 60.0, side=None):
+                 version: int = 0, min_live_servers: int = 1, timeout_s: float = 60.0, side=None,
+                 secret: bytes = b""):
         self.addresses, self.dead = list(addresses), []
         self.link, self.manager_address, self.side = link, manager_address, side
+        self._secret = secret
         self.driver = link is not None
         self.version, self.min_live_servers, self.timeout_s = int(version), min_live_servers, timeout_s
         self.admin = RemoteAdmin(link, self, timeout_s) if link is not None else None
@@ -90,7 +115,7 @@ class ManagerCluster:
 
     def stage_admin(self, rank: int) -> RemoteAdmin:
         """A pipeline-stage source's own link (its announces run beside the driver's)."""
-        return RemoteAdmin(Link(self.manager_address, "stage", rank), self, self.timeout_s, owns_link=True)
+        return RemoteAdmin(Link(self.manager_address, "stage", self._secret, rank), self, self.timeout_s, owns_link=True)
 
     def _call(self, method: str, *args, timeout_s: Optional[float] = None):
         # +10 s: the manager's cluster steps run under weights.timeout_s; its error must arrive first
@@ -167,6 +192,7 @@ class RolloutSide:
         self.proc: Optional[subprocess.Popen] = None
         self.link: Optional[Link] = None
         self.address = ""
+        self._secret = b""  # the channel's, this run's (never logged, never in argv)
         self.evals_pending = 0  # submitted evaluations not reported yet (rank 0)
 
     def launch(self) -> None:
@@ -175,6 +201,7 @@ class RolloutSide:
         (train.py calls this first thing); `start` then waits for its address. Nothing to start
         when ``rollout.manager_address`` names one already running."""
         from megarl.net import serving_host
+        from megarl.rollout.handshake import new_secret
         from megarl.rollout.local import split_cpus
         from megarl.rollout.manager import start_process
 
@@ -182,8 +209,9 @@ class RolloutSide:
         if self.proc is not None or r.manager_address:
             return
         server_cpus, trainer_cpus = split_cpus(r.server_cpus) if r.server_cpus else (None, None)
+        self._secret = new_secret()
         self.proc = start_process(os.path.join(t.run_dir, "config.yaml"), serving_host(),
-                                  os.path.join(t.run_dir, "manager.log"), cpus=server_cpus)
+                                  os.path.join(t.run_dir, "manager.log"), self._secret, cpus=server_cpus)
         if trainer_cpus:  # generation and training on their own cores (docs/demo.md)
             # after the spawn: the manager (and the servers it starts) keep the server CPUs
             os.sched_setaffinity(0, trainer_cpus)
@@ -197,21 +225,26 @@ class RolloutSide:
         if self.ps.rank != 0:
             return
         if self.cfg.rollout.manager_address:
+            from megarl.rollout.handshake import read_secret_file
+
             self.address = self.cfg.rollout.manager_address
+            self._secret = read_secret_file(self.cfg.rollout.manager_secret_file)
         else:
             self.launch()
             self.address = wait_listening(self.proc, os.path.join(self.cfg.train.run_dir, "manager.log"))
-        self.link = Link(self.address, "driver")
+        self.link = Link(self.address, "driver", self._secret)
 
     def connect(self, version: int, state: Optional[dict]) -> ManagerCluster:
         """Every rank: the server set (the manager starts them on Init) and the trainer's cluster."""
-        servers = [None, None]
+        servers = [None, None, None]
         if self.ps.rank == 0:
-            servers = [self._request(Init(self.ps.dp, version, state), 600.0), self.address]
+            servers = [self._request(Init(self.ps.dp, version, state), 600.0), self.address, self._secret]
+        # the secret too: a pipeline stage's weight source opens its own link (inside the job's group)
         dist.broadcast_object_list(servers, src=0)
         return ManagerCluster(servers[0], link=self.link, manager_address=servers[1], version=version,
                               min_live_servers=self.cfg.rollout.min_live_servers,
-                              timeout_s=self.cfg.weights.timeout_s, side=self if self.ps.rank == 0 else None)
+                              timeout_s=self.cfg.weights.timeout_s, side=self if self.ps.rank == 0 else None,
+                              secret=servers[2])
 
     def _request(self, msg, timeout_s: Optional[float] = None):
         try:

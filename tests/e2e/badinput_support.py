@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TINY = os.path.join(REPO, "examples", "tiny")
 MODULES = {"megarl-train": "megarl.train", "megarl-convert": "megarl.tools_cli.convert",
            "megarl-logprobs": "megarl.tools_cli.logprobs", "megarl-server": "megarl.server",
-           "megarl-launch": "megarl.launch_plan"}
+           "megarl-launch": "megarl.launch_plan", "megarl-rollout-manager": "megarl.rollout.manager"}
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,16 @@ class World:
         _write(j("nonempty_out", "keep.txt"), "x")
         os.makedirs(j("runs"))
         os.makedirs(j("outs"))
+        # megarl-rollout-manager: a channel secret (owner-only, and one others can read) and
+        # configs naming each
+        p["secret"] = _write(j("secret"), "s" * 32)
+        os.chmod(p["secret"], 0o600)
+        p["open_secret"] = _write(j("open_secret"), "s" * 32)
+        os.chmod(p["open_secret"], 0o644)
+        p["mgr_yaml"] = _write(j("mgr.yaml"), open(p["grpo_yaml"]).read().replace(
+            "rollout:\n", f"rollout:\n  manager_secret_file: {p['secret']}\n", 1))
+        p["mgr_open_yaml"] = _write(j("mgr_open.yaml"), open(p["grpo_yaml"]).read().replace(
+            "rollout:\n", f"rollout:\n  manager_secret_file: {p['open_secret']}\n", 1))
         # servers: refused, hung, HTTP 500, malformed JSON; a port in use for megarl-server
         self._keep = [silent_listener(), silent_listener()]
         p["refused"] = f"http://127.0.0.1:{closed_port()}"

@@ -257,13 +257,32 @@ LAUNCH = [
       "1000000000 ranks"),
 ]
 
-CLI_CASES = {f"{c.prog}:{c.id}": c for c in TRAIN + CONVERT + LOGPROBS + SERVER + LAUNCH}
+
+
+def M(id, args, *needles, rc=2):  # noqa: N802
+    return CliCase(id, "megarl-rollout-manager", tuple(args), rc, needles)
+
+
+MANAGER = [  # megarl-rollout-manager started apart (rollout.manager_address): nothing listens on bad input
+    M("config_file_missing", ["{root}/nope.yaml"], "config", "file not found"),
+    M("config_duplicate_key", ["{dup_yaml}"], "duplicate key 'train'"),
+    M("port_out_of_range", ["{mgr_yaml}", "--port", "70000"], "--port", "70000"),
+    M("host_invalid", ["{mgr_yaml}", "--host", "no-such-host.invalid"], "--host no-such-host.invalid", "cannot listen"),
+    M("host_not_local", ["{mgr_yaml}", "--host", "192.0.2.1"], "--host 192.0.2.1", "cannot listen"),
+    M("port_in_use", ["{mgr_yaml}", "--port", "{busy_port}"], "cannot listen", "in use"),
+    M("secret_file_not_set", ["{grpo_yaml}"], "rollout.manager_secret_file"),
+    M("secret_file_readable_by_others", ["{mgr_open_yaml}"], "rollout.manager_secret_file", "readable by others"),
+    M("no_config_argument", [], "config", "required"),
+]
+
+CLI_CASES = {f"{c.prog}:{c.id}": c for c in TRAIN + CONVERT + LOGPROBS + SERVER + LAUNCH + MANAGER}
 DEBUG_CASES = {  # the same bad input with --debug: the traceback instead of one line
     "megarl-train": ["{sft_yaml}", "trian.steps=3", "--debug"],
     "megarl-convert": ["hf-to-mcore", "--hf", "{root}/nope", "--out", "{root}/outs/dbg", "--debug"],
     "megarl-logprobs": ["--ckpt", "{root}/nope", "--input", "{lp_ok}", "--output", "{root}/outs/dbg.jsonl",
                         "--debug"],
     "megarl-server": ["--model", "{root}/nope", "--debug"],
+    "megarl-rollout-manager": ["{root}/nope.yaml", "--debug"],
 }
 
 

@@ -1,0 +1,43 @@
+"""A step's trajectories as the channel's `Batch`: flat token arrays plus each sample's DP rank,
+whole groups per rank, balanced by tokens. The manager packs; `rollout_link.unpack_step` is the
+trainer's inverse."""
+from __future__ import annotations
+
+import numpy as np
+
+from megarl.rollout.channel import Batch
+
+
+def balance_groups(group_tokens: list[int], n_ranks: int) -> list[int]:
+    """Rank of each group: longest first to the rank with the fewest tokens (LPT). Groups stay
+    whole, so group-relative advantages never need another rank's samples."""
+    loads = [0] * n_ranks
+    rank = [0] * len(group_tokens)
+    # ties broken by index (group, then rank): every run of the same batch gives the same placement
+    for g in sorted(range(len(group_tokens)), key=lambda g: (-group_tokens[g], g)):
+        r = min(range(n_ranks), key=lambda r: (loads[r], r))
+        rank[g] = r
+        loads[r] += group_tokens[g]
+    return rank
+
+
+def pack_batch(trajs, dp: int, stats: dict, rejoin: list[str]) -> Batch:
+    """A step's trajectories as flat arrays plus each sample's DP rank (whole groups per rank)."""
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(trajs):
+        groups.setdefault(t.group_id, []).append(i)
+    gids = list(groups)
+    ranks = balance_groups([sum(len(trajs[i].input_ids) for i in groups[g]) for g in gids], dp)
+    dp_rank = np.zeros(len(trajs), dtype=np.int32)
+    for g, r in zip(gids, ranks):
+        dp_rank[groups[g]] = r
+    cat = lambda name, dt: np.fromiter((x for t in trajs for x in getattr(t, name)), dtype=dt)  # noqa: E731
+    arrays = {"input_ids": cat("input_ids", np.int64), "loss_mask": cat("loss_mask", np.int8),
+              "behave_logp": cat("behave_logp", np.float64), "versions": cat("versions", np.int32),
+              "lengths": np.array([len(t.input_ids) for t in trajs], dtype=np.int64),
+              "rewards": np.array([t.reward for t in trajs], dtype=np.float64),
+              "group_ids": np.array([t.group_id for t in trajs], dtype=np.int64), "dp_rank": dp_rank}
+    if trajs and all(t.routes is not None for t in trajs):  # MoE routing replay: [tokens, layers, k]
+        arrays["route_ids"] = np.concatenate([t.routes.ids for t in trajs]).astype(np.int32)
+        arrays["route_weights"] = np.concatenate([t.routes.weights for t in trajs]).astype(np.float32)
+    return Batch(infos=[t.info for t in trajs], stats=stats, rejoin=rejoin, arrays=arrays)
