@@ -23,6 +23,7 @@ torchrun job:
     rollout.servers      RL: each answers /health (200) and /model_info (a JSON object) within
                          rollout.health_timeout_s (at most an hour), a progress line while it
                          waits - an unreachable server is an error, not a hang
+    rollout.engine       RL, sglang local servers: SGLang installed, an HF tokenizer in model.hf_path
 
 Nothing here imports Megatron or starts torch.distributed; torch only where a check reads tensors
 (model.init=hf safetensors headers, an existing checkpoint), so most bad inputs exit in ~0.2 s.
@@ -55,6 +56,10 @@ def check_inputs(cfg: Config, *, cleanup_run_dir: bool = True) -> None:
         check_plugins(cfg)
     check_writable("train.run_dir", cfg.train.run_dir, cleanup=cleanup_run_dir)
     check_resume(cfg, args)
+    if rl and not cfg.rollout.servers and cfg.rollout.engine == "sglang":
+        from megarl.rollout.sglang_local import check_model_dir, sglang_python
+        sglang_python()
+        check_model_dir(cfg.model.hf_path)
     if rl and cfg.rollout.servers:
         check_servers(cfg.rollout.servers, cfg.rollout.api_key or None, cfg.rollout.health_timeout_s)
 

@@ -14,6 +14,7 @@ from megarl.rollout.local import LocalCluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join(REPO, "configs", "tiny_grpo.yaml")
+_unpatched_sglang_python = S.sglang_python
 
 
 def test_megarl_server_flags_map_to_sglang_or_are_refused():
@@ -111,3 +112,20 @@ def test_cluster_kills_the_whole_group_on_restart_and_close(tmp_path):
         assert not _group_alive(first)
         second = cluster.procs[0].pid
     assert not _group_alive(second)
+
+
+def test_preflight_stops_a_sglang_run_before_any_rank(monkeypatch, tmp_path):
+    from megarl.preflight import check_inputs
+
+    demo = os.path.join(REPO, "examples", "tiny")
+    cfg = load_config(RECIPE, ["rollout.engine=sglang", f"model.hf_path={demo}/model", "data.eval_path=",
+                               f"data.train_path={demo}/data/rl_prompts.jsonl", f"train.run_dir={tmp_path}/run"])
+    monkeypatch.setattr(S, "sglang_python", lambda: sys.executable)  # installed or not, here
+    with pytest.raises(ConfigError, match="^model.hf_path: rollout.engine=sglang needs an HF tokenizer"):
+        check_inputs(cfg)
+    monkeypatch.setenv("MEGARL_SGLANG_VENV", str(tmp_path / "none"))
+    monkeypatch.setattr(S, "sglang_python", _unpatched_sglang_python)
+    monkeypatch.setattr(S.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="^rollout.engine: sglang, but SGLang is not installed"):
+        check_inputs(cfg)
+    assert not os.path.exists(tmp_path / "run")
