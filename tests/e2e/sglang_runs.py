@@ -66,14 +66,15 @@ def demo_model(dst: str) -> str:
     return dst
 
 
-def train_cmd(run: str, model: str, *overrides: str) -> list[str]:
-    """megarl-train on the demo recipe with SGLang servers it starts itself, each logging every
-    HTTP request it answers (uvicorn's access log) into <run>/servers/serverN.log."""
+def train_cmd(run: str, model: str, *overrides: str, server_args=()) -> list[str]:
+    """megarl-train on the demo recipe with SGLang servers it starts itself (``server_args``: more
+    SGLang flags), each logging every HTTP request it answers (uvicorn's access log) into
+    <run>/servers/serverN.log."""
     return [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
             f"model.hf_path={model}", f"data.train_path={DEMO}/data/rl_prompts.jsonl",
             f"data.eval_path={DEMO}/data/eval_prompts.jsonl", f"train.run_dir={run}",
             "checkpoint.hf_export_dir=", "rollout.engine=sglang", "rollout.health_timeout_s=400",
-            "rollout.server_args=[--log-level-http,info]", *SGLANG_WIRE, *overrides]
+            f"rollout.server_args=[{','.join(['--log-level-http', 'info', *server_args])}]", *SGLANG_WIRE, *overrides]
 
 
 def run_env(run: str) -> dict:
