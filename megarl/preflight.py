@@ -23,6 +23,7 @@ torchrun job:
     rollout.servers      RL: each answers /health (200) and /model_info (a JSON object) within
                          rollout.health_timeout_s (at most an hour), a progress line while it
                          waits - an unreachable server is an error, not a hang
+    rollout.engine       RL, sglang local servers: SGLang installed, an HF tokenizer in model.hf_path
     weights.*            RL: the weight wire resolved against what the servers advertise
                          (`check_wire`, `megarl.config.server_wire`): auto chosen, a setting a
                          server cannot take refused naming the field and the server
@@ -58,13 +59,17 @@ def check_inputs(cfg: Config, *, cleanup_run_dir: bool = True) -> None:
         check_plugins(cfg)
     check_writable("train.run_dir", cfg.train.run_dir, cleanup=cleanup_run_dir)
     check_resume(cfg, args)
+    if rl and not cfg.rollout.servers and cfg.rollout.engine == "sglang":
+        from megarl.rollout.sglang_local import check_model_dir, sglang_python
+        sglang_python()
+        check_model_dir(cfg.model.hf_path)
     if rl:
         check_wire(cfg)
 
 
 def check_wire(cfg: Config) -> None:
     """The servers say what they are (``rollout.servers``: their /model_info; the servers the job
-    starts: megarl-server), and ``cfg.weights`` becomes the wire they can all take
+    starts: by ``rollout.engine``), and ``cfg.weights`` becomes the wire they can all take
     (`megarl.config.server_wire.resolve_wire`: auto resolved, an impossible setting refused).
     Rank 0 saves the resolved config, which the rollout manager reads."""
     from megarl.config.server_wire import local_extensions, resolve_wire
@@ -73,7 +78,7 @@ def check_wire(cfg: Config) -> None:
         servers = check_servers(cfg.rollout.servers, cfg.rollout.api_key or None,
                                 cfg.rollout.health_timeout_s)
     else:
-        servers = {"(local megarl-server)": local_extensions("megarl")}
+        servers = {f"(local {cfg.rollout.engine} server)": local_extensions(cfg.rollout.engine)}
     cfg.weights = resolve_wire(cfg.weights, servers)
 
 

@@ -14,13 +14,20 @@ from megarl.fields import bounded
 class RolloutConfig:
     servers: list[str] = field(default_factory=list)
     """Rollout server addresses (http://host:port): SGLang servers or megarl-server."""
+    engine: str = "megarl"
+    """What the local servers are (when servers is empty): megarl (megarl-server, the CPU demo) or
+    sglang (real SGLang, `python -m sglang.launch_server` from its venv: tools/sglang_cpu/install.sh,
+    $MEGARL_SGLANG_VENV; on a machine without CUDA with the CPU settings that directory knows, fp32).
+    Servers given in rollout.servers are used as they are, whatever this says."""
     local_servers: int = bounded(1, ge=1)
-    """When servers is empty: start this many megarl CPU servers on loopback (the CPU demo)."""
+    """When servers is empty: start this many servers of rollout.engine on loopback (the CPU demo)."""
     server_threads: int = bounded(1, ge=1)
     """torch threads of each local server."""
     server_args: list[str] = field(default_factory=list)
-    """Extra megarl-server flags for the local servers, e.g. [--max-running-requests, 1] (one
-    request at a time: logprobs then do not depend on which requests share a batch)."""
+    """Extra flags for the local servers, e.g. [--max-running-requests, 1] (one request at a time:
+    logprobs then do not depend on which requests share a batch). With engine sglang they are
+    SGLang's flags (megarl-server's --seed and --tp become --random-seed and --tp-size; its own
+    --threads, --weights-root, --weight-version, --tp-rank, --tp-port are refused)."""
     server_cpus: list[int] = field(default_factory=list)
     """CPU ids to pin the local servers to (os.sched_setaffinity); rank 0, which starts them, is then
     pinned to the other CPUs, so generation and training never share a core. Empty = no pinning.
@@ -40,8 +47,9 @@ class RolloutConfig:
     api_key: str = ""
     """Bearer token for the servers' admin endpoints; empty = none."""
     health_timeout_s: float = bounded(120.0, gt=0, le=86400)
-    """Deadline for every server in rollout.servers to answer /health when the job starts (an
-    unreachable server is an error naming it, not a hang; SGLang on CPU takes up to ~80 s to start)."""
+    """Deadline for every server in rollout.servers, or each local server the job starts, to answer
+    /health when the job starts (an unreachable server is an error naming it, not a hang; SGLang on
+    CPU takes up to ~80 s to start, its first start on a machine ~3 min)."""
     group_size: int = bounded(8, ge=1)
     """Samples per prompt (GRPO group)."""
     max_new_tokens: int = bounded(64, ge=1)
@@ -104,6 +112,10 @@ class RolloutConfig:
 
     def validate(self) -> None:
         _check(self, "rollout")
+        _choice("rollout.engine", self.engine, ("megarl", "sglang"))
+        if self.engine == "sglang" and not self.servers:
+            from megarl.rollout.sglang_local import sglang_flags
+            sglang_flags(self.server_args)  # a megarl-server-only flag: one line naming it
         bad = [c for c in self.server_cpus if not isinstance(c, int) or c < 0]
         if bad:
             raise ConfigError(f"rollout.server_cpus: expected CPU ids >= 0, got {bad}")

@@ -1,7 +1,8 @@
-"""A local rollout cluster: megarl CPU servers as child processes on free ports of one host.
+"""A local rollout cluster: rollout servers as child processes on free ports of one host.
 
-The one local launcher of megarl-server: used when ``rollout.servers`` is empty (the embedded CPU
-demo), by make_tiny_model's evaluation, and by tests and benchmarks. The servers bind to loopback,
+The one local launcher of megarl-server (and, with ``rollout.engine: sglang``, of real SGLang:
+`megarl.rollout.sglang_local.SGLangLauncher`): used when ``rollout.servers`` is empty (the embedded
+CPU demo), by make_tiny_model's evaluation, and by tests and benchmarks. The servers bind to loopback,
 or to the address every rank reached rank 0 by when the job spans nodes (megarl.net.serving_host).
 They belong to the trainer: stop signals sent to the whole process tree are ignored by them, they
 are killed when the trainer leaves the cluster's context, and the kernel kills them if the trainer
@@ -57,12 +58,13 @@ def root_flags(weights_roots) -> list[str]:
     return flags
 
 
-def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s: float = 60.0) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s: float = 60.0,
+               name: str = "megarl-server") -> None:
     deadline = time.time() + ready_timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
             # dead before /health: its log's tail says why (bad model dir, port taken), no point waiting out the deadline
-            raise RuntimeError(f"megarl-server exited early (log {log_path}): "
+            raise RuntimeError(f"{name} exited early (log {log_path}): "
                                f"{open(log_path).read()[-1500:]}")
         try:
             urllib.request.urlopen(url + "/health", timeout=1)
@@ -70,8 +72,27 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s:
         except OSError:
             # 0.2 s between probes: readiness is seen at once without a busy loop that takes its CPU
             time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"megarl-server not ready in {ready_timeout_s:.0f} s (log {log_path})")
+    raise RuntimeError(f"{name} on {url} not ready in {ready_timeout_s:.0f} s (log {log_path})")
+
+
+class MegarlLauncher:
+    """Spawns one megarl-server per `LocalCluster` slot (SGLang's: sglang_local.SGLangLauncher)."""
+
+    name = "megarl-server"
+
+    def __init__(self, model_dir: str, extra=(), weights_roots=()):
+        self.model_dir = model_dir
+        self.extra = [*extra, *root_flags(weights_roots)]  # restarts get the same flags
+
+    def spawn(self, port: int, log_path: str, host: str, cpus=None) -> subprocess.Popen:
+        return spawn_server(self.model_dir, log_path, port, self.extra, host, cpus)
+
+    @staticmethod
+    def kill(proc: subprocess.Popen) -> None:
+        # not the group: megarl-server shares the trainer's process group
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
 
 
 def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0,
@@ -83,17 +104,24 @@ def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float
     extra = [*extra, *root_flags(weights_roots)]
     proc = spawn_server(model_dir, log_path, port, extra, host, cpus)
     url = http_url(host, port)
-    wait_ready(url, proc, log_path, ready_timeout_s)
+    try:
+        wait_ready(url, proc, log_path, ready_timeout_s)
+    except BaseException:
+        MegarlLauncher.kill(proc)
+        raise
     return url, proc
 
 
 class LocalCluster:
-    """``with LocalCluster(model_dir, n=2, log_dir=...) as urls: ...``"""
+    """``with LocalCluster(model_dir, n=2, log_dir=...) as urls: ...``; ``launcher``: what each
+    slot runs (default: megarl-server with ``extra`` flags). All servers start at once, then the
+    cluster waits up to ``ready_timeout_s`` for each /health."""
 
     def __init__(self, model_dir: str, n: int, log_dir: str, extra=(), host: str = LOOPBACK,
-                 weights_roots=(), cpus=None):
+                 weights_roots=(), cpus=None, launcher=None, ready_timeout_s: float = 60.0):
         self.model_dir, self.n, self.log_dir, self.host, self.cpus = model_dir, n, log_dir, host, cpus
-        self.extra = [*extra, *root_flags(weights_roots)]  # restarts get the same flags
+        self.launcher = launcher or MegarlLauncher(model_dir, extra, weights_roots)
+        self.ready_timeout_s = ready_timeout_s
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.restarts = 0
@@ -101,10 +129,11 @@ class LocalCluster:
     def __enter__(self) -> list[str]:
         try:
             for i in range(self.n):
-                url, proc = start_server(self.model_dir, self._log(i), self.extra, host=self.host,
-                                         cpus=self.cpus)
-                self.urls.append(url)
-                self.procs.append(proc)
+                port = free_port(self.host)
+                self.urls.append(http_url(self.host, port))
+                self.procs.append(self.launcher.spawn(port, self._log(i), self.host, self.cpus))
+            for i, (url, proc) in enumerate(zip(self.urls, self.procs)):
+                wait_ready(url, proc, self._log(i), self.ready_timeout_s, self.launcher.name)
         except BaseException:
             self.close()
             raise
@@ -122,18 +151,16 @@ class LocalCluster:
         os.replace(tmp, os.path.join(self.log_dir, "servers.json"))  # readers never see half a file
 
     def restart(self, url: str) -> bool:
-        """Relaunches the server of ``url`` on the same port (its old process is killed if it
-        is still there, e.g. hung); returns at once - readiness is polled by the caller."""
+        """Relaunches the server of ``url`` on the same port (what is left of its old process is
+        killed, e.g. hung, or SGLang's scheduler outliving its leader); returns at once -
+        readiness is polled by the caller."""
         if url not in self.urls:
             return False
         i = self.urls.index(url)
-        old = self.procs[i]
-        if old.poll() is None:  # hung (SIGSTOPped, deadlocked): it still holds the port
-            old.kill()
-            old.wait(timeout=10)
+        self.launcher.kill(self.procs[i])  # a hung one still holds the port
         # the same port: the address the cluster dropped is the one it will re-admit
         port = int(url.rsplit(":", 1)[1])
-        self.procs[i] = spawn_server(self.model_dir, self._log(i), port, self.extra, self.host, self.cpus)
+        self.procs[i] = self.launcher.spawn(port, self._log(i), self.host, self.cpus)
         self.restarts += 1
         self._write_index()
         return True
@@ -141,9 +168,7 @@ class LocalCluster:
     def close(self) -> None:
         # SIGKILL, no grace: the servers hold no state worth saving (the trainer has the weights)
         for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=10)
+            self.launcher.kill(p)
         self.procs.clear()
 
     def __exit__(self, *exc) -> None:

@@ -152,11 +152,16 @@ class RolloutManager:
         # the trainer pinned this process to rollout.server_cpus already (RolloutSide.start)
         # only CPUs this process may use: pinning a server to a CPU outside the allowed set would fail
         server_cpus = set(r.server_cpus) & os.sched_getaffinity(0) if r.server_cpus else None
+        launcher = None
+        if r.engine == "sglang":
+            from megarl.rollout.sglang_local import SGLangLauncher
+            # the route flags (--enable-return-routed-experts) are SGLang's too
+            launcher = SGLangLauncher(spec.model_path, [*spec.server_flags, *r.server_args], threads=r.server_threads)
         self.local = LocalCluster(spec.model_path, r.local_servers, f"{spec.run_dir}/servers",
                                   extra=["--threads", r.server_threads, *spec.server_flags, *r.server_args],
                                   host=serving_host(),
                                   weights_roots=[spec.weights.disk_dir or f"{spec.run_dir}/weights"],
-                                  cpus=server_cpus)
+                                  cpus=server_cpus, launcher=launcher, ready_timeout_s=r.health_timeout_s)
         return self.stack.enter_context(self.local)
 
     def init(self, msg: Init) -> list[str]:

@@ -3,7 +3,9 @@ for megarl-server.
 
     python tools/sglang_cpu/launch.py --model DIR --port 30000 [-- extra sglang args]
 
-SGLang's kernels are CUDA-only, so on a CPU-only machine it runs with what this directory carries:
+The launch settings live in megarl/rollout/sglang_local.py (also what `megarl-train` uses with
+``rollout.engine: sglang``). SGLang's kernels are CUDA-only, so on a CPU-only machine it runs with
+what this directory carries:
 its own virtualenv (``install.sh``, outside the repository), the stand-in ``sgl_kernel`` package
 (``sgl_kernel_cpu/``) first on ``PYTHONPATH``, ``SGLANG_USE_CPU_ENGINE=1``, the torch-native
 attention and sampling backends, fp32 (its bf16 logprobs are 0.03-0.08 off an fp32 reference) and
@@ -15,7 +17,6 @@ From Python (tests): ``SGLangServer(model_dir).start().wait_ready()`` ... ``.sto
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import signal
 import socket
@@ -23,25 +24,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Optional, Sequence
+from typing import Optional
+
+from megarl.rollout.sglang_local import (MEGARL_ARCHS, STANDIN_KERNEL, VERSION, installed_python,  # noqa: F401
+                                         server_args, server_env, venv_dir)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INSTALL_SH = os.path.join(HERE, "install.sh")
-STANDIN_KERNEL = os.path.join(HERE, "sgl_kernel_cpu")
-VERSION = "0.5.23"
-# SGLang model modules for the architectures megarl converts (models/registry.py).
-MEGARL_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-
-
-def venv_dir() -> str:
-    return os.environ.get("MEGARL_SGLANG_VENV") or os.path.expanduser("~/.cache/megarl/sglang-venv")
-
-
-def installed_python() -> Optional[str]:
-    """The venv's python when install.sh completed for this version, else None."""
-    py = os.path.join(venv_dir(), "bin", "python")
-    stamp = os.path.join(venv_dir(), f".megarl-sglang-{os.environ.get('MEGARL_SGLANG_VERSION', VERSION)}")
-    return py if os.path.isfile(stamp) and os.access(py, os.X_OK) else None
 
 
 def ensure_installed(timeout_s: float = 1200.0) -> str:
@@ -53,45 +42,6 @@ def ensure_installed(timeout_s: float = 1200.0) -> str:
     if out.returncode != 0 or not os.path.isfile(py):
         raise RuntimeError(f"tools/sglang_cpu/install.sh failed (exit {out.returncode}); see its output above")
     return py
-
-
-def server_env(base: Optional[dict] = None, python: Optional[str] = None,
-               models: Optional[Sequence[str]] = MEGARL_ARCHS) -> dict:
-    """The environment SGLang needs on CPU. ``models``: SGLang model modules to import at start-up
-    (None = all ~250; importing them all costs about a minute per process on two cores)."""
-    env = dict(os.environ if base is None else base)
-    env["SGLANG_USE_CPU_ENGINE"] = "1"
-    # The stand-in kernel package must shadow the CUDA-only wheel installed in the venv.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN_KERNEL, env.get("PYTHONPATH", "")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    # Its venv ships no bytecode (uv compiles none): let the first start write it, or each of
-    # SGLang's three processes recompiles every module it imports on every start (~2 min).
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    if models is not None and python is not None:
-        skip = [m for m in _model_modules(python) if m not in models]
-        env["SGLANG_DISABLED_MODEL_ARCHS"] = ",".join(skip)
-    return env
-
-
-def _model_modules(python: str) -> list[str]:
-    """Module names under the venv's sglang/srt/models (found on disk, no import)."""
-    venv = os.path.dirname(os.path.dirname(python))
-    found = glob.glob(os.path.join(venv, "lib", "python*", "site-packages", "sglang", "srt", "models", "*.py"))
-    return sorted(os.path.basename(f)[:-3] for f in found if not f.endswith("__init__.py"))
-
-
-def server_args(model: str, port: int, host: str = "127.0.0.1", *, max_total_tokens: int = 16384,
-                max_running_requests: int = 64, api_key: Optional[str] = None,
-                extra: Sequence[str] = ()) -> list[str]:
-    """`python -m sglang.launch_server` arguments for a CPU server on ``host:port``."""
-    args = ["-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", str(port),
-            "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-            "--dtype", "float32", "--max-total-tokens", str(max_total_tokens),
-            "--mem-fraction-static", "0.05", "--max-running-requests", str(max_running_requests),
-            "--tp-size", "1", "--random-seed", "0", "--log-level", "warning"]
-    if api_key:
-        args += ["--api-key", api_key]
-    return args + list(extra)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,0 +1,181 @@
+"""Real SGLang as the local rollout servers (``rollout.engine: sglang``).
+
+When ``rollout.servers`` is empty and the engine is sglang, the job's `LocalCluster` starts
+``python -m sglang.launch_server`` processes instead of megarl-server: from SGLang's own
+virtualenv (``$MEGARL_SGLANG_VENV``, default ``~/.cache/megarl/sglang-venv``, made by
+tools/sglang_cpu/install.sh), or from this Python when it imports sglang (``pip install
+megarl[sglang]`` on a GPU node).
+
+On a machine without CUDA, SGLang 0.5.x runs only with what tools/sglang_cpu/ carries (DESIGN.md,
+"Facts learned"): ``SGLANG_USE_CPU_ENGINE=1``, the stand-in ``sgl_kernel`` package first on
+``PYTHONPATH``, the torch-native attention and sampling backends, fp32 (its bf16 logprobs are
+0.03-0.08 off an fp32 reference), an explicit KV-cache size, and ``SGLANG_DISABLED_MODEL_ARCHS``
+naming every model module but the ones megarl converts (start-up ~4x faster on two cores). On GPU
+it is the plain command. Start-up takes 40-80 s on two CPU cores (the first start ~3 min).
+
+SGLang forks a scheduler and a detokenizer: each server is its own process group, killed whole.
+tools/sglang_cpu/launch.py is a thin command-line user of this module.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+from megarl.errors import ConfigError
+from megarl.signals import owned_child_setup
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STANDIN_KERNEL = os.path.join(REPO, "tools", "sglang_cpu", "sgl_kernel_cpu")
+VERSION = "0.5.23"
+# SGLang model modules for the architectures megarl converts (models/registry.py).
+MEGARL_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe")
+
+# megarl-server flags (python -m megarl.server --help) and what SGLang calls them.
+RENAMED_FLAGS = {"--seed": "--random-seed", "--tp": "--tp-size"}
+MEGARL_ONLY_FLAGS = {
+    "--threads": "use rollout.server_threads (SGLang's servers get it as OMP_NUM_THREADS)",
+    "--weights-root": "SGLang reads /update_weights_from_disk paths without a root list",
+    "--weight-version": "SGLang starts at weight_version 'default'",
+    "--tp-rank": "SGLang starts its TP ranks itself (--tp-size)",
+    "--tp-port": "SGLang starts its TP ranks itself (--tp-size)",
+}
+JOB_FLAGS = ("--model", "--model-path", "--host", "--port")  # set by the job for each server
+
+
+def venv_dir() -> str:
+    return os.environ.get("MEGARL_SGLANG_VENV") or os.path.expanduser("~/.cache/megarl/sglang-venv")
+
+
+def installed_python() -> Optional[str]:
+    """The venv's python when tools/sglang_cpu/install.sh completed for this version, else None."""
+    py = os.path.join(venv_dir(), "bin", "python")
+    stamp = os.path.join(venv_dir(), f".megarl-sglang-{os.environ.get('MEGARL_SGLANG_VERSION', VERSION)}")
+    return py if os.path.isfile(stamp) and os.access(py, os.X_OK) else None
+
+
+def sglang_python() -> str:
+    """The Python that runs ``sglang.launch_server``: the SGLang venv's, else this one if it
+    imports sglang; a one-line ConfigError naming rollout.engine otherwise."""
+    py = installed_python()
+    if py:
+        return py
+    if importlib.util.find_spec("sglang") is not None:
+        return sys.executable
+    raise ConfigError(f"rollout.engine: sglang, but SGLang is not installed (no venv at {venv_dir()} and no "
+                      "sglang module here); run tools/sglang_cpu/install.sh or pip install 'megarl[sglang]'")
+
+
+def sglang_flags(flags: Sequence) -> list[str]:
+    """megarl-server flags of the local servers (rollout.server_args, route flags) as SGLang's:
+    renamed where SGLang has the same option under another name, passed through when SGLang has
+    it under the same name, and refused (ConfigError, one line) when it is megarl-server's own."""
+    out = []
+    for f in map(str, flags):
+        name = f.split("=", 1)[0]
+        if name in MEGARL_ONLY_FLAGS:
+            raise ConfigError(f"rollout.server_args: {name} is a megarl-server flag that SGLang "
+                              f"(rollout.engine=sglang) has not: {MEGARL_ONLY_FLAGS[name]}")
+        if name in JOB_FLAGS:
+            raise ConfigError(f"rollout.server_args: {name} is set by the job for each local server")
+        out.append(RENAMED_FLAGS[name] + f[len(name):] if name in RENAMED_FLAGS else f)
+    return out
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def server_env(base: Optional[dict] = None, python: Optional[str] = None,
+               models: Optional[Sequence[str]] = MEGARL_ARCHS, threads: Optional[int] = None) -> dict:
+    """The environment SGLang needs on CPU. ``models``: SGLang model modules to import at start-up
+    (None = all ~250; importing them all costs about a minute per process on two cores)."""
+    env = dict(os.environ if base is None else base)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    # The stand-in kernel package must shadow the CUDA-only wheel installed in the venv.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN_KERNEL, env.get("PYTHONPATH", "")) if p)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # Its venv ships no bytecode (uv compiles none): let the first start write it, or each of
+    # SGLang's three processes recompiles every module it imports on every start (~2 min).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if models is not None and python is not None:
+        skip = [m for m in _model_modules(python) if m not in models]
+        env["SGLANG_DISABLED_MODEL_ARCHS"] = ",".join(skip)
+    return env
+
+
+def _model_modules(python: str) -> list[str]:
+    """Module names under the venv's sglang/srt/models (found on disk, no import)."""
+    venv = os.path.dirname(os.path.dirname(python))
+    found = glob.glob(os.path.join(venv, "lib", "python*", "site-packages", "sglang", "srt", "models", "*.py"))
+    return sorted(os.path.basename(f)[:-3] for f in found if not f.endswith("__init__.py"))
+
+
+def server_args(model: str, port: int, host: str = "127.0.0.1", *, cpu: bool = True,
+                max_total_tokens: int = 16384, max_running_requests: int = 64,
+                api_key: Optional[str] = None, extra: Sequence[str] = ()) -> list[str]:
+    """`python -m sglang.launch_server` arguments for a server on ``host:port``; ``cpu``: the
+    settings SGLang needs without CUDA (fp32, torch-native backends, a fixed KV cache)."""
+    args = ["-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", str(port)]
+    if cpu:
+        args += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+                 "--dtype", "float32", "--max-total-tokens", str(max_total_tokens),
+                 "--mem-fraction-static", "0.05", "--max-running-requests", str(max_running_requests),
+                 "--tp-size", "1", "--random-seed", "0", "--log-level", "warning"]
+    if api_key:
+        args += ["--api-key", api_key]
+    return args + list(extra)  # last: a repeated option takes its last value
+
+
+def check_model_dir(model_dir: str) -> None:
+    """SGLang loads the tokenizer with transformers: a sentencepiece-only dir (megarl reads it,
+    SGLang cannot) fails at its start-up after a minute; say so at once."""
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(f"model.hf_path: rollout.engine=sglang needs an HF tokenizer (tokenizer.json or "
+                          f"tokenizer_config.json) in {model_dir}")
+
+
+class SGLangLauncher:
+    """Spawns one SGLang server per `LocalCluster` slot (the megarl-server one is
+    `megarl.rollout.local.MegarlLauncher`)."""
+
+    name = "SGLang"
+
+    def __init__(self, model_dir: str, extra=(), threads: Optional[int] = None, api_key: Optional[str] = None,
+                 cpu: Optional[bool] = None, python: Optional[str] = None):
+        check_model_dir(model_dir)
+        self.python = python or sglang_python()
+        self.model_dir, self.api_key, self.threads = model_dir, api_key, threads
+        self.extra = sglang_flags(extra)
+        self.cpu = (not cuda_available()) if cpu is None else cpu
+
+    def spawn(self, port: int, log_path: str, host: str, cpus=None) -> subprocess.Popen:
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        log = open(log_path, "a")  # append: a restarted server keeps its predecessor's log
+        env = server_env(python=self.python, threads=self.threads) if self.cpu else dict(os.environ)
+        args = server_args(self.model_dir, port, host, cpu=self.cpu, api_key=self.api_key, extra=self.extra)
+        # its own session: the scheduler and detokenizer it forks are killed with it (kill())
+        proc = subprocess.Popen([self.python, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, preexec_fn=owned_child_setup)
+        if cpus:
+            os.sched_setaffinity(proc.pid, cpus)
+        return proc
+
+    @staticmethod
+    def kill(proc: subprocess.Popen) -> None:
+        """SIGKILL the whole process group, the leader's children too (even if it is dead already)."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)

@@ -1,0 +1,119 @@
+"""Helpers of the end-to-end tier against real SGLang (`sglang` marker): `megarl-train` runs of the
+tiny demo recipe whose local servers are real SGLang on CPU, fp32, started by megarl-train itself
+(``rollout.engine=sglang``).
+
+SGLang is installed into its own venv on first use (tools/sglang_cpu/install.sh, 1-3 min, ~11 GB);
+MEGARL_SKIP_SGLANG=1 skips the tier instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO = os.path.join(REPO, "examples", "tiny")
+RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_recorder")
+
+# Every path SGLang 0.5.x serves that megarl's client and pusher may call.
+SGLANG_PATHS = {"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info", "/health",
+                "/health_generate", "/flush_cache", "/pause_generation", "/continue_generation",
+                "/abort_request", "/begin_weight_update", "/end_weight_update", "/init_weights_update_group",
+                "/update_weights_from_distributed", "/update_weights_from_disk", "/update_weights_from_tensor",
+                "/destroy_weights_update_group", "/update_weight_version", "/get_weights_by_name"}
+MEGARL_ONLY_PATHS = {"/weights_checksum"}
+# uvicorn's access log (SGLang's --log-level-http info): '... "POST /generate HTTP/1.1" 200 OK'
+ACCESS = re.compile(r'"(GET|POST|PUT|DELETE) (/[^ ?"]*)[^"]* HTTP/1\.[01]" (\d{3})')
+
+
+def require_sglang() -> str:
+    """The SGLang venv's python (installed on first use), or skip."""
+    if os.environ.get("MEGARL_SKIP_SGLANG") == "1":
+        pytest.skip("MEGARL_SKIP_SGLANG=1")
+    out = subprocess.run(["bash", os.path.join(REPO, "tools", "sglang_cpu", "install.sh")],
+                         stdout=subprocess.PIPE, text=True, timeout=1200, check=False)
+    assert out.returncode == 0, "tools/sglang_cpu/install.sh failed"
+    return out.stdout.strip().splitlines()[-1]
+
+
+def demo_model(dst: str) -> str:
+    """The demo weights plus a tokenizer.json with the sentencepiece ids (SGLang loads tokenizers
+    with transformers; megarl keeps reading tokenizer.model, found first)."""
+    import sentencepiece as spm
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    os.makedirs(dst, exist_ok=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.model"):
+        shutil.copyfile(os.path.join(DEMO, "model", name), os.path.join(dst, name))
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(DEMO, "model", "tokenizer.model"))
+    tok = Tokenizer(models.WordLevel({sp.id_to_piece(i): i for i in range(sp.get_piece_size())}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per char
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(os.path.join(dst, "tokenizer.json"))
+    with open(os.path.join(dst, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "pad_token": "</s>", "unk_token": "<unk>", "model_max_length": 64}, f)
+    return dst
+
+
+def train_cmd(run: str, model: str, *overrides: str, server_args=()) -> list[str]:
+    """megarl-train on the demo recipe with SGLang servers it starts itself (``server_args``: more
+    SGLang flags), each logging every HTTP request it answers (uvicorn's access log) into
+    <run>/servers/serverN.log."""
+    return [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
+            f"model.hf_path={model}", f"data.train_path={DEMO}/data/rl_prompts.jsonl",
+            f"data.eval_path={DEMO}/data/eval_prompts.jsonl", f"train.run_dir={run}",
+            "checkpoint.hf_export_dir=", "rollout.engine=sglang", "rollout.health_timeout_s=400",
+            f"rollout.server_args=[{','.join(['--log-level-http', 'info', *server_args])}]", *overrides]
+
+
+def run_env(run: str) -> dict:
+    """The environment of a run: one thread per process (2 cores), and the recorder
+    (sglang_recorder/sitecustomize.py) on PYTHONPATH, inherited by the SGLang servers: it writes
+    the load_format of every weight update they receive under <run>/received/."""
+    os.makedirs(os.path.join(run, "received"), exist_ok=True)
+    path = os.pathsep.join(p for p in (RECORDER, os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path,
+                MEGARL_TEST_RECORD_DIR=os.path.join(run, "received"))
+
+
+def load_formats(run: str) -> dict[str, set]:
+    """{path: load_formats seen} of the POSTs to a weights endpoint that the servers received."""
+    out: dict[str, set] = {}
+    d = os.path.join(run, "received")
+    for name in os.listdir(d):
+        with open(os.path.join(d, name)) as f:
+            for line in f:
+                row = json.loads(line)
+                if "weights" in row["path"]:
+                    out.setdefault(row["path"], set()).add(row["load_format"])
+    return out
+
+
+def metrics(run: str) -> list[dict]:
+    path = os.path.join(run, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def received(run: str) -> dict[str, dict[str, int]]:
+    """{log file: {"METHOD /path STATUS": count}} of every request the run's SGLang servers answered."""
+    out = {}
+    d = os.path.join(run, "servers")
+    for name in sorted(os.listdir(d)):
+        if name.endswith(".log"):
+            counts: dict[str, int] = {}
+            with open(os.path.join(d, name), errors="replace") as f:
+                for m in ACCESS.finditer(f.read()):
+                    key = f"{m.group(1)} {m.group(2)} {m.group(3)}"
+                    counts[key] = counts.get(key, 0) + 1
+            out[name] = counts
+    return out

@@ -1,0 +1,94 @@
+"""A real SGLang server SIGKILLed in the middle of a `megarl-train` run that started it
+(``rollout.engine=sglang``, two local servers, fp32 on CPU): it is dropped, restarted on its port
+(SGLang's scheduler and detokenizer, orphaned by the kill, go with the process group), given the
+current weights and re-admitted, and the run completes every step with every drawn prompt trained
+exactly once. The megarl-server counterpart is test_fault_tolerance.py.
+"""
+import collections
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+from sglang_runs import MEGARL_ONLY_PATHS, demo_model, metrics, received, require_sglang, run_env, train_cmd
+
+# 5-6 minutes on two cores (a second SGLang start under load): more than the CI budget leaves
+# (docs: .ci/run must stay under 35 minutes), so it runs when asked for, not in the default suite
+pytestmark = [pytest.mark.sglang, pytest.mark.skipif(
+    os.environ.get("MEGARL_SGLANG_SLOW") != "1",
+    reason="5-6 min: run with MEGARL_SGLANG_SLOW=1 (kept out of the CI suite for time)")]
+
+STEPS = 60  # ~2 s a step: the restarted server needs 40-90 s to start before it can rejoin
+
+
+def wait_for(cond, what: str, proc, timeout: float = 600.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert proc.poll() is None, f"trainer exited while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def weight_version(url: str):
+    """SGLang's /model_info weight_version ("default" until the first push), None while down."""
+    try:
+        with urllib.request.urlopen(url + "/model_info", timeout=2) as r:
+            return json.loads(r.read())["weight_version"]
+    except OSError:
+        return None
+
+
+def servers(run: str) -> list[dict]:
+    with open(os.path.join(run, "servers", "servers.json")) as f:
+        return json.load(f)
+
+
+def test_killed_sglang_server_is_restarted_with_current_weights(tmp_path):
+    require_sglang()
+    model, run = demo_model(str(tmp_path / "model")), str(tmp_path / "run")
+    cmd = train_cmd(run, model, f"train.steps={STEPS}", "rollout.local_servers=2", "data.eval_path=",
+                    "rollout.eval_at_start=false", "logging.dump_generations=true")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=run_env(run), stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "err", "w"))
+    try:
+        wait_for(lambda: len(metrics(run)) >= 2, "step 2", proc)
+        victim = servers(run)[0]
+        os.kill(victim["pid"], signal.SIGKILL)  # the leader, mid-generation (staleness 1 keeps them busy)
+        killed_at, killed_t = len(metrics(run)), time.monotonic()
+        wait_for(lambda: [s for s in servers(run) if s["url"] == victim["url"] and s["pid"] != victim["pid"]],
+                 "the restart", proc)
+        version = wait_for(lambda: (v := weight_version(victim["url"])) not in (None, "default") and v,
+                           "current weights on the restarted server", proc)
+        rejoin_s, rejoined_at = time.monotonic() - killed_t, len(metrics(run))
+        assert int(version) >= killed_at
+        assert proc.wait(timeout=900) == 0, (tmp_path / "err").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    wall = time.monotonic() - t0
+    rows = metrics(run)
+    print(f"\n[sglang-fault] killed at step {killed_at}, back with weights v{version} after {rejoin_s:.0f} s "
+          f"(step {rejoined_at}); {STEPS} steps in {wall:.0f} s wall")
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step completed
+    assert max(r["rollout/dead_servers"] for r in rows) == 1
+    assert rows[-1]["rollout/live_servers"] == 2 and rows[-1]["rollout/restarts"] == 1
+    assert rows[-1]["rollout/dead_servers"] == 0
+    assert all(r["staleness_max"] <= 1 for r in rows)
+    draws = collections.defaultdict(set)
+    with open(os.path.join(run, "generations.jsonl")) as f:
+        for line in f:
+            g = json.loads(line)
+            draws[g["draw"]].add(g["step"])
+    assert len(draws) == STEPS * 32 and all(len(s) == 1 for s in draws.values())
+    assert not os.path.exists(os.path.join(run, "failed_prompts.jsonl"))
+    # the restarted server's log (appended to its predecessor's) shows the second start's weight group
+    log = received(run)["server0.log"]
+    assert log["POST /init_weights_update_group 200"] >= 2, log
+    assert not {k.split()[1] for k in log} & MEGARL_ONLY_PATHS

@@ -1,0 +1,82 @@
+"""`megarl-train` against real SGLang (PyPI 0.5.23, fp32, on CPU) that it starts itself
+(``rollout.engine=sglang``): the tiny demo recipe, on-policy, held-out evaluation at the start and
+at the end. One run serves the module; each test reads what it wrote (metrics.jsonl, the servers'
+logs under <run_dir>/servers, what the servers received under <run_dir>/received).
+
+Marker ``sglang``: ``python -m pytest -m sglang`` runs the tier alone, MEGARL_SKIP_SGLANG=1 skips it.
+"""
+import os
+import subprocess
+import time
+
+import pytest
+import yaml
+from sglang_runs import (MEGARL_ONLY_PATHS, SGLANG_PATHS, demo_model, load_formats, metrics, received,
+                         require_sglang, run_env, train_cmd)
+
+pytestmark = pytest.mark.sglang
+
+STEPS = 20
+GAP = 1e-5  # mean |logp_trainer - logp_sglang| nats on on-policy tokens, fp32 (measured ~3e-7)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    require_sglang()
+    work = tmp_path_factory.mktemp("sglang-train")
+    model, run = demo_model(str(work / "model")), str(work / "run")
+    # on-policy: every step's tokens come from the weights the step starts from, so each step is gated
+    cmd = train_cmd(run, model, f"train.steps={STEPS}", "rollout.max_staleness=0", "rollout.eval_at_start=true",
+                    f"rollout.eval_interval={STEPS}", "rollout.eval_size=500", f"train.mismatch_threshold={GAP}")
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=str(work), env=run_env(run))
+    wall = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = metrics(run)
+    steps = [r for r in rows if "step_time" in r]
+    print(f"\n[sglang-train] {len(steps)} steps in {wall:.0f} s wall; median step "
+          f"{sorted(r['step_time'] for r in steps)[len(steps) // 2]:.2f} s", flush=True)
+    return run, rows, proc.stdout + proc.stderr
+
+
+def test_mismatch_gate_passes_at_step_one_within_fp32_gap(run):
+    path, rows, _ = run
+    first = next(r for r in rows if r.get("step") == 1 and "mismatch/mean" in r)
+    print(f"\n[sglang-train] step 1 trainer vs SGLang: mismatch/mean {first['mismatch/mean']:.3g}, "
+          f"mismatch/max {first['mismatch/max']:.3g}")
+    assert first["mismatch/onpolicy_frac"] == 1.0  # every token gated (max_staleness 0)
+    assert 0 < first["mismatch/mean"] <= GAP and first["mismatch/max"] < 1e-3
+    # the gate (train.mismatch_threshold=GAP) checked every step and let the run finish
+    trained = [r for r in rows if "mismatch/mean" in r]
+    assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
+    assert max(r["mismatch/mean"] for r in trained) <= GAP
+
+
+def test_held_out_accuracy_rises(run):
+    _, rows, _ = run
+    evals = {r["step"]: r["eval_accuracy"] for r in rows if "eval_accuracy" in r}
+    print(f"\n[sglang-train] held-out accuracy (500 prompts, greedy on SGLang): {evals}")
+    assert sorted(evals) == [0, STEPS], evals
+    assert 0.15 <= evals[0] <= 0.45, evals  # the demo start point (examples/tiny/sft_eval.json)
+    # 500 prompts: one accuracy's standard error is <= 0.023, so +0.08 is a real rise (test_demo_learns)
+    assert evals[STEPS] >= evals[0] + 0.08, evals
+
+
+def test_servers_received_only_sglang_endpoints_and_load_formats(run):
+    path, _, _ = run
+    got = received(path)
+    assert list(got) == ["server0.log"], got
+    paths = {key.split()[1] for key in got["server0.log"]}
+    assert paths <= SGLANG_PATHS | {"/freeze_gc"}, paths - SGLANG_PATHS  # /freeze_gc: SGLang calls it on itself at start
+    assert not paths & MEGARL_ONLY_PATHS
+    assert {"/generate", "/update_weights_from_distributed", "/pause_generation"} <= paths
+    failed = {k: n for k, n in got["server0.log"].items() if k.split()[2][0] in "45" and k != "GET /health 503"}
+    assert not failed, failed  # 503 on /health only while it starts
+    # STEPS pushes plus the initial one, each answered 200
+    assert got["server0.log"]["POST /update_weights_from_distributed 200"] == STEPS + 1
+    formats = load_formats(path)  # SGLang's own flattened bucket, chosen from its /model_info
+    assert formats == {"/update_weights_from_distributed": {"flattened_bucket"}, "/init_weights_update_group": {None},
+                       "/destroy_weights_update_group": {None}}, formats
+    with open(os.path.join(path, "config.yaml")) as f:
+        weights = yaml.safe_load(f)["weights"]
+    assert (weights["tensor_format"], weights["verify_interval"]) == ("sglang", 0)  # resolved at preflight
