@@ -7,10 +7,10 @@ MEGARL_SKIP_SGLANG=1 skips the tier instead.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -44,22 +44,15 @@ def require_sglang() -> str:
 def demo_model(dst: str) -> str:
     """The demo weights plus a tokenizer.json with the sentencepiece ids (SGLang loads tokenizers
     with transformers; megarl keeps reading tokenizer.model, found first)."""
-    import sentencepiece as spm
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    return _hf_tokenizer().hf_model_copy(os.path.join(DEMO, "model"), dst)
 
-    os.makedirs(dst, exist_ok=True)
-    for name in ("config.json", "model.safetensors", "tokenizer.model"):
-        shutil.copyfile(os.path.join(DEMO, "model", name), os.path.join(dst, name))
-    sp = spm.SentencePieceProcessor(model_file=os.path.join(DEMO, "model", "tokenizer.model"))
-    tok = Tokenizer(models.WordLevel({sp.id_to_piece(i): i for i in range(sp.get_piece_size())}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per char
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.save(os.path.join(dst, "tokenizer.json"))
-    with open(os.path.join(dst, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                   "pad_token": "</s>", "unk_token": "<unk>", "model_max_length": 64}, f)
-    return dst
+
+def _hf_tokenizer():
+    spec = importlib.util.spec_from_file_location(
+        "megarl_sglang_cpu_hf_tokenizer", os.path.join(REPO, "tools", "sglang_cpu", "hf_tokenizer.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def train_cmd(run: str, model: str, *overrides: str, server_args=()) -> list[str]:

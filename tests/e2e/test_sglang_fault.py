@@ -15,11 +15,7 @@ import urllib.request
 import pytest
 from sglang_runs import MEGARL_ONLY_PATHS, demo_model, metrics, received, require_sglang, run_env, train_cmd
 
-# 5-6 minutes on two cores (a second SGLang start under load): more than the CI budget leaves
-# (docs: .ci/run must stay under 35 minutes), so it runs when asked for, not in the default suite
-pytestmark = [pytest.mark.sglang, pytest.mark.skipif(
-    os.environ.get("MEGARL_SGLANG_SLOW") != "1",
-    reason="5-6 min: run with MEGARL_SGLANG_SLOW=1 (kept out of the CI suite for time)")]
+pytestmark = pytest.mark.sglang
 
 STEPS = 60  # ~2 s a step: the restarted server needs 40-90 s to start before it can rejoin
 
