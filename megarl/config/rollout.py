@@ -177,8 +177,13 @@ class WeightSyncConfig:
     """Bucket size cap in MiB; peak extra memory is about two buckets."""
     dtype: str = "auto"
     """Serving dtype: auto (the training dtype), float32 or bfloat16."""
-    pause_mode: str = "abort"
-    """How servers pause for a push: abort (partial rollouts resume), retract or in_place."""
+    pause_mode: str = "auto"
+    """How servers pause for a push: abort (requests end; the client resubmits prompt + tokens so
+    far under the new weights), retract (the server keeps them, frees their KV cache and
+    re-prefills them under the new weights), in_place (the server keeps them and their KV cache,
+    computed by the old weights) or auto: abort with megarl-servers only, retract when an SGLang
+    server is in the set (SGLang's abort pause waits out a 1 s poll: a 1.03 s push against 0.05 s
+    with retract, docs/benchmarks.md), abort whenever rollout.partial_rollout is false."""
     timeout_s: float = bounded(120.0, gt=0)
     """Deadline of every step of a push (HTTP calls and broadcasts)."""
     master_address: str = "auto"
@@ -240,7 +245,7 @@ class WeightSyncConfig:
                               "weights.tensor_format=megarl (megarl-server)")
         _choice("weights.tensor_format", self.tensor_format, ("auto", "megarl", "sglang"))
         _choice("weights.dtype", self.dtype, ("auto", "float32", "bfloat16"))
-        _choice("weights.pause_mode", self.pause_mode, ("abort", "retract", "in_place"))
+        _choice("weights.pause_mode", self.pause_mode, ("auto", "abort", "retract", "in_place"))
         _choice("weights.verify_mode", self.verify_mode, ("warn", "fail"))
         _choice("weights.disk_delta", self.disk_delta, ("off", "raw", "xor"))
         if self.disk_delta != "off" and self.tensor_format == "sglang":

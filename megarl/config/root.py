@@ -60,7 +60,7 @@ class Config:
             if self.train.step_batch_size % self.rollout.group_size:
                 raise ConfigError(f"{name}: a step of {self.train.step_batch_size} sequences is not whole "
                                   f"groups of rollout.group_size={self.rollout.group_size}")
-            if not self.rollout.partial_rollout and self.weights.pause_mode != "abort":
+            if not self.rollout.partial_rollout and self.weights.pause_mode not in ("abort", "auto"):
                 raise ConfigError(f"weights.pause_mode: {self.weights.pause_mode} keeps requests running "
                                   "across the push, which rollout.partial_rollout=false forbids; use abort")
 

@@ -18,6 +18,8 @@ and gets SGLang's endpoints and load formats only.
 
     verify_interval auto: 1 (every push) when every server has weights_checksum, else 0;
     N > 0 needs weights_checksum everywhere. refit=shard needs shard_refit everywhere.
+    pause_mode auto: abort for megarl-servers; retract with SGLang in the set (its abort pause
+    waits out a 1 s poll), unless rollout.partial_rollout is false (abort).
 
 Torch-free and numpy-free at import (a config module): `megarl.wire` is imported on first use.
 """
@@ -55,15 +57,24 @@ def required_extensions(weights) -> frozenset:
     return frozenset(need)
 
 
-def resolve_wire(weights, servers: Mapping[str, frozenset]):
-    """``weights`` (a `WeightSyncConfig`) with ``tensor_format`` and ``verify_interval`` resolved
-    for ``servers`` ({url: advertised extensions}); raises `ConfigError` naming the field and the
-    first server that cannot take an explicit setting."""
+def is_resolved(weights) -> bool:
+    """No auto left in the fields `resolve_wire` decides (a config megarl-train saved)."""
+    return "auto" not in (weights.tensor_format, weights.pause_mode) and weights.verify_interval is not None
+
+
+def resolve_wire(weights, servers: Mapping[str, frozenset], partial_rollout: bool = True):
+    """``weights`` (a `WeightSyncConfig`) with ``tensor_format``, ``verify_interval`` and
+    ``pause_mode`` resolved for ``servers`` ({url: advertised extensions}); raises `ConfigError`
+    naming the field and the first server that cannot take an explicit setting.
+    ``partial_rollout`` (rollout.partial_rollout): false keeps requests from running across a
+    push, so auto pauses by abort."""
     from megarl.wire import (EXT_CHECKSUM, EXT_DIRECT_BUCKET, EXT_DISK_DELTA, EXT_SAFETENSORS,
                              EXT_SHARD_REFIT)
 
     if not servers:
         return weights
+    # a server that advertises nothing is SGLang (megarl-server advertises its extensions)
+    plain = [url for url, got in servers.items() if not got]
 
     def lacking(ext: str) -> list[str]:
         return [url for url, got in servers.items() if ext not in got]
@@ -95,8 +106,11 @@ def resolve_wire(weights, servers: Mapping[str, frozenset]):
     if weights.disk_delta != "off":
         require(EXT_DISK_DELTA, "weights.disk_delta", weights.disk_delta, "set it to off")
 
-    if weights.pause_mode == "in_place" and weights.transport == "disk":
-        plain = [url for url, got in servers.items() if not got]
+    pause = weights.pause_mode
+    if pause == "auto":
+        # SGLang's abort pause polls every 1 s until its requests let go; retract answers at once
+        pause = "retract" if plain and partial_rollout else "abort"
+    if pause == "in_place" and weights.transport == "disk":
         if plain:
             raise ConfigError(f"weights.pause_mode: in_place keeps paused requests running on their cache, "
                               f"and SGLang's /update_weights_from_disk (weights.transport=disk) refuses "
@@ -108,6 +122,6 @@ def resolve_wire(weights, servers: Mapping[str, frozenset]):
         verify = 0 if lacking(EXT_CHECKSUM) else 1
     elif verify > 0:
         require(EXT_CHECKSUM, "weights.verify_interval", str(verify), "set it to 0 or auto")
-    resolved = dataclasses.replace(weights, tensor_format=fmt, verify_interval=verify)
+    resolved = dataclasses.replace(weights, tensor_format=fmt, verify_interval=verify, pause_mode=pause)
     resolved.validate()
     return resolved

@@ -115,6 +115,9 @@ class RolloutCluster:
         ``weights.pause_mode``."""
         from megarl.config.server_wire import required_extensions
 
+        if weights.pause_mode == "auto":  # guessing is how a wire fit for one server reaches another
+            raise ValueError("weights.pause_mode: auto was not resolved against the servers "
+                             "(megarl.config.server_wire.resolve_wire, run by megarl-train's preflight)")
         return cls(addresses, driver=driver, api_key=rollout.api_key or None, timeout_s=weights.timeout_s,
                    pause_mode=weights.pause_mode, min_live_servers=rollout.min_live_servers,
                    required=required_extensions(weights))

@@ -473,9 +473,15 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _run(args) -> int:
     from megarl.config import load_config
+    from megarl.config.server_wire import is_resolved
+    from megarl.rollout.probe import check_wire
 
     logging.basicConfig(level=logging.WARNING, format="[manager] %(levelname)s %(message)s")
     cfg = load_config(args.config)
+    if not is_resolved(cfg.weights):
+        # a manager run apart on the user's config: the wire from what the servers advertise, as
+        # the trainer's preflight chooses it (a config megarl-train saved is resolved already)
+        check_wire(cfg)
     secret = _secret(args, cfg)
     spec = ManagerSpec.from_config(cfg)
     # nothing heavy runs here: the cores are the trainer's and the servers'. The manager itself

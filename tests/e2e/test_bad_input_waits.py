@@ -1,6 +1,6 @@
 """Bad-input corpus, class "waits with no end or no word": preflight's wait for a rollout server
 that never answers prints progress while it waits and ends at its deadline (rollout.health_timeout_s,
-at most `preflight.HEALTH_WAIT_CAP_S` whatever the config says) with one line naming the server."""
+at most `megarl.rollout.probe.HEALTH_WAIT_CAP_S` whatever the config says) with one line naming the server."""
 from __future__ import annotations
 
 import re
@@ -31,9 +31,10 @@ def test_a_dead_server_is_waited_for_with_progress(tmp_path):
 def test_a_huge_timeout_is_capped(monkeypatch, capsys):
     from megarl import preflight
     from megarl.config import ConfigError
+    from megarl.rollout import probe
 
-    monkeypatch.setattr(preflight, "HEALTH_WAIT_CAP_S", 2.0)
-    monkeypatch.setattr(preflight, "PROGRESS_FIRST_S", 1.0)
+    monkeypatch.setattr(probe, "HEALTH_WAIT_CAP_S", 2.0)
+    monkeypatch.setattr(probe, "PROGRESS_FIRST_S", 1.0)
     t0 = time.monotonic()
     with pytest.raises(ConfigError) as e:
         preflight.check_servers([f"127.0.0.1:{closed_port()}"], None, 1e9)

@@ -402,14 +402,15 @@ def test_wire_is_chosen_by_the_server_and_forced_settings_stop_at_preflight(srv,
         assert not run.exists()
 
 
-def test_in_place_pause_keeps_the_request_across_a_push(srv, models):
-    """weights.pause_mode=in_place as RolloutCluster runs a push (pause, no cache flush - SGLang
-    refuses one while paused requests hold KV cache - tensor update, publish, continue): the push
-    goes through on both servers and the request's tokens are stamped 0 before the update and 1
-    after."""
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_kept_requests_span_the_push(srv, models, mode):
+    """weights.pause_mode in_place and retract (auto's choice for SGLang) as RolloutCluster runs a
+    push (pause; a cache flush for retract only - SGLang refuses one while in_place requests hold
+    KV cache; tensor update, publish, continue): the push goes through on both servers and the
+    request's tokens are stamped 0 before the update and 1 after."""
     from megarl.rollout.cluster import RolloutCluster
 
-    cluster = RolloutCluster([srv.url], driver=True, api_key=KEY, pause_mode="in_place")
+    cluster = RolloutCluster([srv.url], driver=True, api_key=KEY, pause_mode=mode)
     wire = "sglang" if srv.kind == "sglang" else "megarl"
 
     async def main():
@@ -429,9 +430,9 @@ def test_in_place_pause_keeps_the_request_across_a_push(srv, models):
     finally:
         cluster.close()
     n, k = r.output_len, r.output_versions.count(0)
-    # megarl-server keeps the request in place; SGLang 0.5.23 (CPU) ended it with an abort during
-    # the update (measured: 47 tokens at version 0), and the client resubmitted it: a partial
-    # rollout, as with pause_mode abort (tools/sglang_cpu/README.md)
+    # megarl-server keeps the request; SGLang 0.5.23 (CPU) ended it with an abort during the push
+    # in both modes (measured: 48-125 tokens at version 0), and the client resubmitted it: a
+    # partial rollout, as with pause_mode abort (tools/sglang_cpu/README.md)
     assert n == 600 and r.stop_reason == "length" and r.num_segments == (2 if srv.kind == "sglang" else 1)
     assert 0 < k < n and r.output_versions == [0] * k + [1] * (n - k)
     assert cluster.version == 1

@@ -79,4 +79,4 @@ def test_servers_received_only_sglang_endpoints_and_load_formats(run):
                        "/destroy_weights_update_group": {None}}, formats
     with open(os.path.join(path, "config.yaml")) as f:
         weights = yaml.safe_load(f)["weights"]
-    assert (weights["tensor_format"], weights["verify_interval"]) == ("sglang", 0)  # resolved at preflight
+    assert (weights["tensor_format"], weights["verify_interval"], weights["pause_mode"]) == ("sglang", 0, "retract")

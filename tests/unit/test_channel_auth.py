@@ -30,12 +30,15 @@ CHALLENGE = len(handshake.MAGIC) + handshake.NONCE
 @pytest.fixture(scope="module")
 def manager(tmp_path_factory):
     from megarl.config import load_config, save_config
+    from megarl.config.server_wire import local_extensions, resolve_wire
     from megarl.rollout.manager import start_process, wait_listening
 
     run = tmp_path_factory.mktemp("auth") / "run"
     cfg = load_config(f"{REPO}/configs/tiny_grpo.yaml", [
         f"model.hf_path={REPO}/examples/tiny/model", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
         "data.eval_path=", f"train.run_dir={run}", "rollout.servers=[http://127.0.0.1:9]"])
+    # resolved as megarl-train's preflight would for a megarl-server at that (unused) address
+    cfg.weights = resolve_wire(cfg.weights, {"http://127.0.0.1:9": local_extensions("megarl")})
     save_config(cfg, str(run))
     secret = handshake.new_secret()
     log = str(run / "manager.log")

@@ -90,7 +90,8 @@ def test_every_recipe_runs_on_both_server_kinds(path):
     the tiny ones with megarl-server; the servers choose), and it resolves against an SGLang
     server to SGLang's wire alone and against a megarl-server to megarl's."""
     cfg = load_config(path, ["model.hf_path=unused"], validate=False)
-    assert cfg.weights.tensor_format == "auto" and cfg.weights.verify_interval is None, path
+    w = cfg.weights
+    assert (w.tensor_format, w.verify_interval, w.pause_mode) == ("auto", None, "auto"), path
     if cfg.train.algorithm == "sft":
         return
     w = resolve_wire(cfg.weights, SGLANG)
@@ -172,3 +173,19 @@ def test_in_place_pause_with_disk_loads_is_refused_for_sglang():
         wire(MIXED, transport="disk", pause_mode="in_place")
     assert wire(SGLANG, transport="distributed", pause_mode="in_place") == ("sglang", 0)
     assert wire(MEGARL, transport="disk", pause_mode="in_place") == ("megarl", 1)
+
+
+def test_pause_mode_auto_is_retract_with_sglang_and_abort_otherwise():
+    """SGLang's abort pause re-checks its requests every 1 s (a 1.03 s push on the demo against
+    0.05 s with retract, tools/bench/bench_engines.py); megarl-server's abort costs ~5 ms."""
+    def pause(servers, partial=True, **fields):
+        return resolve_wire(WeightSyncConfig(**fields), servers, partial_rollout=partial).pause_mode
+
+    assert pause(MEGARL) == "abort"
+    assert pause(SGLANG) == "retract" and pause(MIXED) == "retract"
+    assert pause(SGLANG, partial=False) == "abort"  # nothing may run across the push
+    assert pause(SGLANG, pause_mode="in_place") == "in_place"  # explicit settings stand
+    with pytest.raises(ValueError, match="weights.pause_mode: auto was not resolved"):
+        from megarl.rollout.cluster import RolloutCluster
+        RolloutCluster.from_sections(load_config(RECIPES[0], ["model.hf_path=x"], validate=False).rollout,
+                                     WeightSyncConfig(), ["http://s:1"], driver=False)
