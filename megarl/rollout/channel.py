@@ -67,6 +67,10 @@ class ManagerStalled(ChannelError):
     process is stopped or hung. The link is broken from then on."""
 
 
+class SecretRefused(ChannelError):
+    """A megarl manager answered, but it and this peer do not hold the same secret."""
+
+
 class RemoteError(RuntimeError):
     """The manager ran the request and it failed; the message is the manager's one-line error."""
 
@@ -541,5 +545,5 @@ def connect(address: str, secret: bytes, timeout_s: float = 60.0) -> socket.sock
         except AuthError as e:
             sock.close()
             if not e.retry or time.monotonic() > deadline:
-                raise ChannelError(str(e)) from None
+                raise (SecretRefused if e.refused else ChannelError)(str(e)) from None
             time.sleep(0.1)
