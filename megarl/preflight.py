@@ -23,6 +23,8 @@ torchrun job:
     rollout.servers      RL: each answers /health (200) and /model_info (a JSON object) within
                          rollout.health_timeout_s (at most an hour), a progress line while it
                          waits - an unreachable server is an error, not a hang
+    rollout.manager_     RL, a manager started apart: listening, speaking the channel, and
+      address            accepting rollout.manager_secret_file's secret (`check_manager`)
     rollout.engine       RL, sglang local servers: SGLang installed, an HF tokenizer in model.hf_path
     weights.*            RL: the weight wire resolved against what the servers advertise
                          (`check_wire`, `megarl.config.server_wire`): auto chosen, a setting a
@@ -60,8 +62,33 @@ def check_inputs(cfg: Config, *, cleanup_run_dir: bool = True) -> None:
         from megarl.rollout.sglang_local import check_model_dir, sglang_python
         sglang_python()
         check_model_dir(cfg.model.hf_path)
+    if rl and cfg.rollout.manager_address:
+        check_manager(cfg.rollout.manager_address, cfg.rollout.manager_secret_file)
     if rl:
         check_wire(cfg)
+
+
+MANAGER_CHECK_S = 3.0  # a manager started apart is listening already: no long retry here
+
+
+def check_manager(address: str, secret_file: str, timeout_s: float = MANAGER_CHECK_S) -> None:
+    """A manager started apart: something listens at ``address``, speaks the channel (its
+    handshake's MAGIC) and accepts the secret of ``secret_file``. The probe proves the secret
+    and closes without a `Hello`: the manager drops it, nothing of the run changes."""
+    from megarl.rollout.channel import ChannelError, SecretRefused, connect
+    from megarl.rollout.handshake import read_secret_file
+
+    try:
+        secret = read_secret_file(secret_file)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        connect(address, secret, timeout_s).close()
+    except SecretRefused as e:
+        raise ConfigError(f"rollout.manager_secret_file: {secret_file!r} is not the secret of the manager at "
+                          f"rollout.manager_address={address} ({str(e).split(': ', 1)[-1]})") from None
+    except (ChannelError, OSError, ValueError) as e:
+        raise ConfigError(f"rollout.manager_address: {address}: {str(e).split(': ', 1)[-1]}") from None
 
 
 # ----------------------------------------------------------------------------- model and tokenizer

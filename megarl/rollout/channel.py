@@ -21,6 +21,14 @@ a reply's header at `MAX_REPLY_HEADER` (a batch's free-form infos) and its array
 Requests are answered in order on their connection: `Link` may send several requests before it
 reads their replies (`Link.submit`), which is how a weight push keeps the manager's admin work
 off the trainer's critical path.
+
+Liveness: while the manager works on a request of a link it sends that link a `Beat` every
+``Hello.beat_s`` from a thread of its own, whatever the request waits on (a long generation, a
+server's load). So a link that hears nothing - no reply, no beat - for ``silence_s`` knows the
+manager process stopped running (SIGSTOP, a frozen host, a GIL held forever), not that its work
+is slow: `ManagerStalled`, within the silence window of the trainer starting to wait. Whether
+slow work progresses is the manager's own deadline (a `BatchRequest`'s ``timeout_s``), which
+names the stalled phase. The trainer runs no thread for this: it reads beats only while it waits.
 """
 from __future__ import annotations
 
@@ -28,10 +36,11 @@ import dataclasses
 import json
 import socket
 import struct
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import numpy as np
 
@@ -49,6 +58,19 @@ class ChannelError(RuntimeError):
     """The peer is gone, or it sent something that is not a frame of this protocol."""
 
 
+class ChannelTimeout(ChannelError):
+    """No frame within the read's timeout (the connection itself is intact)."""
+
+
+class ManagerStalled(ChannelError):
+    """The manager sent nothing - no reply, no heartbeat - for the link's silence window: its
+    process is stopped or hung. The link is broken from then on."""
+
+
+class SecretRefused(ChannelError):
+    """A megarl manager answered, but it and this peer do not hold the same secret."""
+
+
 class RemoteError(RuntimeError):
     """The manager ran the request and it failed; the message is the manager's one-line error."""
 
@@ -56,9 +78,18 @@ class RemoteError(RuntimeError):
 # ---------------------------------------------------------------------------------- messages
 @dataclass
 class Hello:
-    """First message of a connection: who connects (``role``: "driver" = global rank 0)."""
+    """First message of a connection: who connects (``role``: "driver" = global rank 0) and how
+    often the manager beats while it works on this link's requests (``beat_s``)."""
     role: str
     rank: int = 0
+    beat_s: float = 1.0
+
+
+@dataclass
+class Beat:
+    """Manager -> link, every ``Hello.beat_s`` while one of its requests is being handled: the
+    manager process runs (``busy_s``: how long the request in hand has run so far)."""
+    busy_s: float = 0.0
 
 
 @dataclass
@@ -215,7 +246,7 @@ class Reply:
     elapsed_s: float = 0.0
 
 
-MESSAGES = {cls.__name__: cls for cls in (Hello, Init, BatchRequest, Batch, ClusterCall, EvalSubmit, EvalPoll,
+MESSAGES = {cls.__name__: cls for cls in (Hello, Beat, Init, BatchRequest, Batch, ClusterCall, EvalSubmit, EvalPoll,
                                           EvalReport, StateRequest, Close, Reply, *ADMIN_MESSAGES)}
 # answers that travel as themselves, not inside a `Reply` (a batch carries arrays)
 DIRECT_REPLIES = (Batch, EvalReport)
@@ -300,11 +331,14 @@ class Channel:
                  max_arrays: int = MAX_BATCH_BYTES):
         self.sock, self.peer = sock, peer
         self.max_header, self.max_arrays = max_header, max_arrays
+        self.send_lock = threading.Lock()  # a heartbeat thread and the replies share the stream
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small requests go out at once
 
     def send(self, msg) -> None:
+        frame = b"".join(encode(msg))
         try:
-            self.sock.sendall(b"".join(encode(msg)))
+            with self.send_lock:  # one frame at a time: never interleaved with a beat
+                self.sock.sendall(frame)
         except OSError as e:
             raise ChannelError(f"{self.peer}: send failed ({e})") from None
 
@@ -314,6 +348,8 @@ class Channel:
         while got < n:
             try:
                 k = self.sock.recv_into(view[got:], n - got)
+            except socket.timeout:
+                raise  # recv's deadline (a subclass of OSError, not a lost connection)
             except OSError as e:
                 raise ChannelError(f"{self.peer}: connection lost ({e})") from None
             if k == 0:
@@ -336,7 +372,7 @@ class Channel:
                                    f"{self.max_arrays} this protocol carries)")
             return decode(header, [self._exact(k) for k in sizes])
         except socket.timeout:
-            raise ChannelError(f"{self.peer}: no answer within {timeout_s:.0f} s") from None
+            raise ChannelTimeout(f"{self.peer}: no answer within {timeout_s:.0f} s") from None
         except (ValueError, KeyError, TypeError) as e:
             raise ChannelError(f"{self.peer}: malformed frame ({e})") from None
         finally:
@@ -375,12 +411,17 @@ class Link:
     """The trainer's connection to the manager. ``request`` sends and waits; ``submit`` sends and
     returns a `Pending`; replies are matched to requests by order."""
 
-    def __init__(self, address: str, role: str, secret: bytes, rank: int = 0, connect_timeout_s: float = 60.0):
+    def __init__(self, address: str, role: str, secret: bytes, rank: int = 0, connect_timeout_s: float = 60.0,
+                 silence_s: float = 600.0, silence_field: str = "train.stall_timeout_s"):
         self.address = address
         self.channel = Channel(connect(address, secret, connect_timeout_s), f"rollout manager at {address}")
         self._pending: deque[Pending] = deque()
         self._errors: list[str] = []  # of deferred requests, for the next settle()
-        self.channel.send(Hello(role, rank))
+        # the manager beats 4x per silence window: a stall is declared after ~4 missed beats
+        self.silence_s, self.silence_field = silence_s, silence_field
+        self.broken: Optional[str] = None  # set by a stall: every later read fails at once
+        self.beats = 0
+        self.channel.send(Hello(role, rank, beat_s=beat_period(silence_s)))
 
     def submit(self, msg, what: Optional[str] = None, deferred: bool = False) -> Pending:
         """Sends ``msg``; its reply is read later, in order. ``deferred``: nobody will ask for the
@@ -399,10 +440,62 @@ class Link:
         p.result(timeout_s)
         return p.reply
 
+    def _recv_live(self, timeout: Optional[float]):
+        """The next frame that is not a `Beat`, within ``timeout`` (None: no overall deadline);
+        `ManagerStalled` when nothing at all arrives for ``silence_s``."""
+        if self.broken:
+            raise ManagerStalled(self.broken)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            wait = self.silence_s if left is None else max(min(left, self.silence_s), 0.001)
+            try:
+                msg = self.channel.recv(wait)
+            except ChannelTimeout:
+                if left is not None and left <= self.silence_s:
+                    raise  # the request's own deadline, not silence
+                raise self._stall() from None
+            if not isinstance(msg, Beat):
+                return msg
+            self.beats += 1
+
+    def wait_while(self, busy: Callable[[], bool], step_s: float = 0.05) -> None:
+        """Returns once ``busy()`` is false, reading what arrives meanwhile (beats; replies go to
+        their requests): for a caller that waits on something else the manager gates (a
+        broadcast the servers join once the manager relayed its announce). `ManagerStalled` when
+        the manager is silent for ``silence_s`` while a request of this link is out."""
+        heard = time.monotonic()
+        while busy():
+            if self.broken:
+                raise ManagerStalled(self.broken)
+            if not self._pending:  # nothing asked: the manager owes no frame, silence means nothing
+                time.sleep(step_s)
+                heard = time.monotonic()
+                continue
+            try:
+                msg = self.channel.recv(step_s)
+            except ChannelTimeout:
+                if time.monotonic() - heard >= self.silence_s:
+                    raise self._stall() from None
+                continue
+            heard = time.monotonic()
+            if isinstance(msg, Beat):
+                self.beats += 1
+            else:
+                self._take(msg)
+
+    def _stall(self) -> ManagerStalled:
+        self.broken = (f"{self.channel.peer}: stalled - no reply and no heartbeat for {self.silence_s:g} s "
+                       f"({self.silence_field}) while waiting for {self._pending[0].what}; the manager "
+                       f"process is stopped or hung")
+        return ManagerStalled(self.broken)
+
     def _read_one(self, timeout: Optional[float]) -> None:
         if not self._pending:
             raise ChannelError("no request is waiting for a reply")
-        msg = self.channel.recv(timeout)
+        self._take(self._recv_live(timeout))
+
+    def _take(self, msg) -> None:
         # (the manager answers a BatchRequest with the Batch itself, arrays attached, an EvalPoll
         # with an EvalReport)
         if isinstance(msg, DIRECT_REPLIES):
@@ -426,6 +519,11 @@ class Link:
         self.channel.close()
 
 
+def beat_period(silence_s: float) -> float:
+    """How often the manager beats for a link that declares a stall after ``silence_s``."""
+    return min(max(silence_s / 4.0, 0.05), 5.0)
+
+
 def connect(address: str, secret: bytes, timeout_s: float = 60.0) -> socket.socket:
     """A socket to the manager at ``address`` that passed the handshake. Retries until
     ``timeout_s`` while the manager is still binding its port or busy (it closes a connection
@@ -447,5 +545,5 @@ def connect(address: str, secret: bytes, timeout_s: float = 60.0) -> socket.sock
         except AuthError as e:
             sock.close()
             if not e.retry or time.monotonic() > deadline:
-                raise ChannelError(str(e)) from None
+                raise (SecretRefused if e.refused else ChannelError)(str(e)) from None
             time.sleep(0.1)

@@ -38,9 +38,9 @@ class AuthError(RuntimeError):
     """The handshake failed: ``retry`` when the manager closed before its challenge (busy, or
     still starting), not when a proof was refused."""
 
-    def __init__(self, message: str, retry: bool = False):
+    def __init__(self, message: str, retry: bool = False, refused: bool = False):
         super().__init__(message)
-        self.retry = retry
+        self.retry, self.refused = retry, refused  # refused: a manager that does not share the secret
 
 
 def new_secret() -> bytes:
@@ -156,6 +156,6 @@ def prove(sock: socket.socket, secret: bytes, peer: str, timeout_s: float = AUTH
             pass
     if not answer:
         raise AuthError(f"{peer}: refused this run's secret (a manager started apart reads "
-                        f"rollout.manager_secret_file: the trainer must name the same file)")
+                        f"rollout.manager_secret_file: the trainer must name the same file)", refused=True)
     if not hmac.compare_digest(answer, _mac(secret, b"server", server_nonce, client_nonce)):
-        raise AuthError(f"{peer}: the manager did not prove the secret (not this run's manager)")
+        raise AuthError(f"{peer}: the manager did not prove the secret (not this run's manager)", refused=True)

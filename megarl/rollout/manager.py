@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Optional
 
 from megarl.errors import ConfigError
 from megarl.rollout import handshake
-from megarl.rollout.channel import (ADMIN_MESSAGES, DIRECT_REPLIES, MAX_REQUEST_HEADER, Batch, BatchRequest,
+from megarl.rollout.channel import (ADMIN_MESSAGES, DIRECT_REPLIES, MAX_REQUEST_HEADER, Batch, BatchRequest, Beat,
                                     Channel, ChannelError, Close, ClusterCall, DestroyWeightsGroup, EvalPoll,
                                     EvalReport, EvalSubmit, Hello, Init, InitWeightsGroup, Reply, ServerInfo,
                                     ShardAnnounce, ShardJoin, StateRequest, UpdateFromDisk,
@@ -299,10 +299,12 @@ class RolloutManager:
             channel.close()
             return
         allowed = DRIVER_MESSAGES if driver else STAGE_MESSAGES
+        beat = Heartbeat(channel, hello.beat_s)
         try:
             while not self.stopped.is_set():
                 msg = channel.recv()
                 t0 = time.perf_counter()
+                beat.busy(t0)
                 try:
                     if not isinstance(msg, allowed):
                         raise PermissionError(f"{type(msg).__name__} is not a request a "
@@ -315,10 +317,12 @@ class RolloutManager:
                     reply = Reply(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 if isinstance(reply, Reply):
                     reply.elapsed_s = time.perf_counter() - t0
+                beat.busy(None)
                 channel.send(reply)
         except ChannelError:
             pass
         finally:
+            beat.stop()
             channel.close()
             if driver:
                 self.stopped.set()
@@ -364,6 +368,36 @@ class RolloutManager:
 
     def close(self) -> None:
         self.stack.close()
+
+
+class Heartbeat:
+    """A link's liveness signal (channel.py, "Liveness"): a thread that sends the link a `Beat`
+    every ``period_s`` while one of its requests is being handled. It runs beside the request,
+    so a request that waits minutes on generation still beats; a stopped process does not."""
+
+    def __init__(self, channel: Channel, period_s: float):
+        self.channel = channel
+        self.period_s = min(max(float(period_s), 0.05), 5.0)  # a peer's value, bounded
+        self._since: Optional[float] = None  # perf_counter when the request in hand started
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="megarl-beat", daemon=True)
+        self.thread.start()
+
+    def busy(self, since: Optional[float]) -> None:
+        self._since = since
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            since = self._since
+            if since is None:
+                continue
+            try:
+                self.channel.send(Beat(busy_s=time.perf_counter() - since))
+            except ChannelError:
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def serve_forever(manager: RolloutManager, listener: socket.socket, secret: bytes) -> None:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout.channel import (BatchRequest, ClusterCall, DestroyWeightsGroup, EvalPoll, EvalSubmit, Init,
-                                    InitWeightsGroup, Link, RemoteError, ServerInfo, ShardAnnounce, ShardJoin,
+                                    InitWeightsGroup, Link, ManagerStalled, RemoteError, ServerInfo, ShardAnnounce, ShardJoin,
                                     StateRequest, UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor,
                                     WeightsChecksum)
 from megarl.rollout.types import RoutedExperts, Trajectory
@@ -101,8 +101,9 @@ class ManagerCluster:
 
     def __init__(self, addresses: list[str], *, link: Optional[Link], manager_address: str,
                  version: int = 0, min_live_servers: int = 1, timeout_s: float = 60.0, side=None,
-                 secret: bytes = b""):
+                 secret: bytes = b"", silence_s: float = 600.0):
         self.addresses, self.dead = list(addresses), []
+        self.silence_s = silence_s  # train.stall_timeout_s: a link's liveness window
         self.link, self.manager_address, self.side = link, manager_address, side
         self._secret = secret
         self.driver = link is not None
@@ -115,7 +116,8 @@ class ManagerCluster:
 
     def stage_admin(self, rank: int) -> RemoteAdmin:
         """A pipeline-stage source's own link (its announces run beside the driver's)."""
-        return RemoteAdmin(Link(self.manager_address, "stage", self._secret, rank), self, self.timeout_s, owns_link=True)
+        link = Link(self.manager_address, "stage", self._secret, rank, silence_s=self.silence_s)
+        return RemoteAdmin(link, self, self.timeout_s, owns_link=True)
 
     def _call(self, method: str, *args, timeout_s: Optional[float] = None):
         # +10 s: the manager's cluster steps run under weights.timeout_s; its error must arrive first
@@ -232,7 +234,9 @@ class RolloutSide:
         else:
             self.launch()
             self.address = wait_listening(self.proc, os.path.join(self.cfg.train.run_dir, "manager.log"))
-        self.link = Link(self.address, "driver", self._secret)
+        # every read of the link is bounded: a manager silent (no reply, no beat) for
+        # train.stall_timeout_s is stopped or hung (channel.py, "Liveness")
+        self.link = Link(self.address, "driver", self._secret, silence_s=self.cfg.train.stall_timeout_s)
 
     def connect(self, version: int, state: Optional[dict]) -> ManagerCluster:
         """Every rank: the server set (the manager starts them on Init) and the trainer's cluster."""
@@ -244,7 +248,7 @@ class RolloutSide:
         return ManagerCluster(servers[0], link=self.link, manager_address=servers[1], version=version,
                               min_live_servers=self.cfg.rollout.min_live_servers,
                               timeout_s=self.cfg.weights.timeout_s, side=self if self.ps.rank == 0 else None,
-                              secret=servers[2])
+                              secret=servers[2], silence_s=self.cfg.train.stall_timeout_s)
 
     def _request(self, msg, timeout_s: Optional[float] = None):
         try:
@@ -255,6 +259,9 @@ class RolloutSide:
             raise self._died(e) from None
 
     def _died(self, error: BaseException) -> Exception:
+        if isinstance(error, ManagerStalled):  # alive but not running: waiting on its exit says nothing
+            return ManagerDied(f"{error} (log {self.cfg.train.run_dir}/manager.log); rerun to resume from the "
+                               f"last checkpoint")
         if self.proc is not None:
             try:
                 code = self.proc.wait(timeout=5)
@@ -295,9 +302,14 @@ class RolloutSide:
 
     def close(self) -> None:
         """The manager stops its rollouts and the servers it started when the link closes."""
+        stalled = self.link is not None and self.link.broken is not None
         if self.link is not None:
             self.link.close()
             self.link = None
+        if self.proc is not None and stalled:
+            # a stopped manager ends neither on the closed link nor on SIGTERM: SIGKILL (its
+            # servers die with it, PR_SET_PDEATHSIG) - the ledger in the checkpoint is what resumes
+            self.proc.kill()
         if self.proc is not None:
             try:
                 self.proc.wait(timeout=30)

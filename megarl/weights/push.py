@@ -12,6 +12,7 @@ from megarl.config import WeightSyncConfig
 import torch
 import torch.distributed as dist
 
+from megarl.rollout.channel import ManagerStalled
 from megarl.rollout.cluster import PushTarget
 from megarl.weights.resharder import Resharder, ReshardTimes
 from megarl.weights.transports import (DiskTransport, DistributedTransport, PushError,
@@ -366,10 +367,14 @@ class WeightPusher:
         if self.cluster.driver:
             try:
                 box = [("ok", self._compare(want))]
+            except ManagerStalled as e:  # the manager, not the endpoint: its own line on every rank
+                box = [("stalled", str(e))]
             except Exception as e:  # noqa: BLE001 - every rank raises the same error below
                 box = [("error", f"{type(e).__name__}: {e}")]
         dist.broadcast_object_list(box, src=0)
         kind, value = box[0]
+        if kind == "stalled":
+            raise ManagerStalled(value)
         if kind == "error":
             raise PushError(f"weights.verify_interval: /weights_checksum failed ({value}); a server "
                             "without it (real SGLang) needs weights.verify_interval=0")

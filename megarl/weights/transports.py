@@ -26,6 +26,7 @@ from megarl.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, DiskWeight
                          DistributedWeightsMeta, WeightsUpdateGroup, direct_split, flat_layout,
                          sglang_flat_order)
 from megarl.rollout.admin import AdminRunner
+from megarl.rollout.channel import ManagerStalled
 from megarl.weights.resharder import Bucket
 from megarl.weights.tensor_wire import WireFormat, tensor_update
 
@@ -118,8 +119,9 @@ class DistributedTransport:
             if packed:
                 works.append(dist.broadcast(self._pack([tensors[i] for i in packed], dev, align),
                                             group=self.group, group_src=0, async_op=True))
-            for w in works:
-                w.wait()
+            _wait_works(works, announced)
+        except ManagerStalled:
+            raise
         except Exception as e:  # noqa: BLE001
             announced.cancel()  # the server's receive fails on the broken group and answers so
             raise PushError(f"update_weights_from_distributed: broadcast of {names[0]}... "
@@ -233,12 +235,26 @@ class DiskTransport:
         pass
 
 
+def _wait_works(works: list, announced) -> None:
+    """The broadcasts of a bucket. Through the rollout manager the servers enter their receive
+    only once the manager relayed the announce: while the bytes wait, the manager's link is
+    read, so a manager that stopped is reported within its silence window (ManagerStalled),
+    not after the group's timeout."""
+    link = getattr(announced, "link", None)
+    if link is not None:
+        link.wait_while(lambda: not all(w.is_completed() for w in works))
+    for w in works:
+        w.wait()
+
+
 def _finish(fut, timeout_s: float, step: str):
     """Waits for an admin future; timeouts and server failures become PushError."""
     import concurrent.futures
 
     try:
         return fut.result(timeout=timeout_s)
+    except ManagerStalled:
+        raise  # one line of its own, naming the manager and the deadline
     except concurrent.futures.TimeoutError:
         fut.cancel()
         raise PushError(f"{step}: no answer within {timeout_s:.0f} s") from None
