@@ -9,8 +9,8 @@ One trainer process (a forward-only engine holding random weights B) and, on loo
 server and a megarl-server holding random weights A. Each variant is one `WeightPusher` (the
 product's pusher, the wire resolved by preflight's `check_wire` from what the server advertises):
 a warm-up push (the weight-update group's rendezvous), then ``--repeats`` timed pushes; the
-variants run flattened, per tensor, flattened, per tensor (SGLang), then megarl-server, so drift
-on a shared machine shows. Reported per variant: median `push/total_s` (pause, flush, buckets,
+variants run flattened, per tensor, flattened, per tensor (SGLang), then megarl-server with and
+without its checksum, so drift on a shared machine shows. Reported per variant: median `push/total_s` (pause, flush, buckets,
 the server's load, publish, continue) and `push/stream_s` (announce + broadcast + the server's
 receive and load of the buckets). SGLang's CPU path is not what SGLang is built for.
 """
@@ -111,18 +111,23 @@ def main() -> None:
         parallel.init_distributed()
         ps = parallel.init_model_parallel(1, 1)
 
-        def cfg(server):
+        def cfg(server, *extra):
             return load_config(None, [f"model.hf_path={paths['b']}", "data.train_path=x",
                                       f"weights.bucket_mb={args.bucket_mb}", f"rollout.servers=[{server}]",
-                                      "weights.timeout_s=300", f"train.run_dir={work}/run"])
+                                      "weights.timeout_s=300", f"train.run_dir={work}/run", *extra])
 
         engine = Engine.build(EngineSpec.from_config(cfg(sglang.url)), ps, trainable=False)
         results = []
         for per_tensor in (False, True, False, True):
             results.append({"server": "SGLang", **pushes(cfg(sglang.url), engine, sglang.url, args.repeats, per_tensor)})
             print("[bench]", results[-1], flush=True)
-        results.append({"server": "megarl-server", **pushes(cfg(url_m), engine, url_m, args.repeats)})
-        print("[bench]", results[-1], flush=True)
+        # megarl-server's default checks every push by checksum (the sender thread hashes the
+        # buckets); without it, the same work as the SGLang rows
+        for verify in ("auto", "0"):
+            r = pushes(cfg(url_m, f"weights.verify_interval={verify}"), engine, url_m, args.repeats)
+            r["wire"] += ", checksum" if verify == "auto" else ", no checksum"
+            results.append({"server": "megarl-server", **r})
+            print("[bench]", results[-1], flush=True)
     finally:
         sglang.stop()
         proc_m.kill()
