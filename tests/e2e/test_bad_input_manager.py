@@ -45,8 +45,11 @@ def _secret(path: str, text: str) -> str:
 def world(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("badmanager"))
     secret = _secret(f"{root}/secret", "a" * 32)
+    # the wire set explicitly: a manager run apart resolves auto against its servers (nothing
+    # answers at :9; no server is needed to refuse these clients)
     yaml = open(f"{REPO}/configs/tiny_grpo.yaml").read().replace(
-        "rollout:\n", f"rollout:\n  manager_secret_file: {secret}\n  servers: [http://127.0.0.1:9]\n", 1)
+        "rollout:\n", f"rollout:\n  manager_secret_file: {secret}\n  servers: [http://127.0.0.1:9]\n", 1).replace(
+        "weights:\n", "weights:\n  tensor_format: megarl\n  verify_interval: 1\n  pause_mode: abort\n", 1)
     with open(f"{root}/mgr.yaml", "w") as f:
         f.write(yaml)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
