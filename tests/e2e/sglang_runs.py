@@ -18,6 +18,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "examples", "tiny")
+MOE = os.path.join(REPO, "examples", "tiny_moe")  # same tokenizer and task as DEMO
 RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_recorder")
 
 # Every path SGLang 0.5.x serves that megarl's client and pusher may call.
@@ -41,16 +42,16 @@ def require_sglang() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def demo_model(dst: str) -> str:
-    """The demo weights plus a tokenizer.json with the sentencepiece ids (SGLang loads tokenizers
-    with transformers; megarl keeps reading tokenizer.model, found first)."""
+def demo_model(dst: str, src: str = DEMO) -> str:
+    """The demo weights (``src``: DEMO or MOE) plus a tokenizer.json with the sentencepiece ids
+    (SGLang loads tokenizers with transformers; megarl keeps reading tokenizer.model, found first)."""
     import sentencepiece as spm
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     os.makedirs(dst, exist_ok=True)
     for name in ("config.json", "model.safetensors", "tokenizer.model"):
-        shutil.copyfile(os.path.join(DEMO, "model", name), os.path.join(dst, name))
-    sp = spm.SentencePieceProcessor(model_file=os.path.join(DEMO, "model", "tokenizer.model"))
+        shutil.copyfile(os.path.join(src, "model", name), os.path.join(dst, name))
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(src, "model", "tokenizer.model"))
     tok = Tokenizer(models.WordLevel({sp.id_to_piece(i): i for i in range(sp.get_piece_size())}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per char
     tok.decoder = decoders.Fuse()
@@ -62,11 +63,11 @@ def demo_model(dst: str) -> str:
     return dst
 
 
-def train_cmd(run: str, model: str, *overrides: str, server_args=()) -> list[str]:
-    """megarl-train on the demo recipe with SGLang servers it starts itself (``server_args``: more
-    SGLang flags), each logging every HTTP request it answers (uvicorn's access log) into
+def train_cmd(run: str, model: str, *overrides: str, server_args=(), recipe: str = "tiny_grpo.yaml") -> list[str]:
+    """megarl-train on the demo ``recipe`` with SGLang servers it starts itself (``server_args``:
+    more SGLang flags), each logging every HTTP request it answers (uvicorn's access log) into
     <run>/servers/serverN.log."""
-    return [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
+    return [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", recipe),
             f"model.hf_path={model}", f"data.train_path={DEMO}/data/rl_prompts.jsonl",
             f"data.eval_path={DEMO}/data/eval_prompts.jsonl", f"train.run_dir={run}",
             "checkpoint.hf_export_dir=", "rollout.engine=sglang", "rollout.health_timeout_s=400",
