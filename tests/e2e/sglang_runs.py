@@ -18,6 +18,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "examples", "tiny")
+MOE = os.path.join(REPO, "examples", "tiny_moe")  # same tokenizer and task as DEMO
 RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_recorder")
 
 # Every path SGLang 0.5.x serves that megarl's client and pusher may call.
@@ -41,10 +42,10 @@ def require_sglang() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def demo_model(dst: str) -> str:
-    """The demo weights plus a tokenizer.json with the sentencepiece ids (SGLang loads tokenizers
-    with transformers; megarl keeps reading tokenizer.model, found first)."""
-    return _hf_tokenizer().hf_model_copy(os.path.join(DEMO, "model"), dst)
+def demo_model(dst: str, src: str = DEMO) -> str:
+    """The demo weights (``src``: DEMO or MOE) plus a tokenizer.json with the sentencepiece ids
+    (SGLang loads tokenizers with transformers; megarl keeps reading tokenizer.model, found first)."""
+    return _hf_tokenizer().hf_model_copy(os.path.join(src, "model"), dst)
 
 
 def _hf_tokenizer():
@@ -55,11 +56,11 @@ def _hf_tokenizer():
     return mod
 
 
-def train_cmd(run: str, model: str, *overrides: str, server_args=()) -> list[str]:
-    """megarl-train on the demo recipe with SGLang servers it starts itself (``server_args``: more
-    SGLang flags), each logging every HTTP request it answers (uvicorn's access log) into
+def train_cmd(run: str, model: str, *overrides: str, server_args=(), recipe: str = "tiny_grpo.yaml") -> list[str]:
+    """megarl-train on the demo ``recipe`` with SGLang servers it starts itself (``server_args``:
+    more SGLang flags), each logging every HTTP request it answers (uvicorn's access log) into
     <run>/servers/serverN.log."""
-    return [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
+    return [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", recipe),
             f"model.hf_path={model}", f"data.train_path={DEMO}/data/rl_prompts.jsonl",
             f"data.eval_path={DEMO}/data/eval_prompts.jsonl", f"train.run_dir={run}",
             "checkpoint.hf_export_dir=", "rollout.engine=sglang", "rollout.health_timeout_s=400",

@@ -6,6 +6,8 @@ provides plain-torch versions of exactly those; anything else raises ImportError
 SGLang treats as "kernel not available" and falls back to its native torch paths.
 
 It registers no ``torch.ops.sgl_kernel`` operators, so SGLang's Intel AMX backend stays off.
+Importing it also applies `_host_memory`'s one fix to SGLang's CPU path (the routed-experts
+buffer of ``--enable-return-routed-experts`` is pinned through CUDA otherwise).
 """
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
+from ._host_memory import install as _install_host_memory_fix
+
 __version__ = "0.0.0+megarl.cpu"
+_install_host_memory_fix()
 
 
 def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
