@@ -4,6 +4,9 @@
   weight-update rendezvous).
 - :func:`reachable_host` / :func:`http_url`: where a client connects to reach a server bound on
   a given address (a wildcard bind is reached over loopback on the same machine).
+- :func:`listening_socket` / :func:`serve_store`: torch's TCP store served on a socket we bound
+  ourselves, so it listens on the address it was given (torch's own listener binds every
+  interface whatever it is told; docs/reliability.md, Security).
 - :func:`new_process_group`: the custom weight-update group, built exactly like SGLang's
   ``init_custom_process_group`` so the trainer side (rank 0, ``weights/transports.py``) and the
   CPU server side (ranks >= 1, ``rollout/server/weight_routes.py``) rendezvous with each other and
@@ -90,24 +93,55 @@ def http_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+def listening_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: the kernel picks) and listening. A ``host``
+    that is not one of this machine's addresses fails here, naming it."""
+    if host in _WILDCARDS:  # asked for every interface: then that is what it gets
+        addr = "::" if ":" in host else "0.0.0.0"
+    else:
+        addr = resolve(host.strip("[]"))
+    s = socket.socket(_family(addr))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((addr, port))
+        s.listen(512)
+    except OSError as e:
+        s.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    return s
+
+
+def serve_store(listener: socket.socket, world: int, timeout_s: float, wait_for_workers: bool = True):
+    """torch's TCP store, served on ``listener`` (which it takes over): clients reach it at the
+    listener's address only. torch binds its own listener to every interface, whatever host it
+    is given; handed a bound socket (``master_listen_fd``) it serves there instead."""
+    import torch.distributed as dist
+
+    host, port = listener.getsockname()[:2]
+    return dist.TCPStore(host, port, world, is_master=True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=wait_for_workers, master_listen_fd=listener.detach())
+
+
 def new_process_group(addr: str, port: int, rank: int, world: int, name: str, backend: str,
-                      timeout_s: float, store=None):
+                      timeout_s: float, store=None, listener: Optional[socket.socket] = None):
     """Hosts (rank 0) or joins (rank > 0) a process group outside the default one.
 
-    TCP-store rendezvous at ``addr:port`` (rank 0 serves the store), ``PrefixStore(name)`` so
-    several groups can share a store, and a group built by torch's ``_new_process_group_helper``
-    and registered in torch's group table with an identity rank map: collectives then accept it
-    and ``group_src``/``src`` rank numbers are the group's own. Blocks until all ``world`` ranks
-    joined or ``timeout_s`` passed. ``store``: meet there instead (e.g. a ``FileStore`` when every
-    rank is on this host): torch's TCP store server binds every interface whatever ``addr`` says
-    (docs/reliability.md, Security), so a group that can avoid one does.
+    TCP-store rendezvous at ``addr:port``: rank 0 serves the store on ``listener`` (or a socket
+    it binds to ``addr:port``), so it listens on ``addr`` only; ``PrefixStore(name)`` so several
+    groups can share a store, and a group built by torch's ``_new_process_group_helper`` and
+    registered in torch's group table with an identity rank map: collectives then accept it and
+    ``group_src``/``src`` rank numbers are the group's own. Blocks until all ``world`` ranks joined
+    or ``timeout_s`` passed. ``store``: meet there instead (e.g. a ``FileStore`` when every rank
+    is on this host).
     """
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    if store is None:
-        store = dist.TCPStore(addr, int(port), world, is_master=rank == 0, timeout=timeout)
+    if store is None and rank == 0:
+        store = serve_store(listener or listening_socket(addr, port), world, timeout_s)
+    elif store is None:
+        store = dist.TCPStore(addr, int(port), world, is_master=False, timeout=timeout)
     pg, _ = _new_process_group_helper(world, rank, [], backend, dist.PrefixStore(name, store),
                                       group_name=name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world)}
@@ -126,6 +160,17 @@ def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(resolve(host)).is_loopback
     except (OSError, ValueError):
+        return False
+
+
+def is_loopback_name(host: str) -> bool:
+    """``host`` names loopback on every machine (``localhost``, ``127.x``, ``::1``), unlike a
+    host name that only this machine's hosts file maps there."""
+    if host.strip("[]").lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
         return False
 
 

@@ -23,43 +23,16 @@ import torch.distributed as dist
 from megarl import compat
 from megarl.hostlist import expand_nodelist  # noqa: F401 - megarl.parallel.expand_nodelist
 from megarl.mcore.cpu import install_cpu_shim
-from megarl.net import LOOPBACK, free_port
+from megarl.net import LOOPBACK, is_loopback, is_loopback_name, listening_socket, serve_store
 from megarl.ranks import RankInfo, discover_ranks, under_launcher  # noqa: F401 - megarl.parallel.*
 
 
 def relaunch(nproc: int, module: str, argv: list[str]) -> int:
-    """Re-executes ``python -m module argv`` under torchrun with ``nproc`` local ranks on a free
-    loopback port, so a user never has to know the launcher; returns its exit code.
+    """Re-executes ``python -m module argv`` as ``nproc`` local ranks (`megarl.spawn`), so a user
+    never has to know the launcher; returns the job's exit code."""
+    from megarl.spawn import run_ranks
 
-    torchrun runs in its own session and this process forwards SIGINT/SIGTERM/SIGUSR1 to the
-    workers only: a worker that gets one finishes its step, saves and exits 0 (megarl.signals),
-    whereas torchrun itself would answer by re-signalling and then killing its workers."""
-    import signal
-    import subprocess
-    import sys
-
-    import psutil
-
-    from megarl.signals import STOP_SIGNALS, owned_child_setup
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", LOOPBACK, "--master_port", str(port), "-m", module, *argv]
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=owned_child_setup)
-
-    def forward(signum, _frame):
-        try:
-            for worker in psutil.Process(proc.pid).children():
-                worker.send_signal(signum)
-        except psutil.Error:
-            pass
-
-    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
-    try:
-        return proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return run_ranks(nproc, module, argv)
 
 
 @dataclass
@@ -132,11 +105,32 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> RankInfo:
         return RankInfo(0, 1, 0, LOOPBACK, 0, "single")
     os.environ.setdefault("MASTER_ADDR", info.master_addr)
     os.environ.setdefault("MASTER_PORT", str(info.master_port))
-    dist.init_process_group(
-        backend=backend, rank=info.rank, world_size=info.world_size,
-        init_method=f"tcp://{info.master_addr}:{info.master_port}",
-        timeout=timedelta(seconds=timeout_s))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent serves the store (on every interface: torch's, not ours to bind)
+        dist.init_process_group(
+            backend=backend, rank=info.rank, world_size=info.world_size,
+            init_method=f"tcp://{info.master_addr}:{info.master_port}",
+            timeout=timedelta(seconds=timeout_s))
+    else:
+        dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world_size,
+                                store=rendezvous_store(info, timeout_s), timeout=timedelta(seconds=timeout_s))
     return info
+
+
+def rendezvous_store(info: RankInfo, timeout_s: float):
+    """The job's store: rank 0 serves it on the master address only (torch's own listener would
+    bind every interface), the others join. A master name that resolves to loopback on its own
+    host (a Debian-style ``127.0.1.1 node01`` line) while the other nodes reach it by its real
+    address keeps torch's every-interface bind, said in one line."""
+    if info.rank != 0:
+        return dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False,
+                             timeout=timedelta(seconds=timeout_s))
+    host = info.master_addr
+    if is_loopback(host) and not is_loopback_name(host):
+        print(f"[parallel] MASTER_ADDR={host} resolves to loopback here: the rendezvous store "
+              f"listens on every interface so other nodes reach it", flush=True)
+        host = "0.0.0.0"
+    return serve_store(listening_socket(host, info.master_port), info.world_size, timeout_s)
 
 
 def init_model_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int = 1234,

@@ -130,6 +130,11 @@ def owned_child_setup() -> None:
     forked child before exec, so it only makes async-signal-safe calls."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    die_with_parent()
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: SIGKILL when the parent thread dies (Linux prctl; a no-op elsewhere)."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megarl.models.hf_io import local_params
 from megarl.models.registry import GATE_UP, QKV, VOCAB
-from megarl.net import advertised_address, free_port, new_process_group, url_host
+from megarl.net import advertised_address, listening_socket, new_process_group, url_host
 from megarl.weights.refit import unit_slices
 from megarl.weights.transports import PushError, _finish, leave_update_group
 
@@ -74,13 +74,14 @@ class ShardRefitTransport:
         ps = self.ps
         if not self.active:
             return
-        box = [None]
+        box, listener = [None], None
         if ps.tp_rank == 0:
             # each server's TP size decides how many ranks it adds to the group and how slices are cut
             infos = self.admin.call(lambda c: c.get_server_info(), self.timeout_s)
             self.server_tp = [int(infos[a].get("tp_size", 1)) for a in self.admin.addresses]
             addr = advertised_address(self.addr, url_host(self.admin.addresses[0]))
-            box = [(addr, free_port(addr), self.server_tp)]
+            listener = listening_socket(addr)  # group rank 0 serves the store there, nowhere else
+            box = [(addr, listener.getsockname()[1], self.server_tp)]
         # every TP rank joins the same rendezvous, so TP rank 0's choice of address and port is shared
         dist.broadcast_object_list(box, group_src=0, group=ps.tp_group)
         addr, port, self.server_tp = box[0]
@@ -96,7 +97,7 @@ class ShardRefitTransport:
             joined = self.admin.submit(lambda c: c.shard_refit_call("/init_weights_update_group", bodies))
         try:
             self.group = new_process_group(addr, port, ps.tp_rank, world, self.group_name, self.backend,
-                                           self.timeout_s)
+                                           self.timeout_s, listener=listener)
         except Exception as e:  # noqa: BLE001
             raise PushError(f"init_weights_update_group (shard refit): rendezvous at {addr}:{port} "
                             f"failed: {e}") from e

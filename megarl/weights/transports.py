@@ -20,7 +20,7 @@ from typing import ClassVar, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from megarl.net import free_port, new_process_group
+from megarl.net import listening_socket, new_process_group
 from megarl.net import advertised_address, url_host
 from megarl.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, DiskWeightsUpdate,
                          DistributedWeightsMeta, WeightsUpdateGroup, direct_split, flat_layout,
@@ -76,7 +76,8 @@ class DistributedTransport:
         for "auto" the address its route to the servers leaves from) and a free port of it."""
         self.group_name = f"megarl-weights-pp{stage}"
         addr = advertised_address(self.addr, url_host(self.admin.addresses[0]))
-        port = free_port(addr)  # taken by the TCP store below; a race loses loudly in rendezvous
+        listener = listening_socket(addr)  # the store below serves on it: this address only
+        port = listener.getsockname()[1]
         world = 1 + len(self.admin.addresses)  # the source is rank 0, server i is rank 1 + i
         spec = WeightsUpdateGroup(addr, port, world, self.group_name,
                                   "nccl" if self.backend == "nccl" else "gloo")
@@ -84,7 +85,7 @@ class DistributedTransport:
         joined = self.admin.submit(lambda c: c.init_weights_update_group(spec))
         try:
             self.group = new_process_group(addr, port, 0, world, self.group_name, spec.backend,
-                                          self.timeout_s)
+                                          self.timeout_s, listener=listener)
         except Exception as e:  # noqa: BLE001 - the servers' side says why, if they can
             _finish(joined, self.timeout_s, "init_weights_update_group")
             raise PushError(f"init_weights_update_group: rendezvous at {addr}:{port} failed: {e}") from e
