@@ -95,8 +95,9 @@ def resolve_wire(weights, servers: Mapping[str, frozenset], partial_rollout: boo
                               f"{with_ext[0]} takes megarl's, {lacking(payload)[0]} only SGLang's; "
                               "a mixed server set needs weights.transport=distributed or disk")
         if fmt == "sglang" and with_ext:
-            raise ConfigError(f"weights.tensor_format: sglang sends pickled tensor payloads, which "
-                              f"megarl-server {with_ext[0]} refuses; leave it auto or set megarl")
+            raise ConfigError(f"weights.tensor_format: sglang over weights.transport=tensor sends pickled "
+                              f"tensor payloads, which megarl-server {with_ext[0]} refuses; leave it auto "
+                              "or set megarl")
     if fmt == "auto":
         fmt = "sglang" if lacking(payload) else "megarl"
     elif fmt == "megarl" and weights.transport != "disk":

@@ -134,6 +134,13 @@ TRAIN = [
       "inside the directory of another run", base=GRPO),
     T("export_dir_contains_run_dir", ["checkpoint.hf_export_dir={root}/runs"], "checkpoint.hf_export_dir: ",
       "is or contains train.run_dir", base=GRPO),
+    # checks that need the model or the servers: before any rank or server starts (no run dir)
+    T("freeze_matches_nothing", ["optim.freeze=[nomatch.*]"], "optim.freeze: pattern 'nomatch.*' matches no "
+      "tensor of LlamaForCausalLM"),
+    T("freeze_half_a_fused_row", ["optim.freeze=[model.layers.0.self_attn.q_proj.weight]"], "optim.freeze: ",
+      "is fused with", "freeze all of them or none"),
+    T("wire_sglang_payload_into_megarl_server", ["weights.tensor_format=sglang", "weights.transport=tensor"],
+      "weights.tensor_format: sglang over weights.transport=tensor", "megarl-server", base=GRPO),
 ]
 
 OUT = ("{root}/outs/{id}",)

@@ -67,7 +67,8 @@ def test_megarl_only_setting_against_sglang_is_refused(fields, field, server):
 
 
 def test_sglang_payload_into_megarl_server_is_refused():
-    with pytest.raises(ConfigError, match="^weights.tensor_format: sglang sends pickled tensor payloads, "
+    with pytest.raises(ConfigError, match="^weights.tensor_format: sglang over weights.transport=tensor sends pickled "
+                                          "tensor payloads, "
                                           "which megarl-server http://m:1 refuses"):
         wire(MEGARL, transport="tensor", tensor_format="sglang")
     # SGLang's flattened buckets into megarl-server, still checked by its /weights_checksum
