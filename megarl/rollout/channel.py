@@ -8,10 +8,9 @@ manager on a rollout partition), needs no shared memory, and nothing is unpickle
 JSON plus bytes read into numpy arrays of a declared dtype and shape (safe deserialization).
 A step's batch is a few flat arrays, so a hand-off costs one copy into the socket and one out.
 
-Every message is a dataclass registered in `MESSAGES` (no untyped dicts cross the boundary), a
-closed set: no message names a method or an endpoint to call - an admin relay is one class per
-server operation the trainer needs (`ADMIN_MESSAGES`), each mapped to one fixed call by the
-manager. A connection carries nothing before its peer proved the run's secret (handshake.py).
+Every message is a dataclass of `megarl.rollout.messages` (no untyped dicts cross the boundary),
+a closed set in which no message names a method or an endpoint to call. A connection carries
+nothing before its peer proved the run's secret (handshake.py).
 
 Sizes are capped by what the protocol carries, and checked before anything is allocated: a
 request's header at `MAX_REQUEST_HEADER` and no arrays (only the manager's `Batch` has arrays),
@@ -39,12 +38,12 @@ import struct
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from megarl.rollout.handshake import AuthError, prove
+from megarl.rollout.messages import DIRECT_REPLIES, MESSAGES, Beat, Hello, Reply
 
 _LEN = struct.Struct("!I")
 # a request is metadata only; the largest, a bucket's announce relayed to every server, is about
@@ -73,183 +72,6 @@ class SecretRefused(ChannelError):
 
 class RemoteError(RuntimeError):
     """The manager ran the request and it failed; the message is the manager's one-line error."""
-
-
-# ---------------------------------------------------------------------------------- messages
-@dataclass
-class Hello:
-    """First message of a connection: who connects (``role``: "driver" = global rank 0) and how
-    often the manager beats while it works on this link's requests (``beat_s``)."""
-    role: str
-    rank: int = 0
-    beat_s: float = 1.0
-
-
-@dataclass
-class Beat:
-    """Manager -> link, every ``Hello.beat_s`` while one of its requests is being handled: the
-    manager process runs (``busy_s``: how long the request in hand has run so far)."""
-    busy_s: float = 0.0
-
-
-@dataclass
-class Init:
-    """Driver -> manager, once: the DP size shares are cut for, the trainer's policy version and
-    the manager's saved state (None on a fresh start). Reply: the server addresses."""
-    dp: int
-    version: int
-    state: Optional[dict] = None
-
-
-@dataclass
-class BatchRequest:
-    """Driver -> manager: the next ``n_groups`` finished groups. Reply: `Batch`."""
-    n_groups: int
-    timeout_s: float = 600.0
-
-
-@dataclass
-class Batch:
-    """One step for every DP rank, as flat arrays (``arrays``): ``input_ids``, ``loss_mask``,
-    ``behave_logp``, ``versions`` (token-aligned, all samples concatenated), ``lengths``,
-    ``rewards``, ``group_ids``, ``dp_rank`` (per sample; groups are never split over ranks);
-    with MoE routing replay also ``route_ids`` int32 and ``route_weights`` float32, both
-    [tokens, layers, top_k] in the token order of ``input_ids`` (`Trajectory.routes`).
-    ``infos``: each sample's free-form info; ``stats``: the manager's counters at hand-off;
-    ``rejoin``: dropped servers that answer again (the trainer pushes them the weights)."""
-    infos: list[dict]
-    stats: dict
-    rejoin: list[str]
-    arrays: dict = field(default_factory=dict)
-
-
-# ------------------------------------------------------------------ admin relay (closed set)
-# One class per server operation a trainer link asks of the manager's admin connection; the
-# manager maps each class to one fixed `AdminClient` call (manager.ADMIN_CALLS). Fields follow
-# that call's parameters; ``timeout_s`` is the manager's deadline for it.
-@dataclass
-class InitWeightsGroup:
-    endpoint: ClassVar[str] = "/init_weights_update_group"
-    group: Any  # wire.WeightsUpdateGroup
-    rank_offsets: Optional[list] = None
-    timeout_s: Optional[float] = None
-
-
-@dataclass
-class DestroyWeightsGroup:
-    endpoint: ClassVar[str] = "/destroy_weights_update_group"
-    group_name: str = "weight_update_group"
-    timeout_s: Optional[float] = None
-
-
-@dataclass
-class UpdateFromDistributed:
-    endpoint: ClassVar[str] = "/update_weights_from_distributed"
-    meta: Any  # wire.DistributedWeightsMeta
-    timeout_s: Optional[float] = None
-
-
-@dataclass
-class UpdateFromTensor:
-    endpoint: ClassVar[str] = "/update_weights_from_tensor"
-    update: Any  # wire.TensorWeightsUpdate
-    timeout_s: Optional[float] = None
-
-
-@dataclass
-class UpdateFromDisk:
-    endpoint: ClassVar[str] = "/update_weights_from_disk"
-    update: Any  # wire.DiskWeightsUpdate
-    timeout_s: Optional[float] = None
-
-
-@dataclass
-class ServerInfo:
-    endpoint: ClassVar[str] = "/get_server_info"
-    timeout_s: Optional[float] = None
-
-
-@dataclass
-class ShardJoin:
-    """Shard refit: each server joins the update group with its own body ({address: body})."""
-    endpoint: ClassVar[str] = "/init_weights_update_group"
-    bodies: dict
-    timeout_s: Optional[float] = None
-
-
-@dataclass
-class ShardAnnounce:
-    """Shard refit: one bucket announced, each server's own body ({address: body})."""
-    endpoint: ClassVar[str] = "/update_weights_from_distributed"
-    bodies: dict
-    timeout_s: Optional[float] = None
-
-
-@dataclass
-class WeightsChecksum:
-    endpoint: ClassVar[str] = "/weights_checksum"
-    names: list
-    dtypes: list
-    timeout_s: Optional[float] = None
-
-
-ADMIN_MESSAGES = (InitWeightsGroup, DestroyWeightsGroup, UpdateFromDistributed, UpdateFromTensor,
-                  UpdateFromDisk, ServerInfo, ShardJoin, ShardAnnounce, WeightsChecksum)
-
-
-@dataclass
-class ClusterCall:
-    """One `RolloutCluster` operation on the manager's server set (pause_for_update, publish,
-    resume, commit, unhealthy, remove_server, add_server, admitted, ready_to_rejoin)."""
-    method: str
-    args: list = field(default_factory=list)
-
-
-@dataclass
-class EvalSubmit:
-    step: int
-    version: int
-
-
-@dataclass
-class EvalPoll:
-    """Driver -> manager: metrics of finished evaluations; ``wait``: block until all submitted
-    ones are done, at most ``timeout_s`` (then the error names what the evaluation waits on)."""
-    wait: bool = False
-    timeout_s: float = 600.0
-
-
-@dataclass
-class EvalReport:
-    """Manager -> driver, the answer to `EvalPoll`: the finished evaluations' metrics (eval/*,
-    empty when none finished) and how many submitted ones are still running."""
-    metrics: dict
-    running: int
-
-
-@dataclass
-class StateRequest:
-    """Driver -> manager: the exactly-once ledger for a checkpoint. Reply: `Reply`(value=state)."""
-
-
-@dataclass
-class Close:
-    """Driver -> manager: the run ended; stop the rollouts and the servers this job started."""
-
-
-@dataclass
-class Reply:
-    """The answer to any request: ``value`` (JSON) or ``error`` (one line), plus ``elapsed_s``
-    (the manager's own time on it: how the push's fixed cost splits)."""
-    value: Any = None
-    error: Optional[str] = None
-    elapsed_s: float = 0.0
-
-
-MESSAGES = {cls.__name__: cls for cls in (Hello, Beat, Init, BatchRequest, Batch, ClusterCall, EvalSubmit, EvalPoll,
-                                          EvalReport, StateRequest, Close, Reply, *ADMIN_MESSAGES)}
-# answers that travel as themselves, not inside a `Reply` (a batch carries arrays)
-DIRECT_REPLIES = (Batch, EvalReport)
 
 
 # ------------------------------------------------------------------------------- encoding

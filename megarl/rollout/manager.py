@@ -5,7 +5,7 @@
                            └────────────────▶│ connection threads: one per trainer link     │
                                              │   BatchRequest -> controller.next_batch ->   │
                                              │     Batch (flat arrays, DP shares)           │
-                                             │   ClusterCall  -> RolloutCluster (pause,     │
+                                             │   PauseForUpdate, FinishPush, ... -> Cluster │
                                              │     publish, resume, commit, health, ...)    │
                                              │   admin messages -> AdminRunner (announce...)│
                                              │   EvalSubmit/EvalPoll, StateRequest, Close   │
@@ -51,11 +51,12 @@ from typing import TYPE_CHECKING, Optional
 
 from megarl.errors import ConfigError
 from megarl.rollout import handshake
-from megarl.rollout.channel import (ADMIN_MESSAGES, DIRECT_REPLIES, MAX_REQUEST_HEADER, Batch, BatchRequest, Beat,
-                                    Channel, ChannelError, Close, ClusterCall, DestroyWeightsGroup, EvalPoll,
-                                    EvalReport, EvalSubmit, Hello, Init, InitWeightsGroup, Reply, ServerInfo,
-                                    ShardAnnounce, ShardJoin, StateRequest, UpdateFromDisk,
-                                    UpdateFromDistributed, UpdateFromTensor, WeightsChecksum, from_wire)
+from megarl.rollout.channel import MAX_REQUEST_HEADER, Channel, ChannelError, from_wire
+from megarl.rollout.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, DIRECT_REPLIES, AddServer, Admitted, Batch,
+                                     BatchRequest, Beat, Close, DestroyWeightsGroup, EvalPoll, EvalReport, EvalSubmit,
+                                     FinishPush, Hello, Init, InitWeightsGroup, PauseForUpdate, RemoveServer, Reply,
+                                     Resume, ServerInfo, ShardAnnounce, ShardJoin, Start, StateRequest, Unhealthy,
+                                     UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, WeightsChecksum)
 from megarl.rollout.packing import balance_groups, pack_batch  # noqa: F401 - the step's layout
 
 if TYPE_CHECKING:
@@ -64,10 +65,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("megarl.manager")
 
-# what a trainer link may run on the manager's RolloutCluster
-CLUSTER_OPS = {"pause_for_update", "publish", "resume", "commit", "finish_push", "unhealthy",
-               "remove_server", "add_server", "admitted", "start", "stats"}
-
+# each step of the server set is one fixed call on the manager (m: the message, g: the manager)
+CLUSTER_CALLS = {
+    PauseForUpdate: lambda m, g: g.cluster.pause_for_update(),
+    Resume: lambda m, g: g.cluster.resume(),
+    FinishPush: lambda m, g: g.finish_push(int(m.version)),
+    Unhealthy: lambda m, g: g.cluster.unhealthy(),
+    RemoveServer: lambda m, g: g.cluster.remove_server(str(m.address)),
+    AddServer: lambda m, g: g.cluster.add_server(str(m.address)),
+    Admitted: lambda m, g: g.cluster.admitted(str(m.address)),
+    Start: lambda m, g: g.start(),
+}
+assert set(CLUSTER_CALLS) == set(CLUSTER_MESSAGES)
 # each admin message is one fixed AdminClient call: nothing on the wire picks the method
 ADMIN_CALLS = {
     InitWeightsGroup: lambda m, c: c.init_weights_update_group(m.group, m.rank_offsets),
@@ -85,7 +94,8 @@ assert set(ADMIN_CALLS) == set(ADMIN_MESSAGES)
 _LOADS = (UpdateFromDistributed, UpdateFromTensor, UpdateFromDisk)
 # what each role may send after its Hello (a stage source only announces its own buckets)
 STAGE_MESSAGES = ADMIN_MESSAGES
-DRIVER_MESSAGES = (Init, BatchRequest, ClusterCall, EvalSubmit, EvalPoll, StateRequest, Close, *ADMIN_MESSAGES)
+DRIVER_MESSAGES = (Init, BatchRequest, EvalSubmit, EvalPoll, StateRequest, Close, *ADMIN_MESSAGES,
+                   *CLUSTER_MESSAGES)
 MAX_LINKS = 64  # authenticated links: the driver and one per pipeline stage
 MAX_HANDSHAKES = 16  # connections still proving the secret
 
@@ -228,17 +238,6 @@ class RolloutManager:
                     self._inflight -= 1
                     self._updates.notify_all()
 
-    def cluster_call(self, msg: ClusterCall):
-        if msg.method not in CLUSTER_OPS:
-            raise ValueError(f"unknown cluster operation {msg.method!r}")
-        if msg.method == "start":
-            return self.start()
-        if msg.method == "stats":
-            return {"pauses": self.cluster.counters["pauses"], "continues": self.cluster.counters["continues"]}
-        if msg.method == "finish_push":
-            return self.finish_push(*msg.args)
-        return getattr(self.cluster, msg.method)(*msg.args)
-
     def finish_push(self, version: int) -> dict:
         """The tail of a push, off the trainer's critical path: wait until every announced bucket
         is loaded (stage sources announce on their own links), flip the servers' version, end the
@@ -266,8 +265,8 @@ class RolloutManager:
             return self.next_batch(msg)
         if isinstance(msg, ADMIN_MESSAGES):
             return self.admin(msg)
-        if isinstance(msg, ClusterCall):
-            return self.cluster_call(msg)
+        if isinstance(msg, CLUSTER_MESSAGES):
+            return CLUSTER_CALLS[type(msg)](msg, self)
         if isinstance(msg, EvalSubmit):
             if self.evaluator is not None:
                 self.evaluator.submit(self.controller, msg.step, msg.version)

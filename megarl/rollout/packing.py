@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megarl.rollout.channel import Batch
+from megarl.rollout.messages import Batch
 
 
 def balance_groups(group_tokens: list[int], n_ranks: int) -> list[int]:

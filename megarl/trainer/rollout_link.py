@@ -31,10 +31,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.channel import (BatchRequest, ClusterCall, DestroyWeightsGroup, EvalPoll, EvalSubmit, Init,
-                                    InitWeightsGroup, Link, ManagerStalled, RemoteError, ServerInfo, ShardAnnounce, ShardJoin,
-                                    StateRequest, UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor,
-                                    WeightsChecksum)
+from megarl.rollout.channel import Link, ManagerStalled, RemoteError
+from megarl.rollout.messages import (AddServer, Admitted, BatchRequest, DestroyWeightsGroup, EvalPoll, EvalSubmit,
+                                     FinishPush, Init, InitWeightsGroup, PauseForUpdate, RemoveServer, Resume,
+                                     ServerInfo, ShardAnnounce, ShardJoin, Start, StateRequest, Unhealthy,
+                                     UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, WeightsChecksum)
 from megarl.rollout.types import RoutedExperts, Trajectory
 
 log = logging.getLogger("megarl.link")
@@ -119,12 +120,12 @@ class ManagerCluster:
         link = Link(self.manager_address, "stage", self._secret, rank, silence_s=self.silence_s)
         return RemoteAdmin(link, self, self.timeout_s, owns_link=True)
 
-    def _call(self, method: str, *args, timeout_s: Optional[float] = None):
+    def _call(self, msg, timeout_s: Optional[float] = None):
         # +10 s: the manager's cluster steps run under weights.timeout_s; its error must arrive first
         timeout_s = timeout_s or self.timeout_s + 10.0
         if self.side is not None:  # a dead manager is named as such
-            return self.side._request(ClusterCall(method, list(args)), timeout_s)
-        return self.link.request(ClusterCall(method, list(args)), timeout_s, what=method)
+            return self.side._request(msg, timeout_s)
+        return self.link.request(msg, timeout_s, what=type(msg).__name__)
 
     # ------------------------------------------------------------------ push protocol (driver)
     def settle(self) -> None:
@@ -138,23 +139,22 @@ class ManagerCluster:
 
     def pause_for_update(self) -> None:
         self.settle()
-        self._call("pause_for_update")
+        self._call(PauseForUpdate())
 
     def end_push(self, version: Optional[int]) -> None:
         """Not awaited: the manager waits for the loads, flips the version, resumes."""
         if version is None:
             # deferred: its reply is read at the next settle(), so a failure surfaces at the next push
-            self.link.submit(ClusterCall("resume"), what="continue_generation", deferred=True)
+            self.link.submit(Resume(), what="continue_generation", deferred=True)
         else:
-            self.link.submit(ClusterCall("finish_push", [version]), what="update_weight_version",
-                             deferred=True)
+            self.link.submit(FinishPush(int(version)), what="update_weight_version", deferred=True)
 
     def commit(self, version: int) -> None:
         self.version = int(version)
 
     # ------------------------------------------------------------------ the server set
     def unhealthy(self) -> list[str]:
-        return self._call("unhealthy")
+        return self._call(Unhealthy())
 
     def remove_server(self, address: str) -> None:
         from megarl.rollout.cluster import ClusterError
@@ -163,7 +163,7 @@ class ManagerCluster:
             self.addresses.remove(address)
             self.dead.append(address)
             if self.driver:
-                self._call("remove_server", address)
+                self._call(RemoveServer(address))
         # every rank checks the floor itself: all raise at the same step without asking the manager
         if len(self.addresses) < self.min_live_servers:
             raise ClusterError(f"rollout.min_live_servers: {len(self.addresses)} server(s) left "
@@ -173,13 +173,13 @@ class ManagerCluster:
         if address not in self.addresses:
             self.addresses.append(address)
         if self.driver:
-            self._call("add_server", address)
+            self._call(AddServer(address))
 
     def admitted(self, address: str) -> None:
         if address in self.dead:
             self.dead.remove(address)
         if self.driver:
-            self._call("admitted", address)
+            self._call(Admitted(address))
 
     def close(self) -> None:
         pass
@@ -275,7 +275,7 @@ class RolloutSide:
 
     def start_rollouts(self) -> None:
         if self.ps.rank == 0:
-            self._request(ClusterCall("start"))
+            self._request(Start())
 
     # ------------------------------------------------------------------ the step hand-off
     def next_batch(self, n_groups: int, timeout_s: float = 600.0) -> tuple[list[Trajectory], dict, list[str]]:

@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from megarl.rollout import handshake
-from megarl.rollout.channel import (MAX_REQUEST_HEADER, Channel, ChannelError, Close, Hello, Link, RemoteError,
-                                    ServerInfo, StateRequest, encode)
+from megarl.rollout.channel import MAX_REQUEST_HEADER, Channel, ChannelError, Link, RemoteError, encode
+from megarl.rollout.messages import Close, Hello, ServerInfo, StateRequest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHALLENGE = len(handshake.MAGIC) + handshake.NONCE

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from megarl.rollout import handshake
-from megarl.rollout.channel import (Channel, ChannelTimeout, Link, ManagerStalled, ServerInfo, StateRequest,
-                                    beat_period)
+from megarl.rollout.channel import Channel, ChannelTimeout, Link, ManagerStalled, beat_period
+from megarl.rollout.messages import ServerInfo, StateRequest
 from megarl.rollout.manager import RolloutManager
 
 SECRET = handshake.new_secret()
