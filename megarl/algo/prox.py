@@ -51,13 +51,19 @@ def loglinear_prox_logp(logp: torch.Tensor, behave_logp: torch.Tensor, versions:
 
 
 def prox_approx_stats(approx_prox_logp: torch.Tensor, prox_logp: torch.Tensor,
-                      loss_mask: torch.Tensor) -> dict[str, Stat]:
+                      loss_mask: torch.Tensor, behave_logp: torch.Tensor | None = None) -> dict[str, Stat]:
     """How far an approximation is from the recomputed log pi_prox (prox_logp_mode=metrics):
 
         prox_approx_abs_err      masked mean  |log pi_prox_approx - log pi_prox|
         prox_approx_abs_err_max  masked max   |log pi_prox_approx - log pi_prox|
+        prox_behave_abs_gap      masked mean  |log pi_behave - log pi_prox|: the error of using
+                                 no approximation at all (pi_prox = pi_behave), the scale the
+                                 approximation's error is judged against
     """
     err = (approx_prox_logp.detach() - prox_logp.detach()).abs()
     m = loss_mask.bool()
-    return {"prox_approx_abs_err": Stat.masked_mean(err, m),
-            "prox_approx_abs_err_max": Stat.masked_max(err, m)}
+    out = {"prox_approx_abs_err": Stat.masked_mean(err, m),
+           "prox_approx_abs_err_max": Stat.masked_max(err, m)}
+    if behave_logp is not None:
+        out["prox_behave_abs_gap"] = Stat.masked_mean((behave_logp.detach() - prox_logp.detach()).abs(), m)
+    return out

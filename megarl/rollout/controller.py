@@ -83,11 +83,14 @@ class RolloutController:
                  api_key: Optional[str] = None, dynamic_sampling: bool = False,
                  partial_rollout: bool = True, max_retries: int = 2, failed_log: Optional[str] = None,
                  timeline=None, sampling_seed: Optional[int] = None, client_kwargs: Optional[dict] = None,
-                 max_consecutive_failures: int = 8, hold_timeout_s: float = 600.0):
+                 max_consecutive_failures: int = 8, hold_timeout_s: float = 600.0,
+                 stale_cap: Optional[int] = None):
         self.dataset, self.workflow, self.versions = dataset, workflow, versions
         self.sampler = (dataset.make_sampler(seed) if hasattr(dataset, "make_sampler")  # honours data.shuffle
                         else ResumableSampler(len(dataset), seed=seed))
         self.staleness = StalenessManager(batch_groups, max_staleness, max_concurrent, versions)
+        # None: the bound itself (every trained token within max_staleness versions)
+        self.stale_cap = math.ceil(max_staleness) if stale_cap is None else stale_cap
         self.dynamic_sampling, self.partial_rollout = dynamic_sampling, partial_rollout
         self.max_retries, self.failed_log, self.timeline = max_retries, failed_log, timeline
         self.sampling_seed = sampling_seed
@@ -307,12 +310,14 @@ class RolloutController:
         return "; ".join(recent) if recent else "none"
 
     def _too_stale(self, group: Group) -> bool:
-        """A group started under the bound but finished late (its server died and its requests
-        were resubmitted, say) may be older than max_staleness allows by now: it is not trained;
-        its prompt goes back to be generated again (still exactly once) and its slot is freed."""
+        """The staleness bound is kept when episodes start (`StalenessManager`); a started group
+        is trained however long it ran, so long answers are not selected against. Only a
+        straggler past the hard cap (its server died, its requests were resubmitted, say) is not
+        trained: its prompt goes back to be generated again (still exactly once) and its slot is
+        freed."""
         oldest = min((t.min_version for t in group.trajectories), default=-1)
-        # oldest < 0: no token carries a version (nothing generated); ceil: a fractional bound allows the whole step
-        if oldest < 0 or self.versions.get_version() - oldest <= math.ceil(self.staleness.max_staleness):
+        # oldest < 0: no token carries a version (nothing generated)
+        if oldest < 0 or self.versions.get_version() - oldest <= self.stale_cap:
             return False
         self._pending.appendleft((group.draw, group.prompt_index))
         # the group was counted accepted when it finished: give the slot back so a replacement can start
@@ -391,7 +396,9 @@ class RolloutController:
         out = {"rollout/running": s.running, "rollout/buffered": len(self._buffer),
                "rollout/accepted": s.accepted, "rollout/rejected": s.rejected,
                "rollout/failed": self.counters["failed"], "rollout/retries": self.counters["retries"],
-               "rollout/filtered": sum(v for k, v in self.counters.items() if k.startswith("filtered/"))}
+               "rollout/filtered": sum(v for k, v in self.counters.items() if k.startswith("filtered/")),
+               # how often the staleness hard cap fired: reported as 0 too
+               "rollout/regenerated/too_stale": self.counters["regenerated/too_stale"]}
         out.update({f"rollout/{k}": v for k, v in self.counters.items()
                     if k.startswith(("filtered/", "regenerated/"))})
         if self.client is not None:

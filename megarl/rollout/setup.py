@@ -145,7 +145,7 @@ def build_controller(spec: ControllerSpec, cluster, timeline=None) -> RolloutCon
         partial_rollout=r.partial_rollout, max_retries=r.max_retries,
         failed_log=spec.failed_log, timeline=timeline,
         sampling_seed=r.seed, max_consecutive_failures=r.max_consecutive_failures,
-        hold_timeout_s=spec.hold_timeout_s,
+        hold_timeout_s=spec.hold_timeout_s, stale_cap=r.stale_cap,
         # with routing replay every /generate asks for the routes of each token (R3)
         client_kwargs={"routed_experts": spec.routes} if spec.routes is not None else None)
 

@@ -319,7 +319,7 @@ class Actor:
             if spec.prox_logp_mode == ProxLogpMode.LOGLINEAR:
                 prox = approx
             elif prox is not None:
-                stats.update(prox_approx_stats(approx, prox, m))
+                stats.update(prox_approx_stats(approx, prox, m, behave))
         out = policy_loss(logp, prox, behave, mb["advantages"], m, spec.policy_loss)
         stats.update(out.stats)
         per_token = out.loss

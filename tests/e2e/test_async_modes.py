@@ -20,7 +20,10 @@ SLOW_ROLLOUT = ["rollout.max_concurrent=1", "rollout.group_size=8", "rollout.max
 MODES = {
     "on_policy": ["rollout.max_staleness=0"],
     "stream_off_policy": ["rollout.max_staleness=0", "train.trigger_parameter_sync_step=4"],
-    "async_stale": ["rollout.max_staleness=2", "rollout.partial_rollout=false", *SLOW_ROLLOUT],
+    # the strict rule (hard cap = the bound): every trained token within 2 versions
+    "async_stale": ["rollout.max_staleness=2", "rollout.partial_rollout=false", "rollout.staleness_hard_cap=0",
+                    *SLOW_ROLLOUT],
+    # the default rule: the bound kept at the start, every started group trained (hard cap 64)
     "async_partial": ["rollout.max_staleness=2", "rollout.partial_rollout=true", *SLOW_ROLLOUT],
 }
 
@@ -46,9 +49,11 @@ def test_mode(tmp_path, mode):
     steps = 8 if mode == "stream_off_policy" else 4
     rows, gens = run_train(tmp_path, MODES[mode], steps)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    bound = 0 if mode in ("on_policy", "stream_off_policy") else 2
+    bound = {"on_policy": 0, "stream_off_policy": 0, "async_stale": 2, "async_partial": 64}[mode]
     for r in rows:
         assert r["staleness_max"] <= bound, (mode, r["step"], r["staleness_max"])
+    if mode == "async_partial":  # nothing generated was thrown away for its age
+        assert rows[-1]["rollout/regenerated/too_stale"] == 0, rows[-1]
     spans = [len(set(g["versions"])) for g in gens]
     if mode == "on_policy":
         # every batch comes from the weights the trainer holds: no training-inference gap

@@ -18,7 +18,8 @@ def command(run, data) -> list[str]:
             f"model.hf_path={REPO}/examples/tiny/model", f"data.train_path={data}", "data.eval_path=",
             f"train.run_dir={run}", "checkpoint.hf_export_dir=", "checkpoint.save_interval=2",
             "train.steps=9", f"train.global_batch_size={GROUP * GROUPS_PER_STEP}",
-            f"rollout.group_size={GROUP}", "rollout.max_staleness=2", "logging.dump_generations=true"]
+            f"rollout.group_size={GROUP}", "rollout.max_staleness=2", "logging.dump_generations=true",
+            "rollout.staleness_hard_cap=0"]  # the strict rule: every trained token within 2
 
 
 def read_jsonl(path) -> list[dict]:

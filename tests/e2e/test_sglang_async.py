@@ -29,6 +29,7 @@ def test_partial_rollouts_resume_across_pushes(tmp_path, pause):
     cmd = train_cmd(run, model, f"train.steps={STEPS}", "data.eval_path=", "rollout.eval_at_start=false",
                     "train.global_batch_size=32", "rollout.group_size=8", "rollout.max_concurrent=1",
                     "rollout.max_new_tokens=48", "rollout.ignore_eos=true", "rollout.max_staleness=2",
+                    "rollout.staleness_hard_cap=0",  # the strict rule: every trained token within 2
                     "rollout.partial_rollout=true", "logging.dump_generations=true", f"weights.pause_mode={pause}",
                     server_args=["--max-running-requests", "2"])
     t0 = time.monotonic()

@@ -31,7 +31,8 @@ def test_staleness_threshold_alone_bounds_the_stale_fraction(tmp_path):
 def test_require_batches_sets_what_a_step_trains(tmp_path):
     steps, group = 4, 4
     rows, gens = run_train(tmp_path, ["train.require_batches=2", "train.ppo_mini_batch_size=8",
-                                      "train.global_batch_size=32", "rollout.max_staleness=1"], steps)
+                                      "train.global_batch_size=32", "rollout.max_staleness=1",
+                                      "rollout.staleness_hard_cap=0"], steps)  # strict: within 1
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     per_step = collections.Counter(g["step"] for g in gens)
     # 2 x 8 = 16 sequences a step (not the 32 of train.global_batch_size): 4 groups of 4

@@ -126,6 +126,46 @@ def test_a_group_older_than_the_bound_is_generated_again_not_trained(tmp_path):
     assert c.stats()["rollout/regenerated/too_stale"] == c.counters["regenerated/too_stale"]
 
 
+def _late_groups(c, cluster, pushes: int):
+    """Two groups made at version 0 that finish ``pushes`` versions later, then one batch."""
+    c.workflow.version = lambda: 0  # every group claims version 0, however late it finishes
+    c.start()
+    try:
+        c.next_batch(2, timeout_s=20)
+        deadline = time.monotonic() + 20
+        while len(c._buffer) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for v in range(1, pushes + 1):
+            cluster.commit(v)
+        c.workflow.version = cluster.get_version
+        return c.next_batch(2, timeout_s=20)
+    finally:
+        c.stop()
+
+
+def test_a_group_past_the_bound_is_trained_up_to_the_hard_cap(tmp_path):
+    # started within the bound (max_staleness 1), finished 3 versions later (a long answer):
+    # trained, not regenerated - the bound is kept at the start, not by dropping long groups
+    c, cluster = make(tmp_path, n_prompts=12, max_staleness=1, stale_cap=4)
+    later = _late_groups(c, cluster, pushes=3)
+    assert sorted(t.min_version for t in later) == [0] * len(later)
+    assert c.counters["regenerated/too_stale"] == 0
+    # past the hard cap (a straggler): generated again, counted
+    c, cluster = make(tmp_path, n_prompts=12, max_staleness=1, stale_cap=4)
+    later = _late_groups(c, cluster, pushes=5)
+    assert all(5 - t.min_version <= 4 for t in later)
+    assert c.counters["regenerated/too_stale"] >= 1
+
+
+def test_the_hard_cap_is_never_below_the_bound_and_off_on_policy():
+    from megarl.config import RolloutConfig
+
+    assert RolloutConfig(max_staleness=2, staleness_hard_cap=16).stale_cap == 16
+    assert RolloutConfig(max_staleness=2, staleness_hard_cap=0).stale_cap == 2  # the strict rule
+    assert RolloutConfig(max_staleness=0, staleness_threshold=0.5, staleness_hard_cap=0).stale_cap == 1
+    assert RolloutConfig(max_staleness=0, staleness_hard_cap=16).stale_cap == 0  # on-policy stays on-policy
+
+
 def test_rebase_restarts_the_window_from_what_was_trained():
     class V:
         def get_version(self):
