@@ -1,7 +1,9 @@
 """Asynchronous vs synchronous GRPO on a workload shaped like real RL (generation >= 65% of a
-synchronous step): trained samples/s, time to a held-out accuracy, final accuracy, CPU use.
+synchronous step): trained response tokens/s, the lengths trained, time to a held-out accuracy,
+final accuracy, CPU use.
 
-    python tools/bench/bench_async.py [--steps 40] [--seeds 1,2] [--modes sync_colo,sync_disagg,async_s4,async_s4_shared]
+    python tools/bench/bench_async.py [--steps 60] [--seeds 1,2,3] [--target 0.36] [--eval-every 5]
+                                      [--modes sync_colo,sync_disagg,async_s4,async_s4_shared]
 
 Workload: the demo task and start point (configs/tiny_grpo.yaml, examples/tiny/model) with
 long-tailed response lengths: `LongTailWorkflow` gives every sample its own budget,
@@ -22,9 +24,12 @@ Modes, all on the same cores (the machine's two):
     async_s4_shared   max_staleness 4 as above, nothing pinned, two local servers: a generation-
                   bound trainer's idle core serves requests too
 
-Reported per run: trained samples/s (evaluation excluded), seconds to --target, final accuracy,
-CPU utilisation of the job's whole process tree over its training window (/proc), the phase times;
-per mode the mean over seeds and the ratios to both synchronous baselines. OUT/result.json,
+Reported per run: trained response tokens/s and samples/s (evaluation excluded), the trained
+response lengths (mean, p50, p90, max, from the run's generations.jsonl: every trained sample),
+seconds to --target, final accuracy, how often the staleness hard cap fired
+(rollout/regenerated/too_stale), CPU utilisation of the job's whole process tree over its
+training window (/proc), the phase times; per mode the mean over seeds and the ratios to both
+synchronous baselines (tokens/s: higher is better; time to target: lower). OUT/result.json,
 OUT/table.md.
 """
 from __future__ import annotations
@@ -89,6 +94,15 @@ def phase_means(rows: list[dict]) -> dict:
             "response_len": mean("response_len")}
 
 
+def trained_lengths(path: str, train_s: float) -> dict:
+    """The response lengths of every trained sample (generations.jsonl) and tokens/s over the
+    run's training time."""
+    lens = sorted(len(g["versions"]) for g in read_rows(path))
+    q = lambda p: lens[min(len(lens) - 1, int(p * len(lens)))]  # noqa: E731
+    return {"len_mean": statistics.fmean(lens), "len_p50": q(0.5), "len_p90": q(0.9), "len_max": lens[-1],
+            "tokens_per_s": sum(lens) / max(train_s, 1e-9)}
+
+
 def run_all(args) -> dict:
     results: dict = {}
     table = modes()
@@ -101,8 +115,12 @@ def run_all(args) -> dict:
                          f"rollout.eval_interval={args.eval_every}", "rollout.eval_size=500",
                          "rollout.eval_at_start=true", *args.override]
             run_dir = os.path.join(args.out, f"{mode}_seed{seed}")
-            r = run_train(run_dir, overrides, f"{mode}/seed{seed}", args.target)
-            r.extra.update(phase_means(read_rows(os.path.join(run_dir, "metrics.jsonl"))))
+            r = run_train(run_dir, overrides + ["logging.dump_generations=true"], f"{mode}/seed{seed}",
+                          args.target)
+            rows = read_rows(os.path.join(run_dir, "metrics.jsonl"))
+            r.extra.update(phase_means(rows))
+            r.extra.update(trained_lengths(os.path.join(run_dir, "generations.jsonl"), r.train_s))
+            r.extra["too_stale"] = max((x.get("rollout/regenerated/too_stale", 0) for x in rows), default=0)
             results[f"{mode}/seed{seed}"] = r.as_dict()
             e = r.extra
             print(f"[bench_async] {mode} seed {seed}: {r.samples_per_s:.1f} samples/s, accuracy "
@@ -117,37 +135,45 @@ def summarize(results: dict, args) -> str:
     for key, r in results.items():
         by_mode.setdefault(key.split("/")[0], []).append(r)
     mean = lambda rs, f: statistics.fmean(f(r) for r in rs) if rs else None  # noqa: E731
-    sps = {m: mean(rs, lambda r: r["samples_per_s"]) for m, rs in by_mode.items()}
+    tok = {m: mean(rs, lambda r: r["extra"]["tokens_per_s"]) for m, rs in by_mode.items()}
+    ttt = {m: (statistics.fmean(r["time_to_target_s"] for r in rs)
+               if all(r["time_to_target_s"] is not None for r in rs) else None) for m, rs in by_mode.items()}
+
+    def ratio(values: dict, mode: str, base: str) -> str:
+        if base not in values or values[mode] is None or not values[base]:
+            return "-"
+        return f"**{values[mode] / values[base]:.2f}x**"
+
     rows = []
     for mode, rs in by_mode.items():
         hits = [r["time_to_target_s"] for r in rs if r["time_to_target_s"] is not None]
-        ratio = lambda base: f"**{sps[mode] / sps[base]:.2f}x**" if base in sps else "-"  # noqa: E731
-        tok_s = mean(rs, lambda r: r["samples_per_s"] * r["extra"]["response_len"])
-        rows.append([mode, f"{sps[mode]:.1f}", ratio("sync_disagg"), ratio("sync_colo"), f"{tok_s:.0f}",
-                     f"{statistics.fmean(hits):.0f} ({len(hits)}/{len(rs)})" if hits else "-",
+        e = lambda k: mean(rs, lambda r: r["extra"][k])  # noqa: E731
+        rows.append([mode, f"{tok[mode]:.0f}", ratio(tok, mode, "sync_disagg"), ratio(tok, mode, "sync_colo"),
+                     f"{statistics.fmean(hits):.1f} ({len(hits)}/{len(rs)})" if hits else f"- (0/{len(rs)})",
+                     ratio(ttt, mode, "sync_disagg"), ratio(ttt, mode, "sync_colo"),
+                     f"{e('len_mean'):.1f} / {e('len_p50'):.0f} / {e('len_p90'):.0f} / {e('len_max'):.0f}",
                      " / ".join(fmt(r["final_accuracy"]) for r in rs),
+                     f"{mean(rs, lambda r: r['samples_per_s']):.1f}",
                      fmt(mean(rs, lambda r: r["extra"].get("cpu_util") or 0.0), ".2f"),
-                     fmt(mean(rs, lambda r: r["extra"]["gen_share"]), ".2f"),
-                     f"{mean(rs, lambda r: r['extra']['step_s']):.2f} = "
-                     f"{mean(rs, lambda r: r['extra']['wait_s']):.2f} + {mean(rs, lambda r: r['extra']['update_s']):.2f}"
-                     f" + {mean(rs, lambda r: r['extra']['push_s']):.3f}",
-                     f"{mean(rs, lambda r: r['extra']['staleness_mean']):.2f}",
-                     f"{mean(rs, lambda r: r['extra']['response_len']):.1f}"])
-    return markdown_table(["mode", "trained samples/s", "vs sync_disagg", "vs sync_colo", "trained response tokens/s",
-                           f"s to {args.target} (runs)", "final accuracy per seed", "CPU utilisation",
-                           "wait share of step", "step s = wait + update + push", "staleness mean",
-                           "response len"], rows)
+                     fmt(e("gen_share"), ".2f"),
+                     f"{e('step_s'):.2f} = {e('wait_s'):.2f} + {e('update_s'):.2f} + {e('push_s'):.3f}",
+                     f"{e('staleness_mean'):.2f}", f"{sum(r['extra']['too_stale'] for r in rs):.0f}"])
+    return markdown_table(["mode", "trained response tokens/s", "vs sync_disagg", "vs sync_colo",
+                           f"s to {args.target} (seeds)", "vs sync_disagg", "vs sync_colo",
+                           "trained length mean / p50 / p90 / max", "final accuracy per seed", "trained samples/s",
+                           "CPU utilisation", "wait share of step", "step s = wait + update + push",
+                           "staleness mean", "regenerated (hard cap)"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "bench_async"))
     ap.add_argument("--modes", default="sync_colo,sync_disagg,async_s4,async_s4_shared")
-    ap.add_argument("--seeds", default="1,2")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--cap", type=int, default=1024, help="longest response (tokens)")
-    ap.add_argument("--target", type=float, default=0.4, help="held-out accuracy for time-to-target")
-    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--target", type=float, default=0.36, help="held-out accuracy for time-to-target")
+    ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--override", action="append", default=[], metavar="A.B=C")
     ap.add_argument("--table-only", action="store_true", help="rewrite OUT/table.md from OUT/result.json")
     args = ap.parse_args(argv)
