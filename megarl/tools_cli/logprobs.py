@@ -18,7 +18,8 @@ import sys
 from dataclasses import dataclass
 
 from megarl.cli import ArgumentParser, add_debug_flag
-from megarl.tools_cli import ToolError, finish_ranks, init_ranks, needs_launch, run_tool
+from megarl.tools_cli import (ToolError, check_output_file, finish_ranks, init_ranks, needs_launch,
+                              run_tool)
 
 PROG = "megarl-logprobs"
 
@@ -103,11 +104,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
         raise ToolError(f"--make-vocab-size-divisible-by must be >= 1, got {a.make_vocab_size_divisible_by}")
     (check_hf if source.kind == "hf" else check_mcore)(source.path, args)
     rows = read_input(a.input, args.vocab_size, args.max_position_embeddings)
-    if os.path.realpath(a.output) == os.path.realpath(a.input):
-        raise ToolError(f"--output {a.output}: is the --input file; write somewhere else")
-    out_parent = os.path.dirname(os.path.abspath(a.output))
-    if not os.path.isdir(out_parent):
-        raise ToolError(f"--output {a.output}: directory {out_parent} does not exist")
+    check_output_file("--output", a.output, {"--input": a.input})
     if a.ep < 1 or (a.ep > 1 and not args.num_experts):
         raise ToolError(f"--ep {a.ep}: must be 1 for a dense model ({args.architecture})" if a.ep > 1
                         else f"--ep must be >= 1, got {a.ep}")
@@ -163,9 +160,10 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
             os.replace(tmp, a.output)
             print(f"[{PROG}] wrote {len(rows)} sequences to {a.output}", flush=True)
     finally:
-        if out is not None and not out.closed:
+        if out is not None:  # failed before or at the rename: no half-written output stays
             out.close()
-            os.remove(tmp)
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
 
 def main(argv: list[str] | None = None) -> int:

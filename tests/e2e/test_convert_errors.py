@@ -139,6 +139,25 @@ def test_existing_output_and_dtype_choice(tmp_path, hf, capsys):
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
+def test_unwritable_output_is_refused_before_any_rank_starts(tmp_path, hf, capsys, monkeypatch):
+    """An --output that is a directory, or an output in a directory that takes no new file (/sys:
+    EACCES for root too), fails at validation: --tp 2 would relaunch under torchrun first."""
+    from megarl import parallel
+
+    monkeypatch.setattr(parallel, "relaunch", lambda *a: pytest.fail("ranks started before the output check"))
+    inp, d = tmp_path / "in.jsonl", tmp_path / "adir"
+    inp.write_text('{"input_ids": [1, 2, 3]}\n')
+    d.mkdir()
+    lp = ["--ckpt", hf, "--input", inp, "--tp", "2", "--output"]
+    assert_fails(logprobs.main, lp + [d], capsys, f"--output {d}: is a directory")
+    assert os.listdir(d) == [] and not os.path.exists(f"{d}.tmp")
+    assert_fails(logprobs.main, lp + ["/sys/megarl-x.jsonl"], capsys, "--output /sys/megarl-x.jsonl",
+                 "cannot write in /sys")
+    assert_fails(convert.main, to_mcore(hf, "/sys/megarl-out", "--tp", "2"), capsys, "--out /sys/megarl-out",
+                 "cannot write in /sys")
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".megarl-probe-")]
+
+
 def fake_checkpoint(path, hf_dir, shapes, complete=True, payload=None):
     """A checkpoint directory whose .metadata describes ``shapes`` (enough for validation)."""
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
