@@ -90,7 +90,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run(a: argparse.Namespace, argv: list[str]) -> int:
-    from megarl.models.checks import check_hf, check_layout, check_mcore, model_args
+    from megarl.models.checks import check_finite_hf, check_hf, check_layout, check_mcore, model_args
 
     for flag, v in (("--batch-size", a.batch_size), ("--micro-batch-tokens", a.micro_batch_tokens)):
         if v < 1:
@@ -110,6 +110,8 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
                         else f"--ep must be >= 1, got {a.ep}")
     if args.num_experts and args.num_experts % a.ep:
         raise ToolError(f"--ep {a.ep} does not divide num_experts={args.num_experts} (config.json)")
+    if source.kind == "hf":  # a dist checkpoint's weights are checked as each rank loads them
+        check_finite_hf(source.path, args)
     if needs_launch(a.tp * a.pp * a.ep):
         from megarl import parallel
 
@@ -127,6 +129,7 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
 
     from megarl.checkpoint import load_model_weights
     from megarl.config import load_config
+    from megarl.models.checks import check_finite
     from megarl.trainer.batch import TensorBatch, per_sample
     from megarl.trainer.engine import Engine, EngineSpec
 
@@ -139,6 +142,9 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
     engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=False)
     if source.kind == "mcore":
         load_model_weights(engine.chunks, source.path)
+        for chunk in engine.chunks:  # this rank's shards (HF weights were checked before any rank)
+            for name, p in chunk.named_parameters():
+                check_finite(p, name, source.path)
     tmp = a.output + ".tmp"
     out = open(tmp, "w") if ps.rank == 0 else None
     try:
