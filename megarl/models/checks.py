@@ -3,10 +3,11 @@ a loaded config (TP, PP, EP), HF safetensors headers and dist-checkpoint metadat
 and (`check_finite_hf`, `check_finite`) the weights' values.
 
 Pure file reads (headers and metadata only, except the finiteness checks, which read tensor data
-one tensor at a time) and megarl's own model code; no Megatron, no ranks. Library code: `megarl.preflight` and the command-line tools (megarl-convert,
-megarl-logprobs) call these; config loading does not (`Config.validate` checks the config alone).
-The checks against config.json alone (`check_against_model` of a dense model, `check_layout`)
-import no torch, so megarl-train and megarl-launch reject a bad layout before paying for it.
+one tensor at a time) and megarl's own model code; no Megatron, no ranks. Library code:
+`megarl.preflight` and the command-line tools (megarl-convert, megarl-logprobs) call these;
+config loading does not (`Config.validate` checks the config alone). The checks against
+config.json alone (`check_against_model` of a dense model, `check_layout`) import no torch, so
+megarl-train and megarl-launch reject a bad layout before paying for it.
 """
 from __future__ import annotations
 
