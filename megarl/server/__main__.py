@@ -43,7 +43,9 @@ def parse_args(argv=None):
                    help="directory /update_weights_from_disk may read under (repeatable; "
                         "default: the model dir's parent; the model dir itself is always allowed)")
     p.add_argument("--max-running-requests", type=int, default=128, help="decode batch size cap")
-    p.add_argument("--context-length", type=int, default=None, help="default: max_position_embeddings")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="default: max_position_embeddings; a longer one needs "
+                        "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 (as SGLang)")
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded tokens per prefill")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--weight-version", default="0", help="initial weight_version")
@@ -131,11 +133,14 @@ def serve(args, argv=None) -> int:
         import shutil
         import tempfile
 
+        from megarl.server import context_limit
         from megarl.server.model import DecoderConfig
         from megarl.server.tp import shard_config
 
-        try:  # refuse a layout before any follower starts (one error line, not N)
-            shard_config(DecoderConfig.from_dir(args.model), args.tp)
+        try:  # refuse a layout or a context before any follower starts (one error line, not N)
+            cfg = DecoderConfig.from_dir(args.model)
+            shard_config(cfg, args.tp)
+            context_limit(cfg, args.context_length)
         except (OSError, ValueError, KeyError) as e:
             raise StartupError(f"cannot load {args.model}: {e}") from e
         private = tempfile.mkdtemp(prefix="megarl-tp-")  # mode 0700: only this user joins the group

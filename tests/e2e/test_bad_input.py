@@ -232,6 +232,8 @@ SERVER = [
     S("weights_root_missing", ["{model}", "--weights-root", "{root}/nope"], "--weights-root", "no such directory"),
     S("dtype_invalid", ["{model}", "--dtype", "int8"], "--dtype", "invalid choice"),
     S("port_out_of_range", ["{model}", "--port", "70000"], "--port", "out of range"),
+    S("context_length_beyond_model", ["{model}", "--context-length", "100000"], "--context-length 100000",
+      "max_position_embeddings=64", "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1"),
 ]
 SERVER.append(CliCase("model_flag_missing", "megarl-server", ("--log-level", "WARNING"), 2, ("--model", "required")))
 
