@@ -18,7 +18,7 @@ import concurrent.futures
 import os
 
 import pytest
-from badinput_support import CliCase, World, check_cli_result, docs_missing, run_cli
+from badinput_support import REPO, CliCase, World, check_cli_result, docs_missing, run_cli
 from e2e_servers import API_KEY as KEY
 from e2e_servers import ServerProc, free_port, http
 
@@ -336,6 +336,30 @@ def test_debug_flag_shows_the_traceback(prog, cli_results):
 def test_docs_list_every_case():
     missing = docs_missing(list(CLI_CASES) + [f"http:{c[0]}" for c in HTTP_CASES])
     assert not missing, missing
+
+
+def test_server_port_zero_logs_the_port_it_bound():
+    """--port 0: the kernel picks the port, and the ready line names that one (it said ``:0``)."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    from badinput_support import TINY
+
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "megarl.server", "--model", f"{TINY}/model", "--port", "0"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline, line = time.monotonic() + 120, ""
+        while "ready on" not in line and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stderr.readline()
+        m = re.search(r"ready on http://127\.0\.0\.1:(\d+) ", line)
+        assert m and int(m.group(1)) > 0, line
+        assert http("GET", f"http://127.0.0.1:{m.group(1)}/health")[0] == 200
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 # ----------------------------------------------------------------------------- HTTP, one server
