@@ -3,7 +3,8 @@
 - :func:`free_port`: a TCP port nobody listens on right now (torchrun masters, local servers,
   weight-update rendezvous).
 - :func:`reachable_host` / :func:`http_url`: where a client connects to reach a server bound on
-  a given address (a wildcard bind is reached over loopback on the same machine).
+  a given address (a wildcard bind is reached over loopback on the same machine);
+  :func:`normalize_address`: the one spelling of a rollout server's address.
 - :func:`new_process_group`: the custom weight-update group, built exactly like SGLang's
   ``init_custom_process_group`` so the trainer side (rank 0, ``weights/transports.py``) and the
   CPU server side (ranks >= 1, ``rollout/server/weight_routes.py``) rendezvous with each other and
@@ -88,6 +89,13 @@ def http_url(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"http://{host}:{port}"
+
+
+def normalize_address(address: str) -> str:
+    """One spelling per server (``host:port`` gets http://, no trailing slash), so a removed
+    address matches the one in the list and a server listed twice is seen as one."""
+    address = address.rstrip("/")
+    return address if address.startswith(("http://", "https://")) else "http://" + address
 
 
 def new_process_group(addr: str, port: int, rank: int, world: int, name: str, backend: str,

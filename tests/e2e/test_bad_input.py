@@ -82,6 +82,8 @@ TRAIN = [
     T("workflow_class_missing", ["rollout.workflow=megarl.rollout.workflow:Nope"], "rollout.workflow",
       "Nope", base=GRPO),
     T("run_dir_not_writable", ["train.run_dir={a_file}/run"], "train.run_dir", "not a directory"),
+    T("servers_listed_twice", ["rollout.servers=[{refused},{refused}/]"], "rollout.servers[1]: {refused}/ is "
+      "listed twice (also rollout.servers[0]: {refused})", base=GRPO),
     T("server_refused", ["rollout.servers=[{refused}]"], "rollout.servers[0]", "/health",
       "health_timeout_s=3", base=GRPO),
     T("server_hangs", ["rollout.servers=[{hung}]"], "rollout.servers[0]", "/health", "health_timeout_s=3",
@@ -265,6 +267,8 @@ LAUNCH = [
       ">= 1 and <= 65535, got 0"),
     P("servers_past_last_port", ["--trainer-nodes", "a", "--rollout-nodes", "r", "launch.server_port=65535",
                                  "launch.servers_per_node=2"], "launch.server_port: 65535 + 2 servers per node"),
+    P("servers_listed_twice", ["--trainer-nodes", "a", "rollout.servers=[h:30000,http://h:30000]"],
+      "rollout.servers[1]: http://h:30000 is listed twice (also rollout.servers[0]: h:30000)"),
     P("world_too_large", ["--trainer-nodes", "a", "parallel.world_size=1000000000"], "allocation: 1 trainer nodes x "
       "1000000000 ranks"),
 ]
