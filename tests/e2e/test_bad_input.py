@@ -119,6 +119,7 @@ TRAIN = [
     T("section_override_merges", ["train={{steps: 3}}", "rollout.group_size=1"],
       "rollout.group_size: 1 with algo.advantage=grpo", base=GRPO),  # train.algorithm=rl kept
     T("section_override_not_a_mapping", ["train=3"], "train: expected a mapping, got 3"),
+    T("section_override_scalar_then_field", ["train=5", "train.steps=3"], "train: expected a mapping, got 5"),
     T("staleness_both_set_disagree", ["rollout.staleness_threshold=0.5", "rollout.max_staleness=2"],
       "rollout.staleness_threshold: set either it", "(got 0.5 and 2)", base=GRPO),
     # settings that cannot learn
@@ -269,6 +270,8 @@ LAUNCH = [
                                  "launch.servers_per_node=2"], "launch.server_port: 65535 + 2 servers per node"),
     P("servers_listed_twice", ["--trainer-nodes", "a", "rollout.servers=[h:30000,http://h:30000]"],
       "rollout.servers[1]: http://h:30000 is listed twice (also rollout.servers[0]: h:30000)"),
+    P("section_override_scalar_then_field", ["--trainer-nodes", "a", "train=5", "train.steps=3"],
+      "train: expected a mapping, got 5"),
     P("world_too_large", ["--trainer-nodes", "a", "parallel.world_size=1000000000"], "allocation: 1 trainer nodes x "
       "1000000000 ranks"),
 ]
