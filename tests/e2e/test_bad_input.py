@@ -369,6 +369,40 @@ def test_server_port_zero_logs_the_port_it_bound():
         proc.wait(timeout=10)
 
 
+OLD_LINE = "megarl-server: an earlier run's last words"
+
+
+def test_a_dying_server_is_quoted_from_this_start_of_its_log(tmp_path):
+    """The local server's log is appended to across runs in one run_dir; a server that dies at
+    start is quoted from its own lines (it quoted the earlier run's last line)."""
+    run = tmp_path / "run"
+    (run / "servers").mkdir(parents=True)
+    (run / "servers" / "server0.log").write_text(OLD_LINE + "\n")
+    res = run_cli("megarl-train", [f"{REPO}/configs/tiny_grpo.yaml", f"model.hf_path={REPO}/examples/tiny/model",
+                                   f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
+                                   f"train.run_dir={run}", "rollout.server_args=[--context-length,100000]"],
+                  str(tmp_path), timeout=300)
+    # (after the ranks started: Megatron's import warnings may precede the error line)
+    lines = [x for x in res.stderr.splitlines() if x.startswith("megarl-train: ")]
+    assert res.rc and len(lines) == 1, res.stderr[-3000:]
+    assert "megarl-server exited early" in lines[0] and "--context-length 100000" in lines[0], lines[0]
+    assert OLD_LINE not in res.stderr
+    assert (run / "servers" / "server0.log").read_text().startswith(OLD_LINE)  # appended, not replaced
+
+
+def test_a_manager_that_fails_to_start_is_quoted_from_this_start_of_its_log(tmp_path):
+    from megarl.rollout.local import log_size
+    from megarl.rollout.manager import start_process, wait_listening
+
+    log = tmp_path / "manager.log"
+    log.write_text(f"{OLD_LINE}\n")
+    since = log_size(str(log))
+    proc = start_process(str(tmp_path / "nope.yaml"), "127.0.0.1", str(log), b"s" * 32)
+    with pytest.raises(RuntimeError) as e:
+        wait_listening(proc, str(log), since)
+    assert "did not start" in str(e.value) and "nope.yaml" in str(e.value) and OLD_LINE not in str(e.value)
+
+
 # ----------------------------------------------------------------------------- HTTP, one server
 
 NAN = b'{"input_ids": [1, 2], "sampling_params": {"temperature": NaN}}'
