@@ -3,7 +3,8 @@
 - :func:`free_port`: a TCP port nobody listens on right now (torchrun masters, local servers,
   weight-update rendezvous).
 - :func:`reachable_host` / :func:`http_url`: where a client connects to reach a server bound on
-  a given address (a wildcard bind is reached over loopback on the same machine).
+  a given address (a wildcard bind is reached over loopback on the same machine);
+  :func:`normalize_address`: the one spelling of a rollout server's address.
 - :func:`listening_socket` / :func:`serve_store`: torch's TCP store served on a socket we bound
   ourselves, so it listens on the address it was given (torch's own listener binds every
   interface whatever it is told; docs/reliability.md, Security).
@@ -120,6 +121,13 @@ def serve_store(listener: socket.socket, world: int, timeout_s: float, wait_for_
     host, port = listener.getsockname()[:2]
     return dist.TCPStore(host, port, world, is_master=True, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=wait_for_workers, master_listen_fd=listener.detach())
+
+
+def normalize_address(address: str) -> str:
+    """One spelling per server (``host:port`` gets http://, no trailing slash), so a removed
+    address matches the one in the list and a server listed twice is seen as one."""
+    address = address.rstrip("/")
+    return address if address.startswith(("http://", "https://")) else "http://" + address
 
 
 def new_process_group(addr: str, port: int, rank: int, world: int, name: str, backend: str,

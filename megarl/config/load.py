@@ -113,7 +113,12 @@ def apply_overrides(raw: dict, overrides, root: type) -> dict[str, int]:
             if not isinstance(node, dict):
                 raise ConfigError(f"{key}: {p} is not a section")
         value, last = parse_value(text, item), parts[-1]
-        if _section_type(root, parts) is not None and isinstance(value, dict):
+        section = _section_type(root, parts) is not None
+        if section and not isinstance(value, dict):
+            # here, not at from_dict: a later ``key.x=...`` would find no section and be blamed
+            raise ConfigError(f"{key}: expected a mapping, got {value!r} (a section: {key}.field=value "
+                              "sets one field)")
+        if section:
             target = node.setdefault(last, {})
             if not isinstance(target, dict):
                 raise ConfigError(f"{key}: expected a mapping in the recipe, got {target!r}")

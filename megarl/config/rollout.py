@@ -10,12 +10,13 @@ from typing import Any, Optional
 from megarl.config.common import _COLD, _check, _choice
 from megarl.errors import ConfigError
 from megarl.fields import bounded
+from megarl.net import normalize_address
 
 
 @dataclass
 class RolloutConfig:
     servers: list[str] = field(default_factory=list)
-    """Rollout server addresses (http://host:port): SGLang servers or megarl-server."""
+    """Rollout server addresses (http://host:port): SGLang servers or megarl-server, each listed once."""
     engine: str = "megarl"
     """What the local servers are (when servers is empty): megarl (megarl-server, the CPU demo) or
     sglang (real SGLang, `python -m sglang.launch_server` from its venv: tools/sglang_cpu/install.sh,
@@ -131,9 +132,15 @@ class RolloutConfig:
         bad = [c for c in self.server_cpus if not isinstance(c, int) or c < 0]
         if bad:
             raise ConfigError(f"rollout.server_cpus: expected CPU ids >= 0, got {bad}")
+        seen: dict[str, int] = {}
         for i, s in enumerate(self.servers):
             if not s.startswith(("http://", "https://")) and ":" not in s:
                 raise ConfigError(f"rollout.servers[{i}]: expected host:port or a URL, got {s!r}")
+            # a server listed twice joins the weight-update group twice: the first push would hang
+            first = seen.setdefault(normalize_address(s).lower(), i)
+            if first != i:
+                raise ConfigError(f"rollout.servers[{i}]: {s} is listed twice (also rollout.servers[{first}]: "
+                                  f"{self.servers[first]})")
         if self.staleness_threshold and self.max_staleness and self.staleness_threshold != self.max_staleness:
             raise ConfigError("rollout.staleness_threshold: set either it (verl) or rollout.max_staleness "
                               f"(AReaL), not both (got {self.staleness_threshold} and {self.max_staleness}); "

@@ -1,11 +1,13 @@
 """Checks of a model's files against what megarl will build from them: the HF ``config.json`` vs
-a loaded config (TP, PP, EP), HF safetensors headers and dist-checkpoint metadata vs config.json.
+a loaded config (TP, PP, EP), HF safetensors headers and dist-checkpoint metadata vs config.json,
+and (`check_finite_hf`, `check_finite`) the weights' values.
 
-Pure file reads (headers and metadata only, never tensor data) and megarl's own model code; no
-Megatron, no ranks. Library code: `megarl.preflight` and the command-line tools (megarl-convert,
-megarl-logprobs) call these; config loading does not (`Config.validate` checks the config alone).
-The checks against config.json alone (`check_against_model` of a dense model, `check_layout`)
-import no torch, so megarl-train and megarl-launch reject a bad layout before paying for it.
+Pure file reads (headers and metadata only, except the finiteness checks, which read tensor data
+one tensor at a time) and megarl's own model code; no Megatron, no ranks. Library code:
+`megarl.preflight` and the command-line tools (megarl-convert, megarl-logprobs) call these;
+config loading does not (`Config.validate` checks the config alone). The checks against
+config.json alone (`check_against_model` of a dense model, `check_layout`) import no torch, so
+megarl-train and megarl-launch reject a bad layout before paying for it.
 """
 from __future__ import annotations
 
@@ -223,3 +225,39 @@ def check_mcore(ckpt_dir: str, args: ModelArgs) -> torch.dtype:
     _compare(found, mcore_shapes(args), {k: ckpt_dir for k in found},
              "embedding.word_embeddings.weight", args, ckpt_dir)
     return meta["embedding.word_embeddings.weight"][1]
+
+
+def check_finite(t: torch.Tensor, name: str, where: str) -> None:
+    """ToolError ``where: tensor name is all NaN`` (or: has N NaN/inf values) unless every value of
+    ``t`` is finite. In pieces of 16M values, so the check allocates little beside ``t``."""
+    import torch
+
+    flat = t.detach().reshape(-1)
+    pieces = flat.split(1 << 24)
+    if all(bool(torch.isfinite(p).all()) for p in pieces):
+        return
+    bad = sum(int((~torch.isfinite(p)).sum()) for p in pieces)
+    what = "is all NaN" if all(bool(torch.isnan(p).all()) for p in pieces) else \
+        f"has {bad} NaN/inf values of {flat.numel()}"
+    raise ToolError(f"{where}: tensor {name} {what} (non-finite weights give NaN outputs)")
+
+
+def check_finite_hf(hf_dir: str, args: ModelArgs) -> None:
+    """Every weight of an HF checkpoint that `check_hf` accepted holds finite values. It reads
+    all tensor data (one tensor at a time): an all-NaN model (a diverged run's export, a broken
+    download) passes every header check and would convert and score without a word."""
+    from safetensors import safe_open
+
+    from megarl.models.hf_io import HFCheckpoint
+    from megarl.models.layouts import hf_shapes
+
+    wanted = set(hf_shapes(args))
+    by_file: dict[str, list[str]] = {}
+    for name, fname in HFCheckpoint(hf_dir).weight_map.items():
+        if name in wanted:
+            by_file.setdefault(fname, []).append(name)
+    for fname in sorted(by_file):
+        path = os.path.join(hf_dir, fname)
+        with safe_open(path, framework="pt") as f:
+            for name in by_file[fname]:
+                check_finite(f.get_tensor(name), name, path)

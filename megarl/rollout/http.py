@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import aiohttp
 
+from megarl.net import normalize_address
+
 
 class RolloutError(RuntimeError):
     """Generation could not complete (no healthy server, retries exhausted)."""
@@ -117,12 +119,6 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
     """Exponential back-off with jitter in [d/2, d] so retrying clients do not synchronise."""
     d = min(cap, base * (2 ** attempt))
     return d * (0.5 + random.random() / 2)
-
-
-def normalize_address(address: str) -> str:
-    address = address.rstrip("/")
-    # one spelling per server, so a removed address matches the one in the list (no trailing slash)
-    return address if address.startswith(("http://", "https://")) else "http://" + address
 
 
 def _json_or_text(text: str, content_type: str) -> Any:

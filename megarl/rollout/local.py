@@ -58,14 +58,35 @@ def root_flags(weights_roots) -> list[str]:
     return flags
 
 
+def log_size(path: str) -> int:
+    """Bytes in ``path`` now (0 when absent): where the lines of a process started next begin in
+    its log, which is appended to (a restart, a resumed run in the same run_dir)."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def last_line_since(path: str, offset: int) -> str:
+    """The last non-empty line written to ``path`` after byte ``offset`` (`log_size` at the
+    process's start): what this process said last, never a line of an earlier run."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else "(nothing logged)"
+
+
 def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s: float = 60.0,
-               name: str = "megarl-server") -> None:
+               name: str = "megarl-server", since: int = 0) -> None:
+    """Waits for ``url``/health; ``since``: the log's size when ``proc`` started (`log_size`)."""
     deadline = time.time() + ready_timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
-            # dead before /health: its log's tail says why (bad model dir, port taken), no point waiting out the deadline
-            raise RuntimeError(f"{name} exited early (log {log_path}): "
-                               f"{open(log_path).read()[-1500:]}")
+            # dead before /health: its last line says why (bad model dir, port taken), no point waiting out the deadline
+            raise RuntimeError(f"{name} exited early (log {log_path}): {last_line_since(log_path, since)}")
         try:
             urllib.request.urlopen(url + "/health", timeout=1)
             return
@@ -102,10 +123,11 @@ def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float
     directory); empty = the server's default (the model dir and its parent)."""
     port = free_port(host)
     extra = [*extra, *root_flags(weights_roots)]
+    since = log_size(log_path)
     proc = spawn_server(model_dir, log_path, port, extra, host, cpus)
     url = http_url(host, port)
     try:
-        wait_ready(url, proc, log_path, ready_timeout_s)
+        wait_ready(url, proc, log_path, ready_timeout_s, since=since)
     except BaseException:
         MegarlLauncher.kill(proc)
         raise
@@ -128,12 +150,14 @@ class LocalCluster:
 
     def __enter__(self) -> list[str]:
         try:
+            starts = []  # each log's size before its server started: an error quotes this start only
             for i in range(self.n):
                 port = free_port(self.host)
                 self.urls.append(http_url(self.host, port))
+                starts.append(log_size(self._log(i)))
                 self.procs.append(self.launcher.spawn(port, self._log(i), self.host, self.cpus))
             for i, (url, proc) in enumerate(zip(self.urls, self.procs)):
-                wait_ready(url, proc, self._log(i), self.ready_timeout_s, self.launcher.name)
+                wait_ready(url, proc, self._log(i), self.ready_timeout_s, self.launcher.name, starts[i])
         except BaseException:
             self.close()
             raise

@@ -437,22 +437,17 @@ def start_process(config_path: str, host: str, log_path: str, secret: bytes, cpu
     return proc
 
 
-def wait_listening(proc, log_path: str) -> str:
-    """The "host:port" the process from `start_process` listens on, once it does."""
+def wait_listening(proc, log_path: str, since: int = 0) -> str:
+    """The "host:port" the process from `start_process` listens on, once it does. ``since``: the
+    log's size before the start (`local.log_size`), so a failure quotes this start's last line."""
+    from megarl.rollout.local import last_line_since
+
     line = proc.stdout.readline().strip()  # "listening HOST:PORT", or EOF when it failed
     if not line.startswith("listening "):
         proc.wait(timeout=30)
         raise RuntimeError(f"rollout manager did not start (exit {proc.returncode}; log {log_path}): "
-                           f"{_tail(log_path)}")
+                           f"{last_line_since(log_path, since)}")
     return line.split(" ", 1)[1]
-
-
-def _tail(path: str) -> str:
-    try:
-        lines = [x for x in open(path).read().splitlines() if x.strip()]
-        return lines[-1] if lines else ""
-    except OSError:
-        return ""
 
 
 PROG = "megarl-rollout-manager"

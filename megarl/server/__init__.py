@@ -103,6 +103,23 @@ def build_state(
                        return_routed_experts=enable_return_routed_experts)
 
 
+LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+
+
+def context_limit(cfg, context_length: Optional[int]) -> int:
+    """--context-length, or the model's max_position_embeddings. A longer one is refused, as
+    SGLang refuses it (the same variable lets both allow it, with a warning): positions the model
+    was never trained on give wrong tokens, and the KV cache is sized for it."""
+    limit = cfg.max_position_embeddings
+    if not context_length or context_length <= limit:
+        return int(context_length or limit)
+    where = f"--context-length {context_length} is longer than the model's max_position_embeddings={limit}"
+    if os.environ.get(LONGER_CONTEXT_ENV, "").lower() not in ("1", "true"):
+        raise ValueError(f"{where} (config.json); set {LONGER_CONTEXT_ENV}=1 to allow it (as with SGLang)")
+    log.warning("%s; allowed by %s: outputs past %d tokens may be wrong", where, LONGER_CONTEXT_ENV, limit)
+    return int(context_length)
+
+
 def build_model(model_dir: str, dtype: str, context_length: Optional[int], device: str, tp_rank: int = 0,
                 tp_size: int = 1, enable_return_routed_experts: bool = False):
     """(CausalLM holding TP rank ``tp_rank``'s slices, its full DecoderConfig, context length),
@@ -121,7 +138,7 @@ def build_model(model_dir: str, dtype: str, context_length: Optional[int], devic
         raise ValueError(f"{config}: {e}") from None
     if enable_return_routed_experts and cfg.moe is None:
         raise ValueError(f"--enable-return-routed-experts: {cfg.architecture} has no experts")
-    ctx = int(context_length or cfg.max_position_embeddings)
+    ctx = context_limit(cfg, context_length)
     if tp_size > 1 and check_device(device) != "cpu":
         raise ValueError(f"--tp {tp_size}: server tensor parallelism runs on CPU only (--device cpu)")
     model = CausalLM(cfg, parse_dtype(dtype), max_len=ctx, device=check_device(device), tp_rank=tp_rank,

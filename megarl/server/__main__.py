@@ -18,6 +18,7 @@ import logging
 import os
 import subprocess
 import signal
+import socket
 import sys
 import time
 
@@ -43,7 +44,9 @@ def parse_args(argv=None):
                    help="directory /update_weights_from_disk may read under (repeatable; "
                         "default: the model dir's parent; the model dir itself is always allowed)")
     p.add_argument("--max-running-requests", type=int, default=128, help="decode batch size cap")
-    p.add_argument("--context-length", type=int, default=None, help="default: max_position_embeddings")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="default: max_position_embeddings; a longer one needs "
+                        "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 (as SGLang)")
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded tokens per prefill")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--weight-version", default="0", help="initial weight_version")
@@ -131,11 +134,14 @@ def serve(args, argv=None) -> int:
         import shutil
         import tempfile
 
+        from megarl.server import context_limit
         from megarl.server.model import DecoderConfig
         from megarl.server.tp import shard_config
 
-        try:  # refuse a layout before any follower starts (one error line, not N)
-            shard_config(DecoderConfig.from_dir(args.model), args.tp)
+        try:  # refuse a layout or a context before any follower starts (one error line, not N)
+            cfg = DecoderConfig.from_dir(args.model)
+            shard_config(cfg, args.tp)
+            context_limit(cfg, args.context_length)
         except (OSError, ValueError, KeyError) as e:
             raise StartupError(f"cannot load {args.model}: {e}") from e
         private = tempfile.mkdtemp(prefix="megarl-tp-")  # mode 0700: only this user joins the group
@@ -156,21 +162,38 @@ def serve(args, argv=None) -> int:
                     "and replace its weights", args.host)
     app = build_app(state)
 
-    async def announce(_app):
-        log.info("megarl-server ready on %s (model %s%s, %.1fs)", http_url(args.host, args.port),
+    def announce(*_banner):  # run_app's print hook: called once the socket listens, not before
+        log.info("megarl-server ready on %s (model %s%s, %.1fs)", http_url(args.host, port),
                  args.model, f", {args.tp} TP ranks" if args.tp > 1 else "", time.perf_counter() - t0)
 
-    app.on_startup.append(announce)
     # A server started with SIGTERM ignored (by a trainer or launcher that owns its lifetime, see
     # megarl.signals) keeps it ignored instead of letting aiohttp exit on it.
     keep_ignored = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     try:
-        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2.0,
+        listen, port = _listen_on(args.host, args.port)  # port: the one announced (--port 0: the kernel's)
+        web.run_app(app, **listen, print=announce, access_log=None, shutdown_timeout=2.0,
                     handler_cancellation=True, handle_signals=not keep_ignored)
     except OSError as e:  # bind failures: address in use, not an address of this machine
         state.engine.shutdown()
         raise StartupError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
     return 0
+
+
+def _listen_on(host: str, port: int) -> tuple[dict, int]:
+    """(web.run_app's listen arguments, the port). For --port 0 this process binds the socket, so
+    the port the kernel picked is known and logged; aiohttp would bind it itself and report 0
+    (and give each address of a name like localhost a port of its own)."""
+    if port:
+        return {"host": host, "port": port}, port
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return {"sock": sock}, sock.getsockname()[1]
 
 
 def main(argv=None) -> int:

@@ -89,6 +89,34 @@ def check_output_dir(out: str, force: bool, inputs: dict[str, str] = {}) -> None
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise ToolError(f"--out {out}: parent directory {parent} does not exist")
+    check_writable("--out", out, parent)
+
+
+def check_output_file(flag: str, path: str, inputs: dict[str, str] = {}) -> None:
+    """``path`` can be written (atomically: ``<path>.tmp`` then a rename): not a directory, not
+    one of ``inputs`` ({flag: path}), in a directory that exists and takes new files."""
+    for in_flag, src in inputs.items():
+        if os.path.realpath(path) == os.path.realpath(src):
+            raise ToolError(f"{flag} {path}: is the {in_flag} file; write somewhere else")
+    if os.path.isdir(path):
+        raise ToolError(f"{flag} {path}: is a directory (expected a file path)")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ToolError(f"{flag} {path}: directory {parent} does not exist")
+    check_writable(flag, path, parent)
+
+
+def check_writable(flag: str, out: str, parent: str) -> None:
+    """Creates and removes a file in ``parent``: the only test that holds for root, read-only
+    mounts and ACLs alike (os.access does not), done before any rank starts or any work."""
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".megarl-probe-", dir=parent)
+    except OSError as e:
+        raise ToolError(f"{flag} {out}: cannot write in {parent} ({e.strerror or e})") from None
+    os.close(fd)
+    os.remove(probe)
 
 
 def _inside(path: str, parent: str) -> bool:

@@ -12,7 +12,8 @@ keys (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) for ei
   the checkpoint (any saving layout) and splits them into HF tensors.
 
 Validation (``check_hf``, ``check_mcore``, in `megarl.models.checks`) reads only headers and
-metadata, before any rank starts.
+metadata, before any rank starts; ``check_finite_hf`` then reads the HF weights once (NaN/inf),
+and mcore -> hf checks each tensor as it reads it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from megarl.models.checks import tensor_metadata
+from megarl.models.checks import check_finite, tensor_metadata
 from megarl.models.layouts import (full_to_hf, group_by_bytes, hf_shapes, hf_to_full, mcore_key,
                                    safetensors_file_names)
 from megarl.models.registry import ModelArgs, param_table
@@ -148,6 +149,7 @@ def write_hf(ckpt_dir: str, out_dir: str, args: ModelArgs, dtype: torch.dtype, m
         for i, (layer, pmap) in enumerate(rows):
             full = loaded[i].reshape(loaded[i].shape[(layer is not None) + (pmap.expert is not None):])
             for name, t in zip(pmap.names(layer)[1], full_to_hf(pmap, full, args)):
+                check_finite(t, name, f"{ckpt_dir} ({mcore_key(pmap)})")  # failing: the temp dir goes
                 tensors[name] = t.to(dtype).contiguous()
                 weight_map[name] = fname
                 progress.update(tensors[name].numel() * tensors[name].element_size())

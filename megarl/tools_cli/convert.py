@@ -16,7 +16,8 @@ directory (its latest complete checkpoint) of any layout, and writes HF safetens
 
 Inputs are checked before anything is written (config.json vs tensor shapes, missing/unexpected
 tensors by name, vocab size, TP/PP vs the head and layer counts; a checkpoint's files present
-and whole, ``checkpoint.verify_checkpoint``); output appears atomically (written to a temp
+and whole, ``checkpoint.verify_checkpoint``; every weight finite: read up front from HF
+safetensors, as it is read from a dist checkpoint); output appears atomically (written to a temp
 directory, renamed at the end); an --out that is, contains or lies inside the input is refused,
 with --force too. Errors are one line on stderr, exit status 1
 (``--debug``: the traceback).
@@ -69,7 +70,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def hf_to_mcore(a: argparse.Namespace, argv: list[str]) -> int:
-    from megarl.models.checks import check_hf, check_layout, model_args
+    from megarl.models.checks import check_finite_hf, check_hf, check_layout, model_args
     from megarl.tools_cli.conversion import DTYPES
 
     if not os.path.isdir(a.hf):
@@ -81,6 +82,7 @@ def hf_to_mcore(a: argparse.Namespace, argv: list[str]) -> int:
     stored = check_hf(a.hf, args)
     dtype = DTYPES[a.dtype] if a.dtype else stored
     check_output_dir(a.out, a.force, {"--hf": a.hf})
+    check_finite_hf(a.hf, args)  # the one check that reads the weights: last, and before any rank
     tmp = temp_output_dir(a.out)
     if needs_launch(a.tp * a.pp):
         from megarl import parallel

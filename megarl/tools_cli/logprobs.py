@@ -18,7 +18,8 @@ import sys
 from dataclasses import dataclass
 
 from megarl.cli import ArgumentParser, add_debug_flag
-from megarl.tools_cli import ToolError, finish_ranks, init_ranks, needs_launch, run_tool
+from megarl.tools_cli import (ToolError, check_output_file, finish_ranks, init_ranks, needs_launch,
+                              run_tool)
 
 PROG = "megarl-logprobs"
 
@@ -89,7 +90,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run(a: argparse.Namespace, argv: list[str]) -> int:
-    from megarl.models.checks import check_hf, check_layout, check_mcore, model_args
+    from megarl.models.checks import check_finite_hf, check_hf, check_layout, check_mcore, model_args
 
     for flag, v in (("--batch-size", a.batch_size), ("--micro-batch-tokens", a.micro_batch_tokens)):
         if v < 1:
@@ -103,16 +104,14 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
         raise ToolError(f"--make-vocab-size-divisible-by must be >= 1, got {a.make_vocab_size_divisible_by}")
     (check_hf if source.kind == "hf" else check_mcore)(source.path, args)
     rows = read_input(a.input, args.vocab_size, args.max_position_embeddings)
-    if os.path.realpath(a.output) == os.path.realpath(a.input):
-        raise ToolError(f"--output {a.output}: is the --input file; write somewhere else")
-    out_parent = os.path.dirname(os.path.abspath(a.output))
-    if not os.path.isdir(out_parent):
-        raise ToolError(f"--output {a.output}: directory {out_parent} does not exist")
+    check_output_file("--output", a.output, {"--input": a.input})
     if a.ep < 1 or (a.ep > 1 and not args.num_experts):
         raise ToolError(f"--ep {a.ep}: must be 1 for a dense model ({args.architecture})" if a.ep > 1
                         else f"--ep must be >= 1, got {a.ep}")
     if args.num_experts and args.num_experts % a.ep:
         raise ToolError(f"--ep {a.ep} does not divide num_experts={args.num_experts} (config.json)")
+    if source.kind == "hf":  # a dist checkpoint's weights are checked as each rank loads them
+        check_finite_hf(source.path, args)
     if needs_launch(a.tp * a.pp * a.ep):
         from megarl import parallel
 
@@ -130,6 +129,7 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
 
     from megarl.checkpoint import load_model_weights
     from megarl.config import load_config
+    from megarl.models.checks import check_finite
     from megarl.trainer.batch import TensorBatch, per_sample
     from megarl.trainer.engine import Engine, EngineSpec
 
@@ -142,6 +142,9 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
     engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=False)
     if source.kind == "mcore":
         load_model_weights(engine.chunks, source.path)
+        for chunk in engine.chunks:  # this rank's shards (HF weights were checked before any rank)
+            for name, p in chunk.named_parameters():
+                check_finite(p, name, source.path)
     tmp = a.output + ".tmp"
     out = open(tmp, "w") if ps.rank == 0 else None
     try:
@@ -163,9 +166,10 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
             os.replace(tmp, a.output)
             print(f"[{PROG}] wrote {len(rows)} sequences to {a.output}", flush=True)
     finally:
-        if out is not None and not out.closed:
+        if out is not None:  # failed before or at the rename: no half-written output stays
             out.close()
-            os.remove(tmp)
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
 
 def main(argv: list[str] | None = None) -> int:

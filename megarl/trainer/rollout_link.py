@@ -195,6 +195,7 @@ class RolloutSide:
         self.link: Optional[Link] = None
         self.address = ""
         self._secret = b""  # the channel's, this run's (never logged, never in argv)
+        self._log_from = 0  # manager.log's size at launch: a failed start quotes its own lines only
         self.evals_pending = 0  # submitted evaluations not reported yet (rank 0)
 
     def launch(self) -> None:
@@ -204,7 +205,7 @@ class RolloutSide:
         when ``rollout.manager_address`` names one already running."""
         from megarl.net import serving_host
         from megarl.rollout.handshake import new_secret
-        from megarl.rollout.local import split_cpus
+        from megarl.rollout.local import log_size, split_cpus
         from megarl.rollout.manager import start_process
 
         r, t = self.cfg.rollout, self.cfg.train
@@ -212,8 +213,10 @@ class RolloutSide:
             return
         server_cpus, trainer_cpus = split_cpus(r.server_cpus) if r.server_cpus else (None, None)
         self._secret = new_secret()
-        self.proc = start_process(os.path.join(t.run_dir, "config.yaml"), serving_host(),
-                                  os.path.join(t.run_dir, "manager.log"), self._secret, cpus=server_cpus)
+        log = os.path.join(t.run_dir, "manager.log")
+        self._log_from = log_size(log)  # appended across resumes
+        self.proc = start_process(os.path.join(t.run_dir, "config.yaml"), serving_host(), log, self._secret,
+                                  cpus=server_cpus)
         if trainer_cpus:  # generation and training on their own cores (docs/demo.md)
             # after the spawn: the manager (and the servers it starts) keep the server CPUs
             os.sched_setaffinity(0, trainer_cpus)
@@ -233,7 +236,8 @@ class RolloutSide:
             self._secret = read_secret_file(self.cfg.rollout.manager_secret_file)
         else:
             self.launch()
-            self.address = wait_listening(self.proc, os.path.join(self.cfg.train.run_dir, "manager.log"))
+            self.address = wait_listening(self.proc, os.path.join(self.cfg.train.run_dir, "manager.log"),
+                                          self._log_from)
         # every read of the link is bounded: a manager silent (no reply, no beat) for
         # train.stall_timeout_s is stopped or hung (channel.py, "Liveness")
         self.link = Link(self.address, "driver", self._secret, silence_s=self.cfg.train.stall_timeout_s)

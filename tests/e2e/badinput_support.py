@@ -121,6 +121,14 @@ def _write(path: str, text) -> str:
     return path
 
 
+def _all_nan(path: str) -> None:
+    """Every tensor of a safetensors file NaN: headers, shapes and dtypes stay valid."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(path).items()}, path)
+
+
 class World:
     """Every broken input of the corpus under one directory; ``paths`` fills the placeholders."""
 
@@ -149,6 +157,8 @@ class World:
         _write(j("bad_tok", "tokenizer.model"), b"\x00junk, not a sentencepiece model" * 8)
         p["no_config"] = _copy(p["model"], j("no_config"))
         os.remove(j("no_config", "config.json"))
+        p["nan_weights"] = _copy(p["model"], j("nan_weights"))
+        _all_nan(j("nan_weights", "model.safetensors"))
         p["vocab_mismatch"] = _copy(p["model"], j("vocab_mismatch"))
         _edit_config(p["vocab_mismatch"], vocab_size=20)
         p["a_file"] = _write(j("a_file"), "x")

@@ -18,7 +18,7 @@ import concurrent.futures
 import os
 
 import pytest
-from badinput_support import CliCase, World, check_cli_result, docs_missing, run_cli
+from badinput_support import REPO, CliCase, World, check_cli_result, docs_missing, run_cli
 from e2e_servers import API_KEY as KEY
 from e2e_servers import ServerProc, free_port, http
 
@@ -82,6 +82,8 @@ TRAIN = [
     T("workflow_class_missing", ["rollout.workflow=megarl.rollout.workflow:Nope"], "rollout.workflow",
       "Nope", base=GRPO),
     T("run_dir_not_writable", ["train.run_dir={a_file}/run"], "train.run_dir", "not a directory"),
+    T("servers_listed_twice", ["rollout.servers=[{refused},{refused}/]"], "rollout.servers[1]: {refused}/ is "
+      "listed twice (also rollout.servers[0]: {refused})", base=GRPO),
     T("server_refused", ["rollout.servers=[{refused}]"], "rollout.servers[0]", "/health",
       "health_timeout_s=3", base=GRPO),
     T("server_hangs", ["rollout.servers=[{hung}]"], "rollout.servers[0]", "/health", "health_timeout_s=3",
@@ -117,6 +119,7 @@ TRAIN = [
     T("section_override_merges", ["train={{steps: 3}}", "rollout.group_size=1"],
       "rollout.group_size: 1 with algo.advantage=grpo", base=GRPO),  # train.algorithm=rl kept
     T("section_override_not_a_mapping", ["train=3"], "train: expected a mapping, got 3"),
+    T("section_override_scalar_then_field", ["train=5", "train.steps=3"], "train: expected a mapping, got 5"),
     T("staleness_both_set_disagree", ["rollout.staleness_threshold=0.5", "rollout.max_staleness=2"],
       "rollout.staleness_threshold: set either it", "(got 0.5 and 2)", base=GRPO),
     # settings that cannot learn
@@ -168,11 +171,14 @@ CONVERT = [
     C("hf_unsupported_architecture", ["{gpt2}"], 1, "GPT2LMHeadModel", "not supported"),
     C("hf_safetensors_missing", ["{hf}"], 1, "no model.safetensors"),
     C("hf_safetensors_truncated", ["{trunc}"], 1, "model.safetensors", "cannot read"),
+    C("hf_weights_nan", ["{nan_weights}"], 1, "{nan_weights}/model.safetensors: tensor lm_head.weight is all NaN"),
     C("hf_vocab_mismatch", ["{vocab_mismatch}"], 1, "vocab size mismatch", "vocab_size=20"),
     C("tp_not_dividing_heads", ["{model}", "--tp", "3"], 1, "--tp 3", "num_attention_heads=4"),
     C("out_not_empty", ["{model}"], 1, "--force", base=("hf-to-mcore", "--out", "{nonempty_out}", "--hf")),
     C("out_parent_missing", ["{model}"], 1, "parent directory",
       base=("hf-to-mcore", "--out", "{root}/nope/out", "--hf")),
+    C("out_parent_not_writable", ["{model}"], 1, "--out /sys/megarl-out", "cannot write in /sys",
+      base=("hf-to-mcore", "--out", "/sys/megarl-out", "--hf")),
     C("ckpt_not_a_checkpoint", ["{model}"], 1, "not a complete megarl checkpoint",
       base=("mcore-to-hf", "--out", "{root}/outs/{id}", "--ckpt")),
     C("missing_required_flag", [], 2, "hf-to-mcore", "--out", "required", base=("hf-to-mcore", "--hf", "{model}")),
@@ -194,6 +200,8 @@ LOGPROBS = [
       base=("--ckpt", "{gpt2}", "--output", "{root}/outs/{id}.jsonl", "--input")),
     L("ckpt_safetensors_truncated", ["{lp_ok}"], "cannot read",
       base=("--ckpt", "{trunc}", "--output", "{root}/outs/{id}.jsonl", "--input")),
+    L("ckpt_weights_nan", ["{lp_ok}"], "{nan_weights}/model.safetensors: tensor lm_head.weight is all NaN",
+      base=("--ckpt", "{nan_weights}", "--output", "{root}/outs/{id}.jsonl", "--input")),
     L("tp_not_dividing_heads", ["{lp_ok}", "--tp", "3"], "--tp 3"),
     L("input_missing", ["{root}/nope.jsonl"], "--input", "no such file"),
     L("input_malformed_line", ["{lp_bad_line}"], "lp_bad_line.jsonl:2", "invalid JSON"),
@@ -204,6 +212,11 @@ LOGPROBS = [
     L("sequence_longer_than_context", ["{lp_long}"], "lp_long.jsonl:1", "max_position_embeddings=64"),
     L("output_dir_missing", ["{lp_ok}"], "--output", "does not exist",
       base=("--ckpt", "{model}", "--output", "{root}/nope/x.jsonl", "--input")),
+    L("output_not_writable", ["{lp_ok}"], "--output /sys/megarl-x.jsonl", "cannot write in /sys",
+      base=("--ckpt", "{model}", "--output", "/sys/megarl-x.jsonl", "--input")),
+    CliCase("output_is_a_directory", "megarl-logprobs", ("--ckpt", "{model}", "--input", "{lp_ok}", "--output",
+                                                         "{nonempty_out}"), 1, ("--output", "is a directory"),
+            ("{nonempty_out}.tmp",), present=("{nonempty_out}/keep.txt",)),
     L("batch_size_zero", ["{lp_ok}", "--batch-size", "0"], "--batch-size"),
     CliCase("output_is_input", "megarl-logprobs", ("--ckpt", "{model}", "--input", "{lp_ok}", "--output", "{lp_ok}"),
             1, ("--output", "is the --input file"), ("{lp_ok}.tmp",), present=("{lp_ok}",)),
@@ -229,6 +242,8 @@ SERVER = [
     S("weights_root_missing", ["{model}", "--weights-root", "{root}/nope"], "--weights-root", "no such directory"),
     S("dtype_invalid", ["{model}", "--dtype", "int8"], "--dtype", "invalid choice"),
     S("port_out_of_range", ["{model}", "--port", "70000"], "--port", "out of range"),
+    S("context_length_beyond_model", ["{model}", "--context-length", "100000"], "--context-length 100000",
+      "max_position_embeddings=64", "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1"),
 ]
 SERVER.append(CliCase("model_flag_missing", "megarl-server", ("--log-level", "WARNING"), 2, ("--model", "required")))
 
@@ -260,6 +275,10 @@ LAUNCH = [
       ">= 1 and <= 65535, got 0"),
     P("servers_past_last_port", ["--trainer-nodes", "a", "--rollout-nodes", "r", "launch.server_port=65535",
                                  "launch.servers_per_node=2"], "launch.server_port: 65535 + 2 servers per node"),
+    P("servers_listed_twice", ["--trainer-nodes", "a", "rollout.servers=[h:30000,http://h:30000]"],
+      "rollout.servers[1]: http://h:30000 is listed twice (also rollout.servers[0]: h:30000)"),
+    P("section_override_scalar_then_field", ["--trainer-nodes", "a", "train=5", "train.steps=3"],
+      "train: expected a mapping, got 5"),
     P("world_too_large", ["--trainer-nodes", "a", "parallel.world_size=1000000000"], "allocation: 1 trainer nodes x "
       "1000000000 ranks"),
 ]
@@ -331,6 +350,64 @@ def test_debug_flag_shows_the_traceback(prog, cli_results):
 def test_docs_list_every_case():
     missing = docs_missing(list(CLI_CASES) + [f"http:{c[0]}" for c in HTTP_CASES])
     assert not missing, missing
+
+
+def test_server_port_zero_logs_the_port_it_bound():
+    """--port 0: the kernel picks the port, and the ready line names that one (it said ``:0``)."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    from badinput_support import TINY
+
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "megarl.server", "--model", f"{TINY}/model", "--port", "0"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline, line = time.monotonic() + 120, ""
+        while "ready on" not in line and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stderr.readline()
+        m = re.search(r"ready on http://127\.0\.0\.1:(\d+) ", line)
+        assert m and int(m.group(1)) > 0, line
+        assert http("GET", f"http://127.0.0.1:{m.group(1)}/health")[0] == 200
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+OLD_LINE = "megarl-server: an earlier run's last words"
+
+
+def test_a_dying_server_is_quoted_from_this_start_of_its_log(tmp_path):
+    """The local server's log is appended to across runs in one run_dir; a server that dies at
+    start is quoted from its own lines (it quoted the earlier run's last line)."""
+    run = tmp_path / "run"
+    (run / "servers").mkdir(parents=True)
+    (run / "servers" / "server0.log").write_text(OLD_LINE + "\n")
+    res = run_cli("megarl-train", [f"{REPO}/configs/tiny_grpo.yaml", f"model.hf_path={REPO}/examples/tiny/model",
+                                   f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
+                                   f"train.run_dir={run}", "rollout.server_args=[--context-length,100000]"],
+                  str(tmp_path), timeout=300)
+    # (after the ranks started: Megatron's import warnings may precede the error line)
+    lines = [x for x in res.stderr.splitlines() if x.startswith("megarl-train: ")]
+    assert res.rc and len(lines) == 1, res.stderr[-3000:]
+    assert "megarl-server exited early" in lines[0] and "--context-length 100000" in lines[0], lines[0]
+    assert OLD_LINE not in res.stderr
+    assert (run / "servers" / "server0.log").read_text().startswith(OLD_LINE)  # appended, not replaced
+
+
+def test_a_manager_that_fails_to_start_is_quoted_from_this_start_of_its_log(tmp_path):
+    from megarl.rollout.local import log_size
+    from megarl.rollout.manager import start_process, wait_listening
+
+    log = tmp_path / "manager.log"
+    log.write_text(f"{OLD_LINE}\n")
+    since = log_size(str(log))
+    proc = start_process(str(tmp_path / "nope.yaml"), "127.0.0.1", str(log), b"s" * 32)
+    with pytest.raises(RuntimeError) as e:
+        wait_listening(proc, str(log), since)
+    assert "did not start" in str(e.value) and "nope.yaml" in str(e.value) and OLD_LINE not in str(e.value)
 
 
 # ----------------------------------------------------------------------------- HTTP, one server

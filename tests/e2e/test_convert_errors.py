@@ -139,6 +139,57 @@ def test_existing_output_and_dtype_choice(tmp_path, hf, capsys):
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
+def test_unwritable_output_is_refused_before_any_rank_starts(tmp_path, hf, capsys, monkeypatch):
+    """An --output that is a directory, or an output in a directory that takes no new file (/sys:
+    EACCES for root too), fails at validation: --tp 2 would relaunch under torchrun first."""
+    from megarl import parallel
+
+    monkeypatch.setattr(parallel, "relaunch", lambda *a: pytest.fail("ranks started before the output check"))
+    inp, d = tmp_path / "in.jsonl", tmp_path / "adir"
+    inp.write_text('{"input_ids": [1, 2, 3]}\n')
+    d.mkdir()
+    lp = ["--ckpt", hf, "--input", inp, "--tp", "2", "--output"]
+    assert_fails(logprobs.main, lp + [d], capsys, f"--output {d}: is a directory")
+    assert os.listdir(d) == [] and not os.path.exists(f"{d}.tmp")
+    assert_fails(logprobs.main, lp + ["/sys/megarl-x.jsonl"], capsys, "--output /sys/megarl-x.jsonl",
+                 "cannot write in /sys")
+    assert_fails(convert.main, to_mcore(hf, "/sys/megarl-out", "--tp", "2"), capsys, "--out /sys/megarl-out",
+                 "cannot write in /sys")
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".megarl-probe-")]
+
+
+def test_non_finite_weights_are_refused(tmp_path, hf, capsys, monkeypatch):
+    """A model whose weights are NaN (or hold an inf) passes every header check; the tools name
+    the tensor and its file and write nothing. A dist checkpoint is checked as it is read."""
+    from megarl.models import checks
+
+    out, inp = str(tmp_path / "out"), tmp_path / "in.jsonl"
+    inp.write_text('{"input_ids": [1, 2, 3]}\n')
+    q = "model.layers.1.self_attn.q_proj.weight"
+    t = load_file(os.path.join(hf, "model.safetensors"))[q]
+    rewrite(hf, replace={q: torch.full_like(t, float("nan"))})
+    st = os.path.join(hf, "model.safetensors")
+    assert_fails(convert.main, to_mcore(hf, out), capsys, f"{st}: tensor {q} is all NaN", out=out)
+    lp = ["--ckpt", hf, "--input", inp, "--output", tmp_path / "lp.jsonl"]
+    assert_fails(logprobs.main, lp, capsys, f"{st}: tensor {q} is all NaN")
+    assert not os.path.exists(tmp_path / "lp.jsonl")
+    t[3, 5] = float("inf")
+    rewrite(hf, replace={q: t})
+    assert_fails(convert.main, to_mcore(hf, out), capsys, f"{st}: tensor {q} has 1 NaN/inf values of 4096",
+                 out=out)
+    # a dist checkpoint with NaN weights (written with the HF check off): refused as it is read
+    rewrite(hf, replace={q: torch.full_like(t, float("nan"))})
+    monkeypatch.setattr(checks, "check_finite_hf", lambda *a: None)
+    ckpt = str(tmp_path / "ckpt")
+    assert convert.main(to_mcore(hf, ckpt)) == 0
+    back = str(tmp_path / "back")
+    assert_fails(convert.main, ["mcore-to-hf", "--ckpt", ckpt, "--out", back], capsys,
+                 f"{ckpt} (decoder.layers.self_attention.linear_qkv.weight): tensor {q} is all NaN", out=back)
+    lp[1] = ckpt
+    assert_fails(logprobs.main, lp, capsys, f"{ckpt}: tensor ", "NaN")
+    assert not os.path.exists(tmp_path / "lp.jsonl") and not os.path.exists(tmp_path / "lp.jsonl.tmp")
+
+
 def fake_checkpoint(path, hf_dir, shapes, complete=True, payload=None):
     """A checkpoint directory whose .metadata describes ``shapes`` (enough for validation)."""
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,

@@ -186,6 +186,10 @@ def test_whole_section_override_merges_field_by_field(tmp_path, hf):
         load_config(str(path), ["train={stepz: 3}"])
     with pytest.raises(ConfigError, match=r"^train: expected a mapping, got 3"):
         load_config(str(path), ["train=3"])
+    # the scalar is blamed on the override that gave it, not on the next one that needs the section
+    for overrides in (["train=5", "train.steps=3"], ["train=5", "optim.lr=1e-4", "train={steps: 3}"]):
+        with pytest.raises(ConfigError, match=r"^train: expected a mapping, got 5 \(a section: train\.field=value"):
+            load_config(str(path), overrides)
 
 
 def test_staleness_threshold_alone_and_precedence(tmp_path, hf):
