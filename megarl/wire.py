@@ -30,6 +30,13 @@ import numpy as np
 StopReason = Literal["stop", "length", "abort", "tool_calls"]
 PauseMode = Literal["abort", "retract", "in_place"]
 SAFETENSORS_B64 = "safetensors_b64"  # megarl's /update_weights_from_tensor load_format (no pickle)
+# /update_weights_from_tensor load_format of a same-host handover (`weights.transport: shm`): each
+# serialized_named_tensors entry is a JSON manifest {"path", "tensors": [[name, dtype, shape,
+# offset], ...]} of a file in SHM_DIR that the trainer wrote; the server maps it, no weight byte
+# crosses a socket. Names start with SHM_PREFIX, the only files a server opens there.
+SHARED_MEMORY = "megarl_shared_memory"
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "megarl-weights-"
 
 
 @dataclass
@@ -267,7 +274,10 @@ EXT_SAFETENSORS = SAFETENSORS_B64  # /update_weights_from_tensor with safetensor
 EXT_SHARD_REFIT = "shard_refit"  # load_format "shard_refit" with server_tp_ranks
 EXT_CHECKSUM = "weights_checksum"  # /weights_checksum
 EXT_DISK_DELTA = "disk_delta"  # /update_weights_from_disk of delta records
-MEGARL_EXTENSIONS = (EXT_DIRECT_BUCKET, EXT_SAFETENSORS, EXT_SHARD_REFIT, EXT_CHECKSUM, EXT_DISK_DELTA)
+EXT_SHARED_MEMORY = SHARED_MEMORY  # /update_weights_from_tensor from a file in SHM_DIR (same host)
+EXT_SLEEP = "memory_occupation"  # /release_memory_occupation, /resume_memory_occupation (SGLang has them)
+MEGARL_EXTENSIONS = (EXT_DIRECT_BUCKET, EXT_SAFETENSORS, EXT_SHARD_REFIT, EXT_CHECKSUM, EXT_DISK_DELTA,
+                     EXT_SHARED_MEMORY, EXT_SLEEP)
 
 
 def server_extensions(model_info: dict) -> frozenset:

@@ -198,7 +198,9 @@ class RewardConfig:
 @dataclass
 class WeightSyncConfig:
     transport: str = "distributed"
-    """distributed (broadcast over a gloo/NCCL group), disk (shared dir) or tensor (HTTP)."""
+    """distributed (broadcast over a gloo/NCCL group), disk (shared dir), tensor (HTTP) or shm
+    (same host, megarl-server: each bucket written once into a file in /dev/shm that the server
+    maps - no weight byte crosses a socket; the colocated placement's handover)."""
     bucket_mb: int = bounded(256, ge=1)
     """Bucket size cap in MiB; peak extra memory is about two buckets."""
     dtype: str = "auto"
@@ -264,7 +266,10 @@ class WeightSyncConfig:
 
     def validate(self) -> None:
         _check(self, "weights")
-        _choice("weights.transport", self.transport, ("distributed", "disk", "tensor"))
+        _choice("weights.transport", self.transport, ("distributed", "disk", "tensor", "shm"))
+        if self.transport == "shm" and self.tensor_format == "sglang":
+            raise ConfigError("weights.transport: shm is megarl-server's same-host handover; "
+                              "weights.tensor_format=sglang (real SGLang) cannot take it")
         _choice("weights.refit", self.refit, ("gather", "shard"))
         if self.refit == "shard" and (self.transport != "distributed" or self.tensor_format == "sglang"):
             raise ConfigError("weights.refit: shard needs weights.transport=distributed and "

@@ -41,6 +41,14 @@ class Config:
                 raise
             except ValueError as e:  # sections from megarl.algo raise plain ValueError
                 raise ConfigError(str(e)) from None
+        if self.weights.transport == "shm":
+            from megarl.net import is_loopback, url_host
+
+            remote = [u for u in self.rollout.servers if not is_loopback(url_host(u))]
+            if remote:
+                raise ConfigError(f"weights.transport: shm hands the weights over in this host's memory; "
+                                  f"rollout.servers {remote[0]} is not on loopback (use "
+                                  "weights.transport=distributed)")
         if self.weights.refit == "shard" and self.parallel.pp > 1:
             raise ConfigError("weights.refit: shard supports dense models on one pipeline stage "
                               f"(parallel.pp={self.parallel.pp}); use weights.refit=gather")

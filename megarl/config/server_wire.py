@@ -45,8 +45,12 @@ def required_extensions(weights) -> frozenset:
     from megarl.wire import (EXT_CHECKSUM, EXT_DIRECT_BUCKET, EXT_DISK_DELTA, EXT_SAFETENSORS,
                              EXT_SHARD_REFIT)
 
+    from megarl.wire import EXT_SHARED_MEMORY
+
     need = set()
-    if weights.tensor_format == "megarl" and weights.transport != "disk":
+    if weights.transport == "shm":
+        need.add(EXT_SHARED_MEMORY)
+    elif weights.tensor_format == "megarl" and weights.transport != "disk":
         need.add(EXT_DIRECT_BUCKET if weights.transport == "distributed" else EXT_SAFETENSORS)
     if weights.verify_interval:
         need.add(EXT_CHECKSUM)
@@ -85,9 +89,14 @@ def resolve_wire(weights, servers: Mapping[str, frozenset], partial_rollout: boo
             raise ConfigError(f"{field}: {setting} needs the megarl-server extension {ext}, which "
                               f"server {missing[0]} does not advertise (SGLang's protocol only); {instead}")
 
+    from megarl.wire import EXT_SHARED_MEMORY
+
     fmt = weights.tensor_format
-    payload = {"distributed": EXT_DIRECT_BUCKET, "tensor": EXT_SAFETENSORS,
-               "disk": EXT_DISK_DELTA}[weights.transport]
+    payload = {"distributed": EXT_DIRECT_BUCKET, "tensor": EXT_SAFETENSORS, "disk": EXT_DISK_DELTA,
+               "shm": EXT_SHARED_MEMORY}[weights.transport]
+    if weights.transport == "shm":
+        require(EXT_SHARED_MEMORY, "weights.transport", "shm", "use weights.transport=distributed")
+
     if weights.transport == "tensor":
         with_ext = [u for u in servers if u not in lacking(payload)]
         if fmt == "auto" and with_ext and len(with_ext) < len(servers):

@@ -21,7 +21,7 @@ import time
 
 from aiohttp import web
 
-from megarl.server import weight_routes
+from megarl.server import memory, weight_routes
 from megarl.server.engine import PAUSE_MODES, Sequence
 from megarl.server.protocol import build_response, parse_generate
 from megarl.server.sampling import SamplingConfig
@@ -147,6 +147,8 @@ async def server_info(request: web.Request) -> web.Response:
         "tp_size": eng.model.tp_size,
         "num_running": len(eng.running),
         "num_waiting": len(eng.waiting),
+        "memory_released": sorted(eng.released),  # asleep: megarl.server.memory
+        "awaiting_weights": len(eng.unloaded),
         "uptime_s": time.time() - state.started,
         **dict(eng.stats),
     })
@@ -171,6 +173,26 @@ async def continue_generation(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     await on_engine(state, state.engine.resume)
     return result(True, "continued")
+
+
+async def release_memory(request: web.Request) -> web.Response:
+    """Sleep (`megarl.server.memory`): the tagged memory is freed; generation waits for a wake."""
+    return await _memory_call(request, memory.release)
+
+
+async def resume_memory(request: web.Request) -> web.Response:
+    return await _memory_call(request, memory.resume)
+
+
+async def _memory_call(request: web.Request, fn) -> web.Response:
+    state: ServerState = request.app["state"]
+    body = await read_body(request)
+    try:
+        tags = memory.parse_tags(body.get("tags"))
+        out = await on_engine(state, lambda: fn(state.engine, tags))
+    except memory.MemoryError_ as e:
+        raise BadRequest(str(e)) from e
+    return result(True, f"{request.path.strip('/')}: {', '.join(tags)}", **out)
 
 
 async def abort_request(request: web.Request) -> web.Response:
@@ -208,6 +230,8 @@ def setup_routes(app: web.Application) -> None:
     r.add_post("/pause_generation", pause_generation)
     r.add_post("/continue_generation", continue_generation)
     r.add_post("/abort_request", abort_request)
+    r.add_post("/release_memory_occupation", release_memory)
+    r.add_post("/resume_memory_occupation", resume_memory)
     r.add_post("/begin_weight_update", begin_weight_update)
     r.add_post("/end_weight_update", end_weight_update)
     weight_routes.setup(r)

@@ -115,6 +115,11 @@ class GenerationEngine:
         )
         self.paused: Optional[str] = None  # a PAUSE_MODES entry while paused
         self.updating = False  # between begin_weight_update and end_weight_update
+        # asleep (`megarl.server.memory`): released tags, and after a weights release the
+        # parameters no load has written since; generation waits until both are empty
+        self.released: set[str] = set()
+        self.unloaded: set[str] = set()
+        self.weight_storages: list = []
         self.running: list[Sequence] = []
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.stats = collections.Counter()
@@ -191,7 +196,16 @@ class GenerationEngine:
 
     # ---- the loop -------------------------------------------------------------------------------
     def _runnable(self) -> bool:
-        return not self.paused and not self.updating and bool(self.running or self.waiting)
+        return (not self.paused and not self.updating and not self.released and not self.unloaded
+                and bool(self.running or self.waiting))
+
+    def loaded(self, names) -> None:
+        """A weight load wrote HF tensors ``names`` (engine thread): after a weights release,
+        generation resumes once every parameter was written again."""
+        if self.unloaded:
+            from megarl.server.memory import canonical
+
+            self.unloaded -= canonical(self.model, names)
 
     def _loop(self) -> None:
         # Inference mode for the whole thread: the cache is made and updated only here.

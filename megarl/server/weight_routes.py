@@ -34,12 +34,14 @@ from __future__ import annotations
 import asyncio
 import os
 
+import torch
+
 from aiohttp import web
 
 from megarl.net import new_process_group
 from megarl.server import weights as W
 from megarl.weights import delta_format as disk_delta
-from megarl.wire import DIRECT_BUCKET, FLATTENED_BUCKET, tensor_digest
+from megarl.wire import DIRECT_BUCKET, FLATTENED_BUCKET, SHARED_MEMORY, tensor_digest
 from megarl.server.state import (BadRequest, ServerState, allowed_weights_path, body_field, on_engine,
                                          read_body, result)
 
@@ -59,6 +61,7 @@ def _apply(state: ServerState, tensors: dict, version, abort_all: bool):
         if abort_all:
             eng.abort(None, abort_all=True)
         eng.model.load(tensors)
+        eng.loaded(tensors)
         if version is not None:
             eng.weight_version = version
         return len(tensors)
@@ -166,7 +169,11 @@ async def from_distributed(request: web.Request) -> web.Response:
                                                     targets)
         except Exception as e:  # noqa: BLE001 - reported, not raised: the trainer names the server
             raise _ReceiveError(f"{type(e).__name__}: {e}") from e
-        return _apply(state, tensors, version, abort_all)() + in_place
+        n = _apply(state, tensors, version, abort_all)() + in_place
+        state.engine.loaded(names)  # the ones written in place too
+        state.engine.stats["weight_bytes_socket"] += sum(
+            int(torch.Size(sh).numel()) * W.parse_dtype(d).itemsize for sh, d in zip(shapes, dtypes))
+        return n
 
     try:
         n = await on_engine(state, receive_and_load)
@@ -221,6 +228,7 @@ async def _from_shards(state: ServerState, body: dict, names: list) -> web.Respo
             n = W.receive_shards(model, group, units, src_tp)
         except Exception as e:  # noqa: BLE001
             raise _ReceiveError(f"{type(e).__name__}: {e}") from e
+        state.engine.loaded(names)
         if version is not None:
             state.engine.weight_version = version
         return n
@@ -279,6 +287,10 @@ async def from_tensor(request: web.Request) -> web.Response:
         tensors = await asyncio.to_thread(W.decode_named_tensors, entries, body.get("load_format"))
     except ValueError as e:
         raise BadRequest(str(e)) from e
+    # where the weight bytes came through (/get_server_info): a socket, or this host's memory
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    state.engine.stats["weight_bytes_shared_memory" if body.get("load_format") == SHARED_MEMORY
+                       else "weight_bytes_socket"] += nbytes
     return await _update(state, tensors, body)
 
 

@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
-from megarl.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, SAFETENSORS_B64, direct_split,
-                         flat_layout)
+from megarl.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, SAFETENSORS_B64, SHARED_MEMORY, SHM_DIR,
+                         SHM_PREFIX, direct_split, flat_layout)
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -78,8 +78,14 @@ def read_hf_dir(path: str) -> dict[str, torch.Tensor]:
 
 
 def decode_named_tensors(entries: list, load_format: str | None) -> dict[str, torch.Tensor]:
+    if load_format == SHARED_MEMORY:
+        out = {}
+        for i, entry in enumerate(entries):
+            out.update(map_shared(entry, f"serialized_named_tensors[{i}]"))
+        return out
     if load_format not in (None, SAFETENSORS_B64):
-        raise ValueError(f"load_format {load_format!r} not supported; use {SAFETENSORS_B64!r}")
+        raise ValueError(f"load_format {load_format!r} not supported; use {SAFETENSORS_B64!r} "
+                         f"or {SHARED_MEMORY!r}")
     out: dict[str, torch.Tensor] = {}
     for i, entry in enumerate(entries):
         if not isinstance(entry, str):
@@ -88,6 +94,42 @@ def decode_named_tensors(entries: list, load_format: str | None) -> dict[str, to
             out.update(st_load(base64.b64decode(entry, validate=True)))
         except Exception as e:  # noqa: BLE001 - report any decode failure as a bad payload
             raise ValueError(f"serialized_named_tensors[{i}] is not base64 safetensors: {e}") from e
+    return out
+
+
+def map_shared(entry, field: str) -> dict[str, torch.Tensor]:
+    """The tensors of one shared-memory manifest (`megarl.wire.SHARED_MEMORY`), as views of the
+    file mapped private and read-only in effect (nothing writes them; the load copies them into the
+    parameters). Only a regular file named SHM_PREFIX* directly in SHM_DIR and owned by this
+    server's user is opened; every tensor must lie inside it."""
+    try:
+        spec = json.loads(entry)
+        path, items = spec["path"], spec["tensors"]
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{field}: not a shared-memory manifest ({e})") from None
+    if not (isinstance(path, str) and os.path.dirname(path) == SHM_DIR
+            and os.path.basename(path).startswith(SHM_PREFIX)):
+        raise ValueError(f"{field}: path must be {SHM_DIR}/{SHM_PREFIX}*, got {path!r}")
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError as e:
+        raise ValueError(f"{field}: {path}: {e.strerror}") from None
+    import stat
+
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        raise ValueError(f"{field}: {path} is not a regular file of this user")
+    buf = torch.from_file(path, shared=False, size=st.st_size, dtype=torch.uint8)
+    out = {}
+    for item in items:
+        try:
+            name, dtype, shape, offset = item
+            dt = parse_dtype(dtype)
+            n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dt).element_size()
+            if not (isinstance(offset, int) and 0 <= offset and offset + n <= st.st_size):
+                raise ValueError(f"bytes {offset}..+{n} outside the file's {st.st_size}")
+            out[name] = buf[offset:offset + n].view(dt).view(shape)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{field}: tensor {str(item)[:80]}: {e}") from None
     return out
 
 

@@ -16,7 +16,7 @@ from megarl.rollout.channel import ManagerStalled
 from megarl.rollout.cluster import PushTarget
 from megarl.weights.resharder import Resharder, ReshardTimes
 from megarl.weights.transports import (DiskTransport, DistributedTransport, PushError,
-                                       TensorTransport)
+                                       SharedMemoryTransport, TensorTransport)
 from megarl.wire import tensor_digest
 
 
@@ -131,6 +131,8 @@ class WeightPusher:
                                                   wire=_resolved(w.tensor_format))
         elif w.transport == "tensor":
             self.transport = TensorTransport(self.admin, w.timeout_s, _resolved(w.tensor_format))
+        elif w.transport == "shm":
+            self.transport = SharedMemoryTransport(self.admin, w.timeout_s)
         else:
             directory = w.disk_dir or f"{self.spec.run_dir}/weights"
             if w.disk_delta != "off":  # records against the last push

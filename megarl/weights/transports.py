@@ -24,7 +24,7 @@ from megarl.net import listening_socket, new_process_group
 from megarl.net import advertised_address, url_host
 from megarl.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, DiskWeightsUpdate,
                          DistributedWeightsMeta, WeightsUpdateGroup, direct_split, flat_layout,
-                         sglang_flat_order)
+                         sglang_flat_order, TensorWeightsUpdate)
 from megarl.rollout.admin import AdminRunner
 from megarl.rollout.channel import ManagerStalled
 from megarl.weights.resharder import Bucket
@@ -197,6 +197,72 @@ class TensorTransport:
 
     def close(self) -> None:
         pass
+
+
+class SharedMemoryTransport:
+    """Same host (megarl-server, `weights.transport: shm`): each bucket is copied once into a file
+    in /dev/shm that this stage source owns (0600, removed at close) and announced by a JSON
+    manifest of names, dtypes, shapes and offsets (`megarl.wire.SHARED_MEMORY`); the server maps
+    the file and loads from it. No weight byte crosses a socket: ``socket_bytes`` counts the
+    manifests, ``shared_bytes`` the weights."""
+
+    streams_buckets = True
+    ALIGN = 64
+
+    def __init__(self, admin: AdminRunner, timeout_s: float):
+        self.admin, self.timeout_s = admin, timeout_s
+        self.path, self.buf = "", torch.empty(0, dtype=torch.uint8)
+        self.shared_bytes = self.socket_bytes = 0
+
+    def setup(self, stage: int) -> None:
+        from megarl.wire import SHM_DIR, SHM_PREFIX
+
+        self.path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-pp{stage}")
+
+    def _map(self, nbytes: int) -> torch.Tensor:
+        if self.buf.numel() < nbytes:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
+            self.buf = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
+        return self.buf
+
+    def send(self, bucket: Bucket, version: str) -> None:
+        import json
+
+        from megarl.wire import SHARED_MEMORY
+
+        offsets, end = [], 0
+        for t in bucket.tensors:
+            offsets.append(end)
+            end += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+        buf = self._map(max(end, 1))
+        entries = []
+        for name, t, off in zip(bucket.names, bucket.tensors, offsets):
+            n = t.numel() * t.element_size()
+            buf[off:off + n].view(t.dtype).view(t.shape).copy_(t)  # the one copy of the handover
+            entries.append([name, dtype_name(t), list(t.shape), off])
+        manifest = json.dumps({"path": self.path, "tensors": entries})
+        update = TensorWeightsUpdate([manifest], SHARED_MEMORY, flush_cache=False)
+        self.shared_bytes += sum(t.numel() * t.element_size() for t in bucket.tensors)
+        self.socket_bytes += len(manifest)
+        try:
+            self.admin.call(lambda c: c.update_weights_from_tensor(update), self.timeout_s)
+        except Exception as e:  # noqa: BLE001
+            raise PushError(f"update_weights_from_tensor (shm {self.path}): {e}") from e
+
+    def finish(self, version: str, engine) -> None:
+        pass
+
+    def close(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.uint8)
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
 
 class DiskTransport:
