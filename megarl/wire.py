@@ -336,4 +336,9 @@ def tensor_digest(t, dtype=None) -> str:
     if dtype is not None and x.dtype != dtype:
         x = x.to(dtype)
     flat = x.contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(flat.cpu().numpy()).hexdigest()  # a CUDA server's weights too
+    h = hashlib.sha256()
+    # hashed through 4 MiB copies: handing a parameter's own memory to numpy would mark its storage
+    # not resizable for good, and a sleeping server resizes it to release it (server/memory.py)
+    for chunk in flat.split(4 << 20):
+        h.update(chunk.cpu().clone().numpy())  # a CUDA server's weights too
+    return h.hexdigest()

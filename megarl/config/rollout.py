@@ -84,6 +84,14 @@ class RolloutConfig:
     """Fractional staleness (verl fully-async): up to staleness_threshold x samples-per-push may be
     generated ahead by the previous version. The same bound as max_staleness: when both are set,
     the later source wins (command line over recipe over default; see Loading rules)."""
+    placement: str = "disaggregated"
+    """disaggregated (the servers run beside the trainer, on their own cores or GPUs) or colocated
+    (seed 004's hybrid engine: the local servers share the trainer's devices and sleep while it
+    trains - each step is wake -> push -> generate -> sleep -> train; on-policy, so
+    max_staleness 0; docs/architecture.md, Placements)."""
+    sleep_tags: list[str] = field(default_factory=lambda: ["kv_cache", "weights"])
+    """Colocated: what the servers release while the trainer trains (SGLang's memory tags:
+    kv_cache, weights); the weights are pushed in full after each wake."""
     partial_rollout: bool = True
     """At a weight push, true: in-flight requests are interrupted and continue under the new
     weights (one sample may span versions); false: they finish under the old weights first."""
@@ -145,6 +153,18 @@ class RolloutConfig:
             raise ConfigError("rollout.staleness_threshold: set either it (verl) or rollout.max_staleness "
                               f"(AReaL), not both (got {self.staleness_threshold} and {self.max_staleness}); "
                               "see docs/configuration.md")
+        _choice("rollout.placement", self.placement, ("disaggregated", "colocated"))
+        bad = [t for t in self.sleep_tags if t not in ("kv_cache", "weights")]
+        if bad:
+            raise ConfigError(f"rollout.sleep_tags: unknown {bad} (kv_cache, weights)")
+        if self.placement == "colocated":
+            if self.servers:
+                raise ConfigError(f"rollout.placement: colocated starts its servers on the trainer's own "
+                                  f"devices; rollout.servers lists {self.servers[0]} (leave it empty)")
+            if self.staleness:
+                raise ConfigError(f"rollout.placement: colocated is on-policy (the servers sleep while the "
+                                  f"trainer trains); set rollout.max_staleness=0 "
+                                  f"(got {self.max_staleness or self.staleness_threshold})")
         if not isinstance(self.workflow_args, dict):
             raise ConfigError(f"rollout.workflow_args: expected a mapping, got {self.workflow_args!r}")
         if self.manager_address:

@@ -41,6 +41,9 @@ class Config:
                 raise
             except ValueError as e:  # sections from megarl.algo raise plain ValueError
                 raise ConfigError(str(e)) from None
+        if self.rollout.placement == "colocated" and self.train.trigger_parameter_sync_step != 1:
+            raise ConfigError("train.trigger_parameter_sync_step: rollout.placement=colocated pushes after "
+                              f"every update (the servers wake to a push); got {self.train.trigger_parameter_sync_step}")
         if self.weights.transport == "shm":
             from megarl.net import is_loopback, url_host
 

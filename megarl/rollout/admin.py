@@ -62,6 +62,12 @@ class AdminClient(HttpClient):
     async def continue_generation(self, skip: Collection[str] = ()) -> dict:
         return await self._admin("/continue_generation", {}, skip=skip)
 
+    async def release_memory_occupation(self, tags: list[str]) -> dict:
+        return await self._admin("/release_memory_occupation", {"tags": list(tags)})
+
+    async def resume_memory_occupation(self, tags: list[str]) -> dict:
+        return await self._admin("/resume_memory_occupation", {"tags": list(tags)})
+
     async def flush_cache(self) -> dict:
         return await self._admin("/flush_cache", {})
 

@@ -102,7 +102,7 @@ class RolloutCluster:
         if driver and self.addresses:
             # only the driver (the manager) talks admin to the servers; other ranks keep the list in step
             self.admin = AdminRunner(self.addresses, api_key, timeout_s)
-        self.counters = {"pauses": 0, "continues": 0}
+        self.counters = {"pauses": 0, "continues": 0, "sleeps": 0}
         self.unresponsive: set[str] = set()  # failed the last pause: not waited on again
 
     @classmethod
@@ -294,6 +294,17 @@ class RolloutCluster:
         finally:
             for listener in self.listeners:
                 listener.release()
+
+    # ------------------------------------------------------------------ colocated placement
+    def sleep(self, tags: list[str]) -> None:
+        """The trainer trains on the servers' devices: they release ``tags`` (idle by then: an
+        on-policy batch is complete and nothing else is generating)."""
+        self.counters["sleeps"] += 1
+        self.admin.call(lambda c: c.release_memory_occupation(tags))
+
+    def wake(self, tags: list[str]) -> None:
+        """Before the push: the servers take ``tags`` back (weights zero-filled until it lands)."""
+        self.admin.call(lambda c: c.resume_memory_occupation(tags))
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict:

@@ -55,8 +55,8 @@ from megarl.rollout.channel import MAX_REQUEST_HEADER, Channel, ChannelError, fr
 from megarl.rollout.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, DIRECT_REPLIES, AddServer, Admitted, Batch,
                                      BatchRequest, Beat, Close, DestroyWeightsGroup, EvalPoll, EvalReport, EvalSubmit,
                                      FinishPush, Hello, Init, InitWeightsGroup, PauseForUpdate, RemoveServer, Reply,
-                                     Resume, ServerInfo, ShardAnnounce, ShardJoin, Start, StateRequest, Unhealthy,
-                                     UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, WeightsChecksum)
+                                     Resume, ServerInfo, ShardAnnounce, ShardJoin, Sleep, Start, StateRequest, Unhealthy,
+                                     UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake, WeightsChecksum)
 from megarl.rollout.packing import balance_groups, pack_batch  # noqa: F401 - the step's layout
 
 if TYPE_CHECKING:
@@ -75,6 +75,8 @@ CLUSTER_CALLS = {
     AddServer: lambda m, g: g.cluster.add_server(str(m.address)),
     Admitted: lambda m, g: g.cluster.admitted(str(m.address)),
     Start: lambda m, g: g.start(),
+    Sleep: lambda m, g: g.cluster.sleep([str(t) for t in m.tags]),
+    Wake: lambda m, g: g.cluster.wake([str(t) for t in m.tags]),
 }
 assert set(CLUSTER_CALLS) == set(CLUSTER_MESSAGES)
 # each admin message is one fixed AdminClient call: nothing on the wire picks the method

@@ -180,7 +180,20 @@ class Start:
     """The first step's weights are in: rollouts may start."""
 
 
-CLUSTER_MESSAGES = (PauseForUpdate, Resume, FinishPush, Unhealthy, RemoveServer, AddServer, Admitted, Start)
+@dataclass
+class Sleep:
+    """Colocated placement: the servers release ``tags`` (kv_cache, weights) while the trainer trains."""
+    tags: list
+
+
+@dataclass
+class Wake:
+    """Colocated placement: the servers take ``tags`` back before the push."""
+    tags: list
+
+
+CLUSTER_MESSAGES = (PauseForUpdate, Resume, FinishPush, Unhealthy, RemoveServer, AddServer, Admitted, Start,
+                    Sleep, Wake)
 
 
 @dataclass

@@ -192,6 +192,10 @@ async def _memory_call(request: web.Request, fn) -> web.Response:
         out = await on_engine(state, lambda: fn(state.engine, tags))
     except memory.MemoryError_ as e:
         raise BadRequest(str(e)) from e
+    # the server's own record of its sleeps (a colocated run's log), and where weights came through
+    st = state.engine.stats
+    log.info("%s %s at %.6f; weight bytes so far: socket %d, shared memory %d", request.path.strip("/"),
+             ",".join(tags), time.time(), st["weight_bytes_socket"], st["weight_bytes_shared_memory"])
     return result(True, f"{request.path.strip('/')}: {', '.join(tags)}", **out)
 
 

@@ -89,8 +89,10 @@ def resume(engine, tags: list[str]) -> dict:
 def _storages(model) -> list:
     """Each parameter storage once: the views of one fused row (QKV, gate/up) share one."""
     seen, out = set(), []
-    for t in model.params.values():
+    for name, t in model.params.items():
         s = t.untyped_storage()
+        if not s.resizable():
+            raise MemoryError_(f"tags: weights: {name}'s memory cannot be released (not resizable)")
         if s.data_ptr() not in seen and s.nbytes():
             seen.add(s.data_ptr())
             out.append(s)

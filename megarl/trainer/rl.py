@@ -130,8 +130,13 @@ class StepRunner:
         trajs, stats = self._next_batch()
         # decided before the update: the mismatch gate compares against weights the servers really hold
         self.pushed_weights = self.updates_since_push == 0
+        colocated = self.cfg.rollout.placement == "colocated"
+        if colocated:  # the batch is complete: the servers give their memory to training
+            self._sleep_servers()
         metrics = self._update(trajs, step)
         self.updates_since_push += 1
+        if colocated:
+            self._wake_servers()
         # the last step always pushes: the servers (and the final evaluation) see the final weights
         if step % self.cfg.train.trigger_parameter_sync_step == 0 or last:
             self._push(metrics)
@@ -176,6 +181,19 @@ class StepRunner:
             dump_generations(f"{cfg.train.run_dir}/generations.jsonl", step, self.cluster.version, trajs)
         return metrics
 
+    def _sleep_servers(self) -> None:
+        with self.timer.phase("sleep"):
+            if self.ps.rank == 0:
+                self.cluster.sleep(self.cfg.rollout.sleep_tags)
+
+    def _wake_servers(self) -> None:
+        """Before the push (every step: colocated is on-policy with one update per push)."""
+        with self.timer.phase("wake"):
+            if self.ps.rank == 0:
+                self.cluster.wake(self.cfg.rollout.sleep_tags)
+            if "weights" in self.cfg.rollout.sleep_tags:
+                self.pusher.forget_sent()  # the servers hold zeros until every tensor is sent
+
     def _push(self, metrics: dict) -> None:
         with self.timer.phase("push"):
             metrics.update(self.pusher.push().as_dict())
@@ -186,10 +204,14 @@ class StepRunner:
     def _evaluate(self, step: int, last: bool, metrics: dict) -> None:
         interval = self.cfg.rollout.eval_interval
         # run() calls this after the step's push (if any): it evaluates the version the servers hold now
-        if interval and step % interval == 0 or last:
+        due = interval and step % interval == 0 or last
+        if due:
             self.side.submit_eval(step, self.cluster.version)  # runs beside training, in the manager
-        with self.timer.phase("eval"):  # only the last step waits for its evaluation
-            metrics.update(self.side.poll_eval(wait=last, timeout_s=self.cfg.train.stall_timeout_s))
+        # only the last step waits for its evaluation - and, colocated, every evaluating step: the
+        # servers sleep during the next update, and must evaluate the version they hold now
+        wait = last or (due and self.cfg.rollout.placement == "colocated")
+        with self.timer.phase("eval"):
+            metrics.update(self.side.poll_eval(wait=wait, timeout_s=self.cfg.train.stall_timeout_s))
 
     def _reached(self, metrics: dict, last: bool) -> bool:
         target = self.cfg.train.stop_at_eval_accuracy

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from megarl.rollout.channel import Link, ManagerStalled, RemoteError
 from megarl.rollout.messages import (AddServer, Admitted, BatchRequest, DestroyWeightsGroup, EvalPoll, EvalSubmit,
                                      FinishPush, Init, InitWeightsGroup, PauseForUpdate, RemoveServer, Resume,
-                                     ServerInfo, ShardAnnounce, ShardJoin, Start, StateRequest, Unhealthy,
-                                     UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, WeightsChecksum)
+                                     ServerInfo, ShardAnnounce, ShardJoin, Sleep, Start, StateRequest, Unhealthy,
+                                     UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake, WeightsChecksum)
 from megarl.rollout.types import RoutedExperts, Trajectory
 
 log = logging.getLogger("megarl.link")
@@ -151,6 +151,13 @@ class ManagerCluster:
 
     def commit(self, version: int) -> None:
         self.version = int(version)
+
+    # ------------------------------------------------------------------ colocated placement
+    def sleep(self, tags: list[str]) -> None:
+        self._call(Sleep(list(tags)))
+
+    def wake(self, tags: list[str]) -> None:
+        self._call(Wake(list(tags)))
 
     # ------------------------------------------------------------------ the server set
     def unhealthy(self) -> list[str]:

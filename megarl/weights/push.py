@@ -145,6 +145,11 @@ class WeightPusher:
         self._ready = False
         self._frozen_sent = frozenset()  # a new server set (or a retry) gets every tensor
 
+    def forget_sent(self) -> None:
+        """The servers' weights were released (colocated placement, a weights wake): the next push
+        sends every tensor, frozen rows too."""
+        self._frozen_sent = frozenset()
+
     def add_server(self, address: str) -> "PushMetrics":
         """A server that (re)joins gets the current weights before it receives work: the update
         groups are rebuilt to include it, the current version is pushed again (the other

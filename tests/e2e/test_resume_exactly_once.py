@@ -1,6 +1,8 @@
 """Kill the trainer (SIGKILL) mid-run at max_staleness 2, resume from the last checkpoint, and
 check over the epoch: every prompt trained exactly once, none lost, none repeated, and the
-staleness bound held in every batch of both runs (real trainer, real local server)."""
+staleness bound held in every batch of both runs (real trainer, real local server). The same for
+a colocated run (rollout.placement colocated: on-policy, the server sleeping through every update,
+weights handed over through shared memory)."""
 import collections
 import json
 import os
@@ -9,17 +11,25 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS, GROUP, GROUPS_PER_STEP = 24, 4, 4  # one epoch = 6 steps
 
 
-def command(run, data) -> list[str]:
+PLACEMENTS = {
+    "disaggregated": ["rollout.max_staleness=2",
+                      "rollout.staleness_hard_cap=0"],  # the strict rule: every trained token within 2
+    "colocated": ["rollout.placement=colocated", "rollout.max_staleness=0", "weights.transport=shm"],
+}
+
+
+def command(run, data, placement: str = "disaggregated") -> list[str]:
     return [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
             f"model.hf_path={REPO}/examples/tiny/model", f"data.train_path={data}", "data.eval_path=",
             f"train.run_dir={run}", "checkpoint.hf_export_dir=", "checkpoint.save_interval=2",
             "train.steps=9", f"train.global_batch_size={GROUP * GROUPS_PER_STEP}",
-            f"rollout.group_size={GROUP}", "rollout.max_staleness=2", "logging.dump_generations=true",
-            "rollout.staleness_hard_cap=0"]  # the strict rule: every trained token within 2
+            f"rollout.group_size={GROUP}", "logging.dump_generations=true", *PLACEMENTS[placement]]
 
 
 def read_jsonl(path) -> list[dict]:
@@ -32,7 +42,8 @@ def latest_checkpoint_step(run) -> int:
     return max(int(n.split("_")[1]) for n in names)
 
 
-def test_sigkill_and_resume_trains_every_prompt_exactly_once(tmp_path):
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_sigkill_and_resume_trains_every_prompt_exactly_once(tmp_path, placement):
     data = tmp_path / "prompts.jsonl"
     lines = open(f"{REPO}/examples/tiny/data/rl_prompts.jsonl").read().splitlines()[:PROMPTS]
     data.write_text("\n".join(lines) + "\n")
@@ -40,7 +51,7 @@ def test_sigkill_and_resume_trains_every_prompt_exactly_once(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     # run 1: killed (with its local server: the whole process group) once step 3 is logged
-    proc = subprocess.Popen(command(run, data), cwd=str(tmp_path), env=env, start_new_session=True,
+    proc = subprocess.Popen(command(run, data, placement), cwd=str(tmp_path), env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "run1.err", "w"))
     deadline = time.monotonic() + 300
     while not any(r["step"] >= 3 for r in read_jsonl(run / "metrics.jsonl")):
@@ -57,7 +68,7 @@ def test_sigkill_and_resume_trains_every_prompt_exactly_once(tmp_path):
     os.rename(run / "metrics.jsonl", tmp_path / "metrics_run1.jsonl")
 
     # run 2: the same command resumes from the checkpoint and finishes
-    done = subprocess.run(command(run, data), cwd=str(tmp_path), env=env, capture_output=True,
+    done = subprocess.run(command(run, data, placement), cwd=str(tmp_path), env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     rows2 = read_jsonl(run / "metrics.jsonl")
