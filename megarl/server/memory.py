@@ -12,7 +12,10 @@ hybrid engine). SGLang frees GPU memory through torch_memory_saver; here the mem
   SGLang's (without a CPU backup), resumed weights hold nothing until a weight update loads them:
   until every parameter was loaded again the engine generates nothing (requests queue), so a
   partial push (``weights.delta``, frozen tensors) can never generate from zeros.
-- ``cuda_graph``: accepted, nothing to release on CPU.
+- ``cuda_graph``: accepted, nothing to release (megarl-server captures no CUDA graphs).
+
+On a GPU (``--device cuda``) the same resize frees the parameters' device memory and
+``torch.cuda.empty_cache`` hands it back to the driver (tests/gpu/test_gpu_colocated.py).
 
 After the tensors are gone ``malloc_trim`` hands freed heap pages back to the kernel (glibc keeps
 them otherwise), so the process's resident memory falls by what was released. As in SGLang the
@@ -100,6 +103,8 @@ def _storages(model) -> list:
 
 
 def _trim() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # the caching allocator's freed blocks back to the driver
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

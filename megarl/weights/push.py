@@ -27,10 +27,11 @@ class PushSpec:
 
     weights: WeightSyncConfig
     run_dir: str
+    colocated: bool = False  # rollout.placement: the servers share the trainer's devices
 
     @classmethod
     def from_config(cls, cfg) -> "PushSpec":
-        return cls(cfg.weights, cfg.train.run_dir)
+        return cls(cfg.weights, cfg.train.run_dir, cfg.rollout.placement == "colocated")
 
     @property
     def streams_buckets(self) -> bool:
@@ -130,7 +131,10 @@ class WeightPusher:
             self.transport = DistributedTransport(self.admin, w.master_address, w.timeout_s, backend,
                                                   wire=_resolved(w.tensor_format))
         elif w.transport == "tensor":
-            self.transport = TensorTransport(self.admin, w.timeout_s, _resolved(w.tensor_format))
+            wire = _resolved(w.tensor_format)
+            if wire == "sglang" and self.spec.colocated and ps.device.type == "cuda":
+                wire = "sglang_ipc"  # SGLang on the trainer's GPU: hand over memory, not bytes
+            self.transport = TensorTransport(self.admin, w.timeout_s, wire)
         elif w.transport == "shm":
             self.transport = SharedMemoryTransport(self.admin, w.timeout_s)
         else:

@@ -3,7 +3,7 @@
 Trainer side only (the tensor transport); megarl-server decodes with
 ``megarl.server.weights.decode_named_tensors``.
 
-Two wire formats, chosen once per transport:
+Three wire formats, chosen once per transport:
 
 - ``"megarl"``: base64 safetensors, ``load_format: "safetensors_b64"`` (megarl-server; no code
   runs on load).
@@ -13,6 +13,8 @@ Two wire formats, chosen once per transport:
   once (a re-sent payload fails); here each tensor is pickled *by value* (torch's storage bytes),
   so the payload travels over HTTP and can be re-sent. megarl only produces this format; it never
   unpickles anything.
+- ``"sglang_ipc"``: the same request with SGLang's serializer on CUDA tensors: CUDA-IPC handles,
+  no bytes (the colocated placement on GPU: trainer and SGLang on the same device).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 
 from megarl.rollout.types import SAFETENSORS_B64, TensorWeightsUpdate
 
-WireFormat = Literal["megarl", "sglang"]
+WireFormat = Literal["megarl", "sglang", "sglang_ipc"]
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
@@ -52,6 +54,23 @@ def encode_sglang(tensors: dict[str, torch.Tensor]) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def encode_sglang_ipc(tensors: dict[str, torch.Tensor]) -> str:
+    """SGLang's own same-GPU handover (seed 004's colocated path, `MultiprocessingSerializer`):
+    torch's ForkingPickler turns each CUDA tensor into a CUDA-IPC handle (type, shape, stride,
+    the handle and an event), so no weight byte is copied - the server opens the trainer's memory.
+    The tensors must stay alive until the server answered (the push waits for it). CPU tensors
+    would travel as shared-memory file handles; use "sglang" for them."""
+    bad = [k for k, v in tensors.items() if not v.is_cuda]
+    if bad:
+        raise ValueError(f"sglang_ipc: {bad[0]} is not a CUDA tensor (CUDA-IPC hands over GPU memory only)")
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers torch's reducers (CUDA tensor -> IPC handle)
+    buf = io.BytesIO()
+    ForkingPickler(buf, protocol=4).dump([(k, v.detach().contiguous()) for k, v in tensors.items()])
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
 def tensor_update(tensors: dict[str, torch.Tensor], wire: WireFormat = "megarl", *,
                   weight_version: Optional[str] = None, flush_cache: bool = True) -> TensorWeightsUpdate:
     """A ``/update_weights_from_tensor`` body for one bucket in the given wire format."""
@@ -59,4 +78,6 @@ def tensor_update(tensors: dict[str, torch.Tensor], wire: WireFormat = "megarl",
         return TensorWeightsUpdate([encode_megarl(tensors)], SAFETENSORS_B64, flush_cache, weight_version)
     if wire == "sglang":
         return TensorWeightsUpdate([encode_sglang(tensors)], None, flush_cache, weight_version)
-    raise ValueError(f"unknown tensor wire format {wire!r}; use 'megarl' or 'sglang'")
+    if wire == "sglang_ipc":
+        return TensorWeightsUpdate([encode_sglang_ipc(tensors)], None, flush_cache, weight_version)
+    raise ValueError(f"unknown tensor wire format {wire!r}; use 'megarl', 'sglang' or 'sglang_ipc'")

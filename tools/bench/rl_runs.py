@@ -89,6 +89,7 @@ class CpuSampler:
         self.root, self.interval_s = psutil.Process(pid), interval_s
         self.cores = len(os.sched_getaffinity(0))
         self.samples: list[tuple[float, float]] = []  # (time.time(), CPU seconds of the tree)
+        self.peak_rss = 0
         self._seen: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -101,12 +102,15 @@ class CpuSampler:
             procs = [self.root, *self.root.children(recursive=True)]
         except psutil.Error:
             procs = []
+        rss = 0
         for p in procs:
             try:
                 t = p.cpu_times()
                 self._seen[p.pid] = t.user + t.system
+                rss += p.memory_info().rss
             except psutil.Error:
                 pass
+        self.peak_rss = max(self.peak_rss, rss)  # the whole job's resident memory at its peak
         return sum(self._seen.values())
 
     def _run(self) -> None:
@@ -182,6 +186,7 @@ def _run_train(run_dir: str, overrides: list[str], name: Optional[str] = None,
     # the training window: first step's start to the last step's end (start-up excluded)
     summary.extra["cpu_util"] = sampler.utilization(steps[0]["time"] - steps[0]["step_time"], steps[-1]["time"])
     summary.extra["budget_stopped"] = stopped
+    summary.extra["peak_rss_mb"] = sampler.peak_rss / 2**20
     return summary
 
 
