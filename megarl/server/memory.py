@@ -26,7 +26,6 @@ parameter storages are their own).
 from __future__ import annotations
 
 import ctypes
-import gc
 import torch
 
 KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
@@ -70,8 +69,7 @@ def release(engine, tags: list[str]) -> dict:
             storage.resize_(0)
         engine.unloaded = set(model.params)
     engine.released.update(tags)
-    gc.collect()
-    _trim()
+    _trim()  # the tensors went with their last reference; no gc pass (~0.1 s in a big process)
     return {"released": tags, "freed_bytes": freed}
 
 
