@@ -15,6 +15,8 @@ import concurrent.futures
 import threading
 from typing import Any, Awaitable, Callable, Collection, Optional
 
+import aiohttp
+
 from megarl.rollout.http import AdminError, HttpClient, Server, ServerRequestError, Transient
 from megarl.rollout.types import (DiskWeightsUpdate, DistributedWeightsMeta, PauseMode, PauseRequest,
                                   TensorWeightsUpdate, WeightsChecksumRequest, WeightsUpdateGroup)
@@ -29,6 +31,16 @@ class AdminClient(HttpClient):
         # weight loads get their own, longer deadline (weights.timeout_s): a large model's load
         # takes minutes where a pause or a version flip takes milliseconds
         self.timeout, self.weight_timeout = timeout, weight_timeout
+
+    def _http(self) -> aiohttp.ClientSession:
+        """A fresh connection per call (a few per push): a kept-alive one can be reset when reused -
+        the server closed it idle (uvicorn's 5 s keep-alive) or was killed and restarted on the same
+        port - and an admin call cannot be retried blindly (a second /begin_weight_update is refused)."""
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=True), headers=headers)
+        return self._session
 
     async def _admin(self, path: str, body: Any = None, *, method: str = "POST",
                      timeout: Optional[float] = None, bodies: Optional[dict] = None,

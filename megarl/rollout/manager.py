@@ -140,6 +140,8 @@ class RolloutManager:
         self._inflight = 0  # weight-update calls (any link) that publish must wait for
         self._servers: Optional[list[str]] = None
         self._servers_error: Optional[BaseException] = None
+        self._servers_begun = False
+        self._servers_done = threading.Event()
         self._slots = threading.Lock()
         self.handshaking = self.links = 0  # connections proving the secret / authenticated links
         self._driver_seen = False
@@ -148,10 +150,13 @@ class RolloutManager:
         """Local servers start before the first request is read (the trainer builds its engine
         meanwhile). On the main thread: a server gets SIGKILL when the thread that forked it ends
         (PR_SET_PDEATHSIG), so it must be one that lives as long as the run."""
+        self._servers_begun = True
         try:
             self._servers = self.start_servers()
         except Exception as e:  # noqa: BLE001 - reported to the trainer at Init
             self._servers_error = e
+        finally:
+            self._servers_done.set()
 
     # ------------------------------------------------------------------ build
     def start_servers(self) -> list[str]:
@@ -181,8 +186,9 @@ class RolloutManager:
         from megarl.rollout.setup import build_controller
         from megarl.timeline import Timeline
 
-        if self._servers is None and self._servers_error is None:
+        if not self._servers_begun:  # a manager built in-process (tests): start them here
             self.begin_servers()
+        self._servers_done.wait()  # the main thread may still be starting them (the link beats meanwhile)
         if self._servers_error is not None:
             raise self._servers_error
         servers = self._servers
@@ -526,9 +532,14 @@ def _run(args) -> int:
     print(f"listening {host}:{port}", flush=True)
     os.dup2(2, 1)  # the spawner reads that one line; everything else goes to the manager's log
     manager = RolloutManager(spec)
-    manager.begin_servers()  # the trainer's connection waits in the listen backlog meanwhile
+    # links are served (handshake, Hello) while the servers start: a trainer left in the listen
+    # backlog for a slow server start (SGLang: 30-90 s) would time out its handshake; its Init
+    # waits for the servers, with heartbeats
+    accepting = threading.Thread(target=serve_forever, args=(manager, listener, secret), name="megarl-accept")
+    accepting.start()
+    manager.begin_servers()  # on the main thread, which lives as long as the run (PR_SET_PDEATHSIG)
     try:
-        serve_forever(manager, listener, secret)
+        accepting.join()
     finally:
         listener.close()
     return 0

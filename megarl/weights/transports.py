@@ -199,11 +199,37 @@ class TensorTransport:
         pass
 
 
+def remove_orphans(directory: str, prefix: str) -> list[str]:
+    """Handover files of trainers that are gone (SIGKILLed: close() never ran), named
+    ``<prefix><pid>-pp<stage>``; a file of a live process, or not of this user, is left alone."""
+    removed = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        pid = name[len(prefix):].split("-", 1)[0]
+        if not (name.startswith(prefix) and pid.isdigit()):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or not ours to signal): not an orphan
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
 class SharedMemoryTransport:
     """Same host (megarl-server, `weights.transport: shm`): each bucket is copied once into a file
     in /dev/shm that this stage source owns (0600, removed at close) and announced by a JSON
     manifest of names, dtypes, shapes and offsets (`megarl.wire.SHARED_MEMORY`); the server maps
-    the file and loads from it. No weight byte crosses a socket: ``socket_bytes`` counts the
+    the file and loads from it. A trainer killed before close() leaves its file; the next run's
+    setup removes the files of processes that are gone (`remove_orphans`). No weight byte crosses a socket: ``socket_bytes`` counts the
     manifests, ``shared_bytes`` the weights."""
 
     streams_buckets = True
@@ -218,6 +244,7 @@ class SharedMemoryTransport:
         from megarl.wire import SHM_DIR, SHM_PREFIX
 
         self.path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-pp{stage}")
+        remove_orphans(SHM_DIR, SHM_PREFIX)
 
     def _map(self, nbytes: int) -> torch.Tensor:
         if self.buf.numel() < nbytes:

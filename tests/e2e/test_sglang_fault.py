@@ -20,13 +20,14 @@ pytestmark = pytest.mark.sglang
 STEPS = 60  # ~2 s a step: the restarted server needs 40-90 s to start before it can rejoin
 
 
-def wait_for(cond, what: str, proc, timeout: float = 600.0):
+def wait_for(cond, what: str, proc, timeout: float = 600.0, err=None):
     deadline = time.monotonic() + timeout
     while True:
         got = cond()
         if got:
             return got
-        assert proc.poll() is None, f"trainer exited while waiting for {what}"
+        assert proc.poll() is None, (f"trainer exited while waiting for {what}: "
+                                     f"{err.read_text()[-3000:] if err is not None else ''}")
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
 
@@ -49,19 +50,20 @@ def test_killed_sglang_server_is_restarted_with_current_weights(tmp_path):
     require_sglang()
     model, run = demo_model(str(tmp_path / "model")), str(tmp_path / "run")
     cmd = train_cmd(run, model, f"train.steps={STEPS}", "rollout.local_servers=2", "data.eval_path=",
-                    "rollout.eval_at_start=false", "logging.dump_generations=true")
+                    "rollout.eval_at_start=false", "logging.dump_generations=true",
+                    "rollout.staleness_hard_cap=0")  # the strict rule: every trained token within 1
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=run_env(run), stdout=subprocess.DEVNULL,
                             stderr=open(tmp_path / "err", "w"))
     try:
-        wait_for(lambda: len(metrics(run)) >= 2, "step 2", proc)
+        wait_for(lambda: len(metrics(run)) >= 2, "step 2", proc, err=tmp_path / "err")
         victim = servers(run)[0]
         os.kill(victim["pid"], signal.SIGKILL)  # the leader, mid-generation (staleness 1 keeps them busy)
         killed_at, killed_t = len(metrics(run)), time.monotonic()
         wait_for(lambda: [s for s in servers(run) if s["url"] == victim["url"] and s["pid"] != victim["pid"]],
-                 "the restart", proc)
+                 "the restart", proc, err=tmp_path / "err")
         version = wait_for(lambda: (v := weight_version(victim["url"])) not in (None, "default") and v,
-                           "current weights on the restarted server", proc)
+                           "current weights on the restarted server", proc, err=tmp_path / "err")
         rejoin_s, rejoined_at = time.monotonic() - killed_t, len(metrics(run))
         assert int(version) >= killed_at
         assert proc.wait(timeout=900) == 0, (tmp_path / "err").read_text()[-3000:]

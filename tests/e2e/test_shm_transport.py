@@ -16,7 +16,12 @@ from megarl.wire import SHM_DIR, SHM_PREFIX
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def handover_files() -> set[str]:
+    return set(glob.glob(os.path.join(SHM_DIR, SHM_PREFIX + "*")))
+
+
 def test_the_push_crosses_no_socket(tmp_path):
+    before = handover_files()  # another test's SIGKILLed trainer may have left one
     server = ServerProc(f"{REPO}/examples/tiny/model").wait_ready()
     try:
         run = tmp_path / "run"
@@ -38,7 +43,26 @@ def test_the_push_crosses_no_socket(tmp_path):
     assert info["weight_bytes_shared_memory"] >= 3 * params * 4 * 0.9
     assert info["weight_version"] == "3"
     assert rows[0]["mismatch/mean"] <= 1e-4 and rows[0]["mismatch/onpolicy_frac"] == 1.0, rows[0]
-    assert not glob.glob(os.path.join(SHM_DIR, SHM_PREFIX + "*"))  # removed at the end
+    assert not handover_files() - before  # this run's file was removed at its end
+
+
+def test_the_file_of_a_killed_trainer_is_removed_by_the_next_run(tmp_path):
+    from megarl.weights.transports import remove_orphans
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid no process has now
+    orphan = os.path.join(SHM_DIR, f"{SHM_PREFIX}{dead.pid}-pp0")
+    alive = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-pp7")
+    for path in (orphan, alive):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        assert orphan in remove_orphans(SHM_DIR, SHM_PREFIX)
+        assert not os.path.exists(orphan) and os.path.exists(alive)
+    finally:
+        for path in (orphan, alive):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def test_shm_against_a_remote_address_is_refused_at_preflight(tmp_path):
