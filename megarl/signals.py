@@ -22,6 +22,9 @@ to terminate; ``scontrol requeue`` and preemption requeue the job from outside).
              the grace period (SLURM's KillWait / GraceTime)
     SIGINT   Ctrl-C: the first one saves and stops, a second one interrupts at once
 
+    SIGUSR2  not a stop: every thread's Python stack is printed to stderr (a rank or the rollout
+             manager that seems hung: ``kill -USR2 PID``; the manager's goes to manager.log)
+
 Rollout servers that a trainer rank starts itself (megarl.rollout.local) run under
 :func:`owned_child_setup`: these signals are ignored and the kernel kills them when their parent
 dies. A signal sent to a whole process tree (Ctrl-C in a terminal, SLURM signalling every process
@@ -31,6 +34,7 @@ trainer that dies hard still takes them with it.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import json
 import os
 import signal
@@ -103,6 +107,12 @@ class StopRequest:
             if self.received is None:
                 self.received = "peer"  # another rank got the signal
         return local
+
+
+def dump_stacks_on_sigusr2() -> None:
+    """SIGUSR2 prints every thread's stack to stderr and the process goes on (see module doc)."""
+    if hasattr(signal, "SIGUSR2"):
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
 def write_stop_marker(run_dir: str, reason: str) -> str:

@@ -22,7 +22,7 @@ import sys
 
 from megarl.cli import DEBUG_FLAG, pop_debug, run_main
 from megarl.config import ConfigError, load_config, save_config
-from megarl.signals import StopRequest, clear_stop_marker, write_stop_marker
+from megarl.signals import StopRequest, clear_stop_marker, dump_stacks_on_sigusr2, write_stop_marker
 
 PROG = "megarl-train"
 CONSOLE_KEYS = {
@@ -73,6 +73,7 @@ def launch(path: str, overrides: list[str], debug: bool = False) -> int:
     from megarl.preflight import check_inputs
     from megarl.ranks import under_launcher
 
+    dump_stacks_on_sigusr2()  # kill -USR2: where this process is, without stopping it
     cfg = load_config(path, overrides)
     launched = under_launcher()
     check_inputs(cfg, cleanup_run_dir=not launched)

@@ -97,8 +97,8 @@ class AdminClient(HttpClient):
             if isinstance(r, BaseException):
                 raise r
 
-    async def end_weight_update(self) -> dict:
-        return await self._admin("/end_weight_update", {})
+    async def end_weight_update(self, skip: Collection[str] = ()) -> dict:
+        return await self._admin("/end_weight_update", {}, skip=skip)
 
     async def update_weight_version(self, version: str) -> dict:
         """Servers flip their reported ``weight_version`` at once (after every bucket landed)."""

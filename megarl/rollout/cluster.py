@@ -104,6 +104,7 @@ class RolloutCluster:
             self.admin = AdminRunner(self.addresses, api_key, timeout_s)
         self.counters = {"pauses": 0, "continues": 0, "sleeps": 0}
         self.unresponsive: set[str] = set()  # failed the last pause: not waited on again
+        self.session_open = False  # a /begin_weight_update was sent and no /end_weight_update yet
 
     @classmethod
     def from_config(cls, cfg, addresses: list[str], driver: bool) -> "RolloutCluster":
@@ -255,6 +256,9 @@ class RolloutCluster:
         except AdminError as e:
             self.unresponsive = set(e.failures)  # a hung server would stall resume() as well
             raise
+        # set before the call: a begin that landed on some servers and failed on others still
+        # opened sessions, and a server refuses the next begin while one is open
+        self.session_open = True
         if self.pause_mode == "in_place":
             # paused requests keep their KV cache and resume on it (what in_place is for); SGLang
             # refuses /flush_cache while they hold it
@@ -266,7 +270,21 @@ class RolloutCluster:
         """After every bucket landed: servers flip to ``version`` at once, then close the update."""
         # version first, then end: requests that resume right after end_weight_update report the new version
         self.admin.call(lambda c: c.update_weight_version(str(version)))
+        self.session_open = False
         self.admin.call(lambda c: c.end_weight_update())
+
+    def abandon_update(self) -> None:
+        """A push that failed after its begin closes the session it opened before generation
+        resumes (the retry, or the next push, begins a new one; SGLang and megarl-server refuse
+        a second begin while one is open). Best effort: a server that died or never began says
+        so, and is dealt with by the health check that follows a failed push."""
+        if not self.session_open or self.admin is None:
+            return
+        self.session_open = False
+        try:
+            self.admin.call(lambda c: c.end_weight_update(skip=self.unresponsive))
+        except Exception as e:  # noqa: BLE001 - the push's own error is the one raised
+            log.warning("end_weight_update after a failed push: %s", e)
 
     def settle(self) -> None:
         """Nothing is left running between pushes here (the manager's link defers `end_push`)."""
@@ -280,7 +298,10 @@ class RolloutCluster:
                 # commit after publish: the staleness window moves only once the servers hold the version
                 self.commit(version)
         finally:
-            self.resume()
+            try:
+                self.abandon_update()  # nothing to do after a publish, which ended the session
+            finally:
+                self.resume()
 
     def resume(self) -> None:
         """``/continue_generation`` and open the gates; runs even after a failed push so that one

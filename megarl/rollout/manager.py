@@ -68,7 +68,7 @@ log = logging.getLogger("megarl.manager")
 # each step of the server set is one fixed call on the manager (m: the message, g: the manager)
 CLUSTER_CALLS = {
     PauseForUpdate: lambda m, g: g.cluster.pause_for_update(),
-    Resume: lambda m, g: g.cluster.resume(),
+    Resume: lambda m, g: g.cluster.end_push(None),  # a failed push: its session closed, generation resumed
     FinishPush: lambda m, g: g.finish_push(int(m.version)),
     Unhealthy: lambda m, g: g.cluster.unhealthy(),
     RemoveServer: lambda m, g: g.cluster.remove_server(str(m.address)),
@@ -512,7 +512,10 @@ def _run(args) -> int:
     from megarl.config.server_wire import is_resolved
     from megarl.rollout.probe import check_wire
 
+    from megarl.signals import dump_stacks_on_sigusr2
+
     logging.basicConfig(level=logging.WARNING, format="[manager] %(levelname)s %(message)s")
+    dump_stacks_on_sigusr2()  # kill -USR2: its threads' stacks in manager.log
     cfg = load_config(args.config)
     if not is_resolved(cfg.weights):
         # a manager run apart on the user's config: the wire from what the servers advertise, as

@@ -143,7 +143,7 @@ class PauseForUpdate:
 
 @dataclass
 class Resume:
-    """A push that failed: generation goes on with the old weights."""
+    """A push that failed: the update session it opened is closed, generation goes on."""
 
 
 @dataclass

@@ -210,15 +210,27 @@ async def abort_request(request: web.Request) -> web.Response:
     return result(True, f"aborted {n}", num_aborted=n)
 
 
+def _set_updating(engine, value: bool) -> bool:
+    """Opens (True) or closes (False) the weight-update session; False when it already was."""
+    if engine.updating == value:
+        return False
+    engine.updating = value
+    return True
+
+
 async def begin_weight_update(request: web.Request) -> web.Response:
+    """SGLang's session contract: one session at a time, so a caller that lost track of one (a
+    push that failed after its begin) learns it here instead of loading into it unnoticed."""
     state: ServerState = request.app["state"]
-    await on_engine(state, lambda: setattr(state.engine, "updating", True))
+    if not await on_engine(state, lambda: _set_updating(state.engine, True)):
+        return result(False, "a weight-update session is already open; call /end_weight_update first")
     return result(True, "weight update begun")
 
 
 async def end_weight_update(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    await on_engine(state, lambda: setattr(state.engine, "updating", False))
+    if not await on_engine(state, lambda: _set_updating(state.engine, False)):
+        return result(False, "no weight-update session is open; call /begin_weight_update first")
     return result(True, "weight update ended")
 
 

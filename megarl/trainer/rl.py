@@ -42,6 +42,7 @@ from megarl.algo.choices import AdvantageEstimator
 from megarl.algo.filters import overlong_penalty
 from megarl.checkpoint import maybe_export_hf
 from megarl.metrics import print0, progress
+from megarl.rollout.channel import ManagerStalled
 from megarl.rollout.setup import groups_per_step
 from megarl.rollout.types import Trajectory
 from megarl.timeline import Timeline
@@ -196,7 +197,10 @@ class StepRunner:
 
     def _push(self, metrics: dict) -> None:
         with self.timer.phase("push"):
-            metrics.update(self.pusher.push().as_dict())
+            try:
+                metrics.update(self.pusher.push().as_dict())
+            except ManagerStalled as e:  # seen by a transport while its bytes waited on the manager
+                raise self.side._died(e) from None
         if self.pusher.verify_due(self.cluster.version):  # weights.verify_interval
             with self.timer.phase("verify"):
                 metrics["push/verify_mismatches"] = verify_push(self.pusher, self.cfg.weights.verify_mode)
@@ -260,6 +264,7 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None, side: Optional[RolloutSide]
             critic.updates = start  # and so does the critic's (and its warm-up count)
         pusher = WeightPusher(PushSpec.from_config(cfg), engine, cluster)
         stack.callback(pusher.close)
+        stack.callback(side.kill_if_stalled)  # before pusher.close (RolloutSide.kill_if_stalled)
         pusher.push(bump=False)  # servers hold exactly the trainer's weights before any rollout
         if pusher.verify_due(cluster.version):  # a server that cannot hold them fails here, before work
             verify_push(pusher, cfg.weights.verify_mode)

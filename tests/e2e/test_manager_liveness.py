@@ -15,6 +15,20 @@ from test_rollout_manager import _env, _manager
 STALL_S = 15
 
 
+def _stacks(proc, manager) -> str:
+    """Every process of the run (but the stopped manager) prints its threads' stacks
+    (megarl.signals: SIGUSR2), and the process tree: what a hang leaves to diagnose."""
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    lines = [f"{p.pid} {p.status()} {' '.join(p.cmdline()[:4])}" for p in tree if p.is_running()]
+    for p in tree:  # the trainer's processes (a server has no SIGUSR2 handler: it would die)
+        if p.pid != manager.pid and p.is_running() and "megarl.train" in p.cmdline():
+            p.send_signal(signal.SIGUSR2)
+    time.sleep(3.0)
+    os.killpg(proc.pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    return "\n".join(lines) + "\n" + err[-12000:]
+
+
 def test_sigstopped_manager_stops_the_run_within_the_stall_deadline_and_resumes_once(tmp_path):
     data = tmp_path / "prompts.jsonl"
     lines = open(os.path.join(os.path.dirname(__file__), "../../examples/tiny/data/rl_prompts.jsonl")).read()
@@ -34,7 +48,10 @@ def test_sigstopped_manager_stops_the_run_within_the_stall_deadline_and_resumes_
         servers = manager.children(recursive=True)
         manager.suspend()  # SIGSTOP: the process is there, its socket open, nothing runs
         stopped = time.monotonic()
-        _, err = proc.communicate(timeout=STALL_S + 60)
+        try:
+            _, err = proc.communicate(timeout=STALL_S + 60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"no exit {STALL_S + 60} s after SIGSTOP; where it was:\n{_stacks(proc, manager)}")
         took = time.monotonic() - stopped
     finally:
         if proc.poll() is None:

@@ -158,8 +158,10 @@ def test_no_route_unpickles_its_body(sec):
         assert not os.path.exists(sec.marker), path
         if reads_body:
             assert code == 400, (path, out)
-    for path in ("/end_weight_update", "/continue_generation"):  # undo the body-less admin calls
-        assert http("POST", sec.url + path, {}, key=KEY)[0] == 200
+    # undo the body-less admin calls (each route was called twice: the session may be closed already)
+    code, out = http("POST", sec.url + "/end_weight_update", {}, key=KEY)
+    assert code == 200 or "no weight-update session is open" in str(out), out
+    assert http("POST", sec.url + "/continue_generation", {}, key=KEY)[0] == 200
     code, out = http("POST", sec.url + "/generate", {"input_ids": base64.b64encode(payload).decode()}, key=KEY)
     assert code == 400 and not os.path.exists(sec.marker)
 

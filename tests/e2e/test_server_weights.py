@@ -131,8 +131,13 @@ def test_update_from_distributed_gloo_two_servers(tiny_model, new_weights, serve
 
             await a.pause("abort")
             await a.begin_weight_update()
+            # SGLang's session contract: one session at a time, no end without one
+            with pytest.raises(AdminError, match="a weight-update session is already open"):
+                await a.begin_weight_update()
             await asyncio.gather(a.update_weights_from_distributed(meta), asyncio.to_thread(broadcast))
             await a.end_weight_update()
+            with pytest.raises(AdminError, match="no weight-update session is open"):
+                await a.end_weight_update()
             await a.continue_generation()
             got = await a.get_weights_by_name("model.layers.1.mlp.down_proj.weight", truncate_size=3)
             for rows in got.values():
