@@ -155,6 +155,14 @@ class DistributedTransport:
             self.group = None
 
 
+def post_tensor_update(admin, update: TensorWeightsUpdate, timeout_s: float, where: str = "") -> None:
+    """``/update_weights_from_tensor`` on every server; any failure is a PushError naming it."""
+    try:
+        admin.call(lambda c: c.update_weights_from_tensor(update), timeout_s)
+    except Exception as e:  # noqa: BLE001
+        raise PushError(f"update_weights_from_tensor{where}: {e}") from e
+
+
 def leave_update_group(admin: Optional[AdminRunner], group, name: str, timeout_s: float,
                        tell_servers: bool = True) -> None:
     """Ends a weight-update group: the servers are asked to destroy their side (best effort), then
@@ -187,10 +195,7 @@ class TensorTransport:
 
     def send(self, bucket: Bucket, version: str) -> None:
         update = tensor_update(dict(zip(bucket.names, bucket.tensors)), self.wire, flush_cache=False)
-        try:
-            self.admin.call(lambda c: c.update_weights_from_tensor(update), self.timeout_s)
-        except Exception as e:  # noqa: BLE001
-            raise PushError(f"update_weights_from_tensor: {e}") from e
+        post_tensor_update(self.admin, update, self.timeout_s)
 
     def finish(self, version: str, engine) -> None:
         pass
@@ -275,10 +280,7 @@ class SharedMemoryTransport:
         update = TensorWeightsUpdate([manifest], SHARED_MEMORY, flush_cache=False)
         self.shared_bytes += sum(t.numel() * t.element_size() for t in bucket.tensors)
         self.socket_bytes += len(manifest)
-        try:
-            self.admin.call(lambda c: c.update_weights_from_tensor(update), self.timeout_s)
-        except Exception as e:  # noqa: BLE001
-            raise PushError(f"update_weights_from_tensor (shm {self.path}): {e}") from e
+        post_tensor_update(self.admin, update, self.timeout_s, f" (shm {self.path})")
 
     def finish(self, version: str, engine) -> None:
         pass

@@ -5,6 +5,7 @@ import`` would pick whichever tier's conftest pytest loaded last)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -144,3 +145,27 @@ class ForwardingProxy:
 
         self.loop.run_until_complete(start())
         self.loop.run_forever()
+
+
+def wait_for(cond, what: str, proc, timeout: float = 300.0, err=None, poll_s: float = 0.05):
+    """``cond()``'s first truthy value; fails when the job ``proc`` exits first (quoting the end of
+    its stderr file ``err`` when given) or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert proc.poll() is None, (f"trainer exited while waiting for {what}: "
+                                     f"{err.read_text()[-3000:] if err is not None else ''}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll_s)
+
+
+def model_version(url: str):
+    """A server's /model_info weight_version (SGLang says "default" until the first push,
+    megarl-server the version it was started with); None while it does not answer."""
+    try:
+        with urllib.request.urlopen(url + "/model_info", timeout=2) as r:
+            return json.loads(r.read())["weight_version"]
+    except OSError:
+        return None

@@ -4,7 +4,9 @@
   weights and re-admitted; the run completes every step and no prompt is lost;
 - an external server killed in the middle of a weight push (a forwarding proxy kills it when the
   push's begin_weight_update reaches it) is dropped, comes back (restarted by its owner, here the
-  test) and is re-admitted by health polling;
+  test) and is re-admitted by health polling; the push it broke closes the weight-update
+  session it opened on the other servers (they refuse a second /begin_weight_update, as SGLang
+  does: without that close the retry failed with "a weight-update session is already open");
 - an external server SIGSTOPped (hung) fails the push within the deadline and training goes on.
 """
 import collections
@@ -15,10 +17,9 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 
-from e2e_servers import ForwardingProxy, ServerProc
+from e2e_servers import ForwardingProxy, ServerProc, model_version, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = f"{REPO}/examples/tiny/model"
@@ -35,25 +36,6 @@ def train_cmd(run, *extra) -> list[str]:
 def rows_of(run) -> list[dict]:
     path = run / "metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_for(cond, what: str, proc, timeout: float = 300.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert proc.poll() is None, f"trainer exited while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def model_version(url: str):
-    try:
-        with urllib.request.urlopen(url + "/model_info", timeout=2) as r:
-            return json.loads(r.read())["weight_version"]
-    except OSError:
-        return None
 
 
 def assert_every_draw_trained_once(run, steps: int, groups: int) -> None:
