@@ -123,7 +123,7 @@ def test_the_lazy_algo_package_exports_what_it_lists():
     import megarl.algo as algo
     from megarl.algo import choices, losses
 
-    assert len(algo.__all__) == len(set(algo.__all__)) == 48  # the names the eager package exported
+    assert len(algo.__all__) == len(set(algo.__all__)) == 49  # the names the eager package exported (+ shape_and_filter)
     for name in algo.__all__:
         module = f"megarl.algo.{algo._MODULE_OF[name]}"
         obj = getattr(algo, name)
