@@ -35,6 +35,7 @@ setup(
     entry_points={
         "console_scripts": [
             "megarl-train=megarl.train:main",
+            "megarl-eval=megarl.eval:main",
             "megarl-convert=megarl.tools_cli.convert:main",
             "megarl-logprobs=megarl.tools_cli.logprobs:main",
             "megarl-server=megarl.server.__main__:main",

@@ -65,9 +65,11 @@ class AlgoConfig:
     entropy_coef: float = bounded(0.0, ge=0.0)
     """Entropy bonus: per-token loss -entropy_coef * H_t. >= 0."""
     dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal."""
+    """DAPO: drop groups whose rewards are all equal - the rewards after overlong shaping (DAPO's
+    order; both act in the rollout manager, megarl/rollout/shaping.py)."""
     overlong_buffer_len: int = bounded(0, ge=0)
-    """DAPO overlong shaping over the last N tokens of the max length; 0 = off."""
+    """DAPO overlong shaping over the last N tokens of rollout.max_new_tokens, added to the reward
+    before dynamic sampling; 0 = off."""
     overlong_penalty_factor: float = bounded(1.0, ge=0.0)
     """Penalty at (and beyond) the max length; >= 0."""
 

@@ -16,12 +16,14 @@ resolved config is written into the run directory by :func:`save_config`.
     train.py     train, data, checkpoint, logging sections
     rollout.py   rollout, reward, weights sections
     launch.py    launch section
+    eval.py      eval section (megarl-eval)
     common.py    helpers the sections share
     (algo.*: megarl/algo/config.py, next to the RL math it configures)
 
 ``from megarl.config import X`` is the way to import any of these names.
 """
 from megarl.algo.config import AlgoConfig
+from megarl.config.eval import EvalConfig
 from megarl.config.launch import LaunchConfig
 from megarl.config.load import (OUTPUT_PATHS, apply_overrides, check_outputs, from_dict, load_config,
                                 parse_value, read_yaml, recipe_keys, resolve_outputs, save_config)
@@ -32,7 +34,8 @@ from megarl.config.train import CheckpointConfig, DataConfig, LoggingConfig, Tra
 from megarl.errors import ConfigError
 
 __all__ = [
-    "AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "LaunchConfig",
+    "AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "EvalConfig",
+    "LaunchConfig",
     "LoggingConfig", "ModelConfig", "OUTPUT_PATHS", "OptimConfig", "ParallelConfig", "RewardConfig",
     "RolloutConfig", "TrainConfig", "WeightSyncConfig", "apply_overrides", "check_outputs",
     "check_world_size", "from_dict", "load_config", "parse_value", "read_yaml", "recipe_keys",

@@ -32,7 +32,8 @@ from megarl.errors import ConfigError
 
 
 # (section, field) of every path a run writes to; relative ones are resolved under train.run_dir
-OUTPUT_PATHS = (("checkpoint", "save_dir"), ("checkpoint", "hf_export_dir"), ("weights", "disk_dir"))
+OUTPUT_PATHS = (("checkpoint", "save_dir"), ("checkpoint", "hf_export_dir"), ("weights", "disk_dir"),
+                ("eval", "out_dir"))
 
 
 class _DuplicateKey(yaml.YAMLError):

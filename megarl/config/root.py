@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megarl.algo.config import AlgoConfig
+from megarl.config.eval import EvalConfig
 from megarl.config.launch import LaunchConfig
 from megarl.config.model import CriticConfig, ModelConfig, OptimConfig, ParallelConfig
 from megarl.config.rollout import RewardConfig, RolloutConfig, WeightSyncConfig
@@ -29,6 +30,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> None:
         """Types, ranges and rules across fields; no file reads, no model code (the checks against
@@ -62,6 +64,9 @@ class Config:
             # a recomputed layer reads the routes of the micro-batch last fed to its stage, which under
             # 1F1B is not the one being recomputed
             raise ConfigError("moe.routing_replay: not supported with model.recompute and parallel.pp > 1")
+        if self.eval.n and not self.eval.n >= self.rollout.eval_k > 0:
+            raise ConfigError(f"eval.n: {self.eval.n} samples per prompt need rollout.eval_k = k with "
+                              f"1 <= k <= n (pass@k from n samples); got rollout.eval_k={self.rollout.eval_k}")
         if self.train.is_rl:
             validate_learning_signal(self)
             if self.algo.overlong_buffer_len > self.rollout.max_new_tokens:

@@ -46,6 +46,7 @@ from typing import Optional
 
 from megarl.data.datasets import PromptDataset, ResumableSampler
 from megarl.rollout.client import RolloutClient, ServerRequestError
+from megarl.rollout.shaping import GroupShaping
 from megarl.rollout.staleness import EpisodeState, StalenessManager, VersionProvider
 from megarl.rollout.types import Trajectory
 
@@ -81,6 +82,7 @@ class RolloutController:
     def __init__(self, dataset: PromptDataset, workflow, servers: list[str], versions: VersionProvider,
                  *, batch_groups: int, max_staleness: float, max_concurrent: int, seed: int = 0,
                  api_key: Optional[str] = None, dynamic_sampling: bool = False,
+                 shaping: Optional[GroupShaping] = None,
                  partial_rollout: bool = True, max_retries: int = 2, failed_log: Optional[str] = None,
                  timeline=None, sampling_seed: Optional[int] = None, client_kwargs: Optional[dict] = None,
                  max_consecutive_failures: int = 8, hold_timeout_s: float = 600.0,
@@ -92,6 +94,8 @@ class RolloutController:
         # None: the bound itself (every trained token within max_staleness versions)
         self.stale_cap = math.ceil(max_staleness) if stale_cap is None else stale_cap
         self.dynamic_sampling, self.partial_rollout = dynamic_sampling, partial_rollout
+        # DAPO's order: overlong shaping first, then dynamic sampling on the shaped rewards
+        self.shaping = shaping or GroupShaping(0, dynamic_sampling=dynamic_sampling)
         self.max_retries, self.failed_log, self.timeline = max_retries, failed_log, timeline
         self.sampling_seed = sampling_seed
         self.max_consecutive_failures, self.hold_timeout_s = max_consecutive_failures, hold_timeout_s
@@ -186,8 +190,8 @@ class RolloutController:
             group = await self._attempts(index, draw)
             if group is None:
                 pass  # filtered or failed: counted where decided
-            # equal rewards -> all-zero group-relative advantages: the group would teach nothing
-            elif self.dynamic_sampling and len({t.reward for t in group}) == 1:
+            # shaped, then equal rewards -> all-zero group-relative advantages: it would teach nothing
+            elif not self.shaping(group):
                 self.counters["filtered/dynamic_sampling"] += 1
             else:
                 for t in group:

@@ -207,7 +207,8 @@ class PeriodicEval:
         self._running = still
         return out
 
-    def metrics(self, res: EvalResult, step: int, version: int) -> dict:
+    @staticmethod
+    def metrics(res: EvalResult, step: int, version: int) -> dict:
         # atomic requests finish under the version they started with: normally just one
         # one version in the completions is what was measured; several (should not happen: atomic) fall back to the submit version
         measured = res.versions[-1] if len(res.versions) == 1 else version

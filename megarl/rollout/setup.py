@@ -22,6 +22,7 @@ from megarl.data.tokenizer import load_tokenizer
 from megarl.rewards import RewardCaller
 from megarl.rollout.controller import RolloutController
 from megarl.rollout.evaluation import EvalWorkflows, PeriodicEval
+from megarl.rollout.shaping import GroupShaping
 from megarl.rollout.types import SamplingParams
 from megarl.rollout.workflows import WorkflowContext, load_workflow
 
@@ -62,21 +63,30 @@ class ControllerSpec:
     hold_timeout_s: float = 600.0
     failed_log: Optional[str] = None
     routes: Optional[tuple[int, int]] = None
+    overlong_buffer_len: int = 0  # algo.overlong_*: shaped here, before dynamic sampling (DAPO)
+    overlong_penalty_factor: float = 1.0
 
     @classmethod
     def from_config(cls, cfg) -> "ControllerSpec":
         return cls(TaskSpec.from_config(cfg), groups_per_step(cfg) * cfg.train.trigger_parameter_sync_step,
                    cfg.train.seed, cfg.algo.dynamic_sampling, cfg.weights.timeout_s,
-                   os.path.join(cfg.train.run_dir, "failed_prompts.jsonl"), routed_experts(cfg))
+                   os.path.join(cfg.train.run_dir, "failed_prompts.jsonl"), routed_experts(cfg),
+                   cfg.algo.overlong_buffer_len, cfg.algo.overlong_penalty_factor)
+
+    def shaping(self) -> GroupShaping:
+        return GroupShaping(self.task.rollout.max_new_tokens, self.overlong_buffer_len,
+                            self.overlong_penalty_factor, self.dynamic_sampling)
 
 
 @dataclass(frozen=True)
 class EvalSpec:
     """Held-out evaluation: its task (data.eval_path, rollout.eval_size / eval_k) and the file
-    its generations are dumped to (logging.dump_eval_generations), else None."""
+    its generations are dumped to (logging.dump_eval_generations), else None; ``n``: sampled
+    episodes per prompt (megarl-eval's eval.n), 0 = rollout.eval_k."""
 
     task: TaskSpec
     dump_path: Optional[str] = None
+    n: int = 0  # sampled episodes per prompt behind pass@k (eval.n); 0 = rollout.eval_k
 
     @classmethod
     def from_config(cls, cfg) -> "EvalSpec":
@@ -141,7 +151,7 @@ def build_controller(spec: ControllerSpec, cluster, timeline=None) -> RolloutCon
     return RolloutController(
         dataset, workflow, cluster.addresses, cluster, batch_groups=spec.batch_groups,
         max_staleness=r.staleness, max_concurrent=r.max_concurrent, seed=spec.seed,
-        api_key=r.api_key or None, dynamic_sampling=spec.dynamic_sampling,
+        api_key=r.api_key or None, dynamic_sampling=spec.dynamic_sampling, shaping=spec.shaping(),
         partial_rollout=r.partial_rollout, max_retries=r.max_retries,
         failed_log=spec.failed_log, timeline=timeline,
         sampling_seed=r.seed, max_consecutive_failures=r.max_consecutive_failures,
@@ -163,7 +173,9 @@ def build_eval(spec: EvalSpec, reward: RewardCaller) -> Optional[PeriodicEval]:
         sampling = dataclasses.replace(sampling, ignore_eos=False, stop_token_ids=[tok.eos_id])
     greedy = make_workflow(task, tok, template, reward, dataclasses.replace(sampling, temperature=0.0), 1,
                            for_eval=True)
-    sampled = make_workflow(task, tok, template, reward, sampling, r.eval_k, for_eval=True) if r.eval_k else None
+    # pass@k from n >= k samples per prompt (the unbiased estimator needs n >= k)
+    n = max(spec.n, r.eval_k)
+    sampled = make_workflow(task, tok, template, reward, sampling, n, for_eval=True) if r.eval_k else None
     samples = prompt_dataset(task.data, task.data.eval_path, tok, template,
                              getattr(greedy, "tool_schemas", None)).samples[:r.eval_size]
     return PeriodicEval(samples, EvalWorkflows(greedy, sampled, tok, r.eval_k), dump_path=spec.dump_path)

@@ -35,11 +35,9 @@ import dataclasses
 import threading
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
 from megarl.algo.choices import AdvantageEstimator
-from megarl.algo.filters import overlong_penalty
 from megarl.checkpoint import maybe_export_hf
 from megarl.metrics import print0, progress
 from megarl.rollout.channel import ManagerStalled
@@ -68,19 +66,15 @@ def local_share(trajs: list[Trajectory], ps) -> TensorBatch:
     return TensorBatch.from_trajectories([t for t in trajs if t.info.get("dp_rank", 0) == ps.dp_rank])
 
 
-def shape_rewards(trajs: list[Trajectory], spec, max_new_tokens: int) -> dict:
-    """DAPO overlong shaping (algo.overlong_*) added to each sample's outcome reward, in place
-    and identically on every rank (all ranks hold the broadcast batch)."""
-    if not spec.overlong_buffer_len:
+def shaping_metrics(trajs: list[Trajectory]) -> dict:
+    """overlong_* metrics of DAPO's overlong shaping (algo.overlong_*), which the rollout manager
+    applied to each group before dynamic sampling (megarl.rollout.shaping): the rewards arrive
+    shaped, each sample's penalty in info["overlong_penalty"]."""
+    penalties = [t.info["overlong_penalty"] for t in trajs if "overlong_penalty" in t.info]
+    if not penalties:
         return {}
-    lengths = torch.tensor([t.response_len for t in trajs])
-    penalty = overlong_penalty(lengths, max_new_tokens, spec.overlong_buffer_len,
-                               spec.overlong_penalty_factor)
-    for t, p in zip(trajs, penalty.tolist()):
-        # the unshaped reward is kept: metrics and dumps report what the verifier said
-        t.info["reward_raw"] = t.reward
-        t.reward += p
-    return {"overlong_penalty_mean": float(penalty.mean()), "overlong_frac": float((penalty < 0).float().mean())}
+    return {"overlong_penalty_mean": sum(penalties) / len(penalties),
+            "overlong_frac": sum(p < 0 for p in penalties) / len(penalties)}
 
 
 def train_step(actor: Actor, critic: Optional[Critic], batch: TensorBatch, version: int) -> dict:
@@ -161,7 +155,7 @@ class StepRunner:
 
     def _update(self, trajs: list[Trajectory], step: int) -> dict:
         cfg = self.cfg
-        shaping = shape_rewards(trajs, self.actor.spec, cfg.rollout.max_new_tokens)
+        shaping = shaping_metrics(trajs)
         batch = local_share(trajs, self.ps)
         # the version the batch's step starts from; the push after it makes version + 1
         self.trained_version = self.cluster.version

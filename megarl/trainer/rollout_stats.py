@@ -86,7 +86,8 @@ class StepTimer:
 
 def dump_generations(path: str, step: int, version: int, trajs: list[Trajectory]) -> None:
     """Appends one JSON line per sample: prompt index, group, completion, reward, generated
-    token versions and the behaviour logprobs (``logging.dump_generations``)."""
+    token versions and the behaviour logprobs (``logging.dump_generations``); with overlong
+    shaping, reward is the shaped one and reward_raw the verifier's."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a") as f:
         for t in trajs:
@@ -96,4 +97,6 @@ def dump_generations(path: str, step: int, version: int, trajs: list[Trajectory]
                 "draw": t.info.get("draw"),
                 "group_id": t.group_id, "completion": t.info.get("completion"), "reward": t.reward,
                 "response_ids": [t.input_ids[i] for i in gen], "versions": [t.versions[i] for i in gen],
-                "behave_logp": [t.behave_logp[i] for i in gen]}) + "\n")
+                "behave_logp": [t.behave_logp[i] for i in gen],
+                # DAPO overlong shaping (the manager's): the verifier's reward before it
+                **({"reward_raw": t.info["reward_raw"]} if "reward_raw" in t.info else {})}) + "\n")

@@ -1,8 +1,8 @@
 """The import picture: command-line tools on top, the library below them, never the reverse.
 
 No module outside megarl/tools_cli/ imports megarl.tools_cli (the tools' validation lives in the
-library, `megarl.models.checks`); megarl.preflight is imported only by the megarl-train entry
-(megarl/train.py); megarl.errors (the error types both sides share) imports nothing of megarl.
+library, `megarl.models.checks`); megarl.preflight is imported only by the entries that check a run config
+(megarl/train.py, megarl/eval.py); megarl.errors (the error types both sides share) imports nothing of megarl.
 A static scan (AST, function-level imports included); a failure names file:line."""
 import ast
 import pathlib
@@ -36,9 +36,10 @@ def test_no_library_module_imports_the_command_line_tools():
     assert importers_of("megarl.tools_cli", {"megarl/tools_cli/"}) == []
 
 
-def test_preflight_is_imported_only_by_the_train_entry():
-    assert [f.split(":")[0] for f in importers_of("megarl.preflight", {"megarl/preflight.py"})] == [
-        "megarl/train.py"]
+def test_preflight_is_imported_only_by_the_entries_that_check_a_run_config():
+    # megarl-train, and megarl-eval (the same fields checked the same way before it starts)
+    assert sorted({f.split(":")[0] for f in importers_of("megarl.preflight", {"megarl/preflight.py"})}) == [
+        "megarl/eval.py", "megarl/train.py"]
 
 
 def test_the_shared_error_module_imports_nothing_of_megarl():
@@ -123,7 +124,7 @@ def test_the_lazy_algo_package_exports_what_it_lists():
     import megarl.algo as algo
     from megarl.algo import choices, losses
 
-    assert len(algo.__all__) == len(set(algo.__all__)) == 48  # the names the eager package exported
+    assert len(algo.__all__) == len(set(algo.__all__)) == 49  # the names the eager package exported (+ shape_and_filter)
     for name in algo.__all__:
         module = f"megarl.algo.{algo._MODULE_OF[name]}"
         obj = getattr(algo, name)

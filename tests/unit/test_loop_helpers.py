@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from megarl.algo.config import AlgoConfig
 from megarl.metrics import MetricsLogger
 from megarl.rollout.types import Trajectory
-from megarl.trainer.rl import shape_rewards
+from megarl.rollout.shaping import GroupShaping
+from megarl.trainer.rl import shaping_metrics
 from megarl.trainer.rollout_stats import batch_metrics
 
 
@@ -18,13 +18,25 @@ def traj(n_gen: int, reward: float, versions=None) -> Trajectory:
 
 
 def test_overlong_shaping_by_hand():
-    spec = AlgoConfig(overlong_buffer_len=4, overlong_penalty_factor=1.0).build()
+    shape = GroupShaping(max_new_tokens=8, overlong_buffer_len=4, overlong_penalty_factor=1.0)
     trajs = [traj(4, 1.0), traj(6, 1.0), traj(8, 0.0)]  # max 8 new tokens, buffer 4: free up to 4
-    out = shape_rewards(trajs, spec, max_new_tokens=8)
+    assert shape(trajs)  # no dynamic sampling: every group is kept
     assert [t.reward for t in trajs] == [1.0, 0.5, -1.0]  # -(L - 4) / 4
     assert [t.info["reward_raw"] for t in trajs] == [1.0, 1.0, 0.0]
+    out = shaping_metrics(trajs)  # what the trainer logs from the shaped samples it receives
     assert out == {"overlong_penalty_mean": pytest.approx(-0.5), "overlong_frac": pytest.approx(2 / 3)}
-    assert shape_rewards([traj(8, 1.0)], AlgoConfig().build(), 8) == {}  # off by default
+    plain = [traj(8, 1.0)]
+    assert GroupShaping(8)(plain) and plain[0].reward == 1.0 and "reward_raw" not in plain[0].info  # off
+    assert shaping_metrics(plain) == {}
+
+
+def test_group_shaping_filters_on_the_shaped_rewards():
+    both = GroupShaping(8, overlong_buffer_len=4, dynamic_sampling=True)
+    # equal verifier rewards, lengths 4 and 6: shaped 1.0 and 0.5 -> kept (the raw filter dropped it)
+    assert both([traj(4, 1.0), traj(6, 1.0)])
+    # verifier rewards 1.0 (6 tokens) and 0.5 (4 tokens): shaped 0.5 and 0.5 -> dropped
+    assert not both([traj(6, 1.0), traj(4, 0.5)])
+    assert not GroupShaping(8, dynamic_sampling=True)([traj(6, 1.0), traj(4, 1.0)])  # filter alone
 
 
 def test_batch_metrics_staleness_histogram_and_partial_span():

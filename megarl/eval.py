@@ -1,0 +1,230 @@
+"""megarl-eval CONFIG.yaml [a.b=c ...] -- score a model on the held-out set, without training.
+
+    model    <- eval.checkpoint: a Megatron checkpoint, exported to HF in a temporary directory
+                (megarl-convert mcore-to-hf, one process, any layout); empty: model.hf_path (HF)
+    servers  <- rollout.local_servers of rollout.engine started on that HF directory: no trainer
+                rank, no Megatron - the servers are all the model needs
+    result   <- the run's own evaluation (megarl.rollout.evaluation, built by build_eval): the
+                configured rollout.workflow and rollout.reward_fn on data.eval_path (the first
+                rollout.eval_size prompts), greedy pass@1 and, with rollout.eval_k = k > 0, pass@k
+                from eval.n >= k sampled episodes per prompt (unbiased estimator)
+    output   <- <eval.out_dir>/samples.jsonl (every episode), <eval.out_dir>/results.json, and one
+                summary line on stdout
+
+The same contract as megarl-train: the config and what it points at are checked before anything
+starts (one line ``megarl-eval: <field>: <problem>``, exit status 2); a later error is one line,
+exit status 1; ``--debug`` shows the traceback. The two files are written aside and renamed, so
+an evaluation that fails leaves no half-written output (and an earlier evaluation's files whole).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from megarl.cli import pop_debug, run_main
+from megarl.config import ConfigError, load_config
+
+PROG = "megarl-eval"
+
+
+def parse_args(argv: list[str]) -> tuple[str, list[str]]:
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0)
+    if not argv or argv[0].startswith("-"):
+        print(f"{PROG}: usage: {PROG} CONFIG.yaml [a.b=c ...] [--debug] (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+    return argv[0], argv[1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv, debug = pop_debug(sys.argv[1:] if argv is None else argv)
+    path, overrides = parse_args(argv)
+    return run_main(PROG, lambda: run(path, overrides), debug, expected=(ConfigError,), code=2)
+
+
+def run(path: str, overrides: list[str]) -> int:
+    cfg = load_config(path, overrides)
+    ckpt = check_inputs(cfg)
+    out_dir = output_dir(cfg)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="megarl-eval-") as tmp:
+        model_dir = export_hf(ckpt, os.path.join(tmp, "hf")) if ckpt else cfg.model.hf_path
+        res = evaluate_model(cfg, model_dir, os.path.join(out_dir, "servers"))
+    results = summarize(cfg, res, ckpt, time.perf_counter() - t0)
+    write_outputs(out_dir, results, res.rows)
+    print(summary_line(results, out_dir), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def output_dir(cfg) -> str:
+    return cfg.eval.out_dir or os.path.join(os.path.abspath(cfg.train.run_dir), "eval")
+
+
+def check_inputs(cfg) -> str:
+    """The checks megarl-train runs on the same fields (megarl.preflight), before anything starts;
+    returns the resolved Megatron checkpoint (eval.checkpoint), or '' for the HF model."""
+    from megarl import preflight
+
+    if not cfg.train.is_rl:
+        raise ConfigError("train.algorithm: megarl-eval scores an RL task (rollout.workflow, rollout.reward_fn); "
+                          f"got {cfg.train.algorithm}")
+    if not cfg.data.eval_path:
+        raise ConfigError("data.eval_path: megarl-eval needs a held-out file (JSONL or Parquet)")
+    if cfg.rollout.servers:
+        raise ConfigError("rollout.servers: megarl-eval starts its own servers on the model it scores; "
+                          f"leave it empty (got {cfg.rollout.servers[0]})")
+    if cfg.eval.checkpoint:
+        ckpt = resolve_eval_checkpoint(cfg)
+        args = checkpoint_model_args(ckpt)
+        if not cfg.data.tokenizer_path:
+            cfg.data.tokenizer_path = ckpt  # megarl copies the tokenizer into every checkpoint
+    else:
+        if not cfg.model.hf_path:
+            raise ConfigError("model.hf_path: the HF model to evaluate (or set eval.checkpoint)")
+        ckpt, args = "", preflight.check_model(cfg)
+    tok = preflight.check_tokenizer(cfg, args.vocab_size)
+    preflight.check_dataset("data.eval_path", cfg.data.eval_path, cfg, tok, args.max_position_embeddings)
+    preflight.check_plugins(cfg)
+    preflight.check_writable("eval.out_dir", output_dir(cfg))
+    if not cfg.rollout.servers and cfg.rollout.engine == "sglang":
+        from megarl.rollout.sglang_local import check_model_dir, sglang_python
+        sglang_python()
+        if not ckpt:
+            check_model_dir(cfg.model.hf_path)
+    return ckpt
+
+
+def resolve_eval_checkpoint(cfg) -> str:
+    """eval.checkpoint as a complete, intact checkpoint directory (latest: checkpoint.save_dir's)."""
+    from megarl.checkpoint import CheckpointError, resolve_checkpoint, verify_checkpoint
+
+    path = cfg.eval.checkpoint
+    if path == "latest":
+        path = cfg.checkpoint.save_dir or os.path.join(cfg.train.run_dir, "checkpoints")
+    try:
+        ckpt = resolve_checkpoint(path)
+        verify_checkpoint(ckpt)  # every file there and whole, tensors only (no pickled objects)
+    except CheckpointError as e:
+        raise ConfigError(f"eval.checkpoint: {e}") from None
+    if not os.path.isfile(os.path.join(ckpt, "config.json")):
+        raise ConfigError(f"eval.checkpoint: {ckpt} has no config.json (megarl writes one into every checkpoint)")
+    return ckpt
+
+
+def checkpoint_model_args(ckpt: str):
+    from megarl.models.registry import read_model_args
+
+    try:
+        return read_model_args(ckpt)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"eval.checkpoint: {e}") from None
+
+
+# ----------------------------------------------------------------------------- the model, served
+
+def export_hf(ckpt: str, out: str) -> str:
+    """The checkpoint as an HF directory, by megarl-convert mcore-to-hf in a child process (it
+    initialises torch.distributed for itself; this process stays free of it)."""
+    cmd = [sys.executable, "-m", "megarl.tools_cli.convert", "mcore-to-hf", "--ckpt", ckpt, "--out", out]
+    print(f"[{PROG}] exporting {ckpt} to HF", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        lines = [x for x in proc.stderr.splitlines() if x.strip()]
+        raise RuntimeError(f"exporting eval.checkpoint {ckpt} failed: {lines[-1] if lines else proc.returncode}")
+    return out
+
+
+def local_servers(cfg, model_dir: str, log_dir: str):
+    """rollout.local_servers servers of rollout.engine on ``model_dir``, as the rollout manager
+    starts them (flags, threads, CPUs), without a weights root: nothing is pushed to them."""
+    from megarl.rollout.local import LocalCluster
+
+    r = cfg.rollout
+    cpus = set(r.server_cpus) & os.sched_getaffinity(0) if r.server_cpus else None
+    launcher = None
+    if r.engine == "sglang":
+        from megarl.rollout.sglang_local import SGLangLauncher
+        launcher = SGLangLauncher(model_dir, list(r.server_args), threads=r.server_threads)
+    return LocalCluster(model_dir, r.local_servers, log_dir, extra=["--threads", r.server_threads, *r.server_args],
+                        cpus=cpus, launcher=launcher, ready_timeout_s=r.health_timeout_s)
+
+
+def evaluate_model(cfg, model_dir: str, log_dir: str):
+    """The run's evaluation (build_eval: workflow, reward, prompts) against servers on ``model_dir``."""
+    import asyncio
+
+    from megarl.rollout.client import RolloutClient
+    from megarl.rollout.evaluation import evaluate
+    from megarl.rollout.setup import EvalSpec, TaskSpec, build_eval, task_parts
+
+    task = TaskSpec.from_config(cfg)  # tokenizer: data.tokenizer_path (the checkpoint's), else model.hf_path
+    reward = task_parts(task)[2]
+    periodic = build_eval(EvalSpec(task, n=cfg.eval.n), reward)
+
+    async def score(urls):
+        try:
+            async with RolloutClient(urls) as client:
+                return await evaluate(client, periodic.samples, periodic.workflows)
+        finally:
+            await reward.aclose()  # the reward's threads / worker processes / HTTP session
+
+    os.makedirs(log_dir, exist_ok=True)
+    with local_servers(cfg, model_dir, log_dir) as urls:
+        print(f"[{PROG}] {len(urls)} server(s) on {model_dir}; {len(periodic.samples)} prompts", flush=True)
+        return asyncio.run(score(urls))
+
+
+# ----------------------------------------------------------------------------- results
+
+def summarize(cfg, res, ckpt: str, wall_s: float) -> dict:
+    """results.json: what was scored, on what, and the numbers (the eval/* names of training's
+    metrics.jsonl too, so a run's evaluation and this one compare key by key)."""
+    from megarl.rollout.evaluation import PeriodicEval
+
+    metrics = PeriodicEval.metrics(res, step=0, version=0)
+    for key in ("eval/version", "eval/step"):  # no training step or policy version here
+        metrics.pop(key)
+    out = {"model": ckpt or os.path.abspath(cfg.model.hf_path), "source": "checkpoint" if ckpt else "hf",
+           "eval_path": os.path.abspath(cfg.data.eval_path), "reward_fn": cfg.rollout.reward_fn,
+           "workflow": cfg.rollout.workflow, "prompts": res.n, "greedy_accuracy": res.accuracy,
+           "mean_reward": res.mean_reward}
+    if res.pass_at_k is not None:
+        n = max(cfg.eval.n, res.k)
+        out.update({"k": res.k, "n": n, f"pass@{res.k}": res.pass_at_k, "pass@1": res.pass_at_1,
+                    "mean_reward_sampled": res.mean_reward_at_k, "temperature": cfg.rollout.temperature})
+    return {**out, "wall_s": round(wall_s, 3), "metrics": metrics}
+
+
+def summary_line(results: dict, out_dir: str) -> str:
+    k = results.get("k")
+    sampled = (f", pass@1 {results['pass@1']:.4f}, pass@{k} {results[f'pass@{k}']:.4f} (n={results['n']})"
+               if k else "")
+    return (f"{PROG}: {results['source']} {results['model']} on {results['eval_path']} ({results['prompts']} "
+            f"prompts): greedy accuracy {results['greedy_accuracy']:.4f}, mean reward "
+            f"{results['mean_reward']:.4f}{sampled}; {results['wall_s']:.1f} s -> {out_dir}/results.json")
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+
+
+def write_outputs(out_dir: str, results: dict, rows) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    _write_atomic(os.path.join(out_dir, "samples.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+    _write_atomic(os.path.join(out_dir, "results.json"), json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
