@@ -139,6 +139,8 @@ def build_model(model_dir: str, dtype: str, context_length: Optional[int], devic
     if enable_return_routed_experts and cfg.moe is None:
         raise ValueError(f"--enable-return-routed-experts: {cfg.architecture} has no experts")
     ctx = context_limit(cfg, context_length)
+    if tp_size > 1 and cfg.num_labels:
+        raise ValueError(f"--tp {tp_size}: a reward model ({cfg.architecture}) is served on one rank")
     if tp_size > 1 and check_device(device) != "cpu":
         raise ValueError(f"--tp {tp_size}: server tensor parallelism runs on CPU only (--device cpu)")
     model = CausalLM(cfg, parse_dtype(dtype), max_len=ctx, device=check_device(device), tp_rank=tp_rank,
