@@ -9,7 +9,8 @@ and is tested on a CPU-only machine with the same client that drives real SGLang
 Modules: `model` (HF Llama/Mistral/Qwen2/Qwen3 forward + KV cache, sliding windows), `moe` (the
 Qwen3-MoE / Qwen2-MoE expert MLP and its routing record), `sampling` (batched sampler),
 `engine` (continuous batching thread), `tp` (``--tp N``: tensor-parallel ranks over gloo),
-`protocol` (/generate JSON), `app` + `weight_routes` (HTTP endpoints, both built on `state`),
+`protocol` (/generate JSON), `reward` (/classify: HF sequence-classification reward models),
+`app` + `weight_routes` (HTTP endpoints, both built on `state`),
 `weights` (safetensors dirs, tensor payloads, broadcast and shard-refit receive).
 """
 
