@@ -9,7 +9,8 @@ and is tested on a CPU-only machine with the same client that drives real SGLang
 Modules: `model` (HF Llama/Mistral/Qwen2/Qwen3 forward + KV cache, sliding windows), `moe` (the
 Qwen3-MoE / Qwen2-MoE expert MLP and its routing record), `sampling` (batched sampler),
 `engine` (continuous batching thread), `tp` (``--tp N``: tensor-parallel ranks over gloo),
-`protocol` (/generate JSON), `app` + `weight_routes` (HTTP endpoints, both built on `state`),
+`protocol` (/generate JSON), `reward` (/classify: HF sequence-classification reward models),
+`app` + `weight_routes` (HTTP endpoints, both built on `state`),
 `weights` (safetensors dirs, tensor payloads, broadcast and shard-refit receive).
 """
 
@@ -139,6 +140,8 @@ def build_model(model_dir: str, dtype: str, context_length: Optional[int], devic
     if enable_return_routed_experts and cfg.moe is None:
         raise ValueError(f"--enable-return-routed-experts: {cfg.architecture} has no experts")
     ctx = context_limit(cfg, context_length)
+    if tp_size > 1 and cfg.num_labels:
+        raise ValueError(f"--tp {tp_size}: a reward model ({cfg.architecture}) is served on one rank")
     if tp_size > 1 and check_device(device) != "cpu":
         raise ValueError(f"--tp {tp_size}: server tensor parallelism runs on CPU only (--device cpu)")
     model = CausalLM(cfg, parse_dtype(dtype), max_len=ctx, device=check_device(device), tp_rank=tp_rank,

@@ -141,6 +141,8 @@ def serve(args, argv=None) -> int:
         try:  # refuse a layout or a context before any follower starts (one error line, not N)
             cfg = DecoderConfig.from_dir(args.model)
             shard_config(cfg, args.tp)
+            if cfg.num_labels:
+                raise ValueError(f"--tp {args.tp}: a reward model ({cfg.architecture}) is served on one rank")
             context_limit(cfg, args.context_length)
         except (OSError, ValueError, KeyError) as e:
             raise StartupError(f"cannot load {args.model}: {e}") from e

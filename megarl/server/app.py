@@ -21,7 +21,7 @@ import time
 
 from aiohttp import web
 
-from megarl.server import memory, weight_routes
+from megarl.server import memory, reward, weight_routes
 from megarl.server.engine import PAUSE_MODES, Sequence
 from megarl.server.protocol import build_response, parse_generate
 from megarl.server.sampling import SamplingConfig
@@ -123,7 +123,7 @@ async def model_info(request: web.Request) -> web.Response:
     return web.json_response({
         "model_path": state.model_path,
         "tokenizer_path": state.tokenizer_path,
-        "is_generation": True,
+        "is_generation": not cfg.num_labels,  # False for a reward model, as SGLang --is-embedding
         "preferred_sampling_params": None,
         "weight_version": eng.weight_version,
         "architecture": cfg.architecture,
@@ -236,9 +236,8 @@ async def end_weight_update(request: web.Request) -> web.Response:
 
 def setup_routes(app: web.Application) -> None:
     r = app.router
-    r.add_post("/generate", generate)
+    reward.setup(r, app.get("state"), generate, health_generate)  # by model kind: LM or reward model
     r.add_get("/health", health)
-    r.add_get("/health_generate", health_generate)
     for path in ("/model_info", "/get_model_info"):
         r.add_get(path, model_info)
     r.add_get("/get_server_info", server_info)

@@ -55,6 +55,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2MoeForCausalLM": ArchSpec(qkv_bias=True, qk_norm=False, window="even_below_max_window_layers"),
 }
 
+# HF sequence classifiers (reward models): the decoder of the causal LM named here, and a `score`
+# head [num_labels, hidden] in place of lm_head (served on /classify, `megarl.server.reward`)
+SEQUENCE_CLASSIFIERS: dict[str, str] = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+}
+
 
 @dataclass
 class DecoderConfig:
@@ -81,16 +88,19 @@ class DecoderConfig:
     bos_token_id: Optional[int]
     layer_windows: tuple[Optional[int], ...] = ()  # per layer: sliding window W, or None (full)
     moe: Optional[MoESpec] = None  # experts (Qwen3-MoE, Qwen2-MoE); None for dense models
+    num_labels: int = 0  # a sequence classifier's score rows; 0 for a causal LM
+    pad_token_id: Optional[int] = None  # a classifier scores the last token that is not this one
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DecoderConfig":
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
-        if arch not in ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r} in config.json; supported: {sorted(ARCHITECTURES)}"
-            )
-        spec = ARCHITECTURES[arch]
+        base = SEQUENCE_CLASSIFIERS.get(arch, arch)
+        if base not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r} in config.json; supported: "
+                             f"{sorted([*ARCHITECTURES, *SEQUENCE_CLASSIFIERS])}")
+        spec = ARCHITECTURES[base]
+        classifier = arch in SEQUENCE_CLASSIFIERS
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} (only 'silu')")
@@ -115,9 +125,9 @@ class DecoderConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not classifier,
             qkv_bias=attention_bias if spec.qkv_bias is None else spec.qkv_bias,
-            o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            o_bias=attention_bias and base in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=spec.qk_norm,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
@@ -125,6 +135,9 @@ class DecoderConfig:
             bos_token_id=cfg.get("bos_token_id"),
             layer_windows=_layer_windows(spec.window, cfg, layers),
             moe=MoESpec.from_hf(arch, cfg, layers) if arch in MOE_ARCHITECTURES else None,
+            # transformers: num_labels = len(id2label), 2 when a config names no labels
+            num_labels=(len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))) if classifier else 0,
+            pad_token_id=cfg.get("pad_token_id") if classifier else None,
         )
 
     @classmethod
@@ -251,13 +264,14 @@ class CausalLM:
         c = cfg
         self.embed = self._zeros(c.vocab_size, c.hidden_size)
         self.norm = self._zeros(c.hidden_size)
-        self.lm_head = self.embed if c.tie_word_embeddings else self._zeros(c.vocab_size, c.hidden_size)
+        self.lm_head = self.embed if c.tie_word_embeddings else self._zeros(c.num_labels or c.vocab_size,
+                                                                            c.hidden_size)
         self.params: dict[str, torch.Tensor] = {
             "model.embed_tokens.weight": self.embed,
             "model.norm.weight": self.norm,
         }
-        if not c.tie_word_embeddings:
-            self.params["lm_head.weight"] = self.lm_head
+        if not c.tie_word_embeddings:  # a classifier's head: the "score" rows its logits come from
+            self.params["score.weight" if c.num_labels else "lm_head.weight"] = self.lm_head
         self.layers: list[dict[str, Optional[torch.Tensor]]] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
