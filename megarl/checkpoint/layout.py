@@ -13,7 +13,7 @@ Layout of ``checkpoint.save_dir`` (default ``<run_dir>/checkpoints``)::
       megarl.json                 step, policy version, layout, vocab_size (the original one; the
                                   tensors hold padded_vocab_size rows), scheduler, registered state (JSON),
                                   the manifest (every file's size, CRC32 of small ones: verify.py)
-                                  and the run's per-step log sizes (megarl/runlogs.py);
+                                  and the run's per-step log sizes (megarl/common/runlogs.py);
                                   written last: a directory without it is not a checkpoint
     .tmp-step_00000400/           a save in progress, or killed: never resumed from, removed later
 

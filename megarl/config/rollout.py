@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megarl.config.common import _COLD, _check, _choice
-from megarl.errors import ConfigError
-from megarl.fields import bounded
-from megarl.net import normalize_address
+from megarl.common.errors import ConfigError
+from megarl.common.fields import bounded
+from megarl.common.net import normalize_address
 
 
 @dataclass

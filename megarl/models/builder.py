@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megarl import compat
+from megarl.common import compat
 from megarl.models import stages
 from megarl.models.registry import ModelArgs
 

@@ -4,7 +4,7 @@ and (`check_finite_hf`, `check_finite`) the weights' values.
 
 Pure file reads (headers and metadata only, except the finiteness checks, which read tensor data
 one tensor at a time) and megarl's own model code; no Megatron, no ranks. Library code:
-`megarl.preflight` and the command-line tools (megarl-convert, megarl-logprobs) call these;
+`megarl.launch.preflight` and the command-line tools (megarl-convert, megarl-logprobs) call these;
 config loading does not (`Config.validate` checks the config alone). The checks against
 config.json alone (`check_against_model` of a dense model, `check_layout`) import no torch, so
 megarl-train and megarl-launch reject a bad layout before paying for it.
@@ -16,7 +16,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from megarl.errors import ConfigError, ToolError
+from megarl.common.errors import ConfigError, ToolError
 from megarl.models.registry import ModelArgs
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def _check_shape_fields(path: str) -> None:
 def check_against_model(cfg) -> None:
     """Checks of a loaded `Config` that need the HF config.json of ``model.hf_path``: TP vs heads
     and query groups, the pipeline split of the layers (uneven first/last stages included), EP vs
-    the experts. Run by `megarl.preflight.check_inputs` (megarl-train) and megarl-launch; every
+    the experts. Run by `megarl.launch.preflight.check_inputs` (megarl-train) and megarl-launch; every
     error is one `ConfigError` line naming the field."""
     from megarl.models import stages
     from megarl.models.registry import read_model_args

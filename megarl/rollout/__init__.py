@@ -7,7 +7,7 @@
   `megarl.tools` and the rewards of `megarl.rewards` (docs/tasks.md).
 
 The CPU inference server is a program of its own (`megarl.server`, `megarl-server`) that shares
-only the wire types (`megarl.wire`) with this package.
+only the wire types (`megarl.protocol.wire`) with this package.
 
 Importing this package stays cheap: the client (aiohttp) is imported on first use.
 """

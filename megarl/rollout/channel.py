@@ -76,7 +76,7 @@ class RemoteError(RuntimeError):
 
 # ------------------------------------------------------------------------------- encoding
 def _wire_value(v: Any) -> Any:
-    """Wire types (`megarl.wire` dataclasses) travel as {"__wire__": name, ...fields}."""
+    """Wire types (`megarl.protocol.wire` dataclasses) travel as {"__wire__": name, ...fields}."""
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return {"__wire__": type(v).__name__, **{f.name: _wire_value(getattr(v, f.name))
                                                   for f in dataclasses.fields(v)}}
@@ -90,8 +90,8 @@ def _wire_value(v: Any) -> Any:
 
 
 def _wire_class(name: Any) -> type:
-    """Only a dataclass defined in `megarl.wire` is built from a frame (no other name resolves)."""
-    from megarl import wire
+    """Only a dataclass defined in `megarl.protocol.wire` is built from a frame (no other name resolves)."""
+    from megarl.protocol import wire
 
     cls = getattr(wire, name, None) if isinstance(name, str) else None
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == wire.__name__):

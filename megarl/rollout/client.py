@@ -20,7 +20,7 @@ trainer's current policy version (``version_fn()``, the cluster's counter).
 
 MoE routing: a client made with ``routed_experts=(num_hidden_layers, num_experts_per_tok)`` asks
 every segment for it (``return_routed_experts: true``) and returns it decoded and stitched across
-segments in `ModelResponse.routed_experts` (`megarl.wire.RoutedExperts`: ids, and the weights
+segments in `ModelResponse.routed_experts` (`megarl.protocol.wire.RoutedExperts`: ids, and the weights
 when the server sends them - megarl-server does, SGLang does not).
 
 Health: a server is marked dead after `dead_after` consecutive failures; a background probe
@@ -78,7 +78,7 @@ class RolloutClient(HttpClient):
         self._active: dict[str, tuple[Server, str]] = {}  # rid -> (server, segment rid)
         self._rr = 0
         self.stats: collections.Counter = collections.Counter()  # segments, retries, resubmits, ...
-        self.timeline = timeline  # optional span recorder (megarl.timeline.Timeline)
+        self.timeline = timeline  # optional span recorder (megarl.common.timeline.Timeline)
         self.routed_experts = routed_experts  # (layers, top_k): ask for and decode MoE routing
         self._inflight = self._atomic_inflight = 0
         self._busy_since, self._busy_total = 0.0, 0.0

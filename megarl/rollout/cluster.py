@@ -209,7 +209,7 @@ class RolloutCluster:
         same address may be another kind of server now: SGLang where a megarl-server was)."""
         if not self.required:
             return True
-        from megarl.wire import server_extensions
+        from megarl.protocol.wire import server_extensions
 
         probe = AdminRunner([address], self.api_key, self.health_timeout_s)
         try:

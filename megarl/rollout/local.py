@@ -3,10 +3,10 @@
 The one local launcher of megarl-server (and, with ``rollout.engine: sglang``, of real SGLang:
 `megarl.rollout.sglang_local.SGLangLauncher`): used when ``rollout.servers`` is empty (the embedded
 CPU demo), by make_tiny_model's evaluation, and by tests and benchmarks. The servers bind to loopback,
-or to the address every rank reached rank 0 by when the job spans nodes (megarl.net.serving_host).
+or to the address every rank reached rank 0 by when the job spans nodes (megarl.common.net.serving_host).
 They belong to the trainer: stop signals sent to the whole process tree are ignored by them, they
 are killed when the trainer leaves the cluster's context, and the kernel kills them if the trainer
-dies, SIGKILL included (megarl.signals.owned_child_setup). A server that dies during a run is
+dies, SIGKILL included (megarl.common.signals.owned_child_setup). A server that dies during a run is
 relaunched on its own port by `LocalCluster.restart` (the RolloutCluster re-admits it once it
 answers /health and has been given the current weights). ``<log_dir>/servers.json`` lists them.
 """
@@ -20,8 +20,8 @@ import time
 import urllib.request
 from typing import Optional
 
-from megarl.net import LOOPBACK, free_port, http_url
-from megarl.signals import owned_child_setup
+from megarl.common.net import LOOPBACK, free_port, http_url
+from megarl.common.signals import owned_child_setup
 
 def split_cpus(server_cpus) -> tuple[Optional[set[int]], Optional[set[int]]]:
     """(server CPUs, trainer CPUs) for ``rollout.server_cpus``: the given ids that this process may

@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from megarl.errors import ConfigError
+from megarl.common.errors import ConfigError
 from megarl.rollout import handshake
 from megarl.rollout.channel import MAX_REQUEST_HEADER, Channel, ChannelError, from_wire
 from megarl.rollout.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, DIRECT_REPLIES, AddServer, Admitted, Batch,
@@ -160,7 +160,7 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ build
     def start_servers(self) -> list[str]:
-        from megarl.net import serving_host
+        from megarl.common.net import serving_host
         from megarl.rollout.local import LocalCluster
 
         spec, r = self.spec, self.spec.rollout
@@ -184,7 +184,7 @@ class RolloutManager:
     def init(self, msg: Init) -> list[str]:
         from megarl.rollout.cluster import RolloutCluster
         from megarl.rollout.setup import build_controller
-        from megarl.timeline import Timeline
+        from megarl.common.timeline import Timeline
 
         if not self._servers_begun:  # a manager built in-process (tests): start them here
             self.begin_servers()
@@ -428,7 +428,7 @@ def start_process(config_path: str, host: str, log_path: str, secret: bytes, cpu
     through an inherited pipe: never argv (world-readable in /proc), never a file."""
     import subprocess
 
-    from megarl.signals import owned_child_setup
+    from megarl.common.signals import owned_child_setup
 
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     fd = handshake.secret_pipe(secret)
@@ -493,8 +493,8 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from megarl.cli import ArgumentParser, add_debug_flag, pop_debug, run_main
-    from megarl.errors import ConfigError as _ConfigError
+    from megarl.common.cli import ArgumentParser, add_debug_flag, pop_debug, run_main
+    from megarl.common.errors import ConfigError as _ConfigError
 
     argv, debug = pop_debug(sys.argv[1:] if argv is None else argv)
     ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
@@ -512,7 +512,7 @@ def _run(args) -> int:
     from megarl.config.server_wire import is_resolved
     from megarl.rollout.probe import check_wire
 
-    from megarl.signals import dump_stacks_on_sigusr2
+    from megarl.common.signals import dump_stacks_on_sigusr2
 
     logging.basicConfig(level=logging.WARNING, format="[manager] %(levelname)s %(message)s")
     dump_stacks_on_sigusr2()  # kill -USR2: its threads' stacks in manager.log

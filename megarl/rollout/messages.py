@@ -4,7 +4,7 @@ per thing a link may ask or answer (`MESSAGES`), carried by `megarl.rollout.chan
 No message names a method or an endpoint to call: an admin relay is one class per server
 operation the trainer needs (`ADMIN_MESSAGES`), a step of the server set one class per step
 (`CLUSTER_MESSAGES`), and the manager maps each class to one fixed call. Fields are JSON values,
-`megarl.wire` dataclasses, or (a `Batch` only) numpy arrays.
+`megarl.protocol.wire` dataclasses, or (a `Batch` only) numpy arrays.
 """
 from __future__ import annotations
 

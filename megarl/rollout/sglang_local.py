@@ -26,8 +26,8 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
-from megarl.errors import ConfigError
-from megarl.signals import owned_child_setup
+from megarl.common.errors import ConfigError
+from megarl.common.signals import owned_child_setup
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STANDIN_KERNEL = os.path.join(REPO, "tools", "sglang_cpu", "sgl_kernel_cpu")

@@ -1,12 +1,12 @@
 """The trainer's sample (`Trajectory`) and, re-exported for the rollout side, the wire types of
-`megarl.wire` (requests, responses and admin messages of the SGLang protocol)."""
+`megarl.protocol.wire` (requests, responses and admin messages of the SGLang protocol)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megarl.wire import (SAFETENSORS_B64, DiskWeightsUpdate, DistributedWeightsMeta,
+from megarl.protocol.wire import (SAFETENSORS_B64, DiskWeightsUpdate, DistributedWeightsMeta,
                          ModelRequest, ModelResponse, PauseMode, PauseRequest, RoutedExperts,
                          SamplingParams, StopReason, TensorWeightsUpdate, WeightsChecksumRequest,
                          WeightsUpdateGroup)

@@ -161,7 +161,7 @@ class TPGroup:
 
 def follow(model, cache, group: TPGroup) -> None:
     """A follower's life: run the leader's commands until it says stop (or its socket dies)."""
-    from megarl.net import new_process_group
+    from megarl.common.net import new_process_group
     from megarl.server.weights import WeightGroup, receive_shards
 
     groups: dict[str, WeightGroup] = {}  # weight-update groups this rank joined (shard refit)

@@ -23,7 +23,7 @@
   ``/update_weight_version`` {new_version}.
 - ``/weights_checksum`` {names, dtypes} (a megarl extension, not in SGLang): ``{"success": true,
   "checksums": {name: sha256 hex}}`` of each named tensor as this server holds it, cast to
-  ``dtypes[i]`` (`megarl.wire.tensor_digest`), so the trainer checks a push without reading any
+  ``dtypes[i]`` (`megarl.protocol.wire.tensor_digest`), so the trainer checks a push without reading any
   tensor back (``weights.verify_interval``); computed on the engine thread, between batches.
 A given ``weight_version`` becomes the server's version once the tensors are loaded; without one
 the version is unchanged (SGLang semantics).
@@ -38,10 +38,10 @@ import torch
 
 from aiohttp import web
 
-from megarl.net import new_process_group
+from megarl.common.net import new_process_group
 from megarl.server import weights as W
 from megarl.weights import delta_format as disk_delta
-from megarl.wire import DIRECT_BUCKET, FLATTENED_BUCKET, SHARED_MEMORY, tensor_digest
+from megarl.protocol.wire import DIRECT_BUCKET, FLATTENED_BUCKET, SHARED_MEMORY, tensor_digest
 from megarl.server.state import (BadRequest, ServerState, allowed_weights_path, body_field, on_engine,
                                          read_body, result)
 

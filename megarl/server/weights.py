@@ -8,7 +8,7 @@
   so a payload can never execute code; pickled payloads (SGLang's default) are rejected rather
   than deserialized.
 - `receive_broadcast`: one bucket of ``/update_weights_from_distributed`` over the group that
-  ``/init_weights_update_group`` joined with `megarl.net.new_process_group` (built like SGLang's
+  ``/init_weights_update_group`` joined with `megarl.common.net.new_process_group` (built like SGLang's
   ``init_custom_process_group``, the same function the trainer hosts it with). The trainer is
   rank 0 and broadcasts each announced tensor, in announced order, with ``src=0``.
 """
@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
-from megarl.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, SAFETENSORS_B64, SHARED_MEMORY, SHM_DIR,
+from megarl.protocol.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, SAFETENSORS_B64, SHARED_MEMORY, SHM_DIR,
                          SHM_PREFIX, direct_split, flat_layout)
 
 _DTYPES = {
@@ -98,7 +98,7 @@ def decode_named_tensors(entries: list, load_format: str | None) -> dict[str, to
 
 
 def map_shared(entry, field: str) -> dict[str, torch.Tensor]:
-    """The tensors of one shared-memory manifest (`megarl.wire.SHARED_MEMORY`), as views of the
+    """The tensors of one shared-memory manifest (`megarl.protocol.wire.SHARED_MEMORY`), as views of the
     file mapped private and read-only in effect (nothing writes them; the load copies them into the
     parameters). Only a regular file named SHM_PREFIX* directly in SHM_DIR and owned by this
     server's user is opened; every tensor must lie inside it."""
@@ -159,7 +159,7 @@ def receive_broadcast(group: WeightGroup, names, dtypes, shapes, load_format=Non
     """Receive one announced bucket; returns (tensors still to load, how many were received in
     place). Per ``load_format``: None = broadcast(src=0) per tensor, in announced order;
     "flattened_bucket" = the whole bucket in one broadcast, laid out as SGLang lays it out
-    (views into the group's buffer, valid until its next receive); "direct_bucket" = `megarl.wire.direct_split`: a large tensor whose
+    (views into the group's buffer, valid until its next receive); "direct_bucket" = `megarl.protocol.wire.direct_split`: a large tensor whose
     name is in ``targets`` ({name: the parameter itself, same dtype/shape, contiguous}) is
     received straight into it (no copy; the caller holds the engine, so nothing reads it
     meanwhile), any other into a new tensor, then the small ones in one packed broadcast.

@@ -31,7 +31,7 @@ import re
 import sys
 import time
 
-from megarl.cli import ArgumentParser, add_debug_flag
+from megarl.common.cli import ArgumentParser, add_debug_flag
 from megarl.tools_cli import (ToolError, check_output_dir, discard, finish_ranks, init_ranks,
                               needs_launch, run_tool, temp_output_dir)
 
@@ -85,7 +85,7 @@ def hf_to_mcore(a: argparse.Namespace, argv: list[str]) -> int:
     check_finite_hf(a.hf, args)  # the one check that reads the weights: last, and before any rank
     tmp = temp_output_dir(a.out)
     if needs_launch(a.tp * a.pp):
-        from megarl import parallel
+        from megarl.trainer import parallel
 
         rc = parallel.relaunch(a.tp * a.pp, "megarl.tools_cli.convert", argv)
         if rc:
@@ -151,7 +151,7 @@ def _run_ranks(tp: int, pp: int, tmp: str, body) -> int:
 
 
 def mcore_to_hf(a: argparse.Namespace, argv: list[str]) -> int:
-    from megarl import parallel
+    from megarl.trainer import parallel
     from megarl.checkpoint import resolve_checkpoint, verify_checkpoint
     from megarl.models.checks import check_mcore, model_args, stored_args
     from megarl.tools_cli.conversion import DTYPES

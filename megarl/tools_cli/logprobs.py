@@ -17,7 +17,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from megarl.cli import ArgumentParser, add_debug_flag
+from megarl.common.cli import ArgumentParser, add_debug_flag
 from megarl.tools_cli import (ToolError, check_output_file, finish_ranks, init_ranks, needs_launch,
                               run_tool)
 
@@ -113,7 +113,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
     if source.kind == "hf":  # a dist checkpoint's weights are checked as each rank loads them
         check_finite_hf(source.path, args)
     if needs_launch(a.tp * a.pp * a.ep):
-        from megarl import parallel
+        from megarl.trainer import parallel
 
         return parallel.relaunch(a.tp * a.pp * a.ep, "megarl.tools_cli.logprobs", argv)
     ps, created = init_ranks(a.tp, a.pp, a.ep)

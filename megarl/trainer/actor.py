@@ -44,7 +44,7 @@ from megarl.algo import (AdvantageConfig, AlgoSpec, ProxLogpMode, Stat, aggregat
                          step_denominators, token_weights)
 from megarl.algo.aggregation import StepDenominators
 from megarl.algo.choices import LossAgg
-from megarl.metrics import StatsTracker
+from megarl.trainer.metrics import StatsTracker
 from megarl.trainer import moe_losses
 from megarl.trainer.batch import MicroBatch, TensorBatch, cat_padded
 

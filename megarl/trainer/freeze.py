@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from megarl.errors import ConfigError
+from megarl.common.errors import ConfigError
 from megarl.models.registry import ModelArgs, param_table
 
 

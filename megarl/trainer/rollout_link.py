@@ -210,7 +210,7 @@ class RolloutSide:
         starts the local servers while this process imports megatron-core and builds the engine
         (train.py calls this first thing); `start` then waits for its address. Nothing to start
         when ``rollout.manager_address`` names one already running."""
-        from megarl.net import serving_host
+        from megarl.common.net import serving_host
         from megarl.rollout.handshake import new_secret
         from megarl.rollout.local import log_size, split_cpus
         from megarl.rollout.manager import start_process

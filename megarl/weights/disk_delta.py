@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megarl.weights.delta_format import MANIFEST, encode
 from megarl.weights.transports import DiskTransport, PushError
-from megarl.wire import DiskWeightsUpdate
+from megarl.protocol.wire import DiskWeightsUpdate
 
 
 class DiskDeltaTransport(DiskTransport):

@@ -17,7 +17,7 @@ from megarl.rollout.cluster import PushTarget
 from megarl.weights.resharder import Resharder, ReshardTimes
 from megarl.weights.transports import (DiskTransport, DistributedTransport, PushError,
                                        SharedMemoryTransport, TensorTransport)
-from megarl.wire import tensor_digest
+from megarl.protocol.wire import tensor_digest
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megarl.models.hf_io import local_params
 from megarl.models.registry import GATE_UP, QKV, VOCAB
-from megarl.net import advertised_address, listening_socket, new_process_group, url_host
+from megarl.common.net import advertised_address, listening_socket, new_process_group, url_host
 from megarl.weights.refit import unit_slices
 from megarl.weights.transports import PushError, _finish, leave_update_group
 

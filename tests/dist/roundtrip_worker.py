@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from megarl import compat, parallel
+from megarl.common import compat
+from megarl.trainer import parallel
 from megarl.models import builder, hf_io
 from megarl.models.layouts import pad_vocab
 from megarl.models.random_hf import tiny_config, write_random_hf

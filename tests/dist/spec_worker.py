@@ -9,7 +9,8 @@ import urllib.request
 import torch
 import torch.distributed as dist
 
-from megarl import compat, parallel
+from megarl.common import compat
+from megarl.trainer import parallel
 from megarl.algo.config import AlgoConfig
 from megarl.config import CriticConfig, ModelConfig, OptimConfig, ParallelConfig, WeightSyncConfig
 from megarl.models.moe_config import MoEConfig

@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TINY = os.path.join(REPO, "examples", "tiny")
 MODULES = {"megarl-train": "megarl.train", "megarl-convert": "megarl.tools_cli.convert",
            "megarl-logprobs": "megarl.tools_cli.logprobs", "megarl-server": "megarl.server",
-           "megarl-launch": "megarl.launch_plan", "megarl-rollout-manager": "megarl.rollout.manager"}
+           "megarl-launch": "megarl.launch.plan", "megarl-rollout-manager": "megarl.rollout.manager"}
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def silent_listener() -> socket.socket:
 
 
 def closed_port() -> int:
-    from megarl.net import free_port
+    from megarl.common.net import free_port
 
     return free_port()
 

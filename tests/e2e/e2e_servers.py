@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "unit"))  # test_rollout_referenc
 
 from test_rollout_reference import make_tiny_model  # noqa: E402
 
-from megarl.net import free_port  # noqa: E402  (tests import it from here)
+from megarl.common.net import free_port  # noqa: E402  (tests import it from here)
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello rollout",
           "12+34=46", "pack my box with five dozen liquor jugs"]

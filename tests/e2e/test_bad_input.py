@@ -10,7 +10,7 @@ megarl-server, and checks what docs/reliability.md promises:
   still up and a greedy request gives the same tokens as before the corpus started.
 
 The CLI cases run in parallel (imports dominate); most megarl-train cases fail in `load_config`
-or `megarl.preflight`, before Megatron is imported.
+or `megarl.launch.preflight`, before Megatron is imported.
 """
 from __future__ import annotations
 

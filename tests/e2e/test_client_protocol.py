@@ -28,7 +28,7 @@ import torch.distributed as dist
 from e2e_servers import REPO, ServerProc, free_port, http
 from test_rollout_reference import make_tiny_model, reference_logprobs
 
-from megarl.net import new_process_group
+from megarl.common.net import new_process_group
 from megarl.rollout.admin import AdminClient
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.types import (DiskWeightsUpdate, DistributedWeightsMeta, ModelRequest, SamplingParams,
@@ -375,7 +375,7 @@ def test_wire_is_chosen_by_the_server_and_forced_settings_stop_at_preflight(srv,
     megarl-only setting stops there - one line naming the field and the server, exit 2, no run
     directory - while megarl-server takes it; with nothing forced each gets its own wire."""
     from megarl.config import load_config
-    from megarl.preflight import check_wire
+    from megarl.launch.preflight import check_wire
 
     run = tmp_path / "run"
     args = [os.path.join(REPO, "configs", "tiny_grpo.yaml"), f"rollout.servers=[{srv.url}]",

@@ -142,7 +142,7 @@ def test_existing_output_and_dtype_choice(tmp_path, hf, capsys):
 def test_unwritable_output_is_refused_before_any_rank_starts(tmp_path, hf, capsys, monkeypatch):
     """An --output that is a directory, or an output in a directory that takes no new file (/sys:
     EACCES for root too), fails at validation: --tp 2 would relaunch under torchrun first."""
-    from megarl import parallel
+    from megarl.trainer import parallel
 
     monkeypatch.setattr(parallel, "relaunch", lambda *a: pytest.fail("ranks started before the output check"))
     inp, d = tmp_path / "in.jsonl", tmp_path / "adir"

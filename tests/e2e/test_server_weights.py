@@ -12,7 +12,7 @@ import torch.distributed as dist
 from e2e_servers import API_KEY, free_port, http
 from test_rollout_reference import make_tiny_model, reference_logprobs
 
-from megarl.net import new_process_group
+from megarl.common.net import new_process_group
 from megarl.rollout.admin import AdminClient
 from megarl.rollout.client import AdminError, RolloutClient
 from megarl.server.weights import destroy_weight_update_group
@@ -187,7 +187,7 @@ def test_weights_checksum_is_of_what_the_server_holds(tiny_model, new_weights, s
     """/weights_checksum (megarl extension): the sha256 of every tensor as the server holds it, in
     the asked dtype; a tensor changed through the server's own update endpoint changes its
     checksum and no other; a bf16-rounded push matches in bf16 only."""
-    from megarl.wire import tensor_digest
+    from megarl.protocol.wire import tensor_digest
 
     (old_path, sd0), (new_path, sd1) = tiny_model, new_weights
     names = sorted(sd0)
@@ -236,7 +236,7 @@ def test_update_from_disk_delta_rebuilds_bitwise_and_refuses_corruption(tiny_mod
     holds, rebuild every tensor bitwise (sha256 of what it holds); a record with a flipped byte
     fails its CRC-32, a delta against another version is refused, and neither changes anything."""
     from megarl.weights.delta_format import _bytes
-    from megarl.wire import tensor_digest
+    from megarl.protocol.wire import tensor_digest
 
     (old_path, sd0), (new_path, sd1) = tiny_model, new_weights
     names = sorted(sd0)

@@ -2,7 +2,7 @@
 import pytest
 
 from megarl.config import load_config
-from megarl.errors import ConfigError
+from megarl.common.errors import ConfigError
 from megarl.models.registry import ModelArgs, param_table
 from megarl.trainer.freeze import frozen_rows
 

@@ -1,8 +1,8 @@
 """The import picture: command-line tools on top, the library below them, never the reverse.
 
 No module outside megarl/tools_cli/ imports megarl.tools_cli (the tools' validation lives in the
-library, `megarl.models.checks`); megarl.preflight is imported only by the megarl-train entry
-(megarl/train.py); megarl.errors (the error types both sides share) imports nothing of megarl.
+library, `megarl.models.checks`); megarl.launch.preflight is imported only by the megarl-train entry
+(megarl/train.py); megarl.common.errors (the error types both sides share) imports nothing of megarl.
 A static scan (AST, function-level imports included); a failure names file:line."""
 import ast
 import pathlib
@@ -37,12 +37,12 @@ def test_no_library_module_imports_the_command_line_tools():
 
 
 def test_preflight_is_imported_only_by_the_train_entry():
-    assert [f.split(":")[0] for f in importers_of("megarl.preflight", {"megarl/preflight.py"})] == [
+    assert [f.split(":")[0] for f in importers_of("megarl.launch.preflight", {"megarl/launch/preflight.py"})] == [
         "megarl/train.py"]
 
 
 def test_the_shared_error_module_imports_nothing_of_megarl():
-    assert imports(ROOT / "errors.py") == []
+    assert imports(ROOT / "common" / "errors.py") == []
 
 
 def test_the_scan_sees_function_level_imports(tmp_path):
@@ -60,12 +60,12 @@ def test_loading_a_config_imports_no_torch(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys, megarl.config, megarl.train, megarl.launch_plan\n"
+    code = ("import sys, megarl.config, megarl.train, megarl.launch.plan\n"
             "from megarl.config import load_config\n"
             "for recipe in ('tiny_grpo', 'tiny_sft', 'tiny_moe_grpo', 'qwen3-30b-a3b-gsm8k'):\n"
             "    cfg = load_config(f'configs/{recipe}.yaml', ['algo.advantage=rloo'])\n"
             "    cfg.algo.build()\n"
-            "from megarl.preflight import check_inputs\n"
+            "from megarl.launch.preflight import check_inputs\n"
             f"check_inputs(load_config('configs/tiny_sft.yaml', ['train.run_dir={tmp_path}/run']))\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent,

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megarl.algo.config import AlgoConfig
-from megarl.metrics import MetricsLogger
+from megarl.trainer.metrics import MetricsLogger
 from megarl.rollout.types import Trajectory
 from megarl.trainer.rl import shape_rewards
 from megarl.trainer.rollout_stats import batch_metrics

@@ -71,7 +71,7 @@ def test_recipe_loads_and_is_a_gpu_recipe(size, tmp_path):
 
 
 def test_recipes_refuse_bf16_and_te_on_this_cpu_machine(tmp_path):
-    from megarl import compat
+    from megarl.common import compat
 
     if compat.HAVE_CUDA:
         pytest.skip("checks the CPU refusal")

@@ -22,7 +22,7 @@ from megarl.server import build_state
 from megarl.server.app import build_app
 from megarl.server.model import CausalLM, DecoderConfig, KVCache
 from megarl.server.weights import read_hf_dir
-from megarl.wire import RoutedExperts
+from megarl.protocol.wire import RoutedExperts
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from megarl.config import load_config
-from megarl.errors import ConfigError
+from megarl.common.errors import ConfigError
 from megarl.rollout import sglang_local as S
 from megarl.rollout.local import LocalCluster
 
@@ -115,7 +115,7 @@ def test_cluster_kills_the_whole_group_on_restart_and_close(tmp_path):
 
 
 def test_preflight_stops_a_sglang_run_before_any_rank(monkeypatch, tmp_path):
-    from megarl.preflight import check_inputs
+    from megarl.launch.preflight import check_inputs
 
     demo = os.path.join(REPO, "examples", "tiny")
     cfg = load_config(RECIPE, ["rollout.engine=sglang", f"model.hf_path={demo}/model", "data.eval_path=",

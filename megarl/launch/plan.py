@@ -17,7 +17,7 @@ weights.dtype, rollout.server_threads) and an :class:`Allocation` it derives
   MASTER_ADDR = the first trainer node's address, and rollout.servers=[...] appended.
 
 Bad input is one line naming the flag or field, exit status 2, and never a hang: hostlists are
-expanded strictly (megarl/hostlist.py: malformed or backwards ranges, unbalanced brackets, more
+expanded strictly (megarl/launch/hostlist.py: malformed or backwards ranges, unbalanced brackets, more
 than 65536 hosts), counts per node are bounded (MAX_PER_NODE) and so is the world (MAX_RANKS),
 ports lie in 1..65535 (a node's servers take consecutive ports from launch.server_port).
 
@@ -375,7 +375,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def hosts(flag: str, text: str) -> tuple[str, ...]:
     """The expanded hostlist of a flag; PlanError naming the flag when it is malformed."""
-    from megarl.hostlist import expand_nodelist
+    from megarl.launch.hostlist import expand_nodelist
 
     if not text:
         return ()

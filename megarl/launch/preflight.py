@@ -39,7 +39,7 @@ import os
 import uuid
 
 from megarl.config import Config
-from megarl.errors import ConfigError, ToolError
+from megarl.common.errors import ConfigError, ToolError
 from megarl.models.checks import check_against_model
 from megarl.rollout.probe import check_servers, check_wire  # noqa: F401 - check_servers: re-exported
 
