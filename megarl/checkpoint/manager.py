@@ -28,7 +28,7 @@ from megarl.checkpoint.layout import (
     FORMAT, HF_SIDE_FILES, LATEST, META, TMP_PREFIX, CheckpointError, commit_dir, copy_hf_side_files,
     is_complete, list_checkpoints, read_meta, step_dir_name, write_synced)
 from megarl.checkpoint.rng import load_rng, save_rng
-from megarl.checkpoint.safe import check_safe
+from megarl.common.safe_load import check_safe
 from megarl.checkpoint.verify import MANIFEST, file_manifest, find_resumable, verify_checkpoint
 from megarl.mcore import checkpoint as mcore
 

@@ -10,7 +10,7 @@ from megarl.config.model import CriticConfig, ModelConfig, OptimConfig, Parallel
 from megarl.config.rollout import RewardConfig, RolloutConfig, WeightSyncConfig
 from megarl.config.train import CheckpointConfig, DataConfig, LoggingConfig, TrainConfig
 from megarl.common.errors import ConfigError
-from megarl.models.moe_config import MoEConfig
+from megarl.config.moe import MoEConfig
 
 
 @dataclass

@@ -43,7 +43,7 @@ def required_extensions(weights) -> frozenset:
     """What a server must advertise to take the resolved ``weights`` wire: a server that comes
     back (restarted, or replaced at its address) is re-admitted only if it still does."""
     from megarl.protocol.wire import (EXT_CHECKSUM, EXT_DIRECT_BUCKET, EXT_DISK_DELTA, EXT_SAFETENSORS,
-                             EXT_SHARD_REFIT)
+                                      EXT_SHARD_REFIT)
 
     from megarl.protocol.wire import EXT_SHARED_MEMORY
 
@@ -73,7 +73,7 @@ def resolve_wire(weights, servers: Mapping[str, frozenset], partial_rollout: boo
     ``partial_rollout`` (rollout.partial_rollout): false keeps requests from running across a
     push, so auto pauses by abort."""
     from megarl.protocol.wire import (EXT_CHECKSUM, EXT_DIRECT_BUCKET, EXT_DISK_DELTA, EXT_SAFETENSORS,
-                             EXT_SHARD_REFIT)
+                                      EXT_SHARD_REFIT)
 
     if not servers:
         return weights

@@ -17,7 +17,7 @@ import os
 from typing import TYPE_CHECKING
 
 from megarl.common.errors import ConfigError, ToolError
-from megarl.models.registry import ModelArgs
+from megarl.protocol.hf_model import ModelArgs
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +52,7 @@ def check_against_model(cfg) -> None:
     the experts. Run by `megarl.launch.preflight.check_inputs` (megarl-train) and megarl-launch; every
     error is one `ConfigError` line naming the field."""
     from megarl.models import stages
-    from megarl.models.registry import read_model_args
+    from megarl.protocol.hf_model import read_model_args
 
     _check_shape_fields(os.path.join(cfg.model.hf_path, "config.json"))
     try:
@@ -103,7 +103,7 @@ def _listing(names: list[str], n: int = 6) -> str:
 
 def model_args(config_dir: str) -> ModelArgs:
     """config.json -> ModelArgs; a bad config is a one-line ToolError."""
-    from megarl.models.registry import read_model_args
+    from megarl.protocol.hf_model import read_model_args
 
     try:
         return read_model_args(config_dir)

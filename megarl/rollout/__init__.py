@@ -1,6 +1,6 @@
 """The rollout manager's side of megarl: the SGLang-protocol client, the staleness manager, the controller and workflows.
 
-- `megarl.rollout.types`: `ModelRequest`, `ModelResponse`, `SamplingParams` and the admin messages.
+- `megarl.protocol.types`: `ModelRequest`, `ModelResponse`, `SamplingParams` and the admin messages.
 - `megarl.rollout.client`: `RolloutClient` (load balancing, retries, partial-rollout resubmission,
   trainer-side admin calls for pause / weight updates).
 - `megarl.rollout.workflows`: what turns a prompt into scored trajectories, with the tools of
@@ -12,7 +12,7 @@ only the wire types (`megarl.protocol.wire`) with this package.
 Importing this package stays cheap: the client (aiohttp) is imported on first use.
 """
 
-from megarl.rollout.types import (
+from megarl.protocol.types import (
     DiskWeightsUpdate,
     DistributedWeightsMeta,
     ModelRequest,

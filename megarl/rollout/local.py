@@ -18,24 +18,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Optional
 
 from megarl.common.net import LOOPBACK, free_port, http_url
+from megarl.common.procs import last_line_since, log_size
 from megarl.common.signals import owned_child_setup
-
-def split_cpus(server_cpus) -> tuple[Optional[set[int]], Optional[set[int]]]:
-    """(server CPUs, trainer CPUs) for ``rollout.server_cpus``: the given ids that this process may
-    use, and the rest of them; (None, None) - no pinning, with a note - when either side would be
-    left without a CPU (e.g. a 1-CPU machine running the 2-core demo config)."""
-    allowed = os.sched_getaffinity(0)
-    server = set(server_cpus) & allowed
-    trainer = allowed - server
-    if not server or not trainer:
-        print(f"[rollout] rollout.server_cpus={list(server_cpus)}: this process may use CPUs "
-              f"{sorted(allowed)}, not enough to give servers and trainer their own; not pinning", flush=True)
-        return None, None
-    return server, trainer
-
 
 def spawn_server(model_dir: str, log_path: str, port: int, extra=(), host: str = LOOPBACK,
                  cpus=None) -> subprocess.Popen:
@@ -56,27 +42,6 @@ def root_flags(weights_roots) -> list[str]:
         os.makedirs(root, exist_ok=True)  # the server checks that each root exists
         flags += ["--weights-root", os.path.abspath(root)]
     return flags
-
-
-def log_size(path: str) -> int:
-    """Bytes in ``path`` now (0 when absent): where the lines of a process started next begin in
-    its log, which is appended to (a restart, a resumed run in the same run_dir)."""
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def last_line_since(path: str, offset: int) -> str:
-    """The last non-empty line written to ``path`` after byte ``offset`` (`log_size` at the
-    process's start): what this process said last, never a line of an earlier run."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
-    except OSError:
-        return ""
-    return lines[-1] if lines else "(nothing logged)"
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s: float = 60.0,

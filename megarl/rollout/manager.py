@@ -50,14 +50,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from megarl.common.errors import ConfigError
-from megarl.rollout import handshake
-from megarl.rollout.channel import MAX_REQUEST_HEADER, Channel, ChannelError, from_wire
-from megarl.rollout.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, DIRECT_REPLIES, AddServer, Admitted, Batch,
-                                     BatchRequest, Beat, Close, DestroyWeightsGroup, EvalPoll, EvalReport, EvalSubmit,
-                                     FinishPush, Hello, Init, InitWeightsGroup, PauseForUpdate, RemoveServer, Reply,
-                                     Resume, ServerInfo, ShardAnnounce, ShardJoin, Sleep, Start, StateRequest, Unhealthy,
-                                     UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake, WeightsChecksum)
-from megarl.rollout.packing import balance_groups, pack_batch  # noqa: F401 - the step's layout
+from megarl.protocol import handshake
+from megarl.protocol.channel import MAX_REQUEST_HEADER, Channel, ChannelError, from_wire
+from megarl.protocol.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, DIRECT_REPLIES, AddServer, Admitted, Batch,
+                                      BatchRequest, Beat, Close, DestroyWeightsGroup, EvalPoll, EvalReport, EvalSubmit,
+                                      FinishPush, Hello, Init, InitWeightsGroup, PauseForUpdate, RemoveServer, Reply,
+                                      Resume, ServerInfo, ShardAnnounce, ShardJoin, Sleep, Start, StateRequest, Unhealthy,
+                                      UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake, WeightsChecksum)
+from megarl.protocol.packing import balance_groups, pack_batch  # noqa: F401 - the step's layout
 
 if TYPE_CHECKING:
     from megarl.config import RolloutConfig, WeightSyncConfig
@@ -420,42 +420,6 @@ def serve_forever(manager: RolloutManager, listener: socket.socket, secret: byte
             continue
         threading.Thread(target=manager.admit, args=(sock, addr, secret), name="megarl-link", daemon=True).start()
     manager.close()
-
-
-def start_process(config_path: str, host: str, log_path: str, secret: bytes, cpus=None):
-    """Start the manager process and return at once: it imports, listens and starts its servers
-    while the caller goes on (`wait_listening` then reads its address). ``secret`` reaches it
-    through an inherited pipe: never argv (world-readable in /proc), never a file."""
-    import subprocess
-
-    from megarl.common.signals import owned_child_setup
-
-    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    fd = handshake.secret_pipe(secret)
-    try:
-        with open(log_path, "a") as log_file:  # the child holds its own descriptor
-            proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.manager", config_path, "--host", host,
-                                     # port 0: the OS picks a free port and the manager prints it (no race)
-                                     "--port", "0", "--secret-fd", str(fd)], stdout=subprocess.PIPE,
-                                    stderr=log_file, preexec_fn=owned_child_setup, text=True, pass_fds=(fd,))
-    finally:
-        os.close(fd)
-    if cpus:
-        os.sched_setaffinity(proc.pid, cpus)
-    return proc
-
-
-def wait_listening(proc, log_path: str, since: int = 0) -> str:
-    """The "host:port" the process from `start_process` listens on, once it does. ``since``: the
-    log's size before the start (`local.log_size`), so a failure quotes this start's last line."""
-    from megarl.rollout.local import last_line_since
-
-    line = proc.stdout.readline().strip()  # "listening HOST:PORT", or EOF when it failed
-    if not line.startswith("listening "):
-        proc.wait(timeout=30)
-        raise RuntimeError(f"rollout manager did not start (exit {proc.returncode}; log {log_path}): "
-                           f"{last_line_since(log_path, since)}")
-    return line.split(" ", 1)[1]
 
 
 PROG = "megarl-rollout-manager"

@@ -173,8 +173,8 @@ class _Clock:
 
 class Actor:
     """Policy update of one RL step (module docstring). Holds the trainable engine and an optional
-    frozen reference engine. The policy version is not kept here: the caller passes the one its
-    `RolloutCluster` holds (the loglinear prox clock starts from it)."""
+    frozen reference engine. The policy version is not kept here: the caller passes the one the
+    trainer's `ManagerCluster` holds (the loglinear prox clock starts from it)."""
 
     def __init__(self, cfg, ps, engine, ref=None, spec: Optional[AlgoSpec] = None):
         self.cfg, self.ps, self.engine, self.ref = cfg, ps, engine, ref

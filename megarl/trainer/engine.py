@@ -40,8 +40,8 @@ from megarl.mcore.optimizer import step_unless_nonfinite
 from megarl.trainer.metrics import StatsTracker
 from megarl.models import builder, hf_io
 from megarl.models.layouts import pad_vocab
-from megarl.models.moe_config import MoEConfig
-from megarl.models.registry import ModelArgs, read_model_args
+from megarl.config.moe import MoEConfig
+from megarl.protocol.hf_model import ModelArgs, read_model_args
 from megarl.trainer.parallel import ParallelState
 from megarl.trainer import moe_losses
 from megarl.trainer.batch import MicroBatch, TensorBatch, make_microbatches

@@ -42,9 +42,9 @@ from megarl.algo.choices import AdvantageEstimator
 from megarl.algo.filters import overlong_penalty
 from megarl.checkpoint import maybe_export_hf
 from megarl.trainer.metrics import print0, progress
-from megarl.rollout.channel import ManagerStalled
-from megarl.rollout.setup import groups_per_step
-from megarl.rollout.types import Trajectory
+from megarl.protocol.channel import ManagerStalled
+from megarl.protocol.packing import groups_per_step
+from megarl.protocol.types import Trajectory
 from megarl.common.timeline import Timeline
 from megarl.trainer.actor import Actor
 from megarl.trainer.batch import TensorBatch

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from megarl.models.layouts import group_by_bytes, hf_shapes
-from megarl.models.registry import ModelArgs, param_table
+from megarl.protocol.hf_model import ModelArgs, param_table
 from megarl.models.stages import PipelineSplit, resolve
 
 

@@ -22,7 +22,7 @@ import torch
 from megarl.models.hf_io import gather_row, local_params, serves_weights
 from megarl.models import stages
 from megarl.models.layouts import shards_to_hf
-from megarl.models.registry import GATE_UP, param_table
+from megarl.protocol.hf_model import GATE_UP, param_table
 from megarl.weights.planner import TensorSpec, bucketize, plan
 
 

@@ -23,12 +23,12 @@ import torch.distributed as dist
 from megarl.common.net import listening_socket, new_process_group
 from megarl.common.net import advertised_address, url_host
 from megarl.protocol.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, DiskWeightsUpdate,
-                         DistributedWeightsMeta, WeightsUpdateGroup, direct_split, flat_layout,
-                         sglang_flat_order, TensorWeightsUpdate)
-from megarl.rollout.admin import AdminRunner
-from megarl.rollout.channel import ManagerStalled
+                                  DistributedWeightsMeta, WeightsUpdateGroup, direct_split, flat_layout,
+                                  sglang_flat_order, TensorWeightsUpdate)
+from megarl.protocol.channel import ManagerStalled
 from megarl.weights.resharder import Bucket
-from megarl.weights.tensor_wire import WireFormat, tensor_update
+from megarl.weights.target import StageAdmin
+from megarl.protocol.tensor_wire import WireFormat, tensor_update
 
 
 class PushError(RuntimeError):
@@ -62,7 +62,7 @@ class DistributedTransport:
 
     streams_buckets = True
 
-    def __init__(self, admin: AdminRunner, master_address: str, timeout_s: float, backend: str,
+    def __init__(self, admin: StageAdmin, master_address: str, timeout_s: float, backend: str,
                  wire: WireFormat = "megarl"):
         self.admin, self.addr, self.timeout_s, self.backend = admin, master_address, timeout_s, backend
         self.wire = wire
@@ -155,7 +155,7 @@ class DistributedTransport:
             self.group = None
 
 
-def leave_update_group(admin: Optional[AdminRunner], group, name: str, timeout_s: float,
+def leave_update_group(admin: Optional[StageAdmin], group, name: str, timeout_s: float,
                        tell_servers: bool = True) -> None:
     """Ends a weight-update group: the servers are asked to destroy their side (best effort), then
     this rank's side is destroyed. ``tell_servers``: false on ranks that share a group some other
@@ -175,11 +175,11 @@ def dtype_name(t: torch.Tensor) -> str:
 
 class TensorTransport:
     """``wire``: "megarl" (safetensors) for megarl-server, "sglang" for real SGLang (see
-    megarl.weights.tensor_wire)."""
+    megarl.protocol.tensor_wire)."""
 
     streams_buckets = True
 
-    def __init__(self, admin: AdminRunner, timeout_s: float, wire: WireFormat = "megarl"):
+    def __init__(self, admin: StageAdmin, timeout_s: float, wire: WireFormat = "megarl"):
         self.admin, self.timeout_s, self.wire = admin, timeout_s, wire
 
     def setup(self, stage: int) -> None:
@@ -235,7 +235,7 @@ class SharedMemoryTransport:
     streams_buckets = True
     ALIGN = 64
 
-    def __init__(self, admin: AdminRunner, timeout_s: float):
+    def __init__(self, admin: StageAdmin, timeout_s: float):
         self.admin, self.timeout_s = admin, timeout_s
         self.path, self.buf = "", torch.empty(0, dtype=torch.uint8)
         self.shared_bytes = self.socket_bytes = 0
@@ -297,7 +297,7 @@ class DiskTransport:
 
     streams_buckets = False
 
-    def __init__(self, admin: Optional[AdminRunner], directory: str, keep: int, timeout_s: float, dtype):
+    def __init__(self, admin: Optional[StageAdmin], directory: str, keep: int, timeout_s: float, dtype):
         self.admin, self.dir, self.keep, self.timeout_s, self.dtype = admin, directory, keep, timeout_s, dtype
 
     def setup(self, stage: int) -> None:

@@ -15,7 +15,7 @@ from megarl.trainer import parallel
 from megarl.models import builder, hf_io
 from megarl.models.layouts import pad_vocab
 from megarl.models.random_hf import tiny_config, write_random_hf
-from megarl.models.registry import read_model_args
+from megarl.protocol.hf_model import read_model_args
 
 
 def load_all(d):

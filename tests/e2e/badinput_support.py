@@ -149,7 +149,7 @@ class World:
         st = j("trunc", "model.safetensors")
         _write(st, open(st, "rb").read()[:1000])
         p["big_tok"] = _copy(p["model"], j("big_tok"))
-        from megarl.data.tokenizer import train_sentencepiece
+        from megarl.common.tokenizer import train_sentencepiece
 
         train_sentencepiece(["the quick brown fox jumps over the lazy dog 0123456789+="], p["big_tok"],
                             vocab_size=64, model_type="char")

@@ -68,7 +68,7 @@ class ServerProc:
 
 def make_model_with_tokenizer(path: str, seed: int = 0, **kw) -> dict:
     """Random tiny Llama + a char-level sentencepiece tokenizer (eos id 2)."""
-    from megarl.data.tokenizer import train_sentencepiece
+    from megarl.common.tokenizer import train_sentencepiece
 
     tok = train_sentencepiece(CORPUS, path, vocab_size=64, model_type="char")
     assert tok.vocab_size <= 128

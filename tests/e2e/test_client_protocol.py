@@ -31,9 +31,9 @@ from test_rollout_reference import make_tiny_model, reference_logprobs
 from megarl.common.net import new_process_group
 from megarl.rollout.admin import AdminClient
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.types import (DiskWeightsUpdate, DistributedWeightsMeta, ModelRequest, SamplingParams,
-                                  WeightsUpdateGroup)
-from megarl.weights.tensor_wire import tensor_update
+from megarl.protocol.types import (DiskWeightsUpdate, DistributedWeightsMeta, ModelRequest, SamplingParams,
+                                   WeightsUpdateGroup)
+from megarl.protocol.tensor_wire import tensor_update
 
 KEY = "protocol-key"
 TOL = 5e-5  # fp32 server vs float64 reference over up to ~600 positions (seen: up to 2.04e-5, batch-dependent)

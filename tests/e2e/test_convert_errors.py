@@ -118,7 +118,7 @@ def test_vocab_mismatch_unknown_architecture_and_bad_tp(tmp_path, hf, capsys):
 
 
 def test_rope_parameters_are_never_silently_ignored(tmp_path, hf, capsys):
-    from megarl.models.registry import read_model_args
+    from megarl.protocol.hf_model import read_model_args
 
     edit_config(hf, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
     rc, err = run(convert.main, to_mcore(hf, tmp_path / "out", "--force"), capsys)
@@ -210,7 +210,7 @@ def fake_checkpoint(path, hf_dir, shapes, complete=True, payload=None):
 
 
 def test_mcore_to_hf_bad_checkpoints(tmp_path, hf, capsys):
-    from megarl.models.registry import read_model_args
+    from megarl.protocol.hf_model import read_model_args
     from megarl.models.layouts import mcore_shapes
 
     out = str(tmp_path / "out")

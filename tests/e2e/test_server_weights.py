@@ -16,7 +16,7 @@ from megarl.common.net import new_process_group
 from megarl.rollout.admin import AdminClient
 from megarl.rollout.client import AdminError, RolloutClient
 from megarl.server.weights import destroy_weight_update_group
-from megarl.rollout.types import (
+from megarl.protocol.types import (
     DiskWeightsUpdate,
     DistributedWeightsMeta,
     ModelRequest,
@@ -24,7 +24,7 @@ from megarl.rollout.types import (
     TensorWeightsUpdate,
     WeightsUpdateGroup,
 )
-from megarl.weights.tensor_wire import encode_megarl
+from megarl.protocol.tensor_wire import encode_megarl
 
 
 @pytest.fixture(scope="module")
@@ -216,11 +216,11 @@ def test_weights_checksum_is_of_what_the_server_holds(tiny_model, new_weights, s
 
 
 def _write_delta(path, tensors, base, base_version, version):
-    """A weights.disk_delta directory (megarl.weights.delta_format) of ``tensors`` against ``base``."""
+    """A weights.disk_delta directory (megarl.protocol.delta_format) of ``tensors`` against ``base``."""
     import json
     import os
 
-    from megarl.weights.delta_format import MANIFEST, encode
+    from megarl.protocol.delta_format import MANIFEST, encode
 
     os.makedirs(path)
     with open(os.path.join(path, "stage0.bin"), "wb") as f:
@@ -235,7 +235,7 @@ def test_update_from_disk_delta_rebuilds_bitwise_and_refuses_corruption(tiny_mod
     """weights.disk_delta's format: raw records, then XOR+zlib records against what the server
     holds, rebuild every tensor bitwise (sha256 of what it holds); a record with a flipped byte
     fails its CRC-32, a delta against another version is refused, and neither changes anything."""
-    from megarl.weights.delta_format import _bytes
+    from megarl.protocol.delta_format import _bytes
     from megarl.protocol.wire import tensor_digest
 
     (old_path, sd0), (new_path, sd1) = tiny_model, new_weights

@@ -22,7 +22,7 @@ from test_rollout_reference import make_tiny_model
 from megarl.data import PromptSample, load_chat_template, load_tokenizer
 from megarl.rollout.client import RolloutClient
 from megarl.rewards import RewardCaller
-from megarl.rollout.types import SamplingParams
+from megarl.protocol.types import SamplingParams
 from megarl.rollout.workflows import ToolCallingWorkflow, WorkflowContext, check_episode
 
 FORCED = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>'

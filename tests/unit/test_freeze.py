@@ -3,7 +3,7 @@ import pytest
 
 from megarl.config import load_config
 from megarl.common.errors import ConfigError
-from megarl.models.registry import ModelArgs, param_table
+from megarl.protocol.hf_model import ModelArgs, param_table
 from megarl.trainer.freeze import frozen_rows
 
 ARGS = ModelArgs("LlamaForCausalLM", vocab_size=128, hidden_size=64, num_layers=12, num_heads=4,

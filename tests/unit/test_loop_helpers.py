@@ -6,7 +6,7 @@ import pytest
 
 from megarl.algo.config import AlgoConfig
 from megarl.trainer.metrics import MetricsLogger
-from megarl.rollout.types import Trajectory
+from megarl.protocol.types import Trajectory
 from megarl.trainer.rl import shape_rewards
 from megarl.trainer.rollout_stats import batch_metrics
 

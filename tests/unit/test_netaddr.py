@@ -4,7 +4,7 @@ import socket
 import pytest
 
 from megarl.common.net import (advertised_address, is_loopback, local_address_towards, resolve, serving_host,
-                            url_host)
+                               url_host)
 
 
 def test_url_host_and_loopback():

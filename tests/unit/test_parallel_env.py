@@ -5,7 +5,7 @@ from megarl.common import compat
 from megarl.models import builder
 from megarl.models.random_hf import tiny_config, write_random_hf
 from megarl.models.layouts import pad_vocab
-from megarl.models.registry import read_model_args
+from megarl.protocol.hf_model import read_model_args
 from megarl.trainer.parallel import discover_ranks, expand_nodelist, under_launcher
 
 

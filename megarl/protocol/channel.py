@@ -8,7 +8,7 @@ manager on a rollout partition), needs no shared memory, and nothing is unpickle
 JSON plus bytes read into numpy arrays of a declared dtype and shape (safe deserialization).
 A step's batch is a few flat arrays, so a hand-off costs one copy into the socket and one out.
 
-Every message is a dataclass of `megarl.rollout.messages` (no untyped dicts cross the boundary),
+Every message is a dataclass of `megarl.protocol.messages` (no untyped dicts cross the boundary),
 a closed set in which no message names a method or an endpoint to call. A connection carries
 nothing before its peer proved the run's secret (handshake.py).
 
@@ -42,8 +42,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from megarl.rollout.handshake import AuthError, prove
-from megarl.rollout.messages import DIRECT_REPLIES, MESSAGES, Beat, Hello, Reply
+from megarl.protocol.handshake import AuthError, prove
+from megarl.protocol.messages import DIRECT_REPLIES, MESSAGES, Beat, Hello, Reply
 
 _LEN = struct.Struct("!I")
 # a request is metadata only; the largest, a bucket's announce relayed to every server, is about

@@ -1,5 +1,5 @@
 """What the trainer and the rollout manager say to each other: a closed set of dataclasses, one
-per thing a link may ask or answer (`MESSAGES`), carried by `megarl.rollout.channel`.
+per thing a link may ask or answer (`MESSAGES`), carried by `megarl.protocol.channel`.
 
 No message names a method or an endpoint to call: an admin relay is one class per server
 operation the trainer needs (`ADMIN_MESSAGES`), a step of the server set one class per step
