@@ -35,8 +35,8 @@ setup(
     entry_points={
         "console_scripts": [
             "megarl-train=megarl.train:main",
-            "megarl-convert=megarl.tools_cli.convert:main",
-            "megarl-logprobs=megarl.tools_cli.logprobs:main",
+            "megarl-convert=megarl.commands.convert:main",
+            "megarl-logprobs=megarl.commands.logprobs:main",
             "megarl-server=megarl.server.__main__:main",
             "megarl-rollout-manager=megarl.rollout.manager:main",
             "megarl-launch=megarl.launch.plan:main",

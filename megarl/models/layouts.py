@@ -2,7 +2,7 @@
 
 The one place that knows what each table row (:mod:`megarl.protocol.hf_model`) looks like on either
 side, used by the HF loader/exporter (``hf_io``), the resharder and its planner (``weights/``) and
-the checkpoint converter (``tools_cli``). Pure: torch and the table only, no distributed state, so
+the checkpoint converter (``megarl.commands``). Pure: torch and the table only, no distributed state, so
 the planner stays testable without a process group.
 
 Three Megatron views of a row:

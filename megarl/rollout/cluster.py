@@ -59,7 +59,7 @@ class RolloutCluster:
         # a health probe never outlasts the push deadline it runs inside
         self.min_live_servers, self.health_timeout_s = min_live_servers, min(health_timeout_s, timeout_s)
         self.dead: list[str] = []  # dropped servers, polled for re-admission (driver)
-        # restart(address) -> bool: relaunch a server this job started (LocalCluster); None:
+        # restart(address) -> bool: relaunch a server this job started (LocalServers); None:
         # servers are external and come back on their own
         self.restart: Optional[Callable[[str], bool]] = None
         self.poll_interval_s = 1.0

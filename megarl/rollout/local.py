@@ -1,13 +1,13 @@
-"""A local rollout cluster: rollout servers as child processes on free ports of one host.
+"""Local rollout servers: child processes on free ports of one host, started by the rollout manager.
 
 The one local launcher of megarl-server (and, with ``rollout.engine: sglang``, of real SGLang:
 `megarl.rollout.sglang_local.SGLangLauncher`): used when ``rollout.servers`` is empty (the embedded
 CPU demo), by make_tiny_model's evaluation, and by tests and benchmarks. The servers bind to loopback,
 or to the address every rank reached rank 0 by when the job spans nodes (megarl.common.net.serving_host).
-They belong to the trainer: stop signals sent to the whole process tree are ignored by them, they
-are killed when the trainer leaves the cluster's context, and the kernel kills them if the trainer
-dies, SIGKILL included (megarl.common.signals.owned_child_setup). A server that dies during a run is
-relaunched on its own port by `LocalCluster.restart` (the RolloutCluster re-admits it once it
+They belong to the process that started them (in a run, the rollout manager): stop signals sent
+to the whole process tree are ignored by them, they are killed when it leaves the `LocalServers`
+context, and the kernel kills them if it dies, SIGKILL included (megarl.common.signals.owned_child_setup). A server that dies during a run is
+relaunched on its own port by `LocalServers.restart` (the RolloutCluster re-admits it once it
 answers /health and has been given the current weights). ``<log_dir>/servers.json`` lists them.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s:
 
 
 class MegarlLauncher:
-    """Spawns one megarl-server per `LocalCluster` slot (SGLang's: sglang_local.SGLangLauncher)."""
+    """Spawns one megarl-server per `LocalServers` slot (SGLang's: sglang_local.SGLangLauncher)."""
 
     name = "megarl-server"
 
@@ -99,8 +99,8 @@ def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float
     return url, proc
 
 
-class LocalCluster:
-    """``with LocalCluster(model_dir, n=2, log_dir=...) as urls: ...``; ``launcher``: what each
+class LocalServers:
+    """``with LocalServers(model_dir, n=2, log_dir=...) as urls: ...``; ``launcher``: what each
     slot runs (default: megarl-server with ``extra`` flags). All servers start at once, then the
     cluster waits up to ``ready_timeout_s`` for each /health."""
 

@@ -21,13 +21,13 @@ of trainer rank 0 and took the GIL from the training loop while generation overl
 (docs/benchmarks.md). Here it runs beside the trainer, and trainer ranks only send requests and
 read replies on a socket - no event loop, no thread of theirs serves rollout traffic.
 
-Lifetime: started by trainer rank 0 (`spawn`) with the stop signals ignored and SIGKILL on the
+Lifetime: started by trainer rank 0 (`megarl.trainer.manager_process.start_process`) with the stop signals ignored and SIGKILL on the
 death of its parent, so a Ctrl-C lets the trainer save (asking this process for its ledger) and a
 dead trainer takes the manager and its servers with it. When the driver's connection closes the
 manager stops. Its state (the prompt ledger) is saved inside the trainer's checkpoint.
 
 Who may talk to it (docs/reliability.md, "Security"): a connection is served only after its peer
-proved the run's secret (handshake.py) - from the spawning trainer through an inherited pipe
+proved the run's secret (`megarl.protocol.handshake`) - from the spawning trainer through an inherited pipe
 (``--secret-fd``), or from ``rollout.manager_secret_file`` when started apart. Then one driver
 link (global rank 0: every request, and only it ends the run) and any number of stage links
 (pipeline-stage weight sources: admin messages only), `MAX_LINKS` in all; at most
@@ -161,7 +161,7 @@ class RolloutManager:
     # ------------------------------------------------------------------ build
     def start_servers(self) -> list[str]:
         from megarl.common.net import serving_host
-        from megarl.rollout.local import LocalCluster
+        from megarl.rollout.local import LocalServers
 
         spec, r = self.spec, self.spec.rollout
         if r.servers:
@@ -174,7 +174,7 @@ class RolloutManager:
             from megarl.rollout.sglang_local import SGLangLauncher
             # the route flags (--enable-return-routed-experts) are SGLang's too
             launcher = SGLangLauncher(spec.model_path, [*spec.server_flags, *r.server_args], threads=r.server_threads)
-        self.local = LocalCluster(spec.model_path, r.local_servers, f"{spec.run_dir}/servers",
+        self.local = LocalServers(spec.model_path, r.local_servers, f"{spec.run_dir}/servers",
                                   extra=["--threads", r.server_threads, *spec.server_flags, *r.server_args],
                                   host=serving_host(),
                                   weights_roots=[spec.weights.disk_dir or f"{spec.run_dir}/weights"],

@@ -1,6 +1,6 @@
 """Real SGLang as the local rollout servers (``rollout.engine: sglang``).
 
-When ``rollout.servers`` is empty and the engine is sglang, the job's `LocalCluster` starts
+When ``rollout.servers`` is empty and the engine is sglang, the job's `LocalServers` starts
 ``python -m sglang.launch_server`` processes instead of megarl-server: from SGLang's own
 virtualenv (``$MEGARL_SGLANG_VENV``, default ``~/.cache/megarl/sglang-venv``, made by
 tools/sglang_cpu/install.sh), or from this Python when it imports sglang (``pip install
@@ -119,7 +119,7 @@ def check_model_dir(model_dir: str) -> None:
 
 
 class SGLangLauncher:
-    """Spawns one SGLang server per `LocalCluster` slot (the megarl-server one is
+    """Spawns one SGLang server per `LocalServers` slot (the megarl-server one is
     `megarl.rollout.local.MegarlLauncher`)."""
 
     name = "SGLang"

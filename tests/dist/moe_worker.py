@@ -65,7 +65,7 @@ def save_model(engine, hf: str, out: str) -> None:
 def main():
     from megarl.common import compat
     from megarl.trainer import parallel
-    from megarl.tools_cli import convert, logprobs
+    from megarl.commands import convert, logprobs
 
     work, mode, *names = sys.argv[1:]
     training = names[names.index("+") + 1:] if "+" in names else []

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(REPO, "examples", "tiny")
-MODULES = {"megarl-train": "megarl.train", "megarl-convert": "megarl.tools_cli.convert",
-           "megarl-logprobs": "megarl.tools_cli.logprobs", "megarl-server": "megarl.server",
+MODULES = {"megarl-train": "megarl.train", "megarl-convert": "megarl.commands.convert",
+           "megarl-logprobs": "megarl.commands.logprobs", "megarl-server": "megarl.server",
            "megarl-launch": "megarl.launch.plan", "megarl-rollout-manager": "megarl.rollout.manager"}
 
 

@@ -13,9 +13,9 @@ import urllib.request
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "unit"))  # test_rollout_reference helpers
+sys.path.insert(0, os.path.join(REPO, "tests", "unit"))  # test_server_reference helpers
 
-from test_rollout_reference import make_tiny_model  # noqa: E402
+from test_server_reference import make_tiny_model  # noqa: E402
 
 from megarl.common.net import free_port  # noqa: E402  (tests import it from here)
 

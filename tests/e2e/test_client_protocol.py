@@ -8,7 +8,7 @@ first use by tools/sglang_cpu/install.sh (1-3 min, once per machine); set MEGARL
 to skip that half instead.
 
 Both servers run fp32; logprobs are compared with an independent float64 forward
-(test_rollout_reference). Known differences between the servers that the client absorbs or the
+(test_server_reference). Known differences between the servers that the client absorbs or the
 tests avoid are listed in tools/sglang_cpu/README.md.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Callable
 import pytest
 import torch.distributed as dist
 from e2e_servers import REPO, ServerProc, free_port, http
-from test_rollout_reference import make_tiny_model, reference_logprobs
+from test_server_reference import make_tiny_model, reference_logprobs
 
 from megarl.common.net import new_process_group
 from megarl.rollout.admin import AdminClient

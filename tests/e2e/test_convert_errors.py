@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megarl.models.random_hf import tiny_config, write_random_hf
-from megarl.tools_cli import convert, logprobs
+from megarl.commands import convert, logprobs
 
 
 @pytest.fixture
@@ -253,7 +253,7 @@ def test_logprobs_bad_input_lines(tmp_path, hf, capsys):
 
 def test_real_process_prints_one_line_and_no_traceback(tmp_path, hf):
     open(os.path.join(hf, "model.safetensors"), "wb").write(b"garbage")
-    proc = subprocess.run([sys.executable, "-m", "megarl.tools_cli.convert", "hf-to-mcore", "--hf", hf,
+    proc = subprocess.run([sys.executable, "-m", "megarl.commands.convert", "hf-to-mcore", "--hf", hf,
                            "--out", str(tmp_path / "out"), "--tp", "2"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1

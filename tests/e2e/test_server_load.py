@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from e2e_servers import API_KEY, http
-from test_rollout_reference import reference_logprobs
+from test_server_reference import reference_logprobs
 
 from megarl.rollout.client import RolloutClient
 from megarl.protocol.types import ModelRequest, SamplingParams

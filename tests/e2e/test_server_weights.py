@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from e2e_servers import API_KEY, free_port, http
-from test_rollout_reference import make_tiny_model, reference_logprobs
+from test_server_reference import make_tiny_model, reference_logprobs
 
 from megarl.common.net import new_process_group
 from megarl.rollout.admin import AdminClient

@@ -17,7 +17,7 @@ import sys
 import pytest
 from chatml import write_chat_tokenizer
 from e2e_servers import REPO, http
-from test_rollout_reference import make_tiny_model
+from test_server_reference import make_tiny_model
 
 from megarl.data import PromptSample, load_chat_template, load_tokenizer
 from megarl.rollout.client import RolloutClient

@@ -1,6 +1,6 @@
 """The import picture: command-line tools on top, the library below them, never the reverse.
 
-No module outside megarl/tools_cli/ imports megarl.tools_cli (the tools' validation lives in the
+No module outside megarl/commands/ imports megarl.commands (the tools' validation lives in the
 library, `megarl.models.checks`); megarl.launch.preflight is imported only by the megarl-train entry
 (megarl/train.py); megarl.common.errors (the error types both sides share) imports nothing of megarl.
 A static scan (AST, function-level imports included); a failure names file:line."""
@@ -33,7 +33,7 @@ def importers_of(target: str, skip: set) -> list[str]:
 
 
 def test_no_library_module_imports_the_command_line_tools():
-    assert importers_of("megarl.tools_cli", {"megarl/tools_cli/"}) == []
+    assert importers_of("megarl.commands", {"megarl/commands/"}) == []
 
 
 def test_preflight_is_imported_only_by_the_train_entry():
@@ -47,8 +47,8 @@ def test_the_shared_error_module_imports_nothing_of_megarl():
 
 def test_the_scan_sees_function_level_imports(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("def g():\n    from megarl.tools_cli.conversion import check_hf\n")
-    assert imports(f) == [(2, "megarl.tools_cli.conversion"), (2, "megarl.tools_cli.conversion.check_hf")]
+    f.write_text("def g():\n    from megarl.commands.conversion import check_hf\n")
+    assert imports(f) == [(2, "megarl.commands.conversion"), (2, "megarl.commands.conversion.check_hf")]
 
 
 def test_loading_a_config_imports_no_torch(tmp_path):

@@ -5,19 +5,20 @@
     checkpoint/ mcore/
               \\                            |                             /
                `---------------- protocol/ (the shared floor) ---------'
-                    neutral below them: common/ (generic helpers), config/, data/, algo/, launch/
+                    neutral: config/, data/, algo/, launch/; under everything: common/
 
 1. The floor (`megarl.protocol`) imports nothing of megarl but itself, and of the rest only the
    standard library, numpy and torch (safetensors too, inside `tensor_wire`: torch's tensor file
    format, loaded on first use).
-2. The server imports, of megarl, only itself, the floor, `megarl.common` and the one tokenizer
-   loader (`megarl.data.tokenizer`: the server detokenizes with the tokenizer the manager uses).
+2. The server imports, of megarl, only itself, the floor and `megarl.common` (the generic helpers:
+   errors, command line, net, signals, the one tokenizer loader the manager uses too).
 3. The trainer side imports nothing of the manager's packages (nor of the server).
 4. The manager's packages import nothing of the trainer side (nor of the server).
 5. Rules 2-4 hold for everything a program reaches, not only what it names: an import of a
    neutral module counts with all that module imports, and importing ``a.b.c`` runs ``a`` and
    ``a.b``'s ``__init__`` too.
 6. No import circle between modules.
+7. `megarl.common` (under everything) imports nothing of megarl but itself.
 
 A static scan (`ast`): module-level and function-level imports alike, relative ones resolved.
 A failure names file:line and the chain that reached the forbidden module."""
@@ -32,7 +33,7 @@ FLOOR = ("megarl.protocol",)
 SERVER = ("megarl.server",)
 MANAGER = ("megarl.rollout", "megarl.rewards", "megarl.tools")
 TRAINER = ("megarl.trainer", "megarl.weights", "megarl.models", "megarl.checkpoint", "megarl.mcore")
-SERVER_MAY_USE = FLOOR + SERVER + ("megarl.common", "megarl.data.tokenizer")
+SERVER_MAY_USE = FLOOR + SERVER + ("megarl.common",)
 FLOOR_THIRD_PARTY = {"numpy", "torch", "safetensors"}
 
 
@@ -128,6 +129,11 @@ def test_the_trainer_side_imports_nothing_of_the_manager_or_the_server():
 
 def test_the_manager_imports_nothing_of_the_trainer_side_or_the_server():
     assert violations(MANAGER, lambda t: not under(t, TRAINER + SERVER)) == []
+
+
+def test_the_generic_helpers_import_only_each_other():
+    common = ("megarl.common",)
+    assert violations(common, lambda t: under(t, common) or t == "megarl") == []
 
 
 def test_no_import_circle():

@@ -203,7 +203,7 @@ def test_routes_need_the_server_flag_and_an_moe_model(tmp_path):
 
     status, body = asyncio.run(_serve(state, scenario))
     assert status == 400 and "--enable-return-routed-experts" in body["message"]
-    from test_rollout_reference import make_tiny_model
+    from test_server_reference import make_tiny_model
 
     make_tiny_model(tmp_path / "dense")
     with pytest.raises(ValueError, match="no experts"):

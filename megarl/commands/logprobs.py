@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 
 from megarl.common.cli import ArgumentParser, add_debug_flag
-from megarl.tools_cli import (ToolError, check_output_file, finish_ranks, init_ranks, needs_launch,
+from megarl.commands import (ToolError, check_output_file, finish_ranks, init_ranks, needs_launch,
                               run_tool)
 
 PROG = "megarl-logprobs"
@@ -115,7 +115,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
     if needs_launch(a.tp * a.pp * a.ep):
         from megarl.trainer import parallel
 
-        return parallel.relaunch(a.tp * a.pp * a.ep, "megarl.tools_cli.logprobs", argv)
+        return parallel.relaunch(a.tp * a.pp * a.ep, "megarl.commands.logprobs", argv)
     ps, created = init_ranks(a.tp, a.pp, a.ep)
     try:
         _compute_and_write(a, source, rows, ps)

@@ -1,4 +1,6 @@
-"""Command-line tools: ``megarl-convert`` (HF <-> Megatron dist checkpoints) and ``megarl-logprobs``.
+"""The checkpoint commands: ``megarl-convert`` (HF <-> Megatron dist checkpoints) and ``megarl-logprobs``.
+(Not to be confused with `megarl.tools`, the tools a tool-calling workflow lets the model call, nor
+with the repository's tools/, developer scripts and benchmarks.)
 
 Shared conventions: inputs are validated in the launching process before any rank starts, bad
 input ends in one line ``<prog>: <message>`` on stderr and a non-zero exit (no traceback), outputs
