@@ -66,7 +66,7 @@ def check_against_model(cfg) -> None:
         raise ConfigError("weights.refit: shard supports dense models on one pipeline stage "
                           f"({args.architecture} is MoE); use weights.refit=gather")
     if cfg.optim.freeze:  # patterns are HF names: checked here, not after the ranks built the model
-        from megarl.trainer.freeze import frozen_rows
+        from megarl.models.freeze import frozen_rows
         frozen_rows(cfg.optim.freeze, args)
     if args.num_heads % tp:
         raise ConfigError(f"parallel.tp: {tp} does not divide num_attention_heads={args.num_heads}")

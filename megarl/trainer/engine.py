@@ -120,7 +120,7 @@ class Engine:
             hf_io.load_hf_weights(chunks, args, spec.model.hf_path, ps.tp, ps.tp_rank, use_te)
         cls.adapt_chunks(chunks, spec, args, tconfig)
         if trainable:  # optim.freeze: before DDP and the optimizer, which then leave them out
-            from megarl.trainer.freeze import apply_freeze
+            from megarl.models.freeze import apply_freeze
 
             apply_freeze(chunks, args, spec.optim.freeze, use_te)
         if not trainable:

@@ -17,7 +17,7 @@
 5. Rules 2-4 hold for everything a program reaches, not only what it names: an import of a
    neutral module counts with all that module imports, and importing ``a.b.c`` runs ``a`` and
    ``a.b``'s ``__init__`` too.
-6. No import circle between modules.
+6. No import circle between modules, nor between packages.
 7. `megarl.common` (under everything) imports nothing of megarl but itself.
 
 A static scan (`ast`): module-level and function-level imports alike, relative ones resolved.
@@ -136,12 +136,9 @@ def test_the_generic_helpers_import_only_each_other():
     assert violations(common, lambda t: under(t, common) or t == "megarl") == []
 
 
-def test_no_import_circle():
-    """A circle of modules (any import, at any depth) is reported as its file:line hops. A module's
-    own packages do not count: their __init__ is running already when it is imported."""
-    edges = {m: {t for _, target in GRAPH[m] for t in runs(target) if not (m + ".").startswith(t + ".")}
-             for m in MODULES}
-    circles, state = [], {}
+def circles(edges: dict, hop) -> list[str]:
+    """Every circle of the directed graph ``edges`` found by a depth-first walk, as its hops."""
+    found, state = [], {}
 
     def visit(m, stack):
         state[m] = 1
@@ -149,17 +146,46 @@ def test_no_import_circle():
         for t in sorted(edges[m]):
             if state.get(t) == 1:
                 loop = stack[stack.index(t):] + [t]
-                circles.append(" -> ".join(f"{where(a, next(ln for ln, x in GRAPH[a] if b in runs(x)))}"
-                                           for a, b in zip(loop, loop[1:])))
+                found.append(" -> ".join(hop(a, b) for a, b in zip(loop, loop[1:])))
             elif t not in state:
                 visit(t, stack)
         stack.pop()
         state[m] = 2
 
-    for m in sorted(MODULES):
+    for m in sorted(edges):
         if m not in state:
             visit(m, [])
-    assert circles == []
+    return found
+
+
+def first_line(a: str, b: str) -> str:
+    return where(a, next(ln for ln, x in GRAPH[a] if b in runs(x)))
+
+
+def test_no_import_circle():
+    """A circle of modules (any import, at any depth) is reported as its file:line hops. A module's
+    own packages do not count: their __init__ is running already when it is imported."""
+    edges = {m: {t for _, target in GRAPH[m] for t in runs(target) if not (m + ".").startswith(t + ".")}
+             for m in MODULES}
+    assert circles(edges, first_line) == []
+
+
+def room(mod: str) -> str:
+    return ".".join(mod.split(".")[:2])
+
+
+def test_no_circle_between_packages():
+    """The packages of megarl (megarl.trainer, megarl.rollout, ...; a root module is its own) form
+    floors: no two import each other, directly or around a circle."""
+    edges, why = {}, {}
+    for m in MODULES:
+        edges.setdefault(room(m), set())
+        for line, target in GRAPH[m]:
+            for t in runs(target):
+                if room(t) not in (room(m), "megarl"):
+                    edges[room(m)].add(room(t))
+                    why.setdefault((room(m), room(t)), where(m, line))
+    assert circles(edges, lambda a, b: f"{a} ({why[a, b]}) -> {b}") == []
 
 
 def test_the_scan_sees_function_level_and_relative_imports(tmp_path, monkeypatch):
