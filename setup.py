@@ -15,14 +15,14 @@ setup(
         "pyyaml",
         "sentencepiece",
         "safetensors",
-        "psutil",  # the trainer forwards stop signals to torchrun's workers (megarl.parallel)
+        "psutil",  # the trainer forwards stop signals to torchrun's workers (megarl.trainer.parallel)
         "aiohttp>=3.9",  # rollout client and the CPU rollout server
     ],
     extras_require={
         # everything the test tiers use: the README's one install line brings it all in
         "test": ["pytest>=7", "transformers>=4.45", "matplotlib", "tensorboard", "wandb", "pyarrow",
                  "jinja2", "sympy", "mpi4py"],
-        # Parquet prompt files, chat templates, symbolic math answers (megarl.compat.require)
+        # Parquet prompt files, chat templates, symbolic math answers (megarl.common.compat.require)
         "data": ["pyarrow", "jinja2", "sympy"],
         "sglang": ["sglang>=0.5"],
         "gpu": ["transformer-engine[pytorch]", "apex"],
@@ -36,11 +36,11 @@ setup(
         "console_scripts": [
             "megarl-train=megarl.train:main",
             "megarl-eval=megarl.eval:main",
-            "megarl-convert=megarl.tools_cli.convert:main",
-            "megarl-logprobs=megarl.tools_cli.logprobs:main",
+            "megarl-convert=megarl.commands.convert:main",
+            "megarl-logprobs=megarl.commands.logprobs:main",
             "megarl-server=megarl.server.__main__:main",
             "megarl-rollout-manager=megarl.rollout.manager:main",
-            "megarl-launch=megarl.launch_plan:main",
+            "megarl-launch=megarl.launch.plan:main",
         ]
     },
 )

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # megarl-train under MPI: Open MPI's mpirun, or `srun --mpi=pmix` inside a SLURM allocation. Ranks
-# come from OMPI_COMM_WORLD_* or PMIX_RANK (megarl/parallel.py); torch.distributed meets at
+# come from OMPI_COMM_WORLD_* or PMIX_RANK (megarl/trainer/parallel.py); torch.distributed meets at
 # MASTER_ADDR:MASTER_PORT (MPI only starts the processes).
 #
 #   NP=4 HOSTS=node0:2,node1:2 launch/mpi.sh CONFIG.yaml [a.b=c ...]

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from megarl.cli import pop_debug, run_main
+from megarl.common.cli import pop_debug, run_main
 from megarl.config import ConfigError, load_config
 
 PROG = "megarl-eval"
@@ -68,9 +68,9 @@ def output_dir(cfg) -> str:
 
 
 def check_inputs(cfg) -> str:
-    """The checks megarl-train runs on the same fields (megarl.preflight), before anything starts;
+    """The checks megarl-train runs on the same fields (megarl.launch.preflight), before anything starts;
     returns the resolved Megatron checkpoint (eval.checkpoint), or '' for the HF model."""
-    from megarl import preflight
+    from megarl.launch import preflight
 
     if not cfg.train.is_rl:
         raise ConfigError("train.algorithm: megarl-eval scores an RL task (rollout.workflow, rollout.reward_fn); "
@@ -119,7 +119,7 @@ def resolve_eval_checkpoint(cfg) -> str:
 
 
 def checkpoint_model_args(ckpt: str):
-    from megarl.models.registry import read_model_args
+    from megarl.protocol.hf_model import read_model_args
 
     try:
         return read_model_args(ckpt)
@@ -132,7 +132,7 @@ def checkpoint_model_args(ckpt: str):
 def export_hf(ckpt: str, out: str) -> str:
     """The checkpoint as an HF directory, by megarl-convert mcore-to-hf in a child process (it
     initialises torch.distributed for itself; this process stays free of it)."""
-    cmd = [sys.executable, "-m", "megarl.tools_cli.convert", "mcore-to-hf", "--ckpt", ckpt, "--out", out]
+    cmd = [sys.executable, "-m", "megarl.commands.convert", "mcore-to-hf", "--ckpt", ckpt, "--out", out]
     print(f"[{PROG}] exporting {ckpt} to HF", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:

@@ -7,10 +7,10 @@
 
 Run it directly and it starts its own ranks (torchrun on loopback) when the config needs more
 than one; under torchrun, srun or mpirun it joins the job it is in. SIGUSR1/SIGTERM/SIGINT make
-every rank finish its step, save a checkpoint and exit 0 (megarl.signals); the next start resumes.
+every rank finish its step, save a checkpoint and exit 0 (megarl.common.signals); the next start resumes.
 
 Bad input fails before any rank starts: the config (`load_config`), then what it points at
-(`megarl.preflight`: model, tokenizer, data, plugins, run_dir, rollout servers), as one line
+(`megarl.launch.preflight`: model, tokenizer, data, plugins, run_dir, rollout servers), as one line
 ``megarl-train: <field>: <problem>`` and exit status 2; any later error is one line and exit
 status 1. ``--debug`` (anywhere on the command line) shows the traceback instead. Nothing imports
 torch before the config has loaded: a bad config costs a fraction of a second, not torch's import
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import sys
 
-from megarl.cli import DEBUG_FLAG, pop_debug, run_main
+from megarl.common.cli import DEBUG_FLAG, pop_debug, run_main
 from megarl.config import ConfigError, load_config, save_config
-from megarl.signals import StopRequest, clear_stop_marker, dump_stacks_on_sigusr2, write_stop_marker
+from megarl.common.signals import StopRequest, clear_stop_marker, dump_stacks_on_sigusr2, write_stop_marker
 
 PROG = "megarl-train"
 CONSOLE_KEYS = {
@@ -44,7 +44,7 @@ def parse_args(argv: list[str]) -> tuple[str, list[str]]:
 
 def run_sft(cfg, ps, engine, logger, ckpt, stop: StopRequest) -> None:
     from megarl.checkpoint import maybe_export_hf
-    from megarl.metrics import progress
+    from megarl.trainer.metrics import progress
     from megarl.trainer.sft import SFTData, sft_loss
 
     data = SFTData(cfg, ps)
@@ -70,14 +70,14 @@ def main(argv: list[str] | None = None) -> int:
 def launch(path: str, overrides: list[str], debug: bool = False) -> int:
     """Config and inputs checked here, once, before any rank exists; then this process trains or
     starts its own ranks."""
-    from megarl.preflight import check_inputs
-    from megarl.ranks import under_launcher
+    from megarl.launch.preflight import check_inputs
+    from megarl.launch.ranks import under_launcher
 
     dump_stacks_on_sigusr2()  # kill -USR2: where this process is, without stopping it
     cfg = load_config(path, overrides)
     launched = under_launcher()
     check_inputs(cfg, cleanup_run_dir=not launched)
-    from megarl import parallel  # torch and megatron-core's shim: only once the inputs are known good
+    from megarl.trainer import parallel  # torch and megatron-core's shim: only once the inputs are known good
 
     nproc = cfg.parallel.world_size or cfg.parallel.tp * cfg.parallel.pp
     if nproc > 1 and not launched:
@@ -87,7 +87,8 @@ def launch(path: str, overrides: list[str], debug: bool = False) -> int:
 
 
 def train(cfg, stop: StopRequest) -> int:
-    from megarl import compat, parallel
+    from megarl.common import compat
+    from megarl.trainer import parallel
 
     compat.quiet_megatron_warnings()
     if cfg.train.torch_threads:
@@ -95,7 +96,7 @@ def train(cfg, stop: StopRequest) -> int:
         torch.set_num_threads(cfg.train.torch_threads)
     from megarl.checkpoint import CheckpointManager
     from megarl.config import check_world_size
-    from megarl.metrics import MetricsLogger
+    from megarl.trainer.metrics import MetricsLogger
     from megarl.trainer.engine import Engine, EngineSpec
     from megarl.trainer.rollout_link import RolloutSide
 
@@ -128,7 +129,7 @@ def train(cfg, stop: StopRequest) -> int:
         run_sft(cfg, ps, engine, logger, ckpt, stop)
     logger.close()
     if cfg.train.is_rl and ps.rank == 0:
-        from megarl.plotting import write_learning_curve
+        from megarl.common.plotting import write_learning_curve
         png = write_learning_curve(cfg.train.run_dir)  # None (with a note) without matplotlib
         if png:
             print(f"[grpo] learning curve: {png}", flush=True)

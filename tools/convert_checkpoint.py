@@ -12,7 +12,7 @@ if REPO not in sys.path:  # run as a script from anywhere without installing
     # ranks started by the tool (torchrun -m megarl...) must find the package too
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
 
-from megarl.tools_cli.convert import main  # noqa: E402
+from megarl.commands.convert import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

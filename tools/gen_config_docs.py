@@ -14,13 +14,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from megarl.config import Config  # noqa: E402
-from megarl.fields import range_text  # noqa: E402
+from megarl.common.fields import range_text  # noqa: E402
 
 RULES = """## Loading rules
 
 - **Unknown keys, wrong types, values out of range** fail at load with one line naming the field
   (`megarl-train: rollout.top_p: must be > 0 and <= 1, got 5`). The `range` column below is the
-  declared range that validation checks (`megarl/fields.py`); empty for fields with choices or
+  declared range that validation checks (`megarl/common/fields.py`); empty for fields with choices or
   no numeric value.
 - **A key given twice** in one YAML mapping is an error naming the file, the key and both lines
   (`config: c.yaml: duplicate key 'train' at line 9 (first at line 3)`); plain YAML would keep the

@@ -11,7 +11,7 @@ if REPO not in sys.path:  # run as a script from anywhere without installing
     # ranks started by the tool (torchrun -m megarl...) must find the package too
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
 
-from megarl.tools_cli.logprobs import main  # noqa: E402
+from megarl.commands.logprobs import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -35,12 +35,12 @@ if REPO not in sys.path:  # run as a script from anywhere without installing
 
 from megarl.data.datasets import PromptDataset, read_jsonl  # noqa: E402
 from megarl.data.tasks import write_addition_corpus  # noqa: E402
-from megarl.data.tokenizer import SentencePieceTokenizer, load_tokenizer, train_sentencepiece  # noqa: E402
+from megarl.common.tokenizer import SentencePieceTokenizer, load_tokenizer, train_sentencepiece  # noqa: E402
 from megarl.rollout.client import RolloutClient  # noqa: E402
 from megarl.rollout.evaluation import EvalResult, evaluate_samples  # noqa: E402
-from megarl.rollout.local import LocalCluster  # noqa: E402
+from megarl.rollout.local import LocalServers  # noqa: E402
 from megarl.rewards import arith_exact_match  # noqa: E402
-from megarl.rollout.types import SamplingParams  # noqa: E402
+from megarl.protocol.types import SamplingParams  # noqa: E402
 
 TASK_CHARS = "0123456789+="
 
@@ -158,7 +158,7 @@ def evaluate_model(model_dir: str, prompts_path: str, n: int, max_new_tokens: in
 
     for attempt in range(3):  # a free port can be taken by another process before the server binds it
         try:
-            with LocalCluster(model_dir, 1, log_dir) as urls:
+            with LocalServers(model_dir, 1, log_dir) as urls:
                 return asyncio.run(run(urls))
         except RuntimeError as e:
             if attempt == 2 or "exited early" not in str(e):

@@ -5,7 +5,7 @@
 
 Without --keys every numeric metric is drawn. Several files may be given to overlay runs.
 --curve draws the learning curve instead (held-out accuracy and reward vs step and vs wall time,
-megarl/plotting.py; every RL run writes it to RUN_DIR/learning_curve.png at its end).
+megarl/common/plotting.py; every RL run writes it to RUN_DIR/learning_curve.png at its end).
 Needs matplotlib (`pip install matplotlib`, or the [plot] / [test] extra).
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         label = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
         runs[label if label not in runs else path] = read_metrics(path)
     if args.curve:
-        from megarl.plotting import plot_learning_curves
+        from megarl.common.plotting import plot_learning_curves
 
         plot_learning_curves(runs, args.out)
         print(f"wrote {args.out} (learning curve of {len(runs)} run(s))")

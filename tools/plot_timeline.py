@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megarl.timeline import read_timeline  # noqa: E402
+from megarl.common.timeline import read_timeline  # noqa: E402
 
 COLORS = {"wait": "#d62728", "update": "#1f77b4", "push": "#ff7f0e", "eval": "#9467bd",
           "generate": "#2ca02c"}

@@ -14,7 +14,7 @@ from enum import Enum
 from megarl.algo.choices import (AdvantageConfig, AdvantageEstimator, CapMode, KLEstimator, LossAgg,
                                  OldLogp, PolicyLossConfig, PolicyLossKind, ProxLogpMode,
                                  RolloutCorrection)
-from megarl.fields import bounded, check_bounds
+from megarl.common.fields import bounded, check_bounds
 
 
 @dataclass

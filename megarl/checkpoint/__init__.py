@@ -21,7 +21,7 @@ from megarl.checkpoint.layout import (
     find_latest, is_complete, list_checkpoints, read_meta, resolve_checkpoint, step_dir_name,
     write_synced)
 from megarl.checkpoint.manager import CheckpointManager
-from megarl.checkpoint.safe import check_safe, read_dcp_metadata
+from megarl.common.safe_load import check_safe, read_dcp_metadata
 from megarl.checkpoint.verify import file_manifest, find_resumable, verify_checkpoint
 from megarl.mcore.checkpoint import load_model_weights, model_sharded_state_dict, sync_save_strategy
 

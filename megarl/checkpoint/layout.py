@@ -13,7 +13,7 @@ Layout of ``checkpoint.save_dir`` (default ``<run_dir>/checkpoints``)::
       megarl.json                 step, policy version, layout, vocab_size (the original one; the
                                   tensors hold padded_vocab_size rows), scheduler, registered state (JSON),
                                   the manifest (every file's size, CRC32 of small ones: verify.py)
-                                  and the run's per-step log sizes (megarl/runlogs.py);
+                                  and the run's per-step log sizes (megarl/common/runlogs.py);
                                   written last: a directory without it is not a checkpoint
     .tmp-step_00000400/           a save in progress, or killed: never resumed from, removed later
 
@@ -32,6 +32,8 @@ import re
 import shutil
 from typing import Optional
 
+from megarl.common.errors import CheckpointError  # noqa: F401 - raised here, and by megarl.mcore below this package
+
 META = "megarl.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
@@ -39,10 +41,6 @@ FORMAT = "megarl-checkpoint"
 STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.model", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the directory or key."""
 
 
 def step_dir_name(step: int) -> str:

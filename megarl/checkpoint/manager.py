@@ -23,12 +23,12 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from megarl import runlogs
+from megarl.common import runlogs
 from megarl.checkpoint.layout import (
     FORMAT, HF_SIDE_FILES, LATEST, META, TMP_PREFIX, CheckpointError, commit_dir, copy_hf_side_files,
     is_complete, list_checkpoints, read_meta, step_dir_name, write_synced)
 from megarl.checkpoint.rng import load_rng, save_rng
-from megarl.checkpoint.safe import check_safe
+from megarl.common.safe_load import check_safe
 from megarl.checkpoint.verify import MANIFEST, file_manifest, find_resumable, verify_checkpoint
 from megarl.mcore import checkpoint as mcore
 
@@ -80,7 +80,7 @@ class CheckpointManager:
         """Loads the newest intact checkpoint of save_dir (``verify.find_resumable``: a damaged
         newer one is passed over with one line saying why); returns its step (0 if none). The
         run's per-step logs are cut back to what they held when that checkpoint was saved
-        (``megarl.runlogs``), emptied when there is none."""
+        (``megarl.common.runlogs``), emptied when there is none."""
         if not self.cfg.checkpoint.resume:
             return 0
         found: list = [None]

@@ -65,7 +65,7 @@ def file_manifest(ckpt_dir: str) -> dict[str, list]:
 
 def _check_dcp_dir(d: str) -> None:
     """Megatron's markers and every shard file the DCP index points into, whole."""
-    from megarl.checkpoint.safe import read_dcp_metadata
+    from megarl.common.safe_load import read_dcp_metadata
 
     for name in ("metadata.json", "common.pt"):
         if not os.path.isfile(os.path.join(d, name)):
@@ -106,7 +106,7 @@ def verify_checkpoint(path: str) -> dict:
         raise CheckpointError(f"{os.path.join(path, META)}: missing or not a JSON object")
     if meta.get("complete") is not True:
         raise CheckpointError(f"{os.path.join(path, META)}: not marked complete")
-    from megarl.checkpoint.safe import check_safe
+    from megarl.common.safe_load import check_safe
 
     engines = meta.get("engines") if isinstance(meta.get("engines"), dict) else {}
     dcp_dirs = [path] + [os.path.join(path, name) for name in engines]

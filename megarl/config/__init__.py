@@ -7,7 +7,7 @@ with a one-line :class:`ConfigError` naming the field, on an unknown key, a valu
 type, a value out of its range or a combination of fields that cannot work. Loading reads the
 recipe (and, for output paths, whether a directory above one holds another run's config.yaml),
 nothing of the model: checks against the model's files (TP not dividing the heads, PP above the
-layer count, ...) are `megarl.models.checks.check_against_model`, run by `megarl.preflight`. The
+layer count, ...) are `megarl.models.checks.check_against_model`, run by `megarl.launch.preflight`. The
 resolved config is written into the run directory by :func:`save_config`.
 
     load.py      the loader: YAML, overrides, coercion, output paths, save_config
@@ -31,7 +31,7 @@ from megarl.config.model import CriticConfig, ModelConfig, OptimConfig, Parallel
 from megarl.config.rollout import RewardConfig, RolloutConfig, WeightSyncConfig
 from megarl.config.root import Config, check_world_size, validate_learning_signal
 from megarl.config.train import CheckpointConfig, DataConfig, LoggingConfig, TrainConfig
-from megarl.errors import ConfigError
+from megarl.common.errors import ConfigError
 
 __all__ = [
     "AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "EvalConfig",

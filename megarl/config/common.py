@@ -1,15 +1,15 @@
 """Helpers every config section uses: range checks as `ConfigError`, choices, shared messages."""
 from __future__ import annotations
 
-from megarl.errors import ConfigError
-from megarl.fields import check_bounds
+from megarl.common.errors import ConfigError
+from megarl.common.fields import check_bounds
 
 _COLD = ("temperature 0 samples every completion of a group alike: the advantages are all 0 and "
          "nothing is learned")
 
 
 def _check(section, prefix: str) -> None:
-    """The declared ranges of a section's numeric fields (megarl.fields), as ConfigError."""
+    """The declared ranges of a section's numeric fields (megarl.common.fields), as ConfigError."""
     try:
         check_bounds(section, prefix)
     except ValueError as e:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megarl.config.common import _check
-from megarl.fields import bounded
+from megarl.common.fields import bounded
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megarl.config.common import _check, _choice
-from megarl.errors import ConfigError
-from megarl.fields import bounded
+from megarl.common.errors import ConfigError
+from megarl.common.fields import bounded
 
 
 @dataclass

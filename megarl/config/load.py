@@ -28,7 +28,7 @@ import yaml
 
 from megarl.config.root import Config
 from megarl.config.rollout import RolloutConfig
-from megarl.errors import ConfigError
+from megarl.common.errors import ConfigError
 
 
 # (section, field) of every path a run writes to; relative ones are resolved under train.run_dir

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megarl.config.common import _COLD, _check, _choice
-from megarl.errors import ConfigError
-from megarl.fields import bounded
-from megarl.net import normalize_address
+from megarl.common.errors import ConfigError
+from megarl.common.fields import bounded
+from megarl.common.net import normalize_address
 
 
 @dataclass
@@ -135,7 +135,7 @@ class RolloutConfig:
         _check(self, "rollout")
         _choice("rollout.engine", self.engine, ("megarl", "sglang"))
         if self.engine == "sglang" and not self.servers:
-            from megarl.rollout.sglang_local import sglang_flags
+            from megarl.config.server_flags import sglang_flags
             sglang_flags(self.server_args)  # a megarl-server-only flag: one line naming it
         bad = [c for c in self.server_cpus if not isinstance(c, int) or c < 0]
         if bad:

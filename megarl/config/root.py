@@ -10,8 +10,8 @@ from megarl.config.launch import LaunchConfig
 from megarl.config.model import CriticConfig, ModelConfig, OptimConfig, ParallelConfig
 from megarl.config.rollout import RewardConfig, RolloutConfig, WeightSyncConfig
 from megarl.config.train import CheckpointConfig, DataConfig, LoggingConfig, TrainConfig
-from megarl.errors import ConfigError
-from megarl.models.moe_config import MoEConfig
+from megarl.common.errors import ConfigError
+from megarl.config.moe import MoEConfig
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Config:
 
     def validate(self) -> None:
         """Types, ranges and rules across fields; no file reads, no model code (the checks against
-        the model's files are `megarl.models.checks`, run by `megarl.preflight`)."""
+        the model's files are `megarl.models.checks`, run by `megarl.launch.preflight`)."""
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             try:
@@ -47,7 +47,7 @@ class Config:
             raise ConfigError("train.trigger_parameter_sync_step: rollout.placement=colocated pushes after "
                               f"every update (the servers wake to a push); got {self.train.trigger_parameter_sync_step}")
         if self.weights.transport == "shm":
-            from megarl.net import is_loopback, url_host
+            from megarl.common.net import is_loopback, url_host
 
             remote = [u for u in self.rollout.servers if not is_loopback(url_host(u))]
             if remote:

@@ -2,7 +2,7 @@
 ``weights.verify_interval: auto`` into what every server of the set can take, and refuses an
 explicit setting that one of them cannot honour, naming the field and the server.
 
-What a server can take is what it advertises (`megarl.wire.server_extensions` of its
+What a server can take is what it advertises (`megarl.protocol.wire.server_extensions` of its
 ``/model_info``): megarl-server lists its extensions to SGLang's protocol; real SGLang lists none
 and gets SGLang's endpoints and load formats only.
 
@@ -21,20 +21,20 @@ and gets SGLang's endpoints and load formats only.
     pause_mode auto: abort for megarl-servers; retract with SGLang in the set (its abort pause
     waits out a 1 s poll), unless rollout.partial_rollout is false (abort).
 
-Torch-free and numpy-free at import (a config module): `megarl.wire` is imported on first use.
+Torch-free and numpy-free at import (a config module): `megarl.protocol.wire` is imported on first use.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Mapping
 
-from megarl.errors import ConfigError
+from megarl.common.errors import ConfigError
 
 
 def local_extensions(engine: str) -> frozenset:
     """What the servers a job starts itself advertise: megarl-server all of megarl's extensions,
     SGLang none."""
-    from megarl.wire import MEGARL_EXTENSIONS
+    from megarl.protocol.wire import MEGARL_EXTENSIONS
 
     return frozenset(MEGARL_EXTENSIONS) if engine == "megarl" else frozenset()
 
@@ -42,10 +42,10 @@ def local_extensions(engine: str) -> frozenset:
 def required_extensions(weights) -> frozenset:
     """What a server must advertise to take the resolved ``weights`` wire: a server that comes
     back (restarted, or replaced at its address) is re-admitted only if it still does."""
-    from megarl.wire import (EXT_CHECKSUM, EXT_DIRECT_BUCKET, EXT_DISK_DELTA, EXT_SAFETENSORS,
-                             EXT_SHARD_REFIT)
+    from megarl.protocol.wire import (EXT_CHECKSUM, EXT_DIRECT_BUCKET, EXT_DISK_DELTA, EXT_SAFETENSORS,
+                                      EXT_SHARD_REFIT)
 
-    from megarl.wire import EXT_SHARED_MEMORY
+    from megarl.protocol.wire import EXT_SHARED_MEMORY
 
     need = set()
     if weights.transport == "shm":
@@ -72,8 +72,8 @@ def resolve_wire(weights, servers: Mapping[str, frozenset], partial_rollout: boo
     naming the field and the first server that cannot take an explicit setting.
     ``partial_rollout`` (rollout.partial_rollout): false keeps requests from running across a
     push, so auto pauses by abort."""
-    from megarl.wire import (EXT_CHECKSUM, EXT_DIRECT_BUCKET, EXT_DISK_DELTA, EXT_SAFETENSORS,
-                             EXT_SHARD_REFIT)
+    from megarl.protocol.wire import (EXT_CHECKSUM, EXT_DIRECT_BUCKET, EXT_DISK_DELTA, EXT_SAFETENSORS,
+                                      EXT_SHARD_REFIT)
 
     if not servers:
         return weights
@@ -89,7 +89,7 @@ def resolve_wire(weights, servers: Mapping[str, frozenset], partial_rollout: boo
             raise ConfigError(f"{field}: {setting} needs the megarl-server extension {ext}, which "
                               f"server {missing[0]} does not advertise (SGLang's protocol only); {instead}")
 
-    from megarl.wire import EXT_SHARED_MEMORY
+    from megarl.protocol.wire import EXT_SHARED_MEMORY
 
     fmt = weights.tensor_format
     payload = {"distributed": EXT_DIRECT_BUCKET, "tensor": EXT_SAFETENSORS, "disk": EXT_DISK_DELTA,

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megarl.config.common import _check, _choice
-from megarl.errors import ConfigError
-from megarl.fields import bounded
+from megarl.common.errors import ConfigError
+from megarl.common.fields import bounded
 
 
 @dataclass

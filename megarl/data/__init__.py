@@ -10,7 +10,7 @@ from megarl.data.datasets import SFTDataset, balance_across_ranks, pack_microbat
 from megarl.data.prompts import PromptDataset, PromptSample, fit_prompt
 from megarl.data.readers import read_jsonl, read_records
 from megarl.data.sampler import ResumableSampler
-from megarl.data.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
+from megarl.common.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
 
 __all__ = [
     "ChatTemplate",

@@ -22,7 +22,7 @@ import json
 import os
 from typing import Any, Optional
 
-from megarl.compat import require
+from megarl.common.compat import require
 
 __all__ = ["ChatTemplate", "load_chat_template"]
 

@@ -15,7 +15,7 @@ from typing import Sequence
 from megarl.data.prompts import PromptDataset, PromptSample
 from megarl.data.readers import get_field, read_jsonl, read_records, text_field_problem
 from megarl.data.sampler import ResumableSampler
-from megarl.data.tokenizer import Tokenizer
+from megarl.common.tokenizer import Tokenizer
 
 __all__ = [
     "read_jsonl",

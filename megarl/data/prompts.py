@@ -22,7 +22,7 @@ from typing import Any, Optional
 from megarl.data.chat import ChatTemplate
 from megarl.data.readers import get_field, read_records
 from megarl.data.sampler import ResumableSampler
-from megarl.data.tokenizer import Tokenizer
+from megarl.common.tokenizer import Tokenizer
 
 __all__ = ["PromptSample", "PromptDataset", "TRUNCATION_POLICIES", "fit_prompt"]
 

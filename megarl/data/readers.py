@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterator, Sequence
 
-from megarl.compat import require
+from megarl.common.compat import require
 
 __all__ = ["iter_jsonl", "iter_parquet", "iter_records", "read_jsonl", "read_parquet", "read_records",
            "get_field", "has_field", "text_field_problem"]

@@ -134,8 +134,8 @@ def check_shapes(sharded: dict, ckpt_dir: str) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from megarl.checkpoint.layout import CheckpointError
-    from megarl.checkpoint.safe import read_dcp_metadata
+    from megarl.common.errors import CheckpointError
+    from megarl.common.safe_load import read_dcp_metadata
 
     stored = read_dcp_metadata(ckpt_dir).state_dict_metadata
     tensors = sorted((sh for sh in nested_values(sharded) if isinstance(sh, ShardedTensor)),
@@ -156,7 +156,7 @@ def load_sharded(sharded: dict, ckpt_dir: str) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    from megarl.checkpoint.layout import CheckpointError
+    from megarl.common.errors import CheckpointError
 
     check_shapes(sharded, ckpt_dir)
     with warnings.catch_warnings():
@@ -177,7 +177,7 @@ def load_sharded(sharded: dict, ckpt_dir: str) -> dict:
 
 def load_modules(chunks, state: dict, ckpt_dir: str) -> None:
     """Copies the loaded model state into ``chunks``; every parameter must be restored."""
-    from megarl.checkpoint.layout import CheckpointError
+    from megarl.common.errors import CheckpointError
 
     for i, chunk in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{i}"
@@ -191,7 +191,7 @@ def load_modules(chunks, state: dict, ckpt_dir: str) -> None:
 def load_model_weights(chunks, ckpt_dir: str) -> None:
     """Loads only the model weights of a checkpoint (any saving layout) into ``chunks``.
     Collective over all ranks."""
-    from megarl.checkpoint.safe import check_safe
+    from megarl.common.safe_load import check_safe
 
     check_safe(ckpt_dir)
     load_modules(chunks, load_sharded(model_sharded_state_dict(chunks), ckpt_dir), ckpt_dir)

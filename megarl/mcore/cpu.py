@@ -15,7 +15,7 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megarl import compat
+from megarl.common import compat
 
 _SHIM_INSTALLED = False
 

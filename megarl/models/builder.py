@@ -13,9 +13,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megarl import compat
+from megarl.common import compat
 from megarl.models import stages
-from megarl.models.registry import ModelArgs
+from megarl.protocol.hf_model import ModelArgs
 
 
 def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] = None,
@@ -26,7 +26,7 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
     """The ``TransformerConfig`` for an HF architecture and a parallel layout. ``args`` carries the
     padded vocabulary (:func:`megarl.models.layouts.pad_vocab`); the pipeline split is resolved
     by :func:`megarl.models.stages.resolve` (uneven splits become explicit first/last counts);
-    ``moe`` is the `megarl.models.moe_config.MoEConfig` (None: its defaults)."""
+    ``moe`` is the `megarl.config.moe.MoEConfig` (None: its defaults)."""
     from megatron.core.transformer import TransformerConfig
 
     if args.mcore_vocab_size % tp:
@@ -103,7 +103,7 @@ def moe_kwargs(args: ModelArgs, tp: int, ep: int, moe=None, use_te: bool = False
     all-to-all over the expert-parallel group. Experts are never split over TP
     (``expert_tensor_parallel_size=1``: the weight tables hold whole experts); on the TE spec they
     run as one grouped GEMM (TEGroupedMLP), on the local spec one after another (SequentialMLP)."""
-    from megarl.models.moe_config import MoEConfig
+    from megarl.config.moe import MoEConfig
 
     moe = moe or MoEConfig()
     if tp > 1 and not (use_te and sequence_parallel):

@@ -4,7 +4,7 @@ and (`check_finite_hf`, `check_finite`) the weights' values.
 
 Pure file reads (headers and metadata only, except the finiteness checks, which read tensor data
 one tensor at a time) and megarl's own model code; no Megatron, no ranks. Library code:
-`megarl.preflight` and the command-line tools (megarl-convert, megarl-logprobs) call these;
+`megarl.launch.preflight` and the command-line tools (megarl-convert, megarl-logprobs) call these;
 config loading does not (`Config.validate` checks the config alone). The checks against
 config.json alone (`check_against_model` of a dense model, `check_layout`) import no torch, so
 megarl-train and megarl-launch reject a bad layout before paying for it.
@@ -16,8 +16,8 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from megarl.errors import ConfigError, ToolError
-from megarl.models.registry import ModelArgs
+from megarl.common.errors import ConfigError, ToolError
+from megarl.protocol.hf_model import ModelArgs
 
 if TYPE_CHECKING:
     import torch
@@ -49,10 +49,10 @@ def _check_shape_fields(path: str) -> None:
 def check_against_model(cfg) -> None:
     """Checks of a loaded `Config` that need the HF config.json of ``model.hf_path``: TP vs heads
     and query groups, the pipeline split of the layers (uneven first/last stages included), EP vs
-    the experts. Run by `megarl.preflight.check_inputs` (megarl-train) and megarl-launch; every
+    the experts. Run by `megarl.launch.preflight.check_inputs` (megarl-train) and megarl-launch; every
     error is one `ConfigError` line naming the field."""
     from megarl.models import stages
-    from megarl.models.registry import read_model_args
+    from megarl.protocol.hf_model import read_model_args
 
     _check_shape_fields(os.path.join(cfg.model.hf_path, "config.json"))
     try:
@@ -66,7 +66,7 @@ def check_against_model(cfg) -> None:
         raise ConfigError("weights.refit: shard supports dense models on one pipeline stage "
                           f"({args.architecture} is MoE); use weights.refit=gather")
     if cfg.optim.freeze:  # patterns are HF names: checked here, not after the ranks built the model
-        from megarl.trainer.freeze import frozen_rows
+        from megarl.models.freeze import frozen_rows
         frozen_rows(cfg.optim.freeze, args)
     if args.num_heads % tp:
         raise ConfigError(f"parallel.tp: {tp} does not divide num_attention_heads={args.num_heads}")
@@ -103,7 +103,7 @@ def _listing(names: list[str], n: int = 6) -> str:
 
 def model_args(config_dir: str) -> ModelArgs:
     """config.json -> ModelArgs; a bad config is a one-line ToolError."""
-    from megarl.models.registry import read_model_args
+    from megarl.protocol.hf_model import read_model_args
 
     try:
         return read_model_args(config_dir)

@@ -26,7 +26,7 @@ from megarl.mcore.model import global_layer_index, local_expert_indices
 from megarl.models import stages
 from megarl.models.layouts import (expert_shape, group_by_bytes, hf_shapes, hf_to_shard,
                                    safetensors_file_names, shards_to_hf)
-from megarl.models.registry import ModelArgs, ParamMap, param_table, te_name
+from megarl.protocol.hf_model import ModelArgs, ParamMap, param_table, te_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")

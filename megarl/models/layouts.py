@@ -1,8 +1,8 @@
 """HF <-> Megatron layout of every weight-table row: shapes, names and tensor conversions.
 
-The one place that knows what each table row (:mod:`megarl.models.registry`) looks like on either
+The one place that knows what each table row (:mod:`megarl.protocol.hf_model`) looks like on either
 side, used by the HF loader/exporter (``hf_io``), the resharder and its planner (``weights/``) and
-the checkpoint converter (``tools_cli``). Pure: torch and the table only, no distributed state, so
+the checkpoint converter (``megarl.commands``). Pure: torch and the table only, no distributed state, so
 the planner stays testable without a process group.
 
 Three Megatron views of a row:
@@ -27,7 +27,7 @@ from typing import Callable, Hashable, Iterable, Optional, TypeVar
 import torch
 
 from megarl.models import transforms as T
-from megarl.models.registry import GATE_UP, QKV, VOCAB, ModelArgs, ParamMap, param_table, te_name
+from megarl.protocol.hf_model import GATE_UP, QKV, VOCAB, ModelArgs, ParamMap, param_table, te_name
 
 Item = TypeVar("Item")
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from megarl.models.layouts import hf_shapes
-from megarl.models.registry import read_model_args
+from megarl.protocol.hf_model import read_model_args
 
 TINY = {
     "LlamaForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),

@@ -7,7 +7,7 @@ The equation is taken from the last ``<answer>...</answer>`` of the completion, 
 built only from + - * / and parentheses over integer literals, every literal is one of the given
 numbers (each used at most once, as often as it appears in `numbers`), and its exact rational
 value equals the target. No unary minus (not a Countdown move), no floats, no other operators;
-evaluation is the whitelisted AST walker of `megarl.safe_math` (exact fractions).
+evaluation is the whitelisted AST walker of `megarl.common.safe_math` (exact fractions).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from fractions import Fraction
 from typing import Any, Optional
 
 from megarl.rewards.math_answer import extract_boxed
-from megarl.safe_math import FRACTIONS, UnsafeExpression, evaluate
+from megarl.common.safe_math import FRACTIONS, UnsafeExpression, evaluate
 
 __all__ = ["extract_equation", "check_countdown", "countdown_reward"]
 

@@ -17,7 +17,7 @@ Comparison, first that applies:
 3. both are tuples/intervals with the same brackets: element by element;
 4. sympy is installed and both parse as expressions: ``simplify(a - b) == 0`` (or numerically
    equal when both are constants). Expressions are built by the whitelisted AST walker of
-   `megarl.safe_math`, never by sympy's `parse_expr` (which calls `eval`).
+   `megarl.common.safe_math`, never by sympy's `parse_expr` (which calls `eval`).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import re
 from fractions import Fraction
 from typing import Any, Optional
 
-from megarl.safe_math import FRACTIONS, Arithmetic, UnsafeExpression, evaluate, guarded_pow
+from megarl.common.safe_math import FRACTIONS, Arithmetic, UnsafeExpression, evaluate, guarded_pow
 
 __all__ = ["extract_boxed", "last_number", "extract_answer", "parse_number", "answers_match", "math_reward"]
 
@@ -273,7 +273,7 @@ def _to_sympy(s: str):
 
 @functools.lru_cache(maxsize=1)
 def _have_sympy() -> bool:
-    """sympy is optional (the test/math extras); looked up here, not via megarl.compat, so that a
+    """sympy is optional (the test/math extras); looked up here, not via megarl.common.compat, so that a
     reward worker process never imports torch."""
     return importlib.util.find_spec("sympy") is not None
 

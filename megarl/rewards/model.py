@@ -68,7 +68,7 @@ class RewardModel(HttpReward):
         self.label, self.template, self.retry_backoff_s = label, template, retry_backoff_s
         self.tokenizer = None
         if tokenizer:
-            from megarl.data.tokenizer import load_tokenizer
+            from megarl.common.tokenizer import load_tokenizer
 
             self.tokenizer = load_tokenizer(tokenizer)
         self._next = 0  # round-robin position over urls

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-from megarl.signals import owned_child_setup
+from megarl.common.signals import owned_child_setup
 
 __all__ = ["RewardProcessPool", "RewardWorkerDied", "deliver"]
 

@@ -2,11 +2,15 @@
 
 `AdminClient` is asyncio (one call goes to every target server at once, each with a deadline;
 any failure raises `AdminError` naming each failed address). `AdminRunner` wraps one in a private
-event loop on a daemon thread so the synchronous trainer ranks can call it with a deadline, or
-get a future for calls that must overlap a collective (a weight broadcast).
+event loop on a daemon thread so synchronous callers (the manager's cluster and link threads,
+and tests that push without a manager) can call it with a deadline, or get a future for calls
+that must overlap a collective (a weight broadcast). It has the `megarl.weights.target.StageAdmin`
+interface the weight transports use; trainer ranks reach it through the manager channel
+(`megarl.trainer.rollout_link.RemoteAdmin`), never by importing it.
 
-Who calls what: the trainer's `RolloutCluster` runs the pause/flush/version/continue protocol
-once per push; the weight transports announce buckets; nothing on the generation path uses it.
+Who calls what: the manager's `RolloutCluster` runs the pause/flush/version/continue protocol
+once per push; the transports' bucket announces arrive over the channel and are made here;
+nothing on the generation path uses it.
 """
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ from typing import Any, Awaitable, Callable, Collection, Optional
 import aiohttp
 
 from megarl.rollout.http import AdminError, HttpClient, Server, ServerRequestError, Transient
-from megarl.rollout.types import (DiskWeightsUpdate, DistributedWeightsMeta, PauseMode, PauseRequest,
-                                  TensorWeightsUpdate, WeightsChecksumRequest, WeightsUpdateGroup)
+from megarl.protocol.types import (DiskWeightsUpdate, DistributedWeightsMeta, PauseMode, PauseRequest,
+                                   TensorWeightsUpdate, WeightsChecksumRequest, WeightsUpdateGroup)
 
 
 class AdminClient(HttpClient):

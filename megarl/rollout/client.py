@@ -1,6 +1,7 @@
 """Asyncio generation client for a cluster of SGLang-protocol rollout servers (real SGLang or
 megarl-server). Generation only: admin calls (pause, weight updates, ...) are `AdminClient`'s
-(admin.py), driven once per push by the trainer's `RolloutCluster` (cluster.py).
+(admin.py), driven once per push by the manager's `RolloutCluster` (cluster.py). Runs in the
+rollout manager's process, on the controller's event loop.
 
 Generation: `await client.agenerate(ModelRequest) -> ModelResponse`.
 
@@ -16,11 +17,11 @@ Generation: `await client.agenerate(ModelRequest) -> ModelResponse`.
 Versions: each token gets the version the server reports for it - ``meta_info.weight_versions``
 as SGLang's spans ``[{"version", "start", "end"}]`` or megarl-server's per-token list, else the
 segment's ``meta_info.weight_version`` - parsed as an int; a non-numeric version maps to the
-trainer's current policy version (``version_fn()``, the cluster's counter).
+current policy version (``version_fn()``: the manager's cluster, which follows the trainer's).
 
 MoE routing: a client made with ``routed_experts=(num_hidden_layers, num_experts_per_tok)`` asks
 every segment for it (``return_routed_experts: true``) and returns it decoded and stitched across
-segments in `ModelResponse.routed_experts` (`megarl.wire.RoutedExperts`: ids, and the weights
+segments in `ModelResponse.routed_experts` (`megarl.protocol.wire.RoutedExperts`: ids, and the weights
 when the server sends them - megarl-server does, SGLang does not).
 
 Health: a server is marked dead after `dead_after` consecutive failures; a background probe
@@ -39,7 +40,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 from megarl.rollout.http import (AdminError, HttpClient, RolloutError, Server, ServerRequestError,
                                  Transient, backoff_delay, normalize_address)
-from megarl.rollout.types import ModelRequest, ModelResponse, RoutedExperts, SamplingParams
+from megarl.protocol.types import ModelRequest, ModelResponse, RoutedExperts, SamplingParams
 
 __all__ = ["RolloutClient", "RolloutError", "ServerRequestError", "AdminError"]
 
@@ -78,7 +79,7 @@ class RolloutClient(HttpClient):
         self._active: dict[str, tuple[Server, str]] = {}  # rid -> (server, segment rid)
         self._rr = 0
         self.stats: collections.Counter = collections.Counter()  # segments, retries, resubmits, ...
-        self.timeline = timeline  # optional span recorder (megarl.timeline.Timeline)
+        self.timeline = timeline  # optional span recorder (megarl.common.timeline.Timeline)
         self.routed_experts = routed_experts  # (layers, top_k): ask for and decode MoE routing
         self._inflight = self._atomic_inflight = 0
         self._busy_since, self._busy_total = 0.0, 0.0

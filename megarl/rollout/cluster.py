@@ -1,17 +1,18 @@
-"""The trainer's one owner of the rollout side: the server set, the admin connection, the policy
-version, and the HTTP half of the weight-update protocol.
+"""The rollout manager's owner of the server set: the live and dead servers, the admin connection,
+the version the servers hold, and the HTTP half of the weight-update protocol.
 
-    trainer rank 0                                   rollout servers
-    RolloutCluster ──── AdminRunner ────────────────▶ /pause_generation, /flush_cache, ...
-      │ version (the ONLY policy-version counter)
-      │ listeners: the RolloutController (hold / release / on_version)
-      ▼
-    WeightPusher.push() (collective): pause_for_update -> buckets -> publish -> commit -> resume
+    trainer ranks                       rollout manager                        rollout servers
+    ManagerCluster ── channel ──▶ RolloutCluster ──── AdminRunner ────────▶ /pause_generation, ...
+      version (the policy version:    version (what the servers hold: follows
+      advanced by commit in the       the trainer's, set when a push's tail
+      collective push)                flipped the servers)
+                                      listeners: the RolloutController (hold / release / on_version)
 
-Every trainer rank builds one, so the version advances in lockstep inside the collective push
-(`commit` runs on every rank after the ranks agreed the push succeeded); only the driver (global
-rank 0) holds the admin connection and talks to servers. The controller, the pusher, the actor and
-the checkpoint all read the version here, so there is nothing to keep in sync.
+The trainer's `megarl.trainer.rollout_link.ManagerCluster` holds the policy-version counter and
+forwards each protocol step of a push (`PauseForUpdate`, `FinishPush`, ...) to this one; the
+manager's controller reads the version here for its staleness clock and its clients' version
+stamps. Tests and tools that push without a manager build one directly as a
+`megarl.weights.target.PushTarget` (``driver=True`` on the rank that talks to the servers).
 
 A push runs the protocol exactly once: the listeners' gates close first (so requests the servers
 abort wait instead of racing the update), then one ``/pause_generation`` and one
@@ -24,9 +25,10 @@ import threading
 import time
 from typing import Callable, Optional, Protocol
 
+from megarl.protocol.errors import ClusterError  # noqa: F401 - raised here, named on both sides
 from megarl.rollout.admin import AdminRunner
 from megarl.rollout.http import AdminError, normalize_address
-from megarl.rollout.types import PauseMode
+from megarl.protocol.types import PauseMode
 
 log = logging.getLogger("megarl.cluster")
 
@@ -45,36 +47,6 @@ class ClusterListener(Protocol):
     def on_server_added(self, address: str) -> None: ...  # it holds the current weights
 
 
-class PushTarget(Protocol):
-    """The cluster `megarl.weights.push.WeightPusher` talks to: `RolloutCluster` (in the trainer
-    or the rollout manager) or the trainer's `megarl.trainer.rollout_link.ManagerCluster`."""
-
-    addresses: list[str]  # the servers that receive weights, the same on every rank
-    driver: bool  # this rank runs the protocol's HTTP steps (global rank 0)
-    admin: Optional[AdminRunner]  # the driver's admin connection (None on other ranks)
-    version: int  # the policy version the servers hold
-
-    def stage_admin(self, rank: int) -> AdminRunner: ...  # a pipeline-stage source's own connection
-
-    def pause_for_update(self) -> None: ...  # protocol step 1 (settles the previous push first)
-
-    def end_push(self, version: Optional[int]) -> None: ...  # step 3: publish (or not), resume
-
-    def commit(self, version: int) -> None: ...  # step 4, every rank
-
-    def unhealthy(self) -> list[str]: ...  # driver: servers that do not answer /health
-
-    def add_server(self, address: str) -> None: ...
-
-    def admitted(self, address: str) -> None: ...
-
-    def remove_server(self, address: str) -> None: ...
-
-
-class ClusterError(RuntimeError):
-    """Too few rollout servers left to go on (rollout.min_live_servers)."""
-
-
 class RolloutCluster:
     def __init__(self, addresses: list[str], *, driver: bool, api_key: Optional[str] = None,
                  timeout_s: float = 60.0, pause_mode: PauseMode = "abort", version: int = 0,
@@ -87,7 +59,7 @@ class RolloutCluster:
         # a health probe never outlasts the push deadline it runs inside
         self.min_live_servers, self.health_timeout_s = min_live_servers, min(health_timeout_s, timeout_s)
         self.dead: list[str] = []  # dropped servers, polled for re-admission (driver)
-        # restart(address) -> bool: relaunch a server this job started (LocalCluster); None:
+        # restart(address) -> bool: relaunch a server this job started (LocalServers); None:
         # servers are external and come back on their own
         self.restart: Optional[Callable[[str], bool]] = None
         self.poll_interval_s = 1.0
@@ -209,7 +181,7 @@ class RolloutCluster:
         same address may be another kind of server now: SGLang where a megarl-server was)."""
         if not self.required:
             return True
-        from megarl.wire import server_extensions
+        from megarl.protocol.wire import server_extensions
 
         probe = AdminRunner([address], self.api_key, self.health_timeout_s)
         try:

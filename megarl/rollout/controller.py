@@ -1,4 +1,5 @@
-"""The rollout controller: runs on global rank 0 in a background thread with its own event loop.
+"""The rollout controller: runs in the rollout manager's process (`megarl.rollout.manager`), on a
+thread of its own with its own event loop; the trainer reaches it only over the manager channel.
 
     prompts: re-issued first (`pending`, restored from a checkpoint), then ResumableSampler
         |  n = staleness.try_start()          (bounded off-policyness + max concurrency)
@@ -6,9 +7,9 @@
     executor: asyncio tasks  workflow.arun_episode(client, prompt)  ---> rollout servers
         |  group of Trajectory, or rejected: filtered (named filter) / failed (after retries)
         v
-    buffer (FIFO of groups) --------> trainer thread: next_batch(n_groups)  (blocks)
+    buffer (FIFO of groups) --------> manager: next_batch(n_groups) for the trainer's BatchRequest
                                          |
-    RolloutCluster (trainer side) <------+   weight push: hold() closes the client's gate (and,
+    RolloutCluster (the manager's) <-----+   weight push: hold() closes the client's gate (and,
       version: the staleness clock           without partial rollouts, waits for in-flight
                                              requests to finish under the old weights);
                                              on_version(v) widens the staleness window;
@@ -27,9 +28,10 @@ stop the run with that error (a server refusing every request), and a batch not 
 ``next_batch``'s deadline raises `RolloutStalled`, whose message says what the rollouts were
 doing (`diagnose`: the phase, requests in flight per server, reward calls, the last errors).
 
-The trainer thread only talks to the controller through these thread-safe methods; every call
-into the event loop goes through ``run_coroutine_threadsafe`` with a deadline. The policy version
-is not stored here: it is read from the cluster (``versions.get_version()``).
+The manager's link threads (one per trainer link) only talk to the controller through these
+thread-safe methods; every call into the event loop goes through ``run_coroutine_threadsafe`` with
+a deadline. The policy version is not stored here: it is read from the manager's `RolloutCluster`
+(``versions.get_version()``), which follows the trainer's counter push by push.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ from megarl.data.datasets import PromptDataset, ResumableSampler
 from megarl.rollout.client import RolloutClient, ServerRequestError
 from megarl.rollout.shaping import GroupShaping
 from megarl.rollout.staleness import EpisodeState, StalenessManager, VersionProvider
-from megarl.rollout.types import Trajectory
+from megarl.protocol.types import Trajectory
 
 log = logging.getLogger("megarl.controller")
 

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 from megarl.data.datasets import PromptSample
 from megarl.rewards import RewardFn
 from megarl.rewards.base import RewardCaller
-from megarl.rollout.types import SamplingParams, Trajectory
+from megarl.protocol.types import SamplingParams, Trajectory
 from megarl.rollout.workflows.base import WorkflowContext
 from megarl.rollout.workflows.single_turn import SingleTurnWorkflow
 

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import aiohttp
 
-from megarl.net import normalize_address
+from megarl.common.net import normalize_address
 
 
 class RolloutError(RuntimeError):

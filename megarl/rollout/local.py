@@ -1,13 +1,13 @@
-"""A local rollout cluster: rollout servers as child processes on free ports of one host.
+"""Local rollout servers: child processes on free ports of one host, started by the rollout manager.
 
 The one local launcher of megarl-server (and, with ``rollout.engine: sglang``, of real SGLang:
 `megarl.rollout.sglang_local.SGLangLauncher`): used when ``rollout.servers`` is empty (the embedded
 CPU demo), by make_tiny_model's evaluation, and by tests and benchmarks. The servers bind to loopback,
-or to the address every rank reached rank 0 by when the job spans nodes (megarl.net.serving_host).
-They belong to the trainer: stop signals sent to the whole process tree are ignored by them, they
-are killed when the trainer leaves the cluster's context, and the kernel kills them if the trainer
-dies, SIGKILL included (megarl.signals.owned_child_setup). A server that dies during a run is
-relaunched on its own port by `LocalCluster.restart` (the RolloutCluster re-admits it once it
+or to the address every rank reached rank 0 by when the job spans nodes (megarl.common.net.serving_host).
+They belong to the process that started them (in a run, the rollout manager): stop signals sent
+to the whole process tree are ignored by them, they are killed when it leaves the `LocalServers`
+context, and the kernel kills them if it dies, SIGKILL included (megarl.common.signals.owned_child_setup). A server that dies during a run is
+relaunched on its own port by `LocalServers.restart` (the RolloutCluster re-admits it once it
 answers /health and has been given the current weights). ``<log_dir>/servers.json`` lists them.
 """
 from __future__ import annotations
@@ -18,24 +18,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Optional
 
-from megarl.net import LOOPBACK, free_port, http_url
-from megarl.signals import owned_child_setup
-
-def split_cpus(server_cpus) -> tuple[Optional[set[int]], Optional[set[int]]]:
-    """(server CPUs, trainer CPUs) for ``rollout.server_cpus``: the given ids that this process may
-    use, and the rest of them; (None, None) - no pinning, with a note - when either side would be
-    left without a CPU (e.g. a 1-CPU machine running the 2-core demo config)."""
-    allowed = os.sched_getaffinity(0)
-    server = set(server_cpus) & allowed
-    trainer = allowed - server
-    if not server or not trainer:
-        print(f"[rollout] rollout.server_cpus={list(server_cpus)}: this process may use CPUs "
-              f"{sorted(allowed)}, not enough to give servers and trainer their own; not pinning", flush=True)
-        return None, None
-    return server, trainer
-
+from megarl.common.net import LOOPBACK, free_port, http_url
+from megarl.common.procs import last_line_since, log_size
+from megarl.common.signals import owned_child_setup
 
 def spawn_server(model_dir: str, log_path: str, port: int, extra=(), host: str = LOOPBACK,
                  cpus=None) -> subprocess.Popen:
@@ -58,27 +44,6 @@ def root_flags(weights_roots) -> list[str]:
     return flags
 
 
-def log_size(path: str) -> int:
-    """Bytes in ``path`` now (0 when absent): where the lines of a process started next begin in
-    its log, which is appended to (a restart, a resumed run in the same run_dir)."""
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def last_line_since(path: str, offset: int) -> str:
-    """The last non-empty line written to ``path`` after byte ``offset`` (`log_size` at the
-    process's start): what this process said last, never a line of an earlier run."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
-    except OSError:
-        return ""
-    return lines[-1] if lines else "(nothing logged)"
-
-
 def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s: float = 60.0,
                name: str = "megarl-server", since: int = 0) -> None:
     """Waits for ``url``/health; ``since``: the log's size when ``proc`` started (`log_size`)."""
@@ -97,7 +62,7 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s:
 
 
 class MegarlLauncher:
-    """Spawns one megarl-server per `LocalCluster` slot (SGLang's: sglang_local.SGLangLauncher)."""
+    """Spawns one megarl-server per `LocalServers` slot (SGLang's: sglang_local.SGLangLauncher)."""
 
     name = "megarl-server"
 
@@ -134,8 +99,8 @@ def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float
     return url, proc
 
 
-class LocalCluster:
-    """``with LocalCluster(model_dir, n=2, log_dir=...) as urls: ...``; ``launcher``: what each
+class LocalServers:
+    """``with LocalServers(model_dir, n=2, log_dir=...) as urls: ...``; ``launcher``: what each
     slot runs (default: megarl-server with ``extra`` flags). All servers start at once, then the
     cluster waits up to ``ready_timeout_s`` for each /health."""
 

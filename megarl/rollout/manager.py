@@ -21,13 +21,13 @@ of trainer rank 0 and took the GIL from the training loop while generation overl
 (docs/benchmarks.md). Here it runs beside the trainer, and trainer ranks only send requests and
 read replies on a socket - no event loop, no thread of theirs serves rollout traffic.
 
-Lifetime: started by trainer rank 0 (`spawn`) with the stop signals ignored and SIGKILL on the
+Lifetime: started by trainer rank 0 (`megarl.trainer.manager_process.start_process`) with the stop signals ignored and SIGKILL on the
 death of its parent, so a Ctrl-C lets the trainer save (asking this process for its ledger) and a
 dead trainer takes the manager and its servers with it. When the driver's connection closes the
 manager stops. Its state (the prompt ledger) is saved inside the trainer's checkpoint.
 
 Who may talk to it (docs/reliability.md, "Security"): a connection is served only after its peer
-proved the run's secret (handshake.py) - from the spawning trainer through an inherited pipe
+proved the run's secret (`megarl.protocol.handshake`) - from the spawning trainer through an inherited pipe
 (``--secret-fd``), or from ``rollout.manager_secret_file`` when started apart. Then one driver
 link (global rank 0: every request, and only it ends the run) and any number of stage links
 (pipeline-stage weight sources: admin messages only), `MAX_LINKS` in all; at most
@@ -49,15 +49,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from megarl.errors import ConfigError
-from megarl.rollout import handshake
-from megarl.rollout.channel import MAX_REQUEST_HEADER, Channel, ChannelError, from_wire
-from megarl.rollout.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, DIRECT_REPLIES, AddServer, Admitted, Batch,
-                                     BatchRequest, Beat, Close, DestroyWeightsGroup, EvalPoll, EvalReport, EvalSubmit,
-                                     FinishPush, Hello, Init, InitWeightsGroup, PauseForUpdate, RemoveServer, Reply,
-                                     Resume, ServerInfo, ShardAnnounce, ShardJoin, Sleep, Start, StateRequest, Unhealthy,
-                                     UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake, WeightsChecksum)
-from megarl.rollout.packing import balance_groups, pack_batch  # noqa: F401 - the step's layout
+from megarl.common.errors import ConfigError
+from megarl.protocol import handshake
+from megarl.protocol.channel import MAX_REQUEST_HEADER, Channel, ChannelError, from_wire
+from megarl.protocol.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, DIRECT_REPLIES, AddServer, Admitted, Batch,
+                                      BatchRequest, Beat, Close, DestroyWeightsGroup, EvalPoll, EvalReport, EvalSubmit,
+                                      FinishPush, Hello, Init, InitWeightsGroup, PauseForUpdate, RemoveServer, Reply,
+                                      Resume, ServerInfo, ShardAnnounce, ShardJoin, Sleep, Start, StateRequest, Unhealthy,
+                                      UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake, WeightsChecksum)
+from megarl.protocol.packing import balance_groups, pack_batch  # noqa: F401 - the step's layout
 
 if TYPE_CHECKING:
     from megarl.config import RolloutConfig, WeightSyncConfig
@@ -160,8 +160,8 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ build
     def start_servers(self) -> list[str]:
-        from megarl.net import serving_host
-        from megarl.rollout.local import LocalCluster
+        from megarl.common.net import serving_host
+        from megarl.rollout.local import LocalServers
 
         spec, r = self.spec, self.spec.rollout
         if r.servers:
@@ -174,7 +174,7 @@ class RolloutManager:
             from megarl.rollout.sglang_local import SGLangLauncher
             # the route flags (--enable-return-routed-experts) are SGLang's too
             launcher = SGLangLauncher(spec.model_path, [*spec.server_flags, *r.server_args], threads=r.server_threads)
-        self.local = LocalCluster(spec.model_path, r.local_servers, f"{spec.run_dir}/servers",
+        self.local = LocalServers(spec.model_path, r.local_servers, f"{spec.run_dir}/servers",
                                   extra=["--threads", r.server_threads, *spec.server_flags, *r.server_args],
                                   host=serving_host(),
                                   weights_roots=[spec.weights.disk_dir or f"{spec.run_dir}/weights"],
@@ -184,7 +184,7 @@ class RolloutManager:
     def init(self, msg: Init) -> list[str]:
         from megarl.rollout.cluster import RolloutCluster
         from megarl.rollout.setup import build_controller
-        from megarl.timeline import Timeline
+        from megarl.common.timeline import Timeline
 
         if not self._servers_begun:  # a manager built in-process (tests): start them here
             self.begin_servers()
@@ -422,42 +422,6 @@ def serve_forever(manager: RolloutManager, listener: socket.socket, secret: byte
     manager.close()
 
 
-def start_process(config_path: str, host: str, log_path: str, secret: bytes, cpus=None):
-    """Start the manager process and return at once: it imports, listens and starts its servers
-    while the caller goes on (`wait_listening` then reads its address). ``secret`` reaches it
-    through an inherited pipe: never argv (world-readable in /proc), never a file."""
-    import subprocess
-
-    from megarl.signals import owned_child_setup
-
-    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    fd = handshake.secret_pipe(secret)
-    try:
-        with open(log_path, "a") as log_file:  # the child holds its own descriptor
-            proc = subprocess.Popen([sys.executable, "-m", "megarl.rollout.manager", config_path, "--host", host,
-                                     # port 0: the OS picks a free port and the manager prints it (no race)
-                                     "--port", "0", "--secret-fd", str(fd)], stdout=subprocess.PIPE,
-                                    stderr=log_file, preexec_fn=owned_child_setup, text=True, pass_fds=(fd,))
-    finally:
-        os.close(fd)
-    if cpus:
-        os.sched_setaffinity(proc.pid, cpus)
-    return proc
-
-
-def wait_listening(proc, log_path: str, since: int = 0) -> str:
-    """The "host:port" the process from `start_process` listens on, once it does. ``since``: the
-    log's size before the start (`local.log_size`), so a failure quotes this start's last line."""
-    from megarl.rollout.local import last_line_since
-
-    line = proc.stdout.readline().strip()  # "listening HOST:PORT", or EOF when it failed
-    if not line.startswith("listening "):
-        proc.wait(timeout=30)
-        raise RuntimeError(f"rollout manager did not start (exit {proc.returncode}; log {log_path}): "
-                           f"{last_line_since(log_path, since)}")
-    return line.split(" ", 1)[1]
-
-
 PROG = "megarl-rollout-manager"
 
 
@@ -493,8 +457,8 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from megarl.cli import ArgumentParser, add_debug_flag, pop_debug, run_main
-    from megarl.errors import ConfigError as _ConfigError
+    from megarl.common.cli import ArgumentParser, add_debug_flag, pop_debug, run_main
+    from megarl.common.errors import ConfigError as _ConfigError
 
     argv, debug = pop_debug(sys.argv[1:] if argv is None else argv)
     ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
@@ -512,7 +476,7 @@ def _run(args) -> int:
     from megarl.config.server_wire import is_resolved
     from megarl.rollout.probe import check_wire
 
-    from megarl.signals import dump_stacks_on_sigusr2
+    from megarl.common.signals import dump_stacks_on_sigusr2
 
     logging.basicConfig(level=logging.WARNING, format="[manager] %(levelname)s %(message)s")
     dump_stacks_on_sigusr2()  # kill -USR2: its threads' stacks in manager.log

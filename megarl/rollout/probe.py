@@ -3,7 +3,7 @@ each server of ``rollout.servers`` to answer ``/health`` and reads what its ``/m
 is; `check_wire` turns that into the weight wire every server can take
 (`megarl.config.server_wire.resolve_wire`). megarl-train's preflight runs both before any rank
 starts; a rollout manager run apart runs `check_wire` on its own config (a config megarl-train
-saved is resolved already). Standard library only (and `megarl.wire`): no torch.
+saved is resolved already). Standard library only (and `megarl.protocol.wire`): no torch.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import urllib.error
 import urllib.request
 
-from megarl.errors import ConfigError
+from megarl.common.errors import ConfigError
 
 
 def check_wire(cfg) -> None:
@@ -35,13 +35,13 @@ PROGRESS_FIRST_S = 5.0  # first "still waiting" line; then every doubling, at mo
 
 
 def check_servers(servers: list[str], api_key, timeout_s: float) -> dict[str, frozenset]:
-    """{url: the extensions it advertises (`megarl.wire.server_extensions`)}, once every server
+    """{url: the extensions it advertises (`megarl.protocol.wire.server_extensions`)}, once every server
     answered ``/health`` with 200 and ``/model_info`` with a JSON object before
     one shared deadline: rollout.health_timeout_s, at most ``HEALTH_WAIT_CAP_S``. Servers that
     are still starting are retried until the deadline, with a progress line on stdout every
     5, 10, 20, 40, 60, 60 ... s; a server that answers but wrongly (HTTP 5xx, not JSON) fails at once."""
     from megarl.rollout.http import normalize_address
-    from megarl.wire import server_extensions
+    from megarl.protocol.wire import server_extensions
 
     found: dict[str, frozenset] = {}
     wait = min(timeout_s, HEALTH_WAIT_CAP_S)

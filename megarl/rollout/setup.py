@@ -18,17 +18,14 @@ from typing import Optional
 from megarl.config import DataConfig, RewardConfig, RolloutConfig
 from megarl.data.chat import load_chat_template
 from megarl.data.datasets import PromptDataset
-from megarl.data.tokenizer import load_tokenizer
+from megarl.common.tokenizer import load_tokenizer
+from megarl.protocol.packing import groups_per_step
 from megarl.rewards import RewardCaller
 from megarl.rollout.controller import RolloutController
 from megarl.rollout.evaluation import EvalWorkflows, PeriodicEval
 from megarl.rollout.shaping import GroupShaping
-from megarl.rollout.types import SamplingParams
+from megarl.protocol.types import SamplingParams
 from megarl.rollout.workflows import WorkflowContext, load_workflow
-
-
-def groups_per_step(cfg) -> int:
-    return cfg.train.step_batch_size // cfg.rollout.group_size
 
 
 @dataclass(frozen=True)
@@ -130,7 +127,7 @@ def routed_experts(cfg) -> Optional[tuple[int, int]]:
     (moe.routing_replay: rollout): the client asks every /generate for the routes."""
     if cfg.moe.routing_replay != "rollout":
         return None
-    from megarl.models.registry import read_model_args
+    from megarl.protocol.hf_model import read_model_args
 
     args = read_model_args(cfg.model.hf_path)
     return args.num_layers, args.moe_topk

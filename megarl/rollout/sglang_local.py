@@ -1,6 +1,6 @@
 """Real SGLang as the local rollout servers (``rollout.engine: sglang``).
 
-When ``rollout.servers`` is empty and the engine is sglang, the job's `LocalCluster` starts
+When ``rollout.servers`` is empty and the engine is sglang, the job's `LocalServers` starts
 ``python -m sglang.launch_server`` processes instead of megarl-server: from SGLang's own
 virtualenv (``$MEGARL_SGLANG_VENV``, default ``~/.cache/megarl/sglang-venv``, made by
 tools/sglang_cpu/install.sh), or from this Python when it imports sglang (``pip install
@@ -26,26 +26,15 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
-from megarl.errors import ConfigError
-from megarl.signals import owned_child_setup
+from megarl.common.errors import ConfigError
+from megarl.common.signals import owned_child_setup
+from megarl.config.server_flags import sglang_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STANDIN_KERNEL = os.path.join(REPO, "tools", "sglang_cpu", "sgl_kernel_cpu")
 VERSION = "0.5.23"
-# SGLang model modules for the architectures megarl converts (models/registry.py).
+# SGLang model modules for the architectures megarl converts (megarl/protocol/hf_model.py).
 MEGARL_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe")
-
-# megarl-server flags (python -m megarl.server --help) and what SGLang calls them.
-RENAMED_FLAGS = {"--seed": "--random-seed", "--tp": "--tp-size"}
-MEGARL_ONLY_FLAGS = {
-    "--threads": "use rollout.server_threads (SGLang's servers get it as OMP_NUM_THREADS)",
-    "--weights-root": "SGLang reads /update_weights_from_disk paths without a root list",
-    "--weight-version": "SGLang starts at weight_version 'default'",
-    "--tp-rank": "SGLang starts its TP ranks itself (--tp-size)",
-    "--tp-port": "SGLang starts its TP ranks itself (--tp-size)",
-}
-JOB_FLAGS = ("--model", "--model-path", "--host", "--port")  # set by the job for each server
-
 
 def venv_dir() -> str:
     return os.environ.get("MEGARL_SGLANG_VENV") or os.path.expanduser("~/.cache/megarl/sglang-venv")
@@ -68,22 +57,6 @@ def sglang_python() -> str:
         return sys.executable
     raise ConfigError(f"rollout.engine: sglang, but SGLang is not installed (no venv at {venv_dir()} and no "
                       "sglang module here); run tools/sglang_cpu/install.sh or pip install 'megarl[sglang]'")
-
-
-def sglang_flags(flags: Sequence) -> list[str]:
-    """megarl-server flags of the local servers (rollout.server_args, route flags) as SGLang's:
-    renamed where SGLang has the same option under another name, passed through when SGLang has
-    it under the same name, and refused (ConfigError, one line) when it is megarl-server's own."""
-    out = []
-    for f in map(str, flags):
-        name = f.split("=", 1)[0]
-        if name in MEGARL_ONLY_FLAGS:
-            raise ConfigError(f"rollout.server_args: {name} is a megarl-server flag that SGLang "
-                              f"(rollout.engine=sglang) has not: {MEGARL_ONLY_FLAGS[name]}")
-        if name in JOB_FLAGS:
-            raise ConfigError(f"rollout.server_args: {name} is set by the job for each local server")
-        out.append(RENAMED_FLAGS[name] + f[len(name):] if name in RENAMED_FLAGS else f)
-    return out
 
 
 def cuda_available() -> bool:
@@ -146,7 +119,7 @@ def check_model_dir(model_dir: str) -> None:
 
 
 class SGLangLauncher:
-    """Spawns one SGLang server per `LocalCluster` slot (the megarl-server one is
+    """Spawns one SGLang server per `LocalServers` slot (the megarl-server one is
     `megarl.rollout.local.MegarlLauncher`)."""
 
     name = "SGLang"

@@ -7,7 +7,7 @@
 them) in its own process group, with SIGTERM/SIGUSR1/SIGINT ignored, by the supervisor and, by
 inheritance, by the servers. SLURM sends a preemption or requeue SIGTERM to every process of
 every step at once; the servers must keep answering while the trainer finishes its step and saves
-its checkpoint (megarl.signals). They go when the stop file appears (launch/slurm.sbatch creates
+its checkpoint (megarl.common.signals). They go when the stop file appears (launch/slurm.sbatch creates
 it after the trainer has exited), when one of them dies (exit 1: a node without its servers is
 useless), or with the supervisor itself (parent-death signal).
 
@@ -24,7 +24,7 @@ import sys
 import time
 import urllib.request
 
-from megarl.signals import STOP_SIGNALS, owned_child_setup
+from megarl.common.signals import STOP_SIGNALS, owned_child_setup
 
 
 def serve(commands: list[str], stop_file: str, poll_s: float = 0.5) -> int:

@@ -24,9 +24,9 @@ log = logging.getLogger("megarl.server")
 
 
 def load_tokenizer_or_none(model_dir: str):
-    """The model dir's tokenizer (`megarl.data.tokenizer`: HF tokenizer.json or sentencepiece), or
+    """The model dir's tokenizer (`megarl.common.tokenizer`: HF tokenizer.json or sentencepiece), or
     None when it has none (the server then takes and returns token ids only)."""
-    from megarl.data.tokenizer import load_tokenizer
+    from megarl.common.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(model_dir)

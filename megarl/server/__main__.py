@@ -22,7 +22,7 @@ import socket
 import sys
 import time
 
-from megarl.cli import ArgumentParser, add_debug_flag, run_main
+from megarl.common.cli import ArgumentParser, add_debug_flag, run_main
 
 PROG = "megarl-server"
 _LOOPBACKS = ("127.0.0.1", "localhost", "::1")
@@ -72,7 +72,7 @@ def parse_args(argv=None):
 
 def _spawn_followers(args, argv, store: str) -> list:
     """The leader starts TP ranks 1..N-1 as children that die with it (SIGKILL on its death)."""
-    from megarl.signals import owned_child_setup
+    from megarl.common.signals import owned_child_setup
 
     return [subprocess.Popen([sys.executable, "-m", "megarl.server", *argv, "--tp-rank", str(r),
                               "--tp-store", store], preexec_fn=owned_child_setup)
@@ -84,7 +84,7 @@ def _join(rank: int, size: int, store: str, procs=()):
     host, so no TCP store listens (torch's binds every interface, docs/reliability.md)."""
     import torch.distributed as dist
 
-    from megarl.net import new_process_group
+    from megarl.common.net import new_process_group
     from megarl.server.tp import GROUP_NAME, TPGroup
 
     try:
@@ -123,7 +123,7 @@ def serve(args, argv=None) -> int:
     import torch
     from aiohttp import web
 
-    from megarl.net import http_url
+    from megarl.common.net import http_url
     from megarl.server import build_state
     from megarl.server.app import build_app
 
@@ -169,7 +169,7 @@ def serve(args, argv=None) -> int:
                  args.model, f", {args.tp} TP ranks" if args.tp > 1 else "", time.perf_counter() - t0)
 
     # A server started with SIGTERM ignored (by a trainer or launcher that owns its lifetime, see
-    # megarl.signals) keeps it ignored instead of letting aiohttp exit on it.
+    # megarl.common.signals) keeps it ignored instead of letting aiohttp exit on it.
     keep_ignored = signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     try:
         listen, port = _listen_on(args.host, args.port)  # port: the one announced (--port 0: the kernel's)

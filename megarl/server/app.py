@@ -23,11 +23,11 @@ from aiohttp import web
 
 from megarl.server import memory, reward, weight_routes
 from megarl.server.engine import PAUSE_MODES, Sequence
-from megarl.server.protocol import build_response, parse_generate
+from megarl.server.requests import build_response, parse_generate
 from megarl.server.sampling import SamplingConfig
 from megarl.server.state import (BadRequest, ServerState, body_field, error, on_engine, read_body,
                                          result)
-from megarl.wire import MEGARL_EXTENSIONS
+from megarl.protocol.wire import MEGARL_EXTENSIONS
 
 log = logging.getLogger("megarl.server")
 

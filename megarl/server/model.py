@@ -33,12 +33,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megarl.server.moe import MOE_ARCHITECTURES, MoESpec, Routes, alloc_layer, moe_mlp
+from megarl.server.moe import MOE_ARCHITECTURES, MoEShape, Routes, alloc_layer, moe_mlp
 from megarl.server.tp import TPGroup, assemble, full_shape, local_slice, shard_config
 
 
 @dataclass(frozen=True)
-class ArchSpec:
+class ArchTraits:
     """What differs between the supported HF architectures."""
 
     qkv_bias: Optional[bool]  # None: follow config["attention_bias"]
@@ -46,13 +46,13 @@ class ArchSpec:
     window: str = "none"  # how transformers picks windowed layers, see `_layer_windows`
 
 
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "LlamaForCausalLM": ArchSpec(qkv_bias=None, qk_norm=False),
-    "MistralForCausalLM": ArchSpec(qkv_bias=False, qk_norm=False, window="all"),  # no biases at all
-    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, qk_norm=False, window="from_max_window_layers"),
-    "Qwen3ForCausalLM": ArchSpec(qkv_bias=None, qk_norm=True, window="from_max_window_layers"),
-    "Qwen3MoeForCausalLM": ArchSpec(qkv_bias=None, qk_norm=True, window="all_if_used"),
-    "Qwen2MoeForCausalLM": ArchSpec(qkv_bias=True, qk_norm=False, window="even_below_max_window_layers"),
+ARCHITECTURES: dict[str, ArchTraits] = {
+    "LlamaForCausalLM": ArchTraits(qkv_bias=None, qk_norm=False),
+    "MistralForCausalLM": ArchTraits(qkv_bias=False, qk_norm=False, window="all"),  # no biases at all
+    "Qwen2ForCausalLM": ArchTraits(qkv_bias=True, qk_norm=False, window="from_max_window_layers"),
+    "Qwen3ForCausalLM": ArchTraits(qkv_bias=None, qk_norm=True, window="from_max_window_layers"),
+    "Qwen3MoeForCausalLM": ArchTraits(qkv_bias=None, qk_norm=True, window="all_if_used"),
+    "Qwen2MoeForCausalLM": ArchTraits(qkv_bias=True, qk_norm=False, window="even_below_max_window_layers"),
 }
 
 # HF sequence classifiers (reward models): the decoder of the causal LM named here, and a `score`
@@ -87,7 +87,7 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: Optional[int]
     layer_windows: tuple[Optional[int], ...] = ()  # per layer: sliding window W, or None (full)
-    moe: Optional[MoESpec] = None  # experts (Qwen3-MoE, Qwen2-MoE); None for dense models
+    moe: Optional[MoEShape] = None  # experts (Qwen3-MoE, Qwen2-MoE); None for dense models
     num_labels: int = 0  # a sequence classifier's score rows; 0 for a causal LM
     pad_token_id: Optional[int] = None  # a classifier scores the last token that is not this one
 
@@ -107,7 +107,7 @@ class DecoderConfig:
         heads = int(cfg["num_attention_heads"])
         layers = int(cfg["num_hidden_layers"])
         if spec.qkv_bias is True and "qkv_bias" in cfg:  # Qwen2-MoE names its switch qkv_bias
-            spec = ArchSpec(bool(cfg["qkv_bias"]), spec.qk_norm, spec.window)
+            spec = ArchTraits(bool(cfg["qkv_bias"]), spec.qk_norm, spec.window)
         attention_bias = bool(cfg.get("attention_bias", False))
         # transformers >= 5 writes RoPE settings into "rope_parameters"; older configs at top level
         rope = cfg["rope_parameters"] if isinstance(cfg.get("rope_parameters"), dict) else {}
@@ -134,7 +134,7 @@ class DecoderConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             layer_windows=_layer_windows(spec.window, cfg, layers),
-            moe=MoESpec.from_hf(arch, cfg, layers) if arch in MOE_ARCHITECTURES else None,
+            moe=MoEShape.from_hf(arch, cfg, layers) if arch in MOE_ARCHITECTURES else None,
             # transformers: num_labels = len(id2label), 2 when a config names no labels
             num_labels=(len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))) if classifier else 0,
             pad_token_id=cfg.get("pad_token_id") if classifier else None,

@@ -31,7 +31,7 @@ MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 
 
 @dataclass(frozen=True)
-class MoESpec:
+class MoEShape:
     """The MoE fields of an HF config.json."""
 
     num_experts: int
@@ -42,7 +42,7 @@ class MoESpec:
     moe_layers: tuple[bool, ...]  # per decoder layer: experts (True) or the dense MLP
 
     @classmethod
-    def from_hf(cls, arch: str, cfg: dict, num_layers: int) -> "MoESpec":
+    def from_hf(cls, arch: str, cfg: dict, num_layers: int) -> "MoEShape":
         experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes the latter
         if not experts:
             raise KeyError("num_experts")
@@ -59,7 +59,7 @@ class MoESpec:
                    shared, layers)
 
 
-def alloc_layer(spec: MoESpec, hidden: int, dtype: torch.dtype, prefix: str, device="cpu"):
+def alloc_layer(spec: MoEShape, hidden: int, dtype: torch.dtype, prefix: str, device="cpu"):
     """(tensors of one MoE layer, {HF name: view}) with ``prefix`` = ``model.layers.{i}.mlp.``."""
     E, inter = spec.num_experts, spec.expert_intermediate
     L = {
@@ -87,7 +87,7 @@ def alloc_layer(spec: MoESpec, hidden: int, dtype: torch.dtype, prefix: str, dev
     return L, names
 
 
-def route(spec: MoESpec, router: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route(spec: MoEShape, router: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [N, k] int64, weights [N, k] in h's dtype) of tokens h [N, H]."""
     probs = torch.softmax(F.linear(h, router), dim=-1, dtype=torch.float32)
     w, ids = torch.topk(probs, spec.top_k, dim=-1)
@@ -96,7 +96,7 @@ def route(spec: MoESpec, router: torch.Tensor, h: torch.Tensor) -> tuple[torch.T
     return ids, w.to(h.dtype)
 
 
-def moe_mlp(spec: MoESpec, L: dict, h: torch.Tensor, routes: Optional["Routes"] = None) -> torch.Tensor:
+def moe_mlp(spec: MoEShape, L: dict, h: torch.Tensor, routes: Optional["Routes"] = None) -> torch.Tensor:
     """The MoE MLP of normed hidden states h [..., H] (module docstring); appends the layer's
     routing to ``routes`` when given."""
     shape = h.shape

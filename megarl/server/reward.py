@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from megarl.server.protocol import BadRequest, _token_list
+from megarl.server.requests import BadRequest, _token_list
 from megarl.server.state import ServerState, on_engine, read_body
 
 # EmbeddingReqInput fields this server reads; the others SGLang accepts as no-ops here

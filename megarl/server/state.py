@@ -22,7 +22,7 @@ from typing import Any, Optional
 from aiohttp import web
 
 from megarl.server.engine import GenerationEngine
-from megarl.server.protocol import BadRequest
+from megarl.server.requests import BadRequest
 
 __all__ = ["BadRequest", "ServerState", "error", "result", "read_body", "body_field", "on_engine",
            "default_weights_roots", "allowed_weights_path"]

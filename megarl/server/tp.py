@@ -93,27 +93,6 @@ def assemble(name: str, parts: list[torch.Tensor], cfg, tp: int) -> torch.Tensor
     return torch.cat(parts, dim=spec[0])
 
 
-_FUSED = {"qkv": "qkv", "qkv_bias": "qkv_b", "gate_up": "gate_up", "gate_up_bias": "gate_up_b"}
-
-
-def storage(model, key: str) -> torch.Tensor:
-    """``model``'s local tensor for a shard-refit unit key: an HF name whose parameter is a whole
-    storage, or a fused one, ``model.layers.N.self_attn.qkv[_bias]`` /
-    ``model.layers.N.mlp.gate_up[_bias]`` (KeyError otherwise)."""
-    if key == "lm_head.weight" and model.cfg.tie_word_embeddings:
-        key = "model.embed_tokens.weight"
-    if key in model.params:
-        return model.params[key]
-    head, _, leaf = key.rpartition(".")
-    parts = head.split(".")
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and leaf in _FUSED:
-        layer = int(parts[2])
-        t = model.layers[layer].get(_FUSED[leaf]) if layer < len(model.layers) else None
-        if t is not None:
-            return t
-    raise KeyError(f"unknown shard-refit unit {key!r}")
-
-
 class TPGroup:
     """This rank's place in the server's TP group and its two kinds of traffic: the leader's
     commands (pickled, small except weight loads) and the row-parallel all-reduces."""
@@ -161,7 +140,7 @@ class TPGroup:
 
 def follow(model, cache, group: TPGroup) -> None:
     """A follower's life: run the leader's commands until it says stop (or its socket dies)."""
-    from megarl.net import new_process_group
+    from megarl.common.net import new_process_group
     from megarl.server.weights import WeightGroup, receive_shards
 
     groups: dict[str, WeightGroup] = {}  # weight-update groups this rank joined (shard refit)

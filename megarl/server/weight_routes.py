@@ -23,7 +23,7 @@
   ``/update_weight_version`` {new_version}.
 - ``/weights_checksum`` {names, dtypes} (a megarl extension, not in SGLang): ``{"success": true,
   "checksums": {name: sha256 hex}}`` of each named tensor as this server holds it, cast to
-  ``dtypes[i]`` (`megarl.wire.tensor_digest`), so the trainer checks a push without reading any
+  ``dtypes[i]`` (`megarl.protocol.wire.tensor_digest`), so the trainer checks a push without reading any
   tensor back (``weights.verify_interval``); computed on the engine thread, between batches.
 A given ``weight_version`` becomes the server's version once the tensors are loaded; without one
 the version is unchanged (SGLang semantics).
@@ -38,10 +38,10 @@ import torch
 
 from aiohttp import web
 
-from megarl.net import new_process_group
+from megarl.common.net import new_process_group
 from megarl.server import weights as W
-from megarl.weights import delta_format as disk_delta
-from megarl.wire import DIRECT_BUCKET, FLATTENED_BUCKET, SHARED_MEMORY, tensor_digest
+from megarl.protocol import delta_format as disk_delta
+from megarl.protocol.wire import DIRECT_BUCKET, FLATTENED_BUCKET, SHARED_MEMORY, tensor_digest
 from megarl.server.state import (BadRequest, ServerState, allowed_weights_path, body_field, on_engine,
                                          read_body, result)
 
@@ -192,11 +192,11 @@ SHARD_REFIT = "shard_refit"
 
 
 async def _from_shards(state: ServerState, body: dict, names: list) -> web.Response:
-    """load_format "shard_refit" (megarl extension, `megarl.weights.refit`): ``refit_units`` (one
+    """load_format "shard_refit" (megarl extension, `megarl.protocol.refit`): ``refit_units`` (one
     ``[key, kind, dim, length, padded, dtype]`` per name) arrive point to point from the
     ``refit_src_tp`` trainer TP ranks, each server TP rank receiving its own slices."""
-    from megarl.server.tp import storage
-    from megarl.weights.refit import UNIT_KINDS
+    from megarl.server.weights import storage
+    from megarl.protocol.refit import UNIT_KINDS
 
     units = body_field(body, "refit_units", list, required=True)
     src_tp = body_field(body, "refit_src_tp", int, required=True)

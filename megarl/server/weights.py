@@ -3,12 +3,12 @@
 - `read_hf_dir(path)`: ``model.safetensors`` or the shards listed in
   ``model.safetensors.index.json``; HF tensor names, no conversion.
 - `decode_named_tensors`: the payload of ``/update_weights_from_tensor`` (the trainer encodes it
-  with ``megarl.weights.tensor_wire``). Each entry of ``serialized_named_tensors`` is base64 text
+  with ``megarl.protocol.tensor_wire``). Each entry of ``serialized_named_tensors`` is base64 text
   of a safetensors file (``load_format="safetensors_b64"``). Safetensors is a pure data format,
   so a payload can never execute code; pickled payloads (SGLang's default) are rejected rather
   than deserialized.
 - `receive_broadcast`: one bucket of ``/update_weights_from_distributed`` over the group that
-  ``/init_weights_update_group`` joined with `megarl.net.new_process_group` (built like SGLang's
+  ``/init_weights_update_group`` joined with `megarl.common.net.new_process_group` (built like SGLang's
   ``init_custom_process_group``, the same function the trainer hosts it with). The trainer is
   rank 0 and broadcasts each announced tensor, in announced order, with ``src=0``.
 """
@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
-from megarl.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, SAFETENSORS_B64, SHARED_MEMORY, SHM_DIR,
-                         SHM_PREFIX, direct_split, flat_layout)
+from megarl.protocol.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, SAFETENSORS_B64, SHARED_MEMORY, SHM_DIR,
+                                  SHM_PREFIX, direct_split, flat_layout)
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -98,7 +98,7 @@ def decode_named_tensors(entries: list, load_format: str | None) -> dict[str, to
 
 
 def map_shared(entry, field: str) -> dict[str, torch.Tensor]:
-    """The tensors of one shared-memory manifest (`megarl.wire.SHARED_MEMORY`), as views of the
+    """The tensors of one shared-memory manifest (`megarl.protocol.wire.SHARED_MEMORY`), as views of the
     file mapped private and read-only in effect (nothing writes them; the load copies them into the
     parameters). Only a regular file named SHM_PREFIX* directly in SHM_DIR and owned by this
     server's user is opened; every tensor must lie inside it."""
@@ -159,7 +159,7 @@ def receive_broadcast(group: WeightGroup, names, dtypes, shapes, load_format=Non
     """Receive one announced bucket; returns (tensors still to load, how many were received in
     place). Per ``load_format``: None = broadcast(src=0) per tensor, in announced order;
     "flattened_bucket" = the whole bucket in one broadcast, laid out as SGLang lays it out
-    (views into the group's buffer, valid until its next receive); "direct_bucket" = `megarl.wire.direct_split`: a large tensor whose
+    (views into the group's buffer, valid until its next receive); "direct_bucket" = `megarl.protocol.wire.direct_split`: a large tensor whose
     name is in ``targets`` ({name: the parameter itself, same dtype/shape, contiguous}) is
     received straight into it (no copy; the caller holds the engine, so nothing reads it
     meanwhile), any other into a new tensor, then the small ones in one packed broadcast.
@@ -205,7 +205,7 @@ def receive_broadcast(group: WeightGroup, names, dtypes, shapes, load_format=Non
 
 
 def receive_shards(model, group: WeightGroup, units: list, src_tp: int) -> int:
-    """Shard-to-shard refit (`megarl.weights.refit`), this server TP rank's part: for every
+    """Shard-to-shard refit (`megarl.protocol.refit`), this server TP rank's part: for every
     announced unit ``[key, kind, dim, length, padded, dtype]``, receive the slices whose
     destination is this rank from trainer TP rank ``src_rank`` (group rank ``src_rank``) straight
     into this rank's storage (a non-contiguous or other-dtype slice through a temporary). Trainer
@@ -213,8 +213,7 @@ def receive_shards(model, group: WeightGroup, units: list, src_tp: int) -> int:
     the whole plan, so both sides agree without another message. Returns the slices received."""
     import torch.distributed as dist
 
-    from megarl.server.tp import storage
-    from megarl.weights.refit import unit_slices
+    from megarl.protocol.refit import unit_slices
 
     full = model.full_cfg
     me, s = model.tp_rank, model.tp_size
@@ -239,3 +238,24 @@ def receive_shards(model, group: WeightGroup, units: list, src_tp: int) -> int:
     for view, buf in copies:
         view.copy_(buf)
     return n
+
+
+_FUSED = {"qkv": "qkv", "qkv_bias": "qkv_b", "gate_up": "gate_up", "gate_up_bias": "gate_up_b"}
+
+
+def storage(model, key: str) -> torch.Tensor:
+    """``model``'s local tensor for a shard-refit unit key: an HF name whose parameter is a whole
+    storage, or a fused one, ``model.layers.N.self_attn.qkv[_bias]`` /
+    ``model.layers.N.mlp.gate_up[_bias]`` (KeyError otherwise)."""
+    if key == "lm_head.weight" and model.cfg.tie_word_embeddings:
+        key = "model.embed_tokens.weight"
+    if key in model.params:
+        return model.params[key]
+    head, _, leaf = key.rpartition(".")
+    parts = head.split(".")
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and leaf in _FUSED:
+        layer = int(parts[2])
+        t = model.layers[layer].get(_FUSED[leaf]) if layer < len(model.layers) else None
+        if t is not None:
+            return t
+    raise KeyError(f"unknown shard-refit unit {key!r}")

@@ -1,9 +1,9 @@
 """The calculator tool: arithmetic on model-written text through the whitelisted AST walker of
-`megarl.safe_math` (no eval; + - * / // % ** with a size bound, math functions, pi, e).
+`megarl.common.safe_math` (no eval; + - * / // % ** with a size bound, math functions, pi, e).
 ``^`` is read as power, as models write it."""
 from __future__ import annotations
 
-from megarl.safe_math import REALS, UnsafeExpression, evaluate
+from megarl.common.safe_math import REALS, UnsafeExpression, evaluate
 
 __all__ = ["CalculatorTool", "format_number"]
 

@@ -44,7 +44,7 @@ from megarl.algo import (AdvantageConfig, AlgoSpec, ProxLogpMode, Stat, aggregat
                          step_denominators, token_weights)
 from megarl.algo.aggregation import StepDenominators
 from megarl.algo.choices import LossAgg
-from megarl.metrics import StatsTracker
+from megarl.trainer.metrics import StatsTracker
 from megarl.trainer import moe_losses
 from megarl.trainer.batch import MicroBatch, TensorBatch, cat_padded
 
@@ -173,8 +173,8 @@ class _Clock:
 
 class Actor:
     """Policy update of one RL step (module docstring). Holds the trainable engine and an optional
-    frozen reference engine. The policy version is not kept here: the caller passes the one its
-    `RolloutCluster` holds (the loglinear prox clock starts from it)."""
+    frozen reference engine. The policy version is not kept here: the caller passes the one the
+    trainer's `ManagerCluster` holds (the loglinear prox clock starts from it)."""
 
     def __init__(self, cfg, ps, engine, ref=None, spec: Optional[AlgoSpec] = None):
         self.cfg, self.ps, self.engine, self.ref = cfg, ps, engine, ref

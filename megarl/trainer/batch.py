@@ -160,7 +160,7 @@ class TensorBatch:
 
     @classmethod
     def from_trajectories(cls, trajs: Sequence[Any]) -> "TensorBatch":
-        """Rollout trajectories (duck-typed `megarl.rollout.types.Trajectory`: input_ids,
+        """Rollout trajectories (duck-typed `megarl.protocol.types.Trajectory`: input_ids,
         loss_mask, behave_logp, versions lists, reward, group_id) -> fields loss_mask,
         behave_logp, versions and sample fields rewards, group_ids; the MoE routes when every
         trajectory has them."""

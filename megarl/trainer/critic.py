@@ -34,12 +34,12 @@ from typing import Optional
 
 import torch
 
-from megarl import compat
+from megarl.common import compat
 from megarl.algo import Stat, aggregate
 from megarl.algo.config import AlgoSpec
 from megarl.config import Config, CriticConfig
 from megarl.mcore.heads import replace_output_layer
-from megarl.metrics import StatsTracker
+from megarl.trainer.metrics import StatsTracker
 from megarl.trainer.actor import (dp_counts, mean_or_zero, minibatch_indices,
                                   minibatch_loss_weights, num_minibatches, shuffle_seed,
                                   step_norm_len)

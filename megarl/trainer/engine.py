@@ -22,7 +22,7 @@ batches and DP ranks). The engine hands Megatron ``loss * step_tokens`` with the
 token count; Megatron (``calculate_per_token_loss``) sums gradients over DP and divides by the
 step's total token count, so the gradient is exactly d(sum of contributions)/d(theta) however the
 step is split. ``stats`` maps name -> `megarl.algo.Stat`, reduced over micro-batches and DP by the
-one `megarl.metrics.StatsTracker`.
+one `megarl.trainer.metrics.StatsTracker`.
 """
 from __future__ import annotations
 
@@ -37,12 +37,12 @@ import torch.distributed as dist
 from megarl.algo.stats import Stat
 from megarl.config import Config, ModelConfig, OptimConfig, ParallelConfig
 from megarl.mcore.optimizer import step_unless_nonfinite
-from megarl.metrics import StatsTracker
+from megarl.trainer.metrics import StatsTracker
 from megarl.models import builder, hf_io
 from megarl.models.layouts import pad_vocab
-from megarl.models.moe_config import MoEConfig
-from megarl.models.registry import ModelArgs, read_model_args
-from megarl.parallel import ParallelState
+from megarl.config.moe import MoEConfig
+from megarl.protocol.hf_model import ModelArgs, read_model_args
+from megarl.trainer.parallel import ParallelState
 from megarl.trainer import moe_losses
 from megarl.trainer.batch import MicroBatch, TensorBatch, make_microbatches
 from megarl.trainer.logits import shift_logprobs
@@ -120,7 +120,7 @@ class Engine:
             hf_io.load_hf_weights(chunks, args, spec.model.hf_path, ps.tp, ps.tp_rank, use_te)
         cls.adapt_chunks(chunks, spec, args, tconfig)
         if trainable:  # optim.freeze: before DDP and the optimizer, which then leave them out
-            from megarl.trainer.freeze import apply_freeze
+            from megarl.models.freeze import apply_freeze
 
             apply_freeze(chunks, args, spec.optim.freeze, use_te)
         if not trainable:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megarl.parallel import ParallelState
+from megarl.trainer.parallel import ParallelState
 from megarl.mcore.moe import clear_router_loss_tracker, set_router_loss_coefficients, tracked_router_losses
 
 _NAMES = {"load_balancing_loss": "moe_aux_loss", "z_loss": "moe_z_loss"}

@@ -16,7 +16,7 @@
         every rollout.eval_interval steps (and at step 0 with rollout.eval_at_start): greedy
         held-out accuracy, run beside training and reported with the version it measured;
         train.stop_at_eval_accuracy ends the run once a reported accuracy reaches it
-    at the end, train.py writes run_dir/learning_curve.png (megarl/plotting.py)
+    at the end, train.py writes run_dir/learning_curve.png (megarl/common/plotting.py)
 
 The four modes of seed 003 are config alone (docs/async.md):
     on-policy           max_staleness 0, trigger 1
@@ -39,11 +39,11 @@ import torch.distributed as dist
 
 from megarl.algo.choices import AdvantageEstimator
 from megarl.checkpoint import maybe_export_hf
-from megarl.metrics import print0, progress
-from megarl.rollout.channel import ManagerStalled
-from megarl.rollout.setup import groups_per_step
-from megarl.rollout.types import Trajectory
-from megarl.timeline import Timeline
+from megarl.trainer.metrics import print0, progress
+from megarl.protocol.channel import ManagerStalled
+from megarl.protocol.packing import groups_per_step
+from megarl.protocol.types import Trajectory
+from megarl.common.timeline import Timeline
 from megarl.trainer.actor import Actor
 from megarl.trainer.batch import TensorBatch
 from megarl.trainer.critic import Critic, CriticSpec
@@ -274,7 +274,7 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None, side: Optional[RolloutSide]
             metrics, reached = runner.run(step, last)
             logger.log(metrics, step)
             runner.check_gates(metrics, step)  # after the log: the numbers are in metrics.jsonl
-            # megarl.signals: same condition on every rank (the all-reduce runs on all or none)
+            # megarl.common.signals: same condition on every rank (the all-reduce runs on all or none)
             if stop is not None and not last and stop.should_stop():
                 # a stop signal: save now, whatever the interval, so no finished step is lost
                 ckpt.save(step, policy_version=cluster.version)  # the next start resumes here

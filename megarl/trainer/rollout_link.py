@@ -31,12 +31,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.channel import Link, ManagerStalled, RemoteError
-from megarl.rollout.messages import (AddServer, Admitted, BatchRequest, DestroyWeightsGroup, EvalPoll, EvalSubmit,
-                                     FinishPush, Init, InitWeightsGroup, PauseForUpdate, RemoveServer, Resume,
-                                     ServerInfo, ShardAnnounce, ShardJoin, Sleep, Start, StateRequest, Unhealthy,
-                                     UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake, WeightsChecksum)
-from megarl.rollout.types import RoutedExperts, Trajectory
+from megarl.protocol.channel import Link, ManagerStalled, RemoteError
+from megarl.protocol.errors import ClusterError
+from megarl.protocol.messages import (AddServer, Admitted, BatchRequest, DestroyWeightsGroup, EvalPoll, EvalSubmit,
+                                      FinishPush, Init, InitWeightsGroup, PauseForUpdate, RemoveServer, Resume,
+                                      ServerInfo, ShardAnnounce, ShardJoin, Sleep, Start, StateRequest, Unhealthy,
+                                      UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake, WeightsChecksum)
+from megarl.protocol.types import RoutedExperts, Trajectory
 
 log = logging.getLogger("megarl.link")
 
@@ -98,7 +99,7 @@ class RemoteAdmin:
 class ManagerCluster:
     """The trainer's view of the server set and the one policy-version counter; the driver
     (global rank 0) forwards the protocol steps to the manager's `RolloutCluster`. A
-    `megarl.rollout.cluster.PushTarget` for `WeightPusher`, as `RolloutCluster` is."""
+    `megarl.weights.target.PushTarget` for `WeightPusher`, as `RolloutCluster` is."""
 
     def __init__(self, addresses: list[str], *, link: Optional[Link], manager_address: str,
                  version: int = 0, min_live_servers: int = 1, timeout_s: float = 60.0, side=None,
@@ -164,8 +165,6 @@ class ManagerCluster:
         return self._call(Unhealthy())
 
     def remove_server(self, address: str) -> None:
-        from megarl.rollout.cluster import ClusterError
-
         if address in self.addresses:
             self.addresses.remove(address)
             self.dead.append(address)
@@ -210,10 +209,10 @@ class RolloutSide:
         starts the local servers while this process imports megatron-core and builds the engine
         (train.py calls this first thing); `start` then waits for its address. Nothing to start
         when ``rollout.manager_address`` names one already running."""
-        from megarl.net import serving_host
-        from megarl.rollout.handshake import new_secret
-        from megarl.rollout.local import log_size, split_cpus
-        from megarl.rollout.manager import start_process
+        from megarl.common.net import serving_host
+        from megarl.protocol.handshake import new_secret
+        from megarl.common.procs import log_size, split_cpus
+        from megarl.trainer.manager_process import start_process
 
         r, t = self.cfg.rollout, self.cfg.train
         if self.proc is not None or r.manager_address:
@@ -230,14 +229,14 @@ class RolloutSide:
 
     def start(self, ps=None) -> None:
         """Rank 0: the link to the manager (launched here unless `launch` already did)."""
-        from megarl.rollout.manager import wait_listening
+        from megarl.trainer.manager_process import wait_listening
 
         if ps is not None:
             self.ps = ps
         if self.ps.rank != 0:
             return
         if self.cfg.rollout.manager_address:
-            from megarl.rollout.handshake import read_secret_file
+            from megarl.protocol.handshake import read_secret_file
 
             self.address = self.cfg.rollout.manager_address
             self._secret = read_secret_file(self.cfg.rollout.manager_secret_file)

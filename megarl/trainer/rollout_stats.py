@@ -17,7 +17,7 @@ import statistics
 import time
 from typing import Optional
 
-from megarl.rollout.types import Trajectory
+from megarl.protocol.types import Trajectory
 
 
 def batch_metrics(trajs: list[Trajectory], version: int) -> dict:

@@ -5,7 +5,7 @@ import torch
 
 from megarl.algo.stats import Stat
 from megarl.data.datasets import ResumableSampler, SFTDataset, balance_across_ranks
-from megarl.data.tokenizer import load_tokenizer
+from megarl.common.tokenizer import load_tokenizer
 from megarl.trainer.batch import MicroBatch, TensorBatch
 
 

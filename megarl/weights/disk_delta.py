@@ -1,4 +1,4 @@
-"""``DiskDeltaTransport``: the disk transport writing `megarl.weights.delta_format` (weights.disk_delta
+"""``DiskDeltaTransport``: the disk transport writing `megarl.protocol.delta_format` (weights.disk_delta
 with megarl-server): per stage one file of raw/same/XOR+zlib records with per-tensor CRC-32s."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megarl.weights.delta_format import MANIFEST, encode
+from megarl.protocol.delta_format import MANIFEST, encode
 from megarl.weights.transports import DiskTransport, PushError
-from megarl.wire import DiskWeightsUpdate
+from megarl.protocol.wire import DiskWeightsUpdate
 
 
 class DiskDeltaTransport(DiskTransport):

@@ -17,12 +17,12 @@ from typing import Optional
 import torch
 
 from megarl.models.layouts import group_by_bytes, hf_shapes
-from megarl.models.registry import ModelArgs, param_table
+from megarl.protocol.hf_model import ModelArgs, param_table
 from megarl.models.stages import PipelineSplit, resolve
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class TensorMeta:
     hf_name: str
     shape: tuple[int, ...]
     stage: int  # pipeline rank that serves it
@@ -45,7 +45,7 @@ def stage_of_layer(layer: int, num_layers: int, pp: int, vpp: Optional[int] = No
     return resolve(num_layers, pp, vpp, first, last).stage_of(layer)
 
 
-def plan(args: ModelArgs, split: PipelineSplit | int = 1, vpp: Optional[int] = None) -> list[TensorSpec]:
+def plan(args: ModelArgs, split: PipelineSplit | int = 1, vpp: Optional[int] = None) -> list[TensorMeta]:
     """Every HF tensor of the model with its serving stage, in the order stages send them.
     ``split`` is the pipeline split, or a PP size (with ``vpp``) for the default split."""
     if isinstance(split, int):
@@ -56,11 +56,11 @@ def plan(args: ModelArgs, split: PipelineSplit | int = 1, vpp: Optional[int] = N
         stage, vstage = split.row_stage(layer, pmap.mcore.startswith("embedding."))
         mcore, names = pmap.names(layer)
         for name in names:
-            specs.append(TensorSpec(name, shapes[name], stage, vstage, layer, mcore, pmap.kind, pmap.tp_dim))
+            specs.append(TensorMeta(name, shapes[name], stage, vstage, layer, mcore, pmap.kind, pmap.tp_dim))
     return sorted(specs, key=lambda s: (s.stage, s.vp_stage or 0))
 
 
-def bucketize(specs: list[TensorSpec], bucket_bytes: int, dtype: torch.dtype) -> list[list[TensorSpec]]:
+def bucketize(specs: list[TensorMeta], bucket_bytes: int, dtype: torch.dtype) -> list[list[TensorMeta]]:
     """Consecutive specs grouped so each bucket holds at most ``bucket_bytes`` (a larger tensor
     gets a bucket of its own); buckets never span stages."""
     return group_by_bytes(specs, lambda s: s.nbytes(dtype), bucket_bytes, boundary=lambda s: s.stage)

@@ -1,4 +1,8 @@
-"""The weight push: trainer shards -> rollout servers, one collective call per policy version."""
+"""The weight push: trainer shards -> rollout servers, one collective call per policy version.
+
+Runs on the trainer ranks. The rollout side is a `megarl.weights.target.PushTarget`: in a run,
+the trainer's `ManagerCluster`, which holds the policy version and forwards the protocol's HTTP
+steps to the rollout manager (`push_once` below has the protocol)."""
 from __future__ import annotations
 
 import threading
@@ -12,12 +16,12 @@ from megarl.config import WeightSyncConfig
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.channel import ManagerStalled
-from megarl.rollout.cluster import PushTarget
+from megarl.protocol.channel import ManagerStalled
 from megarl.weights.resharder import Resharder, ReshardTimes
+from megarl.weights.target import PushTarget
 from megarl.weights.transports import (DiskTransport, DistributedTransport, PushError,
                                        SharedMemoryTransport, TensorTransport)
-from megarl.wire import tensor_digest
+from megarl.protocol.wire import tensor_digest
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,9 @@ def _resolved(tensor_format: str) -> str:
 
 
 class WeightPusher:
-    """Collective over all trainer ranks. Build once after the engine with the job's
-    `RolloutCluster` (the owner of the server set and of the policy version); call :meth:`push`."""
+    """Collective over all trainer ranks. Build once after the engine with the job's push target
+    (`ManagerCluster`: the trainer's mirror of the server set and the policy-version counter);
+    call :meth:`push`."""
 
     def __init__(self, spec: PushSpec, engine, cluster: PushTarget):
         w = spec.weights

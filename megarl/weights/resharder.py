@@ -22,8 +22,8 @@ import torch
 from megarl.models.hf_io import gather_row, local_params, serves_weights
 from megarl.models import stages
 from megarl.models.layouts import shards_to_hf
-from megarl.models.registry import GATE_UP, param_table
-from megarl.weights.planner import TensorSpec, bucketize, plan
+from megarl.protocol.hf_model import GATE_UP, param_table
+from megarl.weights.planner import TensorMeta, bucketize, plan
 
 
 @dataclass
@@ -61,7 +61,7 @@ class Resharder:
     dtype: Optional[torch.dtype] = None  # serving dtype; None = the training dtype
     times: ReshardTimes = field(default_factory=ReshardTimes)
 
-    def stage_plan(self, stage: int, skip: frozenset = frozenset()) -> list[list[TensorSpec]]:
+    def stage_plan(self, stage: int, skip: frozenset = frozenset()) -> list[list[TensorMeta]]:
         """Buckets of this stage, identical on every rank; rows whose Megatron name is in ``skip``
         (a delta push's unchanged rows) are left out before bucketing."""
         e = self.engine

@@ -3,7 +3,7 @@
 No rank gathers a full tensor. Every trainer TP rank of DP rank 0 joins the weight-update group
 (trainer TP rank i is group rank i; server k's TP rank j is ``t + sum(tp of servers < k) + j``,
 every server TP rank joins through its leader, ``server_tp_ranks``). Per push, TP rank 0
-announces the units (one per Megatron parameter, `megarl.weights.refit` units, keyed by the
+announces the units (one per Megatron parameter, `megarl.protocol.refit` units, keyed by the
 server storage they land in) to every server, and each trainer rank sends the slices of its own
 shard that `refit.unit_slices` assigns to it, point to point, to the server ranks that hold them:
 when trainer TP == server TP each shard goes 1:1 to its peer rank. The servers receive straight
@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.hf_io import local_params
-from megarl.models.registry import GATE_UP, QKV, VOCAB
-from megarl.net import advertised_address, listening_socket, new_process_group, url_host
-from megarl.weights.refit import unit_slices
+from megarl.protocol.hf_model import GATE_UP, QKV, VOCAB
+from megarl.common.net import advertised_address, listening_socket, new_process_group, url_host
+from megarl.protocol.refit import unit_slices
 from megarl.weights.transports import PushError, _finish, leave_update_group
 
 

@@ -3,7 +3,7 @@ stage source ranks (DP=0, TP=0 of each pipeline stage) send anything.
 
 - :class:`DistributedTransport`: a weight-update group per stage source (the source is rank 0,
   server i is rank 1+i), made through the servers' ``/init_weights_update_group`` and
-  :func:`megarl.net.new_process_group` (the servers join with the same function); per bucket,
+  :func:`megarl.common.net.new_process_group` (the servers join with the same function); per bucket,
   announce names/dtypes/shapes over HTTP and broadcast the tensors. NCCL on GPU, gloo on CPU.
   Groups are created stage by stage, so sources never deadlock.
 - :class:`DiskTransport`: HF safetensors written atomically to a shared directory (one
@@ -20,15 +20,15 @@ from typing import ClassVar, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from megarl.net import listening_socket, new_process_group
-from megarl.net import advertised_address, url_host
-from megarl.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, DiskWeightsUpdate,
-                         DistributedWeightsMeta, WeightsUpdateGroup, direct_split, flat_layout,
-                         sglang_flat_order, TensorWeightsUpdate)
-from megarl.rollout.admin import AdminRunner
-from megarl.rollout.channel import ManagerStalled
+from megarl.common.net import listening_socket, new_process_group
+from megarl.common.net import advertised_address, url_host
+from megarl.protocol.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, DiskWeightsUpdate,
+                                  DistributedWeightsMeta, WeightsUpdateGroup, direct_split, flat_layout,
+                                  sglang_flat_order, TensorWeightsUpdate)
+from megarl.protocol.channel import ManagerStalled
 from megarl.weights.resharder import Bucket
-from megarl.weights.tensor_wire import WireFormat, tensor_update
+from megarl.weights.target import StageAdmin
+from megarl.protocol.tensor_wire import WireFormat, tensor_update
 
 
 class PushError(RuntimeError):
@@ -57,12 +57,12 @@ class DistributedTransport:
     on loopback gloo) times ~40 small tensors was most of a small model's push, and packing the
     large ones too cost a memcpy on each side. "sglang" (SGLang 0.5.x, load_format
     "flattened_bucket"): the whole bucket in one broadcast, laid out back to back as SGLang's
-    receiver expects (`megarl.wire.sglang_flat_order` keeps every tensor aligned); megarl-server
+    receiver expects (`megarl.protocol.wire.sglang_flat_order` keeps every tensor aligned); megarl-server
     takes it too, so a mixed server set uses it."""
 
     streams_buckets = True
 
-    def __init__(self, admin: AdminRunner, master_address: str, timeout_s: float, backend: str,
+    def __init__(self, admin: StageAdmin, master_address: str, timeout_s: float, backend: str,
                  wire: WireFormat = "megarl"):
         self.admin, self.addr, self.timeout_s, self.backend = admin, master_address, timeout_s, backend
         self.wire = wire
@@ -93,7 +93,7 @@ class DistributedTransport:
         print(f"[weights] stage {stage}: weight-update group {self.group_name} at {addr}:{port}", flush=True)
 
     def send(self, bucket: Bucket, version: str) -> None:
-        """Announce, then broadcast: "megarl" per `megarl.wire.direct_split`, large tensors
+        """Announce, then broadcast: "megarl" per `megarl.protocol.wire.direct_split`, large tensors
         straight from the resharder's tensors (views of the parameters where no conversion was
         needed) and the small ones packed into one reused buffer; "sglang" the whole bucket packed
         into that buffer in SGLang's order and layout, one broadcast."""
@@ -136,7 +136,7 @@ class DistributedTransport:
         _finish(announced, self.timeout_s, "update_weights_from_distributed")
 
     def _pack(self, tensors: list[torch.Tensor], device, align: int) -> torch.Tensor:
-        """``tensors`` in `megarl.wire.flat_layout`, in a buffer kept across buckets and pushes
+        """``tensors`` in `megarl.protocol.wire.flat_layout`, in a buffer kept across buckets and pushes
         (the sends are sequential, and a broadcast returns once its bytes left the buffer)."""
         layout, total = flat_layout([dtype_name(t) for t in tensors], [list(t.shape) for t in tensors], align)
         if self._packbuf.numel() < total or self._packbuf.device != torch.device(device):
@@ -163,7 +163,7 @@ def post_tensor_update(admin, update: TensorWeightsUpdate, timeout_s: float, whe
         raise PushError(f"update_weights_from_tensor{where}: {e}") from e
 
 
-def leave_update_group(admin: Optional[AdminRunner], group, name: str, timeout_s: float,
+def leave_update_group(admin: Optional[StageAdmin], group, name: str, timeout_s: float,
                        tell_servers: bool = True) -> None:
     """Ends a weight-update group: the servers are asked to destroy their side (best effort), then
     this rank's side is destroyed. ``tell_servers``: false on ranks that share a group some other
@@ -183,11 +183,11 @@ def dtype_name(t: torch.Tensor) -> str:
 
 class TensorTransport:
     """``wire``: "megarl" (safetensors) for megarl-server, "sglang" for real SGLang (see
-    megarl.weights.tensor_wire)."""
+    megarl.protocol.tensor_wire)."""
 
     streams_buckets = True
 
-    def __init__(self, admin: AdminRunner, timeout_s: float, wire: WireFormat = "megarl"):
+    def __init__(self, admin: StageAdmin, timeout_s: float, wire: WireFormat = "megarl"):
         self.admin, self.timeout_s, self.wire = admin, timeout_s, wire
 
     def setup(self, stage: int) -> None:
@@ -232,7 +232,7 @@ def remove_orphans(directory: str, prefix: str) -> list[str]:
 class SharedMemoryTransport:
     """Same host (megarl-server, `weights.transport: shm`): each bucket is copied once into a file
     in /dev/shm that this stage source owns (0600, removed at close) and announced by a JSON
-    manifest of names, dtypes, shapes and offsets (`megarl.wire.SHARED_MEMORY`); the server maps
+    manifest of names, dtypes, shapes and offsets (`megarl.protocol.wire.SHARED_MEMORY`); the server maps
     the file and loads from it. A trainer killed before close() leaves its file; the next run's
     setup removes the files of processes that are gone (`remove_orphans`). No weight byte crosses a socket: ``socket_bytes`` counts the
     manifests, ``shared_bytes`` the weights."""
@@ -240,13 +240,13 @@ class SharedMemoryTransport:
     streams_buckets = True
     ALIGN = 64
 
-    def __init__(self, admin: AdminRunner, timeout_s: float):
+    def __init__(self, admin: StageAdmin, timeout_s: float):
         self.admin, self.timeout_s = admin, timeout_s
         self.path, self.buf = "", torch.empty(0, dtype=torch.uint8)
         self.shared_bytes = self.socket_bytes = 0
 
     def setup(self, stage: int) -> None:
-        from megarl.wire import SHM_DIR, SHM_PREFIX
+        from megarl.protocol.wire import SHM_DIR, SHM_PREFIX
 
         self.path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-pp{stage}")
         remove_orphans(SHM_DIR, SHM_PREFIX)
@@ -264,7 +264,7 @@ class SharedMemoryTransport:
     def send(self, bucket: Bucket, version: str) -> None:
         import json
 
-        from megarl.wire import SHARED_MEMORY
+        from megarl.protocol.wire import SHARED_MEMORY
 
         offsets, end = [], 0
         for t in bucket.tensors:
@@ -299,7 +299,7 @@ class DiskTransport:
 
     streams_buckets = False
 
-    def __init__(self, admin: Optional[AdminRunner], directory: str, keep: int, timeout_s: float, dtype):
+    def __init__(self, admin: Optional[StageAdmin], directory: str, keep: int, timeout_s: float, dtype):
         self.admin, self.dir, self.keep, self.timeout_s, self.dtype = admin, directory, keep, timeout_s, dtype
 
     def setup(self, stage: int) -> None:

@@ -14,7 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from megarl import compat, parallel
+from megarl.common import compat
+from megarl.trainer import parallel
 from megarl.config import load_config
 from megarl.trainer.actor import Actor, step_advantages
 from megarl.trainer.batch import TensorBatch, pad_sequences, per_sample

@@ -20,8 +20,8 @@ LAYOUTS = {"Qwen2ForCausalLM": ["--tp", "2", "--pp", "2"], "Qwen3ForCausalLM": [
 
 
 def main():
-    from megarl import parallel
-    from megarl.tools_cli import convert, logprobs
+    from megarl.trainer import parallel
+    from megarl.commands import convert, logprobs
 
     work, mode = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from megarl.net import free_port  # noqa: F401  (re-exported for the tests)
+from megarl.common.net import free_port  # noqa: F401  (re-exported for the tests)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

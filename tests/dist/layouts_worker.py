@@ -11,7 +11,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megarl import compat, parallel
+from megarl.common import compat
+from megarl.trainer import parallel
 from megarl.config import load_config
 from megarl.trainer.batch import TensorBatch, per_sample
 from megarl.trainer.engine import Engine, EngineSpec

@@ -7,7 +7,8 @@ import sys
 
 import torch
 
-from megarl import compat, parallel
+from megarl.common import compat
+from megarl.trainer import parallel
 from megarl.config import load_config
 from megarl.trainer.engine import Engine, EngineSpec
 from megarl.trainer.sft import sft_loss

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 def reshard_and_export(work: str, name: str, pp: int, ep: int) -> None:
     """Every HF tensor as the resharder yields it (source ranks of each stage) and as export_hf
     writes it, from an Engine whose experts are split over ``ep`` ranks."""
-    from megarl import parallel
+    from megarl.trainer import parallel
     from megarl.config import load_config
     from megarl.trainer.engine import Engine, EngineSpec
     from megarl.weights.resharder import Resharder
@@ -63,8 +63,9 @@ def save_model(engine, hf: str, out: str) -> None:
 
 
 def main():
-    from megarl import compat, parallel
-    from megarl.tools_cli import convert, logprobs
+    from megarl.common import compat
+    from megarl.trainer import parallel
+    from megarl.commands import convert, logprobs
 
     work, mode, *names = sys.argv[1:]
     training = names[names.index("+") + 1:] if "+" in names else []

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from megarl import compat, parallel
+from megarl.common import compat
+from megarl.trainer import parallel
 from megarl.config import load_config
-from megarl.preflight import check_wire
+from megarl.launch.preflight import check_wire
 from megarl.trainer.batch import TensorBatch
 from megarl.trainer.engine import Engine, EngineSpec
 from megarl.rollout.cluster import RolloutCluster

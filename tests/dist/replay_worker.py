@@ -13,7 +13,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megarl import compat, parallel
+from megarl.common import compat
+from megarl.trainer import parallel
 from megarl.config import load_config
 from megarl.server.model import CausalLM, DecoderConfig, KVCache
 from megarl.server.weights import read_hf_dir

@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from megarl import compat, parallel
+from megarl.common import compat
+from megarl.trainer import parallel
 from megarl.models import builder, hf_io
 from megarl.models.layouts import pad_vocab
 from megarl.models.random_hf import tiny_config, write_random_hf
-from megarl.models.registry import read_model_args
+from megarl.protocol.hf_model import read_model_args
 
 
 def load_all(d):

@@ -1,6 +1,6 @@
-"""Rank body for test_spawn.py, started by megarl.spawn.run_ranks (not torchrun):
+"""Rank body for test_spawn.py, started by megarl.launch.spawn.run_ranks (not torchrun):
     python -m spawn_worker OUT MODE
-Meets the other ranks through megarl.parallel.init_distributed, all-reduces its rank, writes
+Meets the other ranks through megarl.trainer.parallel.init_distributed, all-reduces its rank, writes
 {rank, sum, listening sockets of this process, env} to OUT/rank<R>.json, then by MODE:
 "ok" exits 0; "fail" rank 1 exits 3 while rank 0 hangs (as in a collective that never notices);
 "signal" every rank waits for SIGTERM, writes OUT/term<R> and exits 0."""
@@ -16,7 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "e2e"))
 from test_listeners import listening, socket_inodes  # noqa: E402
 
-from megarl import parallel  # noqa: E402
+from megarl.trainer import parallel  # noqa: E402
 
 
 def main(out: str, mode: str) -> int:

@@ -9,10 +9,11 @@ import urllib.request
 import torch
 import torch.distributed as dist
 
-from megarl import compat, parallel
+from megarl.common import compat
+from megarl.trainer import parallel
 from megarl.algo.config import AlgoConfig
 from megarl.config import CriticConfig, ModelConfig, OptimConfig, ParallelConfig, WeightSyncConfig
-from megarl.models.moe_config import MoEConfig
+from megarl.config.moe import MoEConfig
 from megarl.rollout.cluster import RolloutCluster
 from megarl.trainer.batch import TensorBatch
 from megarl.trainer.critic import Critic, CriticSpec

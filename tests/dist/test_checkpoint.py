@@ -14,7 +14,7 @@ from distrun import HERE, free_port, torchrun
 from megarl.checkpoint import LATEST, find_latest, is_complete, read_meta
 from megarl.data.datasets import read_jsonl
 from megarl.data.tasks import write_addition_corpus
-from megarl.data.tokenizer import train_sentencepiece
+from megarl.common.tokenizer import train_sentencepiece
 
 
 def make_run_inputs(work: str) -> None:

@@ -160,7 +160,7 @@ def test_resume_falls_back_and_rolls_back_every_per_step_log(tmp_path):
 
 LOAD_WIDE = """
 import sys
-from megarl import parallel
+from megarl.trainer import parallel
 from megarl.checkpoint import CheckpointError, CheckpointManager
 from megarl.config import load_config
 from megarl.trainer.engine import Engine, EngineSpec

@@ -92,7 +92,7 @@ def test_experts_come_back_bitwise(work, name, what):
 
 
 def test_converted_checkpoint_stacks_layers_and_experts(work):
-    from megarl.tools_cli.conversion import tensor_metadata
+    from megarl.commands.conversion import tensor_metadata
 
     meta = tensor_metadata(str(work[0] / "norm" / "mcore"))
     assert meta["decoder.layers.mlp.experts.experts.linear_fc1.weight"][0] == (3, 4, 64, 64)

@@ -51,7 +51,7 @@ def work(tmp_path_factory):
         refs[arch] = reference_logprobs(models[arch], rows)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     # the real console entry: --tp 2 outside any launcher starts its own torchrun
-    cli = subprocess.run([sys.executable, "-m", "megarl.tools_cli.convert", "hf-to-mcore",
+    cli = subprocess.run([sys.executable, "-m", "megarl.commands.convert", "hf-to-mcore",
                           "--hf", str(d / ARCHS[0] / "hf"), "--out", str(d / ARCHS[0] / "mcore"),
                           "--tp", "2"], capture_output=True, text=True, env=env, timeout=600)
     assert cli.returncode == 0, cli.stderr[-4000:]

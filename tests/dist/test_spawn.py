@@ -1,4 +1,4 @@
-"""megarl.spawn: the local ranks a command outside any launcher starts for itself (megarl-train
+"""megarl.launch.spawn: the local ranks a command outside any launcher starts for itself (megarl-train
 with tp*pp > 1, megarl-convert --tp 2), with rank 0 serving the rendezvous store on loopback.
 Real processes, real gloo groups, listeners read from /proc/net/tcp{,6}."""
 import json
@@ -16,7 +16,7 @@ ENV.pop("OMP_NUM_THREADS", None)
 
 
 def start(out, mode: str, grace_s: float = 30.0) -> subprocess.Popen:
-    code = (f"import sys; from megarl.spawn import run_ranks; "
+    code = (f"import sys; from megarl.launch.spawn import run_ranks; "
             f"sys.exit(run_ranks(2, 'spawn_worker', [{str(out)!r}, {mode!r}], grace_s={grace_s}))")
     return subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from distrun import torchrun
 from megarl.models.random_hf import tiny_config, write_random_hf
 from megarl.rollout.local import spawn_server, wait_ready
-from megarl.net import free_port
+from megarl.common.net import free_port
 
 SPECS = [f"{layout},{transport}" for transport in ("distributed", "disk", "tensor")
          for layout in ("1,1", "2,1", "1,2", "2,2")]  # TP=1, TP=2, PP=2, TP=2 x PP=2

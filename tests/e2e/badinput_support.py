@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(REPO, "examples", "tiny")
-MODULES = {"megarl-train": "megarl.train", "megarl-convert": "megarl.tools_cli.convert",
-           "megarl-logprobs": "megarl.tools_cli.logprobs", "megarl-server": "megarl.server",
-           "megarl-launch": "megarl.launch_plan", "megarl-rollout-manager": "megarl.rollout.manager"}
+MODULES = {"megarl-train": "megarl.train", "megarl-convert": "megarl.commands.convert",
+           "megarl-logprobs": "megarl.commands.logprobs", "megarl-server": "megarl.server",
+           "megarl-launch": "megarl.launch.plan", "megarl-rollout-manager": "megarl.rollout.manager"}
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def silent_listener() -> socket.socket:
 
 
 def closed_port() -> int:
-    from megarl.net import free_port
+    from megarl.common.net import free_port
 
     return free_port()
 
@@ -149,7 +149,7 @@ class World:
         st = j("trunc", "model.safetensors")
         _write(st, open(st, "rb").read()[:1000])
         p["big_tok"] = _copy(p["model"], j("big_tok"))
-        from megarl.data.tokenizer import train_sentencepiece
+        from megarl.common.tokenizer import train_sentencepiece
 
         train_sentencepiece(["the quick brown fox jumps over the lazy dog 0123456789+="], p["big_tok"],
                             vocab_size=64, model_type="char")

@@ -14,11 +14,11 @@ import urllib.request
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "unit"))  # test_rollout_reference helpers
+sys.path.insert(0, os.path.join(REPO, "tests", "unit"))  # test_server_reference helpers
 
-from test_rollout_reference import make_tiny_model  # noqa: E402
+from test_server_reference import make_tiny_model  # noqa: E402
 
-from megarl.net import free_port  # noqa: E402  (tests import it from here)
+from megarl.common.net import free_port  # noqa: E402  (tests import it from here)
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello rollout",
           "12+34=46", "pack my box with five dozen liquor jugs"]
@@ -69,7 +69,7 @@ class ServerProc:
 
 def make_model_with_tokenizer(path: str, seed: int = 0, **kw) -> dict:
     """Random tiny Llama + a char-level sentencepiece tokenizer (eos id 2)."""
-    from megarl.data.tokenizer import train_sentencepiece
+    from megarl.common.tokenizer import train_sentencepiece
 
     tok = train_sentencepiece(CORPUS, path, vocab_size=64, model_type="char")
     assert tok.vocab_size <= 128

@@ -13,9 +13,10 @@ import urllib.request
 
 import torch
 
-from megarl import compat, parallel
+from megarl.common import compat
+from megarl.trainer import parallel
 from megarl.config import load_config
-from megarl.preflight import check_wire
+from megarl.launch.preflight import check_wire
 from megarl.trainer.engine import Engine, EngineSpec
 from megarl.rollout.cluster import RolloutCluster
 from megarl.weights.push import PushSpec, WeightPusher

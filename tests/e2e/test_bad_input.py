@@ -10,7 +10,7 @@ megarl-server, and checks what docs/reliability.md promises:
   still up and a greedy request gives the same tokens as before the corpus started.
 
 The CLI cases run in parallel (imports dominate); most megarl-train cases fail in `load_config`
-or `megarl.preflight`, before Megatron is imported.
+or `megarl.launch.preflight`, before Megatron is imported.
 """
 from __future__ import annotations
 
@@ -398,8 +398,8 @@ def test_a_dying_server_is_quoted_from_this_start_of_its_log(tmp_path):
 
 
 def test_a_manager_that_fails_to_start_is_quoted_from_this_start_of_its_log(tmp_path):
-    from megarl.rollout.local import log_size
-    from megarl.rollout.manager import start_process, wait_listening
+    from megarl.common.procs import log_size
+    from megarl.trainer.manager_process import start_process, wait_listening
 
     log = tmp_path / "manager.log"
     log.write_text(f"{OLD_LINE}\n")
@@ -534,7 +534,7 @@ def corpus_server(tiny_model, tmp_path_factory):
     import torch
     from safetensors.torch import save_file
 
-    from megarl.weights.tensor_wire import encode_megarl
+    from megarl.protocol.tensor_wire import encode_megarl
 
     path, sd = tiny_model
     root = str(tmp_path_factory.mktemp("weights_root"))

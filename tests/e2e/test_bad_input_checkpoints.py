@@ -17,7 +17,7 @@ import sys
 import pytest
 from badinput_support import REPO, TINY, CliCase, corpus_tests
 
-from megarl.net import free_port
+from megarl.common.net import free_port
 
 S1, S2, SHARD = "step_00000001", "step_00000002", "__0_0.distcp"
 TRAIN = ("{sft_yaml}", "model.hf_path={hf}", "data.train_path={sft}", "train.run_dir={root}/runs/{id}",

@@ -98,7 +98,7 @@ results, test_data_case, test_docs_list_every_case = corpus_tests(CASES)
 
 def test_every_record_of_the_demo_file_checked_quickly():
     """Preflight reads all 5000 demo prompts (and tokenizes them for the length check)."""
-    from megarl import preflight as pf
+    from megarl.launch import preflight as pf
     from megarl.config import load_config
 
     cfg = load_config(os.path.join(REPO, "configs", "tiny_grpo.yaml"), [f"model.hf_path={TINY}/model"])

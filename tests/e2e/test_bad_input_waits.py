@@ -29,7 +29,7 @@ def test_a_dead_server_is_waited_for_with_progress(tmp_path):
 
 
 def test_a_huge_timeout_is_capped(monkeypatch, capsys):
-    from megarl import preflight
+    from megarl.launch import preflight
     from megarl.config import ConfigError
     from megarl.rollout import probe
 

@@ -8,7 +8,7 @@ first use by tools/sglang_cpu/install.sh (1-3 min, once per machine); set MEGARL
 to skip that half instead.
 
 Both servers run fp32; logprobs are compared with an independent float64 forward
-(test_rollout_reference). Known differences between the servers that the client absorbs or the
+(test_server_reference). Known differences between the servers that the client absorbs or the
 tests avoid are listed in tools/sglang_cpu/README.md.
 """
 from __future__ import annotations
@@ -26,14 +26,14 @@ from typing import Callable
 import pytest
 import torch.distributed as dist
 from e2e_servers import REPO, ServerProc, free_port, http
-from test_rollout_reference import make_tiny_model, reference_logprobs
+from test_server_reference import make_tiny_model, reference_logprobs
 
-from megarl.net import new_process_group
+from megarl.common.net import new_process_group
 from megarl.rollout.admin import AdminClient
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.types import (DiskWeightsUpdate, DistributedWeightsMeta, ModelRequest, SamplingParams,
-                                  WeightsUpdateGroup)
-from megarl.weights.tensor_wire import tensor_update
+from megarl.protocol.types import (DiskWeightsUpdate, DistributedWeightsMeta, ModelRequest, SamplingParams,
+                                   WeightsUpdateGroup)
+from megarl.protocol.tensor_wire import tensor_update
 
 KEY = "protocol-key"
 TOL = 5e-5  # fp32 server vs float64 reference over up to ~600 positions (seen: up to 2.04e-5, batch-dependent)
@@ -375,7 +375,7 @@ def test_wire_is_chosen_by_the_server_and_forced_settings_stop_at_preflight(srv,
     megarl-only setting stops there - one line naming the field and the server, exit 2, no run
     directory - while megarl-server takes it; with nothing forced each gets its own wire."""
     from megarl.config import load_config
-    from megarl.preflight import check_wire
+    from megarl.launch.preflight import check_wire
 
     run = tmp_path / "run"
     args = [os.path.join(REPO, "configs", "tiny_grpo.yaml"), f"rollout.servers=[{srv.url}]",

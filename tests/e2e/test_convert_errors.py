@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megarl.models.random_hf import tiny_config, write_random_hf
-from megarl.tools_cli import convert, logprobs
+from megarl.commands import convert, logprobs
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_vocab_mismatch_unknown_architecture_and_bad_tp(tmp_path, hf, capsys):
 
 
 def test_rope_parameters_are_never_silently_ignored(tmp_path, hf, capsys):
-    from megarl.models.registry import read_model_args
+    from megarl.protocol.hf_model import read_model_args
 
     edit_config(hf, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
     rc, err = run(convert.main, to_mcore(hf, tmp_path / "out", "--force"), capsys)
@@ -142,7 +142,7 @@ def test_existing_output_and_dtype_choice(tmp_path, hf, capsys):
 def test_unwritable_output_is_refused_before_any_rank_starts(tmp_path, hf, capsys, monkeypatch):
     """An --output that is a directory, or an output in a directory that takes no new file (/sys:
     EACCES for root too), fails at validation: --tp 2 would relaunch under torchrun first."""
-    from megarl import parallel
+    from megarl.trainer import parallel
 
     monkeypatch.setattr(parallel, "relaunch", lambda *a: pytest.fail("ranks started before the output check"))
     inp, d = tmp_path / "in.jsonl", tmp_path / "adir"
@@ -210,7 +210,7 @@ def fake_checkpoint(path, hf_dir, shapes, complete=True, payload=None):
 
 
 def test_mcore_to_hf_bad_checkpoints(tmp_path, hf, capsys):
-    from megarl.models.registry import read_model_args
+    from megarl.protocol.hf_model import read_model_args
     from megarl.models.layouts import mcore_shapes
 
     out = str(tmp_path / "out")
@@ -253,7 +253,7 @@ def test_logprobs_bad_input_lines(tmp_path, hf, capsys):
 
 def test_real_process_prints_one_line_and_no_traceback(tmp_path, hf):
     open(os.path.join(hf, "model.safetensors"), "wb").write(b"garbage")
-    proc = subprocess.run([sys.executable, "-m", "megarl.tools_cli.convert", "hf-to-mcore", "--hf", hf,
+    proc = subprocess.run([sys.executable, "-m", "megarl.commands.convert", "hf-to-mcore", "--hf", hf,
                            "--out", str(tmp_path / "out"), "--tp", "2"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1

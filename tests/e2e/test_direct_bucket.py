@@ -10,7 +10,7 @@ from megarl.rollout.admin import AdminRunner
 from megarl.server.weights import read_hf_dir
 from megarl.weights.resharder import Bucket
 from megarl.weights.transports import DistributedTransport, PushError
-from megarl.wire import DIRECT_MIN_BYTES, direct_split, tensor_digest
+from megarl.protocol.wire import DIRECT_MIN_BYTES, direct_split, tensor_digest
 
 
 @pytest.fixture(scope="module")

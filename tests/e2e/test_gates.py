@@ -11,7 +11,7 @@ import pytest
 import torch
 from e2e_servers import ForwardingProxy, ServerProc, http
 
-from megarl.weights.tensor_wire import tensor_update
+from megarl.protocol.tensor_wire import tensor_update
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = f"{REPO}/examples/tiny/model"

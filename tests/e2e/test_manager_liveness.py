@@ -17,7 +17,7 @@ STALL_S = 15
 
 def _stacks(proc, manager) -> str:
     """Every process of the run (but the stopped manager) prints its threads' stacks
-    (megarl.signals: SIGUSR2), and the process tree: what a hang leaves to diagnose."""
+    (megarl.common.signals: SIGUSR2), and the process tree: what a hang leaves to diagnose."""
     tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     lines = [f"{p.pid} {p.status()} {' '.join(p.cmdline()[:4])}" for p in tree if p.is_running()]
     for p in tree:  # the trainer's processes (a server has no SIGUSR2 handler: it would die)

@@ -20,7 +20,7 @@ def _make_rm(path: str, arch: str, num_labels: int, pad: int):
     """A random tiny HF classifier saved by transformers, with the e2e char tokenizer (ids < 64)."""
     import transformers
 
-    from megarl.data.tokenizer import train_sentencepiece
+    from megarl.common.tokenizer import train_sentencepiece
     from e2e_servers import CORPUS
 
     torch.manual_seed(0)

@@ -93,7 +93,7 @@ def test_binds_loopback_by_default(sec):
 
     assert parse_args(["--model", "x"]).host == "127.0.0.1"
     # the trainer's weight-update master: "auto" advertises loopback when the servers are local
-    from megarl.net import advertised_address
+    from megarl.common.net import advertised_address
     assert WeightSyncConfig().master_address == "auto"
     assert advertised_address("auto", "127.0.0.1") == "127.0.0.1"
     p = psutil.Process(sec.proc.pid)

@@ -8,7 +8,7 @@ import time
 import pytest
 from e2e_servers import API_KEY as KEY
 from e2e_servers import http
-from test_rollout_reference import reference_logprobs
+from test_server_reference import reference_logprobs
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ import asyncio
 import time
 
 from e2e_servers import API_KEY, http
-from test_rollout_reference import reference_logprobs
+from test_server_reference import reference_logprobs
 
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.types import ModelRequest, SamplingParams
+from megarl.protocol.types import ModelRequest, SamplingParams
 
 
 def _requests(n: int, new_tokens: int, greedy: bool = False) -> list[ModelRequest]:

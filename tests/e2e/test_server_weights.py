@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from e2e_servers import API_KEY, free_port, http
-from test_rollout_reference import make_tiny_model, reference_logprobs
+from test_server_reference import make_tiny_model, reference_logprobs
 
-from megarl.net import new_process_group
+from megarl.common.net import new_process_group
 from megarl.rollout.admin import AdminClient
 from megarl.rollout.client import AdminError, RolloutClient
 from megarl.server.weights import destroy_weight_update_group
-from megarl.rollout.types import (
+from megarl.protocol.types import (
     DiskWeightsUpdate,
     DistributedWeightsMeta,
     ModelRequest,
@@ -24,7 +24,7 @@ from megarl.rollout.types import (
     TensorWeightsUpdate,
     WeightsUpdateGroup,
 )
-from megarl.weights.tensor_wire import encode_megarl
+from megarl.protocol.tensor_wire import encode_megarl
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_weights_checksum_is_of_what_the_server_holds(tiny_model, new_weights, s
     """/weights_checksum (megarl extension): the sha256 of every tensor as the server holds it, in
     the asked dtype; a tensor changed through the server's own update endpoint changes its
     checksum and no other; a bf16-rounded push matches in bf16 only."""
-    from megarl.wire import tensor_digest
+    from megarl.protocol.wire import tensor_digest
 
     (old_path, sd0), (new_path, sd1) = tiny_model, new_weights
     names = sorted(sd0)
@@ -216,11 +216,11 @@ def test_weights_checksum_is_of_what_the_server_holds(tiny_model, new_weights, s
 
 
 def _write_delta(path, tensors, base, base_version, version):
-    """A weights.disk_delta directory (megarl.weights.delta_format) of ``tensors`` against ``base``."""
+    """A weights.disk_delta directory (megarl.protocol.delta_format) of ``tensors`` against ``base``."""
     import json
     import os
 
-    from megarl.weights.delta_format import MANIFEST, encode
+    from megarl.protocol.delta_format import MANIFEST, encode
 
     os.makedirs(path)
     with open(os.path.join(path, "stage0.bin"), "wb") as f:
@@ -235,8 +235,8 @@ def test_update_from_disk_delta_rebuilds_bitwise_and_refuses_corruption(tiny_mod
     """weights.disk_delta's format: raw records, then XOR+zlib records against what the server
     holds, rebuild every tensor bitwise (sha256 of what it holds); a record with a flipped byte
     fails its CRC-32, a delta against another version is refused, and neither changes anything."""
-    from megarl.weights.delta_format import _bytes
-    from megarl.wire import tensor_digest
+    from megarl.protocol.delta_format import _bytes
+    from megarl.protocol.wire import tensor_digest
 
     (old_path, sd0), (new_path, sd1) = tiny_model, new_weights
     names = sorted(sd0)

@@ -11,7 +11,7 @@ import sys
 
 from e2e_servers import ServerProc, http
 
-from megarl.wire import SHM_DIR, SHM_PREFIX
+from megarl.protocol.wire import SHM_DIR, SHM_PREFIX
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -17,12 +17,12 @@ import sys
 import pytest
 from chatml import write_chat_tokenizer
 from e2e_servers import REPO, http
-from test_rollout_reference import make_tiny_model
+from test_server_reference import make_tiny_model
 
 from megarl.data import PromptSample, load_chat_template, load_tokenizer
 from megarl.rollout.client import RolloutClient
 from megarl.rewards import RewardCaller
-from megarl.rollout.types import SamplingParams
+from megarl.protocol.types import SamplingParams
 from megarl.rollout.workflows import ToolCallingWorkflow, WorkflowContext, check_episode
 
 FORCED = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>'

@@ -49,7 +49,7 @@ class Server:
     """``python -m megarl.server`` on a free loopback port (the device and dtype as given)."""
 
     def __init__(self, model_dir: str, *flags: str):
-        from megarl.net import free_port
+        from megarl.common.net import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -17,10 +17,11 @@ import urllib.request
 
 import torch
 
-from megarl import compat, parallel
+from megarl.common import compat
+from megarl.trainer import parallel
 from megarl.config import load_config
-from megarl.preflight import check_wire
-from megarl.parallel import destroy_model_parallel_only
+from megarl.launch.preflight import check_wire
+from megarl.trainer.parallel import destroy_model_parallel_only
 from megarl.trainer.batch import TensorBatch
 from megarl.trainer.engine import Engine, EngineSpec
 from megarl.trainer.sft import sft_loss

@@ -3,7 +3,7 @@
 - sleep and wake of a megarl-server on the GPU: releasing its weights and KV cache gives the
   device memory back (`torch.cuda.mem_get_info`, device-wide, seen from this process), and after
   the wake and a weight load its greedy output is the one from before;
-- the CUDA-IPC handover SGLang reads (`megarl.weights.tensor_wire.encode_sglang_ipc`, what a
+- the CUDA-IPC handover SGLang reads (`megarl.protocol.tensor_wire.encode_sglang_ipc`, what a
   colocated push to SGLang on the trainer's GPU sends): another process opens the handles and sees
   the trainer's tensors bit for bit, and writes the trainer makes after the call are visible to it
   (shared memory, not a copy);
@@ -59,7 +59,7 @@ def test_sleep_gives_the_gpu_memory_back(tmp_path, record_property):
 
 
 def test_cuda_ipc_handover_is_the_trainers_memory():
-    from megarl.weights.tensor_wire import encode_sglang_ipc
+    from megarl.protocol.tensor_wire import encode_sglang_ipc
 
     tensors = {"a": torch.randn(1000, 1000, device="cuda"), "b": torch.arange(10, device="cuda").float()}
     payload = encode_sglang_ipc(tensors)

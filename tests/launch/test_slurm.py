@@ -51,7 +51,7 @@ def test_sbatch_runs_the_demo_across_a_rollout_node_and_a_trainer_node(slurm, tm
     # the trainer command the job ran is the one `megarl-launch --dry-run` prints for this allocation
     ran = next(line for line in log if line.startswith(f"{tag} trainer: ")).split("trainer: ", 1)[1]
     dry = subprocess.run(
-        [os.environ.get("PYTHON", "python"), "-m", "megarl.launch_plan", "--dry-run",
+        [os.environ.get("PYTHON", "python"), "-m", "megarl.launch.plan", "--dry-run",
          *demo_overrides(run, 3), "--trainer-nodes", "n2", "--rollout-nodes", "n1", "--tasks-per-node", "1",
          "--node-addr", "n1=127.0.0.2", "--node-addr", "n2=127.0.0.3", "--master-port", str(port),
          "--log-dir", f"{run}/logs", "--python", slurm.env["PYTHON"]],

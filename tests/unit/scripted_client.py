@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from megarl.rollout.types import ModelRequest, ModelResponse
+from megarl.protocol.types import ModelRequest, ModelResponse
 
 
 class ScriptedClient:

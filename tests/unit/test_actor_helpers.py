@@ -8,7 +8,7 @@ import torch
 
 from megarl.algo import AdvantageConfig, AdvantageEstimator
 from megarl.config import Config
-from megarl.metrics import StatsTracker
+from megarl.trainer.metrics import StatsTracker
 from megarl.trainer.actor import (Actor, _Clock, minibatch_indices, num_minibatches,
                                   shuffle_seed, step_advantages)
 from megarl.trainer.batch import MicroBatch, TensorBatch, per_sample

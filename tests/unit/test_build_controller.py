@@ -15,7 +15,7 @@ from megarl.data import PromptSample
 from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController
 from megarl.rewards import HttpReward
-from megarl.rollout.types import Trajectory
+from megarl.protocol.types import Trajectory
 from megarl.rollout.workflows import ToolCallingWorkflow
 from megarl.rollout.setup import ControllerSpec, EvalSpec, build_controller
 

@@ -1,4 +1,4 @@
-"""Who may talk to the rollout manager (megarl.rollout.handshake, docs/reliability.md Security),
+"""Who may talk to the rollout manager (megarl.protocol.handshake, docs/reliability.md Security),
 against a real manager process spawned as the trainer spawns it (its servers given, so none
 starts): a peer proves the run's secret before the manager reads anything else; without it a
 connection gets the 48-byte challenge and nothing more - no admin relay, no end of the run, no
@@ -19,9 +19,9 @@ import types
 import psutil
 import pytest
 
-from megarl.rollout import handshake
-from megarl.rollout.channel import MAX_REQUEST_HEADER, Channel, ChannelError, Link, RemoteError, encode
-from megarl.rollout.messages import Close, Hello, ServerInfo, StateRequest
+from megarl.protocol import handshake
+from megarl.protocol.channel import MAX_REQUEST_HEADER, Channel, ChannelError, Link, RemoteError, encode
+from megarl.protocol.messages import Close, Hello, ServerInfo, StateRequest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHALLENGE = len(handshake.MAGIC) + handshake.NONCE
@@ -31,7 +31,7 @@ CHALLENGE = len(handshake.MAGIC) + handshake.NONCE
 def manager(tmp_path_factory):
     from megarl.config import load_config, save_config
     from megarl.config.server_wire import local_extensions, resolve_wire
-    from megarl.rollout.manager import start_process, wait_listening
+    from megarl.trainer.manager_process import start_process, wait_listening
 
     run = tmp_path_factory.mktemp("auth") / "run"
     cfg = load_config(f"{REPO}/configs/tiny_grpo.yaml", [
@@ -167,7 +167,7 @@ def test_memory_stays_flat_under_50_unauthenticated_oversized_frames(manager):
 
 
 def test_an_authenticated_peer_cannot_declare_more_than_the_protocol_carries(manager):
-    from megarl.rollout.channel import connect
+    from megarl.protocol.channel import connect
 
     rss0 = manager.ps.memory_info().rss
     header = json.dumps({"type": "StateRequest", "fields": {}, "arrays": [["a", "|u1", [768 * 2**20]]]}).encode()

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from megarl.rollout import handshake
-from megarl.rollout.channel import Channel, ChannelTimeout, Link, ManagerStalled, beat_period
-from megarl.rollout.messages import ServerInfo, StateRequest
+from megarl.protocol import handshake
+from megarl.protocol.channel import Channel, ChannelTimeout, Link, ManagerStalled, beat_period
+from megarl.protocol.messages import ServerInfo, StateRequest
 from megarl.rollout.manager import RolloutManager
 
 SECRET = handshake.new_secret()

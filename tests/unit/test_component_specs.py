@@ -8,9 +8,10 @@ import pytest
 
 from megarl.config import (CriticConfig, ModelConfig, OptimConfig, ParallelConfig, WeightSyncConfig,
                            load_config)
-from megarl.models.moe_config import MoEConfig
+from megarl.config.moe import MoEConfig
 from megarl.rollout.admin import AdminRunner
-from megarl.rollout.cluster import PushTarget, RolloutCluster
+from megarl.rollout.cluster import RolloutCluster
+from megarl.weights.target import PushTarget
 from megarl.trainer.critic import CriticSpec
 from megarl.trainer.engine import EngineSpec
 from megarl.trainer.rollout_link import ManagerCluster
@@ -164,7 +165,7 @@ def test_manager_built_from_its_spec_without_a_config(tmp_path):
     """The manager on external servers: its cluster takes the key, deadline and pause mode of its
     sections, the staleness clock continues from the trainer's version, the controller is its spec's."""
     from megarl.config import DataConfig, RewardConfig, RolloutConfig
-    from megarl.rollout.messages import Init
+    from megarl.protocol.messages import Init
     from megarl.rollout.manager import ManagerSpec, RolloutManager
     from megarl.rollout.setup import ControllerSpec, EvalSpec, TaskSpec
 
@@ -186,8 +187,8 @@ def test_manager_built_from_its_spec_without_a_config(tmp_path):
 
 
 def test_eval_report_crosses_the_channel_as_its_own_reply():
-    from megarl.rollout.channel import decode, encode
-    from megarl.rollout.messages import DIRECT_REPLIES, EvalReport
+    from megarl.protocol.channel import decode, encode
+    from megarl.protocol.messages import DIRECT_REPLIES, EvalReport
 
     frame = b"".join(encode(EvalReport(metrics={"eval/accuracy": 0.5}, running=2)))
     back = decode(frame[4:], [])

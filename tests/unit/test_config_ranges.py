@@ -10,11 +10,11 @@ import textwrap
 
 import pytest
 
-from megarl import fields
+from megarl.common import fields
 from megarl.config import common, launch, load, model, rollout, root, train
 from megarl.algo import config as algo_config_module
 from megarl.config import Config, ConfigError, load_config
-from megarl.fields import bounds, numeric_fields
+from megarl.common.fields import bounds, numeric_fields
 from megarl.models.random_hf import tiny_config, write_random_hf
 
 SECTIONS = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}

@@ -9,7 +9,7 @@ from megarl.data.datasets import PromptSample
 from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController
 from megarl.rollout.staleness import StalenessManager
-from megarl.rollout.types import Trajectory
+from megarl.protocol.types import Trajectory
 
 
 def traj(reward: float, version: int = 0) -> Trajectory:

@@ -9,7 +9,7 @@ import pytest
 
 from megarl.data.datasets import read_jsonl
 from megarl.data.tasks import AdditionTask, write_addition_corpus
-from megarl.data.tokenizer import load_tokenizer
+from megarl.common.tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -69,7 +69,7 @@ def test_make_tiny_model_data_tokenizer_config(tmp_path):
 def test_make_tiny_model_moe_config_reads_like_transformers(tmp_path):
     """--experts writes a Qwen3-MoE config that megarl's registry and transformers read alike (the
     config of examples/tiny_moe, the MoE recipe's model)."""
-    from megarl.models.registry import read_model_args
+    from megarl.protocol.hf_model import read_model_args
 
     out = tmp_path / "moe"
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"), "--out", str(out),

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from megarl.data.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
+from megarl.common.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
 
 CHARS = "0123456789+="
 

@@ -56,7 +56,7 @@ def test_eval_section_rules():
 
 def test_the_sampled_workflow_draws_n_per_prompt(tmp_path):
     from megarl.config import DataConfig, RewardConfig, RolloutConfig
-    from megarl.data.tokenizer import train_sentencepiece
+    from megarl.common.tokenizer import train_sentencepiece
     from megarl.rollout.setup import EvalSpec, TaskSpec, build_eval, task_parts
 
     train_sentencepiece(["1+1=2"], str(tmp_path), required_chars="0123456789+=")

@@ -2,9 +2,9 @@
 import pytest
 
 from megarl.config import load_config
-from megarl.errors import ConfigError
-from megarl.models.registry import ModelArgs, param_table
-from megarl.trainer.freeze import frozen_rows
+from megarl.common.errors import ConfigError
+from megarl.protocol.hf_model import ModelArgs, param_table
+from megarl.models.freeze import frozen_rows
 
 ARGS = ModelArgs("LlamaForCausalLM", vocab_size=128, hidden_size=64, num_layers=12, num_heads=4,
                  num_kv_heads=2, head_dim=16, ffn_hidden_size=128, rms_norm_eps=1e-5, rope_theta=1e4,

@@ -7,13 +7,13 @@ import torch
 
 from megarl.algo import onpolicy_mismatch
 from megarl.config import Config, ConfigError, load_config
-from megarl.metrics import StatsTracker
+from megarl.trainer.metrics import StatsTracker
 from megarl.models.random_hf import tiny_config, write_random_hf
 from megarl.trainer.actor import Actor, _Clock
 from megarl.trainer.batch import MicroBatch
 from megarl.trainer.gates import MismatchError, check_mismatch, mismatch_threshold, verify_push
 from megarl.weights.transports import PushError
-from megarl.wire import tensor_digest
+from megarl.protocol.wire import tensor_digest
 
 MASK = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]])
 VERSIONS = torch.tensor([[-1, 5, 5, 5], [-1, -1, 5, 4]])  # row 0 wholly version 5, row 1 spans a push

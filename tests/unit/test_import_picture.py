@@ -1,8 +1,8 @@
 """The import picture: command-line tools on top, the library below them, never the reverse.
 
-No module outside megarl/tools_cli/ imports megarl.tools_cli (the tools' validation lives in the
-library, `megarl.models.checks`); megarl.preflight is imported only by the entries that check a run config
-(megarl/train.py, megarl/eval.py); megarl.errors (the error types both sides share) imports nothing of megarl.
+No module outside megarl/commands/ imports megarl.commands (the tools' validation lives in the
+library, `megarl.models.checks`); megarl.launch.preflight is imported only by the entries that check a run
+config (megarl/train.py, megarl/eval.py); megarl.common.errors (the error types both sides share) imports nothing of megarl.
 A static scan (AST, function-level imports included); a failure names file:line."""
 import ast
 import pathlib
@@ -33,23 +33,23 @@ def importers_of(target: str, skip: set) -> list[str]:
 
 
 def test_no_library_module_imports_the_command_line_tools():
-    assert importers_of("megarl.tools_cli", {"megarl/tools_cli/"}) == []
+    assert importers_of("megarl.commands", {"megarl/commands/"}) == []
 
 
 def test_preflight_is_imported_only_by_the_entries_that_check_a_run_config():
     # megarl-train, and megarl-eval (the same fields checked the same way before it starts)
-    assert sorted({f.split(":")[0] for f in importers_of("megarl.preflight", {"megarl/preflight.py"})}) == [
+    assert sorted({f.split(":")[0] for f in importers_of("megarl.launch.preflight", {"megarl/launch/preflight.py"})}) == [
         "megarl/eval.py", "megarl/train.py"]
 
 
 def test_the_shared_error_module_imports_nothing_of_megarl():
-    assert imports(ROOT / "errors.py") == []
+    assert imports(ROOT / "common" / "errors.py") == []
 
 
 def test_the_scan_sees_function_level_imports(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("def g():\n    from megarl.tools_cli.conversion import check_hf\n")
-    assert imports(f) == [(2, "megarl.tools_cli.conversion"), (2, "megarl.tools_cli.conversion.check_hf")]
+    f.write_text("def g():\n    from megarl.commands.conversion import check_hf\n")
+    assert imports(f) == [(2, "megarl.commands.conversion"), (2, "megarl.commands.conversion.check_hf")]
 
 
 def test_loading_a_config_imports_no_torch(tmp_path):
@@ -61,12 +61,12 @@ def test_loading_a_config_imports_no_torch(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys, megarl.config, megarl.train, megarl.launch_plan\n"
+    code = ("import sys, megarl.config, megarl.train, megarl.launch.plan\n"
             "from megarl.config import load_config\n"
             "for recipe in ('tiny_grpo', 'tiny_sft', 'tiny_moe_grpo', 'qwen3-30b-a3b-gsm8k'):\n"
             "    cfg = load_config(f'configs/{recipe}.yaml', ['algo.advantage=rloo'])\n"
             "    cfg.algo.build()\n"
-            "from megarl.preflight import check_inputs\n"
+            "from megarl.launch.preflight import check_inputs\n"
             f"check_inputs(load_config('configs/tiny_sft.yaml', ['train.run_dir={tmp_path}/run']))\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megarl.config import ConfigError, load_config
-from megarl.launch_plan import Allocation, PlanError, emit, make_plan, rank_coords, render
+from megarl.launch.plan import Allocation, PlanError, emit, make_plan, rank_coords, render
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "configs", "tiny_grpo.yaml")
@@ -165,7 +165,7 @@ def test_rank_coords_follow_megatron(tp, pp, dp):
 
 
 def test_cli_dry_run_emit_and_get(tmp_path):
-    base = [sys.executable, "-m", "megarl.launch_plan"]
+    base = [sys.executable, "-m", "megarl.launch.plan"]
     args = [DEMO, f"model.hf_path={TINY}", "train.run_dir=/r", "--trainer-nodes", "n[2-3]",
             "--rollout-nodes", "n1", "--node-addr", "n1=127.0.0.2", "--tasks-per-node", "1"]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -187,7 +187,7 @@ def test_cli_dry_run_emit_and_get(tmp_path):
 
 
 def test_cli_get_reads_the_recipe_only_and_the_plan_checks_the_model(tmp_path):
-    base = [sys.executable, "-m", "megarl.launch_plan", DEMO, f"model.hf_path={tmp_path}/absent"]
+    base = [sys.executable, "-m", "megarl.launch.plan", DEMO, f"model.hf_path={tmp_path}/absent"]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run(base + ["--get", "parallel.tp"], capture_output=True, text=True, env=env)
     assert (out.returncode, out.stdout.splitlines()) == (0, ["1"]), out.stderr
@@ -205,7 +205,7 @@ def test_cli_get_reads_the_recipe_only_and_the_plan_checks_the_model(tmp_path):
     (" a, b[2] ", ["a", "b2"]),
 ])
 def test_hostlists(text, hosts):
-    from megarl.hostlist import expand_nodelist
+    from megarl.launch.hostlist import expand_nodelist
 
     assert expand_nodelist(text) == hosts
 
@@ -228,7 +228,7 @@ def test_hostlists(text, hosts):
     ("a[0-999]b[0-999]", "more than 65536 hosts"),
 ])
 def test_malformed_hostlists(text, message):
-    from megarl.hostlist import expand_nodelist
+    from megarl.launch.hostlist import expand_nodelist
 
     with pytest.raises(ValueError) as e:
         expand_nodelist(text)
@@ -282,7 +282,7 @@ def test_numbers_that_cannot_mean_anything(big, overrides, alloc, message):
 def test_cli_refuses_bad_allocations_in_one_line(args, message):
     # each of these hung, made a traceback or planned nonsense before; now: one line, exit 2, fast
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-m", "megarl.launch_plan", "--dry-run", DEMO, f"model.hf_path={TINY}",
+    out = subprocess.run([sys.executable, "-m", "megarl.launch.plan", "--dry-run", DEMO, f"model.hf_path={TINY}",
                           *args], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().startswith(message) and len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -8,7 +8,7 @@ import pytest
 
 from megarl.data.datasets import PromptSample
 from megarl.rewards import RewardCaller
-from megarl.rollout.types import ModelResponse, SamplingParams
+from megarl.protocol.types import ModelResponse, SamplingParams
 from megarl.rollout.workflows import LongTailWorkflow, WorkflowContext
 
 

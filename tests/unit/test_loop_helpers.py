@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from megarl.metrics import MetricsLogger
-from megarl.rollout.types import Trajectory
+from megarl.trainer.metrics import MetricsLogger
+from megarl.protocol.types import Trajectory
 from megarl.rollout.shaping import GroupShaping
 from megarl.trainer.rl import shaping_metrics
 from megarl.trainer.rollout_stats import batch_metrics

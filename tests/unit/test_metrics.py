@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megarl.algo import Stat
-from megarl.metrics import MetricsLogger, StatsTracker, print0, progress
-from megarl.parallel import ParallelState
+from megarl.trainer.metrics import MetricsLogger, StatsTracker, print0, progress
+from megarl.trainer.parallel import ParallelState
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

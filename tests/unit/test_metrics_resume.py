@@ -1,7 +1,7 @@
 """metrics.jsonl stays one row per step, in order, across restarts and hard kills."""
 import json
 
-from megarl.metrics import MetricsLogger
+from megarl.trainer.metrics import MetricsLogger
 
 
 def steps(path):

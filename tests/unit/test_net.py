@@ -1,10 +1,10 @@
-"""megarl.net: free ports, client-side URLs for bind addresses, the weight-update group helper."""
+"""megarl.common.net: free ports, client-side URLs for bind addresses, the weight-update group helper."""
 import socket
 
 import torch
 import torch.distributed as dist
 
-from megarl.net import LOOPBACK, free_port, http_url, new_process_group, reachable_host
+from megarl.common.net import LOOPBACK, free_port, http_url, new_process_group, reachable_host
 
 
 def test_free_port_is_bindable_and_urls_reach_wildcard_binds():

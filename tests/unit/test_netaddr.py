@@ -1,10 +1,10 @@
-"""megarl.net: the addresses other nodes reach this process by."""
+"""megarl.common.net: the addresses other nodes reach this process by."""
 import socket
 
 import pytest
 
-from megarl.net import (advertised_address, is_loopback, local_address_towards, resolve, serving_host,
-                            url_host)
+from megarl.common.net import (advertised_address, is_loopback, local_address_towards, resolve, serving_host,
+                               url_host)
 
 
 def test_url_host_and_loopback():

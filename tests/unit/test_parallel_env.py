@@ -1,12 +1,12 @@
 """Rank discovery from launcher environments, SLURM hostlists, and the optional-deps decisions."""
 import pytest
 
-from megarl import compat
+from megarl.common import compat
 from megarl.models import builder
 from megarl.models.random_hf import tiny_config, write_random_hf
 from megarl.models.layouts import pad_vocab
-from megarl.models.registry import read_model_args
-from megarl.parallel import discover_ranks, expand_nodelist, under_launcher
+from megarl.protocol.hf_model import read_model_args
+from megarl.trainer.parallel import discover_ranks, expand_nodelist, under_launcher
 
 
 def test_expand_nodelist():

@@ -33,7 +33,7 @@ def test_combinations_that_cannot_work_are_refused(overrides, message):
 def test_the_cuda_ipc_wire_refuses_host_tensors():
     import torch
 
-    from megarl.weights.tensor_wire import tensor_update
+    from megarl.protocol.tensor_wire import tensor_update
 
     with pytest.raises(ValueError, match="^sglang_ipc: w is not a CUDA tensor"):
         tensor_update({"w": torch.ones(2)}, "sglang_ipc")

@@ -1,4 +1,4 @@
-"""megarl/plotting.py: the learning curve every RL run writes (accuracy and reward vs step and vs
+"""megarl/common/plotting.py: the learning curve every RL run writes (accuracy and reward vs step and vs
 wall time), its wall clock (from the first step's start), and tools/plot_metrics.py --curve."""
 import json
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megarl.plotting import elapsed, write_learning_curve
+from megarl.common.plotting import elapsed, write_learning_curve
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

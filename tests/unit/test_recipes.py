@@ -11,7 +11,7 @@ import torch
 from megarl.config import check_world_size, load_config
 from megarl.models import builder, stages
 from megarl.models.layouts import hf_shapes, pad_vocab
-from megarl.models.registry import read_model_args
+from megarl.protocol.hf_model import read_model_args
 from megarl.rewards import math_reward, load_reward_fn
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,7 +71,7 @@ def test_recipe_loads_and_is_a_gpu_recipe(size, tmp_path):
 
 
 def test_recipes_refuse_bf16_and_te_on_this_cpu_machine(tmp_path):
-    from megarl import compat
+    from megarl.common import compat
 
     if compat.HAVE_CUDA:
         pytest.skip("checks the CPU refusal")
@@ -122,7 +122,7 @@ QWEN3_30B_A3B = {
 def test_moe_recipe_loads_with_expert_parallelism(tmp_path):
     """configs/qwen3-30b-a3b-gsm8k.yaml: 30.5B parameters, EP=8 over DP=16 (16 experts of each
     layer per rank, 2 replicas), grouped-GEMM experts on the TE spec, top-8 renormalised routing."""
-    from megarl.models.moe_config import MoEConfig
+    from megarl.config.moe import MoEConfig
 
     model_dir = tmp_path / "Qwen3-30B-A3B"
     model_dir.mkdir()

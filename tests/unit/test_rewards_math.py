@@ -2,10 +2,10 @@
 equivalence, 53 answer forms) and the Countdown reward; plus the safe evaluator's refusals."""
 import pytest
 
-from megarl.compat import HAVE_SYMPY
+from megarl.common.compat import HAVE_SYMPY
 from megarl.rewards import (answers_match, countdown_reward, extract_answer, extract_boxed, math_reward,
                                     parse_number)
-from megarl.safe_math import REALS, UnsafeExpression, evaluate
+from megarl.common.safe_math import REALS, UnsafeExpression, evaluate
 
 needs_sympy = pytest.mark.skipif(not HAVE_SYMPY, reason="symbolic equivalence needs sympy")
 

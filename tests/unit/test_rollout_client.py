@@ -13,7 +13,7 @@ from aiohttp import web
 
 from megarl.rollout.admin import AdminClient
 from megarl.rollout.client import AdminError, RolloutClient, RolloutError, ServerRequestError
-from megarl.rollout.types import DiskWeightsUpdate, ModelRequest, RoutedExperts, SamplingParams
+from megarl.protocol.types import DiskWeightsUpdate, ModelRequest, RoutedExperts, SamplingParams
 
 
 class Fake:

@@ -9,11 +9,11 @@ import pytest
 
 from megarl.data.datasets import PromptDataset
 from megarl.data.tasks import AdditionTask, write_addition_corpus
-from megarl.data.tokenizer import train_sentencepiece
+from megarl.common.tokenizer import train_sentencepiece
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.evaluation import evaluate_samples
 from megarl.rewards import arith_exact_match
-from megarl.rollout.types import SamplingParams
+from megarl.protocol.types import SamplingParams
 
 
 class _FakeGenerate(BaseHTTPRequestHandler):

@@ -9,7 +9,7 @@ import pickletools
 import torch
 
 from megarl.rollout.client import RolloutClient
-from megarl.weights.tensor_wire import _owned, encode_megarl, tensor_update
+from megarl.protocol.tensor_wire import _owned, encode_megarl, tensor_update
 
 # What SGLang 0.5's restricted unpickler admits among the globals a by-value tensor pickle uses
 # (torch.storage._load_from_bytes is mapped there to a weights_only torch.load).

@@ -19,7 +19,7 @@ from megarl.data.sampler import ResumableSampler
 from megarl.rewards import RewardCaller
 from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController, RolloutFailed, RolloutStalled
-from megarl.rollout.types import SamplingParams
+from megarl.protocol.types import SamplingParams
 from megarl.rollout.workflows import SingleTurnWorkflow, WorkflowContext
 
 REFUSAL = "sampling_params.top_k=1000 out of range [-1, 16]"

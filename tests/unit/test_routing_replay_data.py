@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.models.moe_config import MoEConfig
+from megarl.config.moe import MoEConfig
 from megarl.rollout.manager import pack_batch
-from megarl.rollout.types import ModelResponse, RoutedExperts, Trajectory
+from megarl.protocol.types import ModelResponse, RoutedExperts, Trajectory
 from megarl.rollout.workflows.base import TokenTrace
 from megarl.trainer.batch import TensorBatch, make_microbatches
 from megarl.trainer.rollout_link import unpack_step

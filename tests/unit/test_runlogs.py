@@ -1,7 +1,7 @@
-"""megarl.runlogs: every per-step log of a run dir cut back to its recorded size, in place."""
+"""megarl.common.runlogs: every per-step log of a run dir cut back to its recorded size, in place."""
 import os
 
-from megarl import runlogs
+from megarl.common import runlogs
 
 
 def _write(path, text, mode="w"):

@@ -14,7 +14,8 @@ from megarl.config import ConfigError, load_config
 
 SCRIPT = r"""
 import json, torch
-from megarl import parallel, compat
+from megarl.trainer import parallel
+from megarl.common import compat
 compat.quiet_megatron_warnings()
 parallel.init_distributed()
 parallel.init_model_parallel(1, 1)

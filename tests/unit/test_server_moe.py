@@ -22,7 +22,7 @@ from megarl.server import build_state
 from megarl.server.app import build_app
 from megarl.server.model import CausalLM, DecoderConfig, KVCache
 from megarl.server.weights import read_hf_dir
-from megarl.wire import RoutedExperts
+from megarl.protocol.wire import RoutedExperts
 
 transformers = pytest.importorskip("transformers")
 
@@ -131,10 +131,10 @@ def test_logprobs_and_routing_match_transformers(tmp_path, case):
 
 
 def test_trainer_names_are_the_server_parameters(tmp_path):
-    """The resharder names experts by the Qwen3-MoE table (megarl.models.registry): every name and
+    """The resharder names experts by the Qwen3-MoE table (megarl.protocol.hf_model): every name and
     shape it can send is a server parameter, and every server parameter is one of them."""
     from megarl.models.layouts import hf_shapes
-    from megarl.models.registry import read_model_args
+    from megarl.protocol.hf_model import read_model_args
 
     build(tmp_path, "qwen3_moe", seed=0, norm_topk_prob=True)
     model = load(tmp_path)
@@ -158,7 +158,7 @@ async def _serve(state, fn):
 
 
 def test_http_routes_and_expert_weight_update(tmp_path):
-    from megarl.weights.tensor_wire import tensor_update
+    from megarl.protocol.tensor_wire import tensor_update
 
     hf_a = build(tmp_path / "a", "qwen3_moe", seed=5, norm_topk_prob=True)
     hf_b = build(tmp_path / "b", "qwen3_moe", seed=6, norm_topk_prob=True)
@@ -203,7 +203,7 @@ def test_routes_need_the_server_flag_and_an_moe_model(tmp_path):
 
     status, body = asyncio.run(_serve(state, scenario))
     assert status == 400 and "--enable-return-routed-experts" in body["message"]
-    from test_rollout_reference import make_tiny_model
+    from test_server_reference import make_tiny_model
 
     make_tiny_model(tmp_path / "dense")
     with pytest.raises(ValueError, match="no experts"):

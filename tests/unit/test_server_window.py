@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 from hf_models import save_random
-from test_rollout_model import _teacher_forced
+from test_server_model import _teacher_forced
 
 from megarl.server import build_state
 from megarl.server.model import CausalLM, DecoderConfig

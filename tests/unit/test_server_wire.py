@@ -9,7 +9,7 @@ import pytest
 
 from megarl.config import ConfigError, WeightSyncConfig, load_config
 from megarl.config.server_wire import local_extensions, resolve_wire
-from megarl.wire import MEGARL_EXTENSIONS, server_extensions
+from megarl.protocol.wire import MEGARL_EXTENSIONS, server_extensions
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MEGARL = {"http://m:1": frozenset(MEGARL_EXTENSIONS)}
@@ -105,7 +105,7 @@ def test_every_recipe_runs_on_both_server_kinds(path):
 def test_sglang_flattened_layout_keeps_every_tensor_aligned():
     """SGLang's receiver lays a flattened bucket out back to back and refuses a tensor whose byte
     offset is not a multiple of its dtype's size; megarl orders the bucket widest dtype first."""
-    from megarl.wire import flat_layout, sglang_flat_order
+    from megarl.protocol.wire import flat_layout, sglang_flat_order
 
     dtypes = ["bfloat16", "float32", "int8", "bfloat16", "float64", "float32"]
     shapes = [[3], [5], [7], [1], [2], [3]]

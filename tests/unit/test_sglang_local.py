@@ -8,9 +8,9 @@ import time
 import pytest
 
 from megarl.config import load_config
-from megarl.errors import ConfigError
+from megarl.common.errors import ConfigError
 from megarl.rollout import sglang_local as S
-from megarl.rollout.local import LocalCluster
+from megarl.rollout.local import LocalServers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join(REPO, "configs", "tiny_grpo.yaml")
@@ -102,7 +102,7 @@ def _group_alive(pgid: int, wait_s: float = 5.0) -> bool:
 
 
 def test_cluster_kills_the_whole_group_on_restart_and_close(tmp_path):
-    cluster = LocalCluster("/unused", 1, str(tmp_path), launcher=ForkingLauncher(), ready_timeout_s=30)
+    cluster = LocalServers("/unused", 1, str(tmp_path), launcher=ForkingLauncher(), ready_timeout_s=30)
     with cluster as urls:
         first = cluster.procs[0].pid
         time.sleep(0.5)  # the child is forked
@@ -115,7 +115,7 @@ def test_cluster_kills_the_whole_group_on_restart_and_close(tmp_path):
 
 
 def test_preflight_stops_a_sglang_run_before_any_rank(monkeypatch, tmp_path):
-    from megarl.preflight import check_inputs
+    from megarl.launch.preflight import check_inputs
 
     demo = os.path.join(REPO, "examples", "tiny")
     cfg = load_config(RECIPE, ["rollout.engine=sglang", f"model.hf_path={demo}/model", "data.eval_path=",

@@ -1,4 +1,4 @@
-"""megarl.signals: handlers set a flag, ranks agree through one all-reduce, owned children survive
+"""megarl.common.signals: handlers set a flag, ranks agree through one all-reduce, owned children survive
 tree-wide stop signals and die with their parent."""
 import os
 import signal
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from megarl.signals import STOP_MARKER, StopRequest, clear_stop_marker, owned_child_setup, write_stop_marker
+from megarl.common.signals import STOP_MARKER, StopRequest, clear_stop_marker, owned_child_setup, write_stop_marker
 
 
 def test_signal_sets_flag_and_close_restores_handlers():
@@ -62,7 +62,7 @@ def test_owned_child_ignores_stop_signals_and_dies_with_its_parent(tmp_path):
     # a parent that starts an owned child and dies hard (no cleanup runs) takes the child with it
     parent = textwrap.dedent(f"""
         import os, subprocess, sys
-        from megarl.signals import owned_child_setup
+        from megarl.common.signals import owned_child_setup
         p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=owned_child_setup)
         open({str(tmp_path / 'pid')!r}, "w").write(str(p.pid))
         os._exit(0)

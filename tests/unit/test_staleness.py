@@ -10,7 +10,7 @@ from megarl.data.datasets import PromptSample
 from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController
 from megarl.rollout.staleness import EpisodeState, StalenessManager
-from megarl.rollout.types import Trajectory
+from megarl.protocol.types import Trajectory
 
 
 class Version:

@@ -65,7 +65,7 @@ def test_with_fields_is_a_new_batch():
 
 
 @dataclass
-class FakeTrajectory:  # duck-typed megarl.rollout.types.Trajectory
+class FakeTrajectory:  # duck-typed megarl.protocol.types.Trajectory
     input_ids: list
     loss_mask: list
     behave_logp: list

@@ -2,7 +2,7 @@
 import torch
 
 from megarl.models import transforms as T
-from megarl.models.registry import get_architecture, read_model_args
+from megarl.protocol.hf_model import get_architecture, read_model_args
 
 
 def test_merge_qkv_group_layout():
@@ -65,7 +65,7 @@ def test_layouts_round_trip_every_row_full_and_sharded(tmp_path):
     full tensors have the dist-checkpoint shapes (one layer of a stacked key)."""
     from megarl.models import layouts as L
     from megarl.models.random_hf import tiny_config, write_random_hf
-    from megarl.models.registry import param_table
+    from megarl.protocol.hf_model import param_table
     from safetensors.torch import load_file
 
     for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
@@ -101,7 +101,7 @@ def test_vocab_rows_pad_on_import_and_strip_on_export(tmp_path):
     every way back to HF gives exactly the original tensor."""
     from megarl.models import layouts as L
     from megarl.models.random_hf import tiny_config, write_random_hf
-    from megarl.models.registry import param_table
+    from megarl.protocol.hf_model import param_table
     from safetensors.torch import load_file
 
     hf_dir = write_random_hf(str(tmp_path), tiny_config(vocab_size=333))
@@ -163,7 +163,7 @@ def test_qwen3_moe_table_and_refusals(tmp_path):
 
     from megarl.models import builder, layouts as L
     from megarl.models.random_hf import tiny_config, write_random_hf
-    from megarl.models.registry import param_table
+    from megarl.protocol.hf_model import param_table
 
     args = read_model_args(write_random_hf(str(tmp_path / "m"), tiny_config("Qwen3MoeForCausalLM")))
     assert (args.num_experts, args.moe_topk, args.moe_ffn_hidden_size, args.moe_norm_topk) == (4, 2, 32, True)
@@ -200,7 +200,7 @@ def test_moe_training_options_reach_megatron(tmp_path):
     the TE spec the experts run as a grouped GEMM and TP > 1 is accepted with sequence parallelism
     (config level: building that model needs TE and a GPU, tests/gpu)."""
     from megarl.models import builder
-    from megarl.models.moe_config import MoEConfig
+    from megarl.config.moe import MoEConfig
     from megarl.models.random_hf import tiny_config, write_random_hf
 
     args = read_model_args(write_random_hf(str(tmp_path), tiny_config("Qwen3MoeForCausalLM")))
@@ -248,7 +248,7 @@ def test_qwen3_moe_defaults_and_windows_match_transformers(tmp_path):
 def test_expert_shape_matches_the_stacked_checkpoint_shape(tmp_path):
     from megarl.models import layouts as L
     from megarl.models.random_hf import tiny_config, write_random_hf
-    from megarl.models.registry import param_table
+    from megarl.protocol.hf_model import param_table
 
     args = read_model_args(write_random_hf(str(tmp_path), tiny_config("Qwen3MoeForCausalLM")))
     stacked = L.mcore_shapes(args)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megarl.models.registry import ModelArgs
+from megarl.protocol.hf_model import ModelArgs
 from megarl.weights.planner import bucketize, plan, stage_of_layer
 
 

@@ -1,10 +1,10 @@
-"""megarl.weights.refit: shard-to-shard plans against hand-written expectations.
+"""megarl.protocol.refit: shard-to-shard plans against hand-written expectations.
 
 A slice is (trainer rank, server rank, trainer row, server row, rows) in each side's local fused
 shard; the expectations below are written out from the layouts in the module docstring."""
 import pytest
 
-from megarl.weights.refit import Slice, gate_up_plan, plain_plan, qkv_plan
+from megarl.protocol.refit import Slice, gate_up_plan, plain_plan, qkv_plan
 
 
 def S(*a):
@@ -118,7 +118,7 @@ def test_gate_up_plan_moves_real_shards(t, s):
 
 
 # ---- the units the shard push announces (unit_slices) ----------------------------------------
-from megarl.weights.refit import unit_slices  # noqa: E402
+from megarl.protocol.refit import unit_slices  # noqa: E402
 
 
 def test_vocab_unit_drops_padding_and_reaches_every_server_rank():

@@ -12,7 +12,7 @@ import pytest
 from chatml import write_chat_tokenizer
 from megarl.data import PromptSample, load_chat_template, load_tokenizer
 from megarl.rewards import RewardCaller, math_reward
-from megarl.rollout.types import SamplingParams, Trajectory
+from megarl.protocol.types import SamplingParams, Trajectory
 from megarl.rollout.workflows import WorkflowContext, check_episode, load_workflow
 from scripted_client import ScriptedClient
 

@@ -8,7 +8,7 @@ from chatml import CHATML, ids, write_chat_tokenizer
 from megarl.data import PromptSample, load_chat_template, load_tokenizer
 from megarl.data.chat import ChatTemplate
 from megarl.rewards import RewardCaller, math_reward
-from megarl.rollout.types import SamplingParams
+from megarl.protocol.types import SamplingParams
 from megarl.rollout.workflows import (MultiTurnWorkflow, ToolCallingWorkflow, TurnRenderer, WorkflowContext,
                                       parse_tool_calls)
 from scripted_client import ScriptedClient

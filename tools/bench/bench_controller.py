@@ -20,7 +20,7 @@ sys.path.insert(0, REPO)
 from megarl.data.datasets import PromptSample  # noqa: E402
 from megarl.rollout.cluster import RolloutCluster
 from megarl.rollout.controller import RolloutController  # noqa: E402
-from megarl.rollout.types import Trajectory  # noqa: E402
+from megarl.protocol.types import Trajectory  # noqa: E402
 
 
 class NullWorkflow:

@@ -1,5 +1,5 @@
 """weights.disk_delta (disk transport): bytes written and time of the delta format (XOR+zlib
-records with CRC-32s, megarl.weights.delta_format): "delta" = unchanged tensors as empty records,
+records with CRC-32s, megarl.protocol.delta_format): "delta" = unchanged tensors as empty records,
 changed ones raw (disk_delta=raw); "xor" = changed ones XOR+zlib (disk_delta=xor); against a full
 safetensors write, for one push
 after an update, trainer write + server read/rebuild. One process, no servers: the format's cost.
@@ -26,7 +26,7 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from megarl.weights.delta_format import _bytes, decode, encode, MANIFEST  # noqa: E402
+from megarl.protocol.delta_format import _bytes, decode, encode, MANIFEST  # noqa: E402
 
 
 def main():

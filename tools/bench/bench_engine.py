@@ -44,11 +44,12 @@ def main() -> int:
     args = ap.parse_args()
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from megarl.net import free_port
+    from megarl.common.net import free_port
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     import transformers
 
-    from megarl import compat, parallel
+    from megarl.common import compat
+    from megarl.trainer import parallel
     from megarl.config import load_config
     from megarl.models.random_hf import tiny_config, write_random_hf
     from megarl.trainer.batch import TensorBatch

@@ -32,7 +32,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from megarl import compat, parallel  # noqa: E402
+from megarl.common import compat  # noqa: E402
+from megarl.trainer import parallel
 from megarl.config import load_config  # noqa: E402
 from megarl.models.random_hf import tiny_config, write_random_hf  # noqa: E402
 from megarl.server.model import CausalLM, DecoderConfig, KVCache  # noqa: E402

@@ -22,7 +22,7 @@ import time
 
 import aiohttp
 
-from megarl.net import LOOPBACK, free_port, http_url
+from megarl.common.net import LOOPBACK, free_port, http_url
 
 
 def make_tiny(path: str, vocab: int = 64, hidden: int = 64, layers: int = 2) -> None:

@@ -32,7 +32,7 @@ from rl_runs import REPO, markdown_table  # noqa: E402
 def per_tensor_transport(base):
     """SGLang's default wire, for the baseline only: one broadcast per tensor, no load_format."""
     from megarl.weights.transports import DistributedTransport, _finish
-    from megarl.wire import DistributedWeightsMeta
+    from megarl.protocol.wire import DistributedWeightsMeta
 
     class PerTensor(DistributedTransport):
         def send(self, bucket, version):
@@ -49,7 +49,7 @@ def per_tensor_transport(base):
 
 
 def pushes(cfg, engine, server: str, repeats: int, per_tensor: bool = False) -> dict:
-    from megarl.preflight import check_wire
+    from megarl.launch.preflight import check_wire
     from megarl.rollout.cluster import RolloutCluster
     from megarl.weights.push import PushSpec, WeightPusher
 
@@ -80,7 +80,8 @@ def main() -> None:
 
     import importlib.util
 
-    from megarl import compat, parallel
+    from megarl.common import compat
+    from megarl.trainer import parallel
     from megarl.config import load_config
     from megarl.models.random_hf import tiny_config, write_random_hf
     from megarl.rollout.local import start_server

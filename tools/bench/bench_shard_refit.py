@@ -29,11 +29,12 @@ def parse():
 def worker(args):
     import torch.distributed as dist
 
-    from megarl import compat, parallel
+    from megarl.common import compat
+    from megarl.trainer import parallel
     from megarl.config import load_config
     from megarl.rollout.cluster import RolloutCluster
     from megarl.trainer.engine import Engine, EngineSpec
-    from megarl.preflight import check_wire
+    from megarl.launch.preflight import check_wire
     from megarl.weights.push import PushSpec, WeightPusher
 
     compat.quiet_megatron_warnings()

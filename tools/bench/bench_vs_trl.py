@@ -78,7 +78,7 @@ def check_tokenizers(model_dir: str, sp) -> None:
     tokenizer.json loader, and transformers' fast tokenizer (what TRL uses)."""
     from transformers import AutoTokenizer
 
-    from megarl.data.tokenizer import load_tokenizer
+    from megarl.common.tokenizer import load_tokenizer
 
     mine, hf = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
     assert type(mine).__name__ == "HFJsonTokenizer", type(mine)

@@ -94,7 +94,7 @@ RAW_GROUP = "bench-raw"
 
 def raw_peer(port: int, rounds: int, sizes: str) -> int:
     """The raw baseline's receiver: a plain process, buffers allocated (and touched) once."""
-    from megarl.net import new_process_group
+    from megarl.common.net import new_process_group
 
     pg = new_process_group("127.0.0.1", port, 1, 2, RAW_GROUP, "gloo", 300)
     bufs = [torch.zeros(int(n), dtype=torch.uint8) for n in sizes.split(",")]
@@ -109,7 +109,7 @@ class RawBaseline:
     to a plain process (`raw_peer`)."""
 
     def __init__(self, sizes: list[int], rounds: int):
-        from megarl.net import free_port, new_process_group
+        from megarl.common.net import free_port, new_process_group
 
         port = free_port("127.0.0.1")
         self.peer = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--raw-peer", str(port),
@@ -128,8 +128,9 @@ class RawBaseline:
 
 
 def worker(args):
-    from megarl import compat, parallel
-    from megarl.preflight import check_wire
+    from megarl.common import compat
+    from megarl.trainer import parallel
+    from megarl.launch.preflight import check_wire
     from megarl.config import load_config
     from megarl.trainer.engine import Engine, EngineSpec
     from megarl.rollout.cluster import RolloutCluster

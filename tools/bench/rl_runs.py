@@ -216,7 +216,7 @@ def torchrun_with_server(script: str, hf: str, work: str, nproc: int, server_arg
     arguments) under torchrun on loopback; the ranks find the server in BENCH_SERVER (its pid in
     BENCH_SERVER_PID), the model in BENCH_HF, the scratch directory in BENCH_WORK. Returns
     torchrun's exit status; the server is killed either way."""
-    from megarl.net import free_port
+    from megarl.common.net import free_port
     from megarl.rollout.local import start_server
 
     url, proc = start_server(hf, os.path.join(work, "server.log"), list(server_args), ready_timeout_s=ready_timeout_s)

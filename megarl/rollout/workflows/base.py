@@ -29,9 +29,9 @@ import numpy as np
 
 from megarl.data.chat import ChatTemplate
 from megarl.data.prompts import PromptSample
-from megarl.data.tokenizer import Tokenizer
+from megarl.common.tokenizer import Tokenizer
 from megarl.rewards.base import RewardCaller
-from megarl.rollout.types import ModelResponse, RoutedExperts, SamplingParams, Trajectory
+from megarl.protocol.types import ModelResponse, RoutedExperts, SamplingParams, Trajectory
 
 __all__ = ["WorkflowContext", "RolloutWorkflow", "TokenTrace", "load_workflow", "load_workflow_class",
            "check_episode", "completion_text"]

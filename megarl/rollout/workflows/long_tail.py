@@ -18,7 +18,7 @@ import random
 from typing import Optional
 
 from megarl.data.prompts import PromptSample
-from megarl.rollout.types import ModelRequest, Trajectory
+from megarl.protocol.types import ModelRequest, Trajectory
 from megarl.rollout.workflows.base import WorkflowContext
 from megarl.rollout.workflows.single_turn import SingleTurnWorkflow
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megarl.data.prompts import PromptSample
-from megarl.rollout.types import ModelRequest, ModelResponse, SamplingParams, Trajectory
+from megarl.protocol.types import ModelRequest, ModelResponse, SamplingParams, Trajectory
 from megarl.rollout.workflows.base import TokenTrace, WorkflowContext, completion_text
 from megarl.rollout.workflows.turns import TurnRenderer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megarl.data.prompts import PromptSample
-from megarl.rollout.types import ModelRequest, Trajectory
+from megarl.protocol.types import ModelRequest, Trajectory
 from megarl.rollout.workflows.base import TokenTrace, WorkflowContext, completion_text
 
 __all__ = ["SingleTurnWorkflow"]

@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 from megarl.data.prompts import PromptSample
 from megarl.tools import build_tools, run_tool_call, tool_schema
-from megarl.rollout.types import ModelResponse
+from megarl.protocol.types import ModelResponse
 from megarl.rollout.workflows.base import WorkflowContext
 from megarl.rollout.workflows.multi_turn import EnvStep, MultiTurnWorkflow
 

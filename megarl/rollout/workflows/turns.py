@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megarl.data.chat import ChatTemplate
-from megarl.data.tokenizer import Tokenizer
+from megarl.common.tokenizer import Tokenizer
 
 __all__ = ["TurnRenderer", "PLAIN_FORMATS"]
 

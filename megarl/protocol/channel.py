@@ -8,7 +8,7 @@ manager on a rollout partition), needs no shared memory, and nothing is unpickle
 JSON plus bytes read into numpy arrays of a declared dtype and shape (safe deserialization).
 A step's batch is a few flat arrays, so a hand-off costs one copy into the socket and one out.
 
-Every message is a dataclass of `megarl.rollout.messages` (no untyped dicts cross the boundary),
+Every message is a dataclass of `megarl.protocol.messages` (no untyped dicts cross the boundary),
 a closed set in which no message names a method or an endpoint to call. A connection carries
 nothing before its peer proved the run's secret (handshake.py).
 
@@ -42,8 +42,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from megarl.rollout.handshake import AuthError, prove
-from megarl.rollout.messages import DIRECT_REPLIES, MESSAGES, Beat, Hello, Reply
+from megarl.protocol.handshake import AuthError, prove
+from megarl.protocol.messages import DIRECT_REPLIES, MESSAGES, Beat, Hello, Reply
 
 _LEN = struct.Struct("!I")
 # a request is metadata only; the largest, a bucket's announce relayed to every server, is about
@@ -76,7 +76,7 @@ class RemoteError(RuntimeError):
 
 # ------------------------------------------------------------------------------- encoding
 def _wire_value(v: Any) -> Any:
-    """Wire types (`megarl.wire` dataclasses) travel as {"__wire__": name, ...fields}."""
+    """Wire types (`megarl.protocol.wire` dataclasses) travel as {"__wire__": name, ...fields}."""
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return {"__wire__": type(v).__name__, **{f.name: _wire_value(getattr(v, f.name))
                                                   for f in dataclasses.fields(v)}}
@@ -90,8 +90,8 @@ def _wire_value(v: Any) -> Any:
 
 
 def _wire_class(name: Any) -> type:
-    """Only a dataclass defined in `megarl.wire` is built from a frame (no other name resolves)."""
-    from megarl import wire
+    """Only a dataclass defined in `megarl.protocol.wire` is built from a frame (no other name resolves)."""
+    from megarl.protocol import wire
 
     cls = getattr(wire, name, None) if isinstance(name, str) else None
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == wire.__name__):

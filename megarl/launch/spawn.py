@@ -3,12 +3,12 @@
 and no torchrun.
 
 torchrun's agent serves the job's rendezvous store itself, and torch's store binds every
-interface; here rank 0 serves it on loopback (`megarl.parallel.init_distributed`), so a job on one
+interface; here rank 0 serves it on loopback (`megarl.trainer.parallel.init_distributed`), so a job on one
 host listens on nothing but 127.0.0.1 (docs/reliability.md, Security). What torchrun did for a
 local job is kept: one thread per rank unless OMP_NUM_THREADS says otherwise, and when one rank
 fails the others are stopped (SIGTERM, then SIGKILL after ``grace_s``) and its exit code is the
 job's. A stop signal sent to this process reaches every rank (each finishes its step, saves and
-exits 0: megarl.signals); the ranks run in a session of their own, so a terminal's Ctrl-C reaches
+exits 0: megarl.common.signals); the ranks run in a session of their own, so a terminal's Ctrl-C reaches
 them only this way, once.
 """
 from __future__ import annotations
@@ -19,14 +19,14 @@ import subprocess
 import sys
 import time
 
-from megarl.net import LOOPBACK, free_port
-from megarl.signals import STOP_SIGNALS, die_with_parent
+from megarl.common.net import LOOPBACK, free_port
+from megarl.common.signals import STOP_SIGNALS, die_with_parent
 
 POLL_S = 0.1
 
 
 def rank_env(rank: int, nproc: int, port: int, base: dict) -> dict:
-    """Rank ``rank``'s environment: torchrun's names, so `megarl.ranks.discover_ranks` reads them."""
+    """Rank ``rank``'s environment: torchrun's names, so `megarl.launch.ranks.discover_ranks` reads them."""
     env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port))
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 serves the store, nobody else does

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from test_rollout_reference import make_tiny_model, reference_logprobs
+from test_server_reference import make_tiny_model, reference_logprobs
 
 from megarl.server import build_state
 from megarl.server.engine import Sequence

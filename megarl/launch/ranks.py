@@ -1,6 +1,6 @@
 """Which rank this process is, from the launcher's environment alone (torchrun, Open MPI, PMIx,
 PMI, SLURM); no torch, so an entry point can ask "am I under a launcher?" before it imports torch.
-`megarl.parallel` (torch.distributed and Megatron init) re-exports these names; its docstring gives
+`megarl.trainer.parallel` (torch.distributed and Megatron init) re-exports these names; its docstring gives
 the discovery order and where the master address comes from.
 """
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megarl.hostlist import expand_nodelist
-from megarl.net import LOOPBACK
+from megarl.launch.hostlist import expand_nodelist
+from megarl.common.net import LOOPBACK
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from megarl.errors import ConfigError
-from megarl.models.registry import ModelArgs, param_table
+from megarl.common.errors import ConfigError
+from megarl.protocol.hf_model import ModelArgs, param_table
 
 
 def frozen_rows(patterns: list[str], args: ModelArgs) -> frozenset[str]:

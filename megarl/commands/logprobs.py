@@ -17,8 +17,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-from megarl.cli import ArgumentParser, add_debug_flag
-from megarl.tools_cli import (ToolError, check_output_file, finish_ranks, init_ranks, needs_launch,
+from megarl.common.cli import ArgumentParser, add_debug_flag
+from megarl.commands import (ToolError, check_output_file, finish_ranks, init_ranks, needs_launch,
                               run_tool)
 
 PROG = "megarl-logprobs"
@@ -113,9 +113,9 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
     if source.kind == "hf":  # a dist checkpoint's weights are checked as each rank loads them
         check_finite_hf(source.path, args)
     if needs_launch(a.tp * a.pp * a.ep):
-        from megarl import parallel
+        from megarl.trainer import parallel
 
-        return parallel.relaunch(a.tp * a.pp * a.ep, "megarl.tools_cli.logprobs", argv)
+        return parallel.relaunch(a.tp * a.pp * a.ep, "megarl.commands.logprobs", argv)
     ps, created = init_ranks(a.tp, a.pp, a.ep)
     try:
         _compute_and_write(a, source, rows, ps)

@@ -291,7 +291,7 @@ def server_extensions(model_info: dict) -> frozenset:
 
 @dataclass
 class TensorWeightsUpdate:
-    """/update_weights_from_tensor body; build it with `megarl.weights.tensor_wire.tensor_update`
+    """/update_weights_from_tensor body; build it with `megarl.protocol.tensor_wire.tensor_update`
     (safetensors for megarl-server, SGLang's format for real SGLang: ``load_format`` None)."""
 
     serialized_named_tensors: list[str]

@@ -20,17 +20,17 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megarl import compat
-from megarl.hostlist import expand_nodelist  # noqa: F401 - megarl.parallel.expand_nodelist
+from megarl.common import compat
+from megarl.launch.hostlist import expand_nodelist  # noqa: F401 - megarl.trainer.parallel.expand_nodelist
 from megarl.mcore.cpu import install_cpu_shim
-from megarl.net import LOOPBACK, is_loopback, is_loopback_name, listening_socket, serve_store
-from megarl.ranks import RankInfo, discover_ranks, under_launcher  # noqa: F401 - megarl.parallel.*
+from megarl.common.net import LOOPBACK, is_loopback, is_loopback_name, listening_socket, serve_store
+from megarl.launch.ranks import RankInfo, discover_ranks, under_launcher  # noqa: F401 - megarl.trainer.parallel.*
 
 
 def relaunch(nproc: int, module: str, argv: list[str]) -> int:
-    """Re-executes ``python -m module argv`` as ``nproc`` local ranks (`megarl.spawn`), so a user
+    """Re-executes ``python -m module argv`` as ``nproc`` local ranks (`megarl.launch.spawn`), so a user
     never has to know the launcher; returns the job's exit code."""
-    from megarl.spawn import run_ranks
+    from megarl.launch.spawn import run_ranks
 
     return run_ranks(nproc, module, argv)
 

@@ -1,4 +1,6 @@
-"""Command-line tools: ``megarl-convert`` (HF <-> Megatron dist checkpoints) and ``megarl-logprobs``.
+"""The checkpoint commands: ``megarl-convert`` (HF <-> Megatron dist checkpoints) and ``megarl-logprobs``.
+(Not to be confused with `megarl.tools`, the tools a tool-calling workflow lets the model call, nor
+with the repository's tools/, developer scripts and benchmarks.)
 
 Shared conventions: inputs are validated in the launching process before any rank starts, bad
 input ends in one line ``<prog>: <message>`` on stderr and a non-zero exit (no traceback), outputs
@@ -12,14 +14,14 @@ import shutil
 import warnings
 from typing import Callable
 
-from megarl.errors import ToolError  # noqa: F401 - the tools' error type, shared with the library
+from megarl.common.errors import ToolError  # noqa: F401 - the tools' error type, shared with the library
 
 
 def run_tool(prog: str, fn: Callable[[], int], debug: bool = False) -> int:
     """Runs ``fn``; known errors (bad input) become ``prog: message`` on stderr and exit status 1,
     unexpected ones one line too (exit status 1); ``debug`` shows the traceback instead."""
     from megarl.checkpoint import CheckpointError
-    from megarl.cli import run_main
+    from megarl.common.cli import run_main
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch ShardedTensor deprecation
     warnings.filterwarnings("ignore", message=".*(cuda_graph_scope|Transformer Engine|Apex).*")
@@ -28,7 +30,7 @@ def run_tool(prog: str, fn: Callable[[], int], debug: bool = False) -> int:
 
 
 def needs_launch(nproc: int) -> bool:
-    from megarl import parallel
+    from megarl.trainer import parallel
 
     return nproc > 1 and not parallel.under_launcher()
 
@@ -38,8 +40,9 @@ def init_ranks(tp: int, pp: int, ep: int = 1):
     Returns (ParallelState, created) where ``created`` says this call made the process group."""
     import torch.distributed as dist
 
-    from megarl import compat, parallel
-    from megarl.net import LOOPBACK, free_port
+    from megarl.common import compat
+    from megarl.trainer import parallel
+    from megarl.common.net import LOOPBACK, free_port
 
     compat.quiet_megatron_warnings()
     created = not dist.is_initialized()
@@ -57,7 +60,7 @@ def init_ranks(tp: int, pp: int, ep: int = 1):
 def finish_ranks(created: bool) -> None:
     import torch.distributed as dist
 
-    from megarl import parallel
+    from megarl.trainer import parallel
 
     parallel.destroy_model_parallel_only()
     if created and dist.is_initialized():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_rollout_reference import make_tiny_model, reference_logprobs
+from test_server_reference import make_tiny_model, reference_logprobs
 
 from megarl.server.model import CausalLM, DecoderConfig, KVCache
 from megarl.server.weights import read_hf_dir

@@ -25,7 +25,7 @@ from typing import Literal, Optional
 
 import torch
 
-from megarl.rollout.types import SAFETENSORS_B64, TensorWeightsUpdate
+from megarl.protocol.types import SAFETENSORS_B64, TensorWeightsUpdate
 
 WireFormat = Literal["megarl", "sglang", "sglang_ipc"]
 

@@ -1,10 +1,10 @@
 """What the trainer and the rollout manager say to each other: a closed set of dataclasses, one
-per thing a link may ask or answer (`MESSAGES`), carried by `megarl.rollout.channel`.
+per thing a link may ask or answer (`MESSAGES`), carried by `megarl.protocol.channel`.
 
 No message names a method or an endpoint to call: an admin relay is one class per server
 operation the trainer needs (`ADMIN_MESSAGES`), a step of the server set one class per step
 (`CLUSTER_MESSAGES`), and the manager maps each class to one fixed call. Fields are JSON values,
-`megarl.wire` dataclasses, or (a `Batch` only) numpy arrays.
+`megarl.protocol.wire` dataclasses, or (a `Batch` only) numpy arrays.
 """
 from __future__ import annotations
 

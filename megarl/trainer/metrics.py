@@ -136,7 +136,7 @@ class StatsTracker:
     def reduce(self, ps: Optional[Any] = None) -> dict[str, float]:
         """name -> reduced result on EVERY rank; the tracker is emptied.
 
-        `ps` (a `megarl.parallel.ParallelState`; None: this process alone) says where: only the
+        `ps` (a `megarl.trainer.parallel.ParallelState`; None: this process alone) says where: only the
         last pipeline stage runs loss functions, so it reduces over its DP group (`reduce_stats`)
         and broadcasts the dict over the pipeline group.
         """

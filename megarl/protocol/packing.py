@@ -1,11 +1,17 @@
 """A step's trajectories as the channel's `Batch`: flat token arrays plus each sample's DP rank,
-whole groups per rank, balanced by tokens. The manager packs; `rollout_link.unpack_step` is the
-trainer's inverse."""
+whole groups per rank, balanced by tokens. The manager packs; `megarl.trainer.rollout_link.unpack_step`
+is the trainer's inverse."""
 from __future__ import annotations
 
 import numpy as np
 
-from megarl.rollout.messages import Batch
+from megarl.protocol.messages import Batch
+
+
+def groups_per_step(cfg) -> int:
+    """Prompt groups in one step's batch: what the trainer asks for (`BatchRequest`) and what the
+    manager's staleness clock counts per step (``cfg``: the run's `Config`)."""
+    return cfg.train.step_batch_size // cfg.rollout.group_size
 
 
 def balance_groups(group_tokens: list[int], n_ranks: int) -> list[int]:

@@ -39,7 +39,7 @@ import os
 import uuid
 
 from megarl.config import Config
-from megarl.errors import ConfigError, ToolError
+from megarl.common.errors import ConfigError, ToolError
 from megarl.models.checks import check_against_model
 from megarl.rollout.probe import check_servers, check_wire  # noqa: F401 - check_servers: re-exported
 
@@ -75,8 +75,8 @@ def check_manager(address: str, secret_file: str, timeout_s: float = MANAGER_CHE
     """A manager started apart: something listens at ``address``, speaks the channel (its
     handshake's MAGIC) and accepts the secret of ``secret_file``. The probe proves the secret
     and closes without a `Hello`: the manager drops it, nothing of the run changes."""
-    from megarl.rollout.channel import ChannelError, SecretRefused, connect
-    from megarl.rollout.handshake import read_secret_file
+    from megarl.protocol.channel import ChannelError, SecretRefused, connect
+    from megarl.protocol.handshake import read_secret_file
 
     try:
         secret = read_secret_file(secret_file)
@@ -94,7 +94,7 @@ def check_manager(address: str, secret_file: str, timeout_s: float = MANAGER_CHE
 # ----------------------------------------------------------------------------- model and tokenizer
 
 def _model_args(field: str, path: str):
-    from megarl.models.registry import read_model_args
+    from megarl.protocol.hf_model import read_model_args
 
     try:
         return read_model_args(path)
@@ -125,7 +125,7 @@ def _check_weights(field: str, path: str, args) -> None:
 
 def check_tokenizer(cfg: Config, model_vocab: int):
     """The tokenizer, which must not produce ids the model has no embedding row for."""
-    from megarl.data.tokenizer import load_tokenizer
+    from megarl.common.tokenizer import load_tokenizer
 
     field = "data.tokenizer_path" if cfg.data.tokenizer_path else "model.hf_path"
     path = cfg.data.tokenizer_path or cfg.model.hf_path
@@ -268,7 +268,7 @@ def _check_same_model(field: str, ckpt: str, cfg: Config, args) -> None:
     """Every model tensor of the checkpoint has the global shape model.hf_path's config.json
     gives it (the vocabulary rows may differ: Megatron pads them per TP size)."""
     from megarl.models.layouts import mcore_key, mcore_shapes, pad_vocab
-    from megarl.models.registry import VOCAB, param_table
+    from megarl.protocol.hf_model import VOCAB, param_table
     from megarl.models.checks import tensor_metadata
 
     stored = tensor_metadata(ckpt)

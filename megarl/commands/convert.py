@@ -31,8 +31,8 @@ import re
 import sys
 import time
 
-from megarl.cli import ArgumentParser, add_debug_flag
-from megarl.tools_cli import (ToolError, check_output_dir, discard, finish_ranks, init_ranks,
+from megarl.common.cli import ArgumentParser, add_debug_flag
+from megarl.commands import (ToolError, check_output_dir, discard, finish_ranks, init_ranks,
                               needs_launch, run_tool, temp_output_dir)
 
 PROG = "megarl-convert"
@@ -46,7 +46,7 @@ def parse_size(text: str) -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from megarl.tools_cli.conversion import DTYPES
+    from megarl.commands.conversion import DTYPES
 
     ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -71,7 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def hf_to_mcore(a: argparse.Namespace, argv: list[str]) -> int:
     from megarl.models.checks import check_finite_hf, check_hf, check_layout, model_args
-    from megarl.tools_cli.conversion import DTYPES
+    from megarl.commands.conversion import DTYPES
 
     if not os.path.isdir(a.hf):
         raise ToolError(f"--hf {a.hf}: no such directory")
@@ -85,9 +85,9 @@ def hf_to_mcore(a: argparse.Namespace, argv: list[str]) -> int:
     check_finite_hf(a.hf, args)  # the one check that reads the weights: last, and before any rank
     tmp = temp_output_dir(a.out)
     if needs_launch(a.tp * a.pp):
-        from megarl import parallel
+        from megarl.trainer import parallel
 
-        rc = parallel.relaunch(a.tp * a.pp, "megarl.tools_cli.convert", argv)
+        rc = parallel.relaunch(a.tp * a.pp, "megarl.commands.convert", argv)
         if rc:
             discard(tmp)
         return rc
@@ -98,7 +98,7 @@ def _write_mcore(a, args, ps, dtype, tmp) -> None:
     from megarl.checkpoint import FORMAT, META, commit_dir, copy_hf_side_files, file_manifest, write_synced
     from megarl.checkpoint.verify import MANIFEST
     from megarl.models.layouts import pad_vocab
-    from megarl.tools_cli.conversion import write_mcore
+    from megarl.commands.conversion import write_mcore
 
     t0 = time.perf_counter()
     padded = pad_vocab(args, a.make_vocab_size_divisible_by, ps.tp)
@@ -151,10 +151,10 @@ def _run_ranks(tp: int, pp: int, tmp: str, body) -> int:
 
 
 def mcore_to_hf(a: argparse.Namespace, argv: list[str]) -> int:
-    from megarl import parallel
+    from megarl.trainer import parallel
     from megarl.checkpoint import resolve_checkpoint, verify_checkpoint
     from megarl.models.checks import check_mcore, model_args, stored_args
-    from megarl.tools_cli.conversion import DTYPES
+    from megarl.commands.conversion import DTYPES
 
     if parallel.discover_ranks().world_size > 1:
         raise ToolError("mcore-to-hf runs in one process (it reads any layout); start it without torchrun")
@@ -174,7 +174,7 @@ def mcore_to_hf(a: argparse.Namespace, argv: list[str]) -> int:
 
 def _write_hf(a, ckpt, args, dtype, tmp) -> None:
     from megarl.checkpoint import commit_dir, copy_hf_side_files
-    from megarl.tools_cli.conversion import write_hf
+    from megarl.commands.conversion import write_hf
 
     t0 = time.perf_counter()
     write_hf(ckpt, tmp, args, dtype, a.max_shard_size)

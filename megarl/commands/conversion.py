@@ -27,7 +27,7 @@ import torch
 from megarl.models.checks import check_finite, tensor_metadata
 from megarl.models.layouts import (full_to_hf, group_by_bytes, hf_shapes, hf_to_full, mcore_key,
                                    safetensors_file_names)
-from megarl.models.registry import ModelArgs, param_table
+from megarl.protocol.hf_model import ModelArgs, param_table
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.fields import bounded, check_bounds
+from megarl.common.fields import bounded, check_bounds
 
 ROUTING_REPLAY = ("none", "rollout")
 

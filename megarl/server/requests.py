@@ -61,7 +61,7 @@ class BadRequest(ValueError):
 
 
 @dataclass
-class SampleSpec:
+class SampleRequest:
     rid: str
     group: str
     input_ids: list[int]
@@ -142,7 +142,7 @@ def _token_list(v: Any, where: str, vocab: int) -> list[int]:
 
 
 def parse_generate(body: Any, vocab: int, tokenizer, context_length: int,
-                   routes_enabled: bool = False) -> tuple[list[SampleSpec], bool, bool]:
+                   routes_enabled: bool = False) -> tuple[list[SampleRequest], bool, bool]:
     """Returns (samples, return_logprob, is_batch). Raises BadRequest naming the field.
     ``routes_enabled``: the server was started with --enable-return-routed-experts."""
     if not isinstance(body, dict):
@@ -198,7 +198,7 @@ def parse_generate(body: Any, vocab: int, tokenizer, context_length: int,
             if n > 1 and seed is not None:
                 seed = seed * 1_000_003 + j  # distinct, reproducible streams per sample
             c = cfg if seed == cfg.seed else SamplingConfig(**{**cfg.__dict__, "seed": seed})
-            samples.append(SampleSpec(rid if n == 1 else f"{rid}-{j}", rid, list(prompt), c, want_routes))
+            samples.append(SampleRequest(rid if n == 1 else f"{rid}-{j}", rid, list(prompt), c, want_routes))
     return samples, return_logprob, is_batch or any(n > 1 for _, n in parsed)
 
 

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from megarl.checkpoint.layout import CheckpointError
+from megarl.common.errors import CheckpointError
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
                 "torch.distributed.checkpoint.filesystem")

@@ -17,7 +17,7 @@ weights.dtype, rollout.server_threads) and an :class:`Allocation` it derives
   MASTER_ADDR = the first trainer node's address, and rollout.servers=[...] appended.
 
 Bad input is one line naming the flag or field, exit status 2, and never a hang: hostlists are
-expanded strictly (megarl/hostlist.py: malformed or backwards ranges, unbalanced brackets, more
+expanded strictly (megarl/launch/hostlist.py: malformed or backwards ranges, unbalanced brackets, more
 than 65536 hosts), counts per node are bounded (MAX_PER_NODE) and so is the world (MAX_RANKS),
 ports lie in 1..65535 (a node's servers take consecutive ports from launch.server_port).
 
@@ -64,7 +64,7 @@ class Allocation:
 
 
 @dataclass(frozen=True)
-class ServerSpec:
+class ServerLaunch:
     node: str
     index: int
     host: str
@@ -82,7 +82,7 @@ class ServerSpec:
 
 
 @dataclass(frozen=True)
-class RankSpec:
+class RankLaunch:
     rank: int
     node: str
     node_index: int
@@ -108,9 +108,9 @@ class Plan:
     ranks_per_node: int
     master_addr: str
     server_kind: str
-    servers: list[ServerSpec]
-    router: Optional[ServerSpec]
-    ranks: list[RankSpec]
+    servers: list[ServerLaunch]
+    router: Optional[ServerLaunch]
+    ranks: list[RankLaunch]
     launches: list[tuple[Optional[str], tuple[str, ...]]] = field(default_factory=list)
     """(node or None for "from the batch host", argv) per trainer launch command."""
 
@@ -131,7 +131,7 @@ def serving_dtype(cfg) -> str:
     return cfg.model.dtype if cfg.weights.dtype == "auto" else cfg.weights.dtype
 
 
-def plan_servers(cfg, alloc: Allocation) -> tuple[str, list[ServerSpec]]:
+def plan_servers(cfg, alloc: Allocation) -> tuple[str, list[ServerLaunch]]:
     """(server kind, servers) for the rollout nodes."""
     L = cfg.launch
     gpus = alloc.gpus_per_node if alloc.rollout_gpus_per_node is None else alloc.rollout_gpus_per_node
@@ -165,11 +165,11 @@ def plan_servers(cfg, alloc: Allocation) -> tuple[str, list[ServerSpec]]:
                 argv = [alloc.python, "-m", "megarl.server", "--model", cfg.model.hf_path,
                         "--host", host, "--port", str(port), "--dtype", serving_dtype(cfg),
                         "--threads", str(cfg.rollout.server_threads)]
-            servers.append(ServerSpec(node, i, host, port, tuple(argv + list(L.server_args)), env))
+            servers.append(ServerLaunch(node, i, host, port, tuple(argv + list(L.server_args)), env))
     return kind, servers
 
 
-def plan_router(cfg, alloc: Allocation, servers: list[ServerSpec]) -> Optional[ServerSpec]:
+def plan_router(cfg, alloc: Allocation, servers: list[ServerLaunch]) -> Optional[ServerLaunch]:
     L = cfg.launch
     if not L.router or not servers:
         return None
@@ -177,10 +177,10 @@ def plan_router(cfg, alloc: Allocation, servers: list[ServerSpec]) -> Optional[S
     host = alloc.addr(node)
     argv = [alloc.python, "-m", "sglang_router.launch_router", "--worker-urls", *[s.url for s in servers],
             "--host", host, "--port", str(L.router_port), "--policy", L.router_policy]
-    return ServerSpec(node, 0, host, L.router_port, tuple(argv))
+    return ServerLaunch(node, 0, host, L.router_port, tuple(argv))
 
 
-def plan_ranks(cfg, alloc: Allocation) -> tuple[int, list[RankSpec]]:
+def plan_ranks(cfg, alloc: Allocation) -> tuple[int, list[RankLaunch]]:
     """(ranks per node, ranks) with their Megatron coordinates."""
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     nodes = alloc.trainer_nodes
@@ -203,12 +203,12 @@ def plan_ranks(cfg, alloc: Allocation) -> tuple[int, list[RankSpec]]:
     ranks = []
     for r in range(world):
         t, p, d = rank_coords(r, tp, pp, dp)
-        ranks.append(RankSpec(r, nodes[r // per_node], r // per_node, r % per_node, t, p, d))
+        ranks.append(RankLaunch(r, nodes[r // per_node], r // per_node, r % per_node, t, p, d))
     return per_node, ranks
 
 
 def trainer_argv(alloc: Allocation, config_path: str, overrides: list[str],
-                 servers: list[ServerSpec]) -> list[str]:
+                 servers: list[ServerLaunch]) -> list[str]:
     argv = [alloc.python, "-m", "megarl.train", config_path, *overrides]
     if servers:
         argv.append("rollout.servers=[" + ",".join(s.url for s in servers) + "]")
@@ -270,7 +270,7 @@ def check_numbers(cfg, alloc: Allocation) -> None:
                         "trainer ranks would claim the same GPUs")
 
 
-def check_ports(cfg, servers: list[ServerSpec]) -> None:
+def check_ports(cfg, servers: list[ServerLaunch]) -> None:
     """The router's port is not one of the servers' on its node (plan_servers bounds their range)."""
     L = cfg.launch
     if L.router and any(s.port == L.router_port and s.node == servers[0].node for s in servers):
@@ -296,7 +296,7 @@ def make_plan(cfg, config_path: str, overrides: list[str], alloc: Allocation) ->
 
 # ----------------------------------------------------------------------------- output
 
-def rank_env(plan: Plan, r: RankSpec) -> str:
+def rank_env(plan: Plan, r: RankLaunch) -> str:
     w, a = plan.world, plan.alloc
     if a.launcher == "srun":
         pairs = [("SLURM_PROCID", r.rank), ("SLURM_LOCALID", r.local_rank), ("SLURM_NODEID", r.node_index),
@@ -375,7 +375,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def hosts(flag: str, text: str) -> tuple[str, ...]:
     """The expanded hostlist of a flag; PlanError naming the flag when it is malformed."""
-    from megarl.hostlist import expand_nodelist
+    from megarl.launch.hostlist import expand_nodelist
 
     if not text:
         return ()
