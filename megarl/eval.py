@@ -144,7 +144,7 @@ def export_hf(ckpt: str, out: str) -> str:
 def local_servers(cfg, model_dir: str, log_dir: str):
     """rollout.local_servers servers of rollout.engine on ``model_dir``, as the rollout manager
     starts them (flags, threads, CPUs), without a weights root: nothing is pushed to them."""
-    from megarl.rollout.local import LocalCluster
+    from megarl.rollout.local import LocalServers
 
     r = cfg.rollout
     cpus = set(r.server_cpus) & os.sched_getaffinity(0) if r.server_cpus else None
@@ -152,7 +152,7 @@ def local_servers(cfg, model_dir: str, log_dir: str):
     if r.engine == "sglang":
         from megarl.rollout.sglang_local import SGLangLauncher
         launcher = SGLangLauncher(model_dir, list(r.server_args), threads=r.server_threads)
-    return LocalCluster(model_dir, r.local_servers, log_dir, extra=["--threads", r.server_threads, *r.server_args],
+    return LocalServers(model_dir, r.local_servers, log_dir, extra=["--threads", r.server_threads, *r.server_args],
                         cpus=cpus, launcher=launcher, ready_timeout_s=r.health_timeout_s)
 
 
