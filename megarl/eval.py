@@ -25,25 +25,15 @@ import sys
 import tempfile
 import time
 
-from megarl.common.cli import pop_debug, run_main
+from megarl.common.cli import config_args, pop_debug, run_main
 from megarl.config import ConfigError, load_config
 
 PROG = "megarl-eval"
 
 
-def parse_args(argv: list[str]) -> tuple[str, list[str]]:
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        raise SystemExit(0)
-    if not argv or argv[0].startswith("-"):
-        print(f"{PROG}: usage: {PROG} CONFIG.yaml [a.b=c ...] [--debug] (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-    return argv[0], argv[1:]
-
-
 def main(argv: list[str] | None = None) -> int:
     argv, debug = pop_debug(sys.argv[1:] if argv is None else argv)
-    path, overrides = parse_args(argv)
+    path, overrides = config_args(PROG, __doc__, argv)
     return run_main(PROG, lambda: run(path, overrides), debug, expected=(ConfigError,), code=2)
 
 

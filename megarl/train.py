@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from megarl.common.cli import DEBUG_FLAG, pop_debug, run_main
+from megarl.common.cli import DEBUG_FLAG, config_args, pop_debug, run_main
 from megarl.config import ConfigError, load_config, save_config
 from megarl.common.signals import StopRequest, clear_stop_marker, dump_stacks_on_sigusr2, write_stop_marker
 
@@ -30,16 +30,6 @@ CONSOLE_KEYS = {
     "rl": ["reward", "eval_accuracy", "loss", "staleness_max", "trainer_idle_ratio",
            "rollout_idle_ratio", "step_time"],
 }
-
-
-def parse_args(argv: list[str]) -> tuple[str, list[str]]:
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        raise SystemExit(0)
-    if not argv or argv[0].startswith("-"):
-        print(f"{PROG}: usage: {PROG} CONFIG.yaml [a.b=c ...] [--debug] (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-    return argv[0], argv[1:]
 
 
 def run_sft(cfg, ps, engine, logger, ckpt, stop: StopRequest) -> None:
@@ -63,7 +53,7 @@ def run_sft(cfg, ps, engine, logger, ckpt, stop: StopRequest) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv, debug = pop_debug(sys.argv[1:] if argv is None else argv)
-    path, overrides = parse_args(argv)
+    path, overrides = config_args(PROG, __doc__, argv)
     return run_main(PROG, lambda: launch(path, overrides, debug), debug, expected=(ConfigError,), code=2)
 
 

@@ -66,3 +66,15 @@ def run_main(prog: str, fn: Callable[[], int], debug: bool,
         known = isinstance(e, expected)
         print(one_line(prog, e, known), file=sys.stderr, flush=True)
         return code if known else 1
+
+
+def config_args(prog: str, doc: str, argv: list[str]) -> tuple[str, list[str]]:
+    """``CONFIG.yaml [a.b=c ...]`` of an entry that takes a run config (megarl-train, megarl-eval):
+    ``-h`` prints ``doc``; no config is the usage line and exit 2."""
+    if argv and argv[0] in ("-h", "--help"):
+        print(doc)
+        raise SystemExit(0)
+    if not argv or argv[0].startswith("-"):
+        print(f"{prog}: usage: {prog} CONFIG.yaml [a.b=c ...] [--debug] (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+    return argv[0], argv[1:]

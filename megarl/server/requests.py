@@ -141,6 +141,28 @@ def _token_list(v: Any, where: str, vocab: int) -> list[int]:
     return v
 
 
+def parse_inputs(body: dict, vocab: int, tokenizer) -> tuple[list[list[int]], bool]:
+    """(token id lists, is_batch) of a body's ``input_ids`` or ``text`` (one of them; a single
+    input or a batch), as /generate and /classify take them. BadRequest naming the field."""
+    has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
+    if has_ids == has_text:
+        raise BadRequest("exactly one of input_ids or text is required")
+    if has_ids:
+        ids = body["input_ids"]
+        is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        seqs = ([_token_list(s, f"input_ids[{i}]", vocab) for i, s in enumerate(ids)] if is_batch
+                else [_token_list(ids, "input_ids", vocab)])
+        return seqs, is_batch
+    if tokenizer is None:
+        raise BadRequest("text: the model dir has no tokenizer; send input_ids")
+    text = body["text"]
+    is_batch = isinstance(text, list)
+    texts = text if is_batch else [text]
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise BadRequest("text must be a string or a non-empty list of strings")
+    return [tokenizer.encode(t, add_bos=True) for t in texts], is_batch
+
+
 def parse_generate(body: Any, vocab: int, tokenizer, context_length: int,
                    routes_enabled: bool = False) -> tuple[list[SampleRequest], bool, bool]:
     """Returns (samples, return_logprob, is_batch). Raises BadRequest naming the field.
@@ -150,24 +172,7 @@ def parse_generate(body: Any, vocab: int, tokenizer, context_length: int,
     _check_top_level(body)
     if body.get("stream"):
         raise BadRequest("stream: streaming is not supported by the CPU server")
-    has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
-    if has_ids == has_text:
-        raise BadRequest("exactly one of input_ids or text is required")
-    if has_ids:
-        ids = body["input_ids"]
-        is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-        prompts = [_token_list(p, f"input_ids[{i}]", vocab) for i, p in enumerate(ids)] if is_batch else [
-            _token_list(ids, "input_ids", vocab)
-        ]
-    else:
-        if tokenizer is None:
-            raise BadRequest("text: the model dir has no tokenizer; send input_ids")
-        text = body["text"]
-        is_batch = isinstance(text, list)
-        texts = text if is_batch else [text]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise BadRequest("text must be a string or a non-empty list of strings")
-        prompts = [tokenizer.encode(t, add_bos=True) for t in texts]
+    prompts, is_batch = parse_inputs(body, vocab, tokenizer)
     sp = body.get("sampling_params")
     if isinstance(sp, list):
         if len(sp) != len(prompts):

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from megarl.server.requests import BadRequest, _token_list
+from megarl.server.requests import BadRequest, parse_inputs
 from megarl.server.state import ServerState, on_engine, read_body
 
 # EmbeddingReqInput fields this server reads; the others SGLang accepts as no-ops here
@@ -47,23 +47,7 @@ def parse_classify(body: Any, vocab: int, tokenizer, context_length: int) -> tup
     unknown = sorted(k for k in body if k not in _KNOWN and k not in _IGNORED)
     if unknown:
         raise BadRequest(f"unknown field(s) {unknown} (known: {', '.join(sorted(_KNOWN))})")
-    has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
-    if has_ids == has_text:
-        raise BadRequest("exactly one of input_ids or text is required")
-    if has_ids:
-        ids = body["input_ids"]
-        is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-        seqs = ([_token_list(s, f"input_ids[{i}]", vocab) for i, s in enumerate(ids)] if is_batch
-                else [_token_list(ids, "input_ids", vocab)])
-    else:
-        if tokenizer is None:
-            raise BadRequest("text: the model dir has no tokenizer; send input_ids")
-        text = body["text"]
-        is_batch = isinstance(text, list)
-        texts = text if is_batch else [text]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise BadRequest("text must be a string or a non-empty list of strings")
-        seqs = [tokenizer.encode(t, add_bos=True) for t in texts]
+    seqs, is_batch = parse_inputs(body, vocab, tokenizer)
     for i, s in enumerate(seqs):
         if not s:
             raise BadRequest(f"text[{i}]: encodes to no tokens")
