@@ -24,6 +24,7 @@ import asyncio
 import collections
 import itertools
 import math
+import queue
 import threading
 import time
 from typing import Any, Optional, Protocol
@@ -43,14 +44,17 @@ class RewardError(RuntimeError):
 
 
 class _DaemonThreads:
-    """Sync reward functions, one daemon thread per call: a call that hangs past its timeout
-    keeps only its own thread (a fixed pool would let hung calls starve the ones queued behind
-    them), and a daemon thread cannot keep the process alive after the run ends. At most
-    `cap` calls run at once; beyond that (hung verifiers piling up) a call fails at once."""
+    """Sync reward functions on daemon threads, one per running call: a call that hangs past its
+    timeout keeps only its own thread (a fixed pool would let hung calls starve the ones queued
+    behind them), and a daemon thread cannot keep the process alive after the run ends. A thread
+    whose call returned parks for the next call (`idle_s` at most), so a busy run does not start
+    a thread per sample. At most `cap` calls run at once; beyond that (hung verifiers piling up)
+    a call fails at once."""
 
-    def __init__(self, cap: int, name: str):
-        self.cap, self.name = cap, name
+    def __init__(self, cap: int, name: str, idle_s: float = 30.0):
+        self.cap, self.name, self.idle_s = cap, name, idle_s
         self._running = 0
+        self._idle: list[queue.SimpleQueue] = []  # inboxes of parked threads
         self._lock = threading.Lock()
 
     def submit(self, fn, *args) -> asyncio.Future:
@@ -60,21 +64,39 @@ class _DaemonThreads:
             if self._running >= self.cap:
                 raise RuntimeError(f"{self._running} reward calls still running (hung verifier?)")
             self._running += 1
-        threading.Thread(target=self._work, args=(loop, fut, fn, args), name=self.name, daemon=True).start()
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._work, args=(inbox,), name=self.name, daemon=True).start()
+        inbox.put((loop, fut, fn, args))
         return fut
 
-    def _work(self, loop, fut, fn, args) -> None:
-        try:
-            value, ok = fn(*args), True
-        except BaseException as e:  # noqa: BLE001 - delivered to the awaiting caller
-            value, ok = e, False
-        finally:
+    def _work(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            try:
+                loop, fut, fn, args = inbox.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if inbox in self._idle:  # nobody took this thread meanwhile: it ends
+                        self._idle.remove(inbox)
+                        return
+                loop, fut, fn, args = inbox.get()  # taken just now: its call is on the way
+            try:
+                value, ok = fn(*args), True
+            except BaseException as e:  # noqa: BLE001 - delivered to the awaiting caller
+                value, ok = e, False
             with self._lock:
                 self._running -= 1
-        deliver(loop, fut, ok, value)
+                self._idle.append(inbox)
+            deliver(loop, fut, ok, value)
+
+    def threads(self) -> int:
+        """Threads alive for reward calls: running ones plus parked ones."""
+        with self._lock:
+            return self._running + len(self._idle)
 
     def shutdown(self) -> None:
-        pass  # nothing pooled: running calls are daemon threads
+        pass  # parked threads end after idle_s; running calls are daemon threads
 
 
 class RewardCaller:

@@ -14,6 +14,9 @@ Generation: `await client.agenerate(ModelRequest) -> ModelResponse`.
         finish_reason stop|length -> done; abort -> resubmit (weight update), unless this client
         aborted the request or too many aborts in a row brought no token
 
+    agenerate_n (a group): the n first segments in one batched POST /generate (lists of
+    input_ids, sampling_params and rids), then each sample on its own as above if interrupted
+
 Versions: each token gets the version the server reports for it - ``meta_info.weight_versions``
 as SGLang's spans ``[{"version", "start", "end"}]`` or megarl-server's per-token list, else the
 segment's ``meta_info.weight_version`` - parsed as an int; a non-numeric version maps to the
@@ -67,6 +70,7 @@ class RolloutClient(HttpClient):
         max_idle_aborts: int = 16,
         timeline=None,
         routed_experts: Optional[tuple[int, int]] = None,
+        group_requests: bool = True,
     ):
         super().__init__(addresses, api_key, connect_timeout)
         self.version_fn = version_fn
@@ -81,6 +85,7 @@ class RolloutClient(HttpClient):
         self.stats: collections.Counter = collections.Counter()  # segments, retries, resubmits, ...
         self.timeline = timeline  # optional span recorder (megarl.common.timeline.Timeline)
         self.routed_experts = routed_experts  # (layers, top_k): ask for and decode MoE routing
+        self.group_requests = group_requests  # a group's first segments in one batched /generate
         self._inflight = self._atomic_inflight = 0
         self._busy_since, self._busy_total = 0.0, 0.0
         self._drained: Optional[asyncio.Event] = None
@@ -154,7 +159,7 @@ class RolloutClient(HttpClient):
         return min(order, key=lambda s: s.inflight)
 
     # ---- generation ----------------------------------------------------------------------------------
-    async def _segment(self, payload: dict, prefer: Optional[Server], rid: str,
+    async def _segment(self, payload: dict, prefer: Optional[Server], rid: "str | list[str]",
                        atomic: bool = False) -> tuple[Server, dict]:
         attempt, avoid = 0, None
         while True:
@@ -166,7 +171,10 @@ class RolloutClient(HttpClient):
                 attempt += 1
                 continue
             srv.inflight += 1
-            self._active[rid] = (srv, payload["rid"])
+            if isinstance(rid, list):  # a group's batch: each sample aborts by its own rid
+                self._active.update(zip(rid, ((srv, r) for r in payload["rid"])))
+            else:
+                self._active[rid] = (srv, payload["rid"])
             self._busy(+1, atomic)
             t0 = time.time()
             call = asyncio.ensure_future(self._call(srv, "POST", "/generate", payload, self.request_timeout))
@@ -182,7 +190,8 @@ class RolloutClient(HttpClient):
                     raise
                 self._mark_ok(srv)
                 if self.timeline is not None:
-                    n = len(res.get("output_ids") or []) if isinstance(res, dict) else 0
+                    outs = res if isinstance(res, list) else [res]
+                    n = sum(len(r.get("output_ids") or []) for r in outs if isinstance(r, dict))
                     self.timeline.record("generate", t0, time.time(), lane=srv.address, tokens=n)
                 return srv, res
             except Transient as e:
@@ -289,47 +298,65 @@ class RolloutClient(HttpClient):
         except ValueError as e:
             raise RolloutError(f"/generate from {srv.address}: {e}") from None
 
-    async def agenerate(self, req: ModelRequest) -> ModelResponse:
-        """Generate one sample to completion across interruptions (see module docstring)."""
-        t0 = time.perf_counter()
-        sp: SamplingParams = req.sampling
+    def _new_response(self, req: ModelRequest) -> ModelResponse:
         resp = ModelResponse(input_tokens=list(req.input_ids), rid=req.rid, num_segments=0)
         if self.routed_experts is not None:
             layers, top_k = self.routed_experts
             resp.routed_experts = RoutedExperts(np.zeros((0, layers, top_k), np.int32),
                                                 np.zeros((0, layers, top_k), np.float32))
+        return resp
+
+    def _take(self, resp: ModelResponse, res: dict, srv: Server) -> tuple[str, dict, int]:
+        """Appends one segment's tokens, logprobs, versions (and routes) to ``resp``; returns
+        (finish type, finish_reason, tokens it brought)."""
+        resp.server = srv.address
+        resp.num_segments += 1
+        self.stats["segments"] += 1
+        ids, lps, vers, finish = self._parse(res)
+        self.stats["tokens"] += len(ids)
+        resp.output_tokens += ids
+        resp.output_logprobs += lps
+        resp.output_versions += vers
+        resp.text = res.get("text")
+        if resp.routed_experts is not None:
+            resp.routed_experts = resp.routed_experts.extend(self._routes(res, srv))
+        return finish.get("type"), finish, len(ids)
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate one sample to completion across interruptions (see module docstring)."""
+        return await self._complete(req, self._new_response(req), time.perf_counter())
+
+    async def _complete(self, req: ModelRequest, resp: ModelResponse, t0: float,
+                        first: Optional[tuple[Server, dict]] = None) -> ModelResponse:
+        """Segments until ``resp`` is finished; ``first``: a segment already answered (the
+        group's shared first request) to take before sending any."""
+        sp: SamplingParams = req.sampling
         prefer: Optional[Server] = None
         idle_aborts = 0
         try:
             while True:
-                remaining = sp.max_new_tokens - len(resp.output_tokens)
-                if remaining <= 0:
-                    resp.stop_reason = "length"
-                    break
-                await self._gate().wait()
-                # a resubmission is prompt + every token so far: the new segment continues the
-                # sample, and its tokens are stamped with the version the server now holds
-                payload = {
-                    "input_ids": resp.input_tokens + resp.output_tokens,
-                    "sampling_params": sp.to_json(max_new_tokens=remaining),
-                    "return_logprob": True,
-                    "rid": f"{req.rid}#{resp.num_segments}",
-                }
-                if self.routed_experts is not None:
-                    payload["return_routed_experts"] = True
-                srv, res = await self._segment(payload, prefer, req.rid, bool(req.metadata.get("atomic")))
-                prefer, resp.server = srv, srv.address
-                resp.num_segments += 1
-                self.stats["segments"] += 1
-                ids, lps, vers, finish = self._parse(res)
-                self.stats["tokens"] += len(ids)
-                resp.output_tokens += ids
-                resp.output_logprobs += lps
-                resp.output_versions += vers
-                resp.text = res.get("text")
-                if resp.routed_experts is not None:
-                    resp.routed_experts = resp.routed_experts.extend(self._routes(res, srv))
-                kind = finish.get("type")
+                if first is not None:
+                    srv, res = first
+                    first = None
+                else:
+                    remaining = sp.max_new_tokens - len(resp.output_tokens)
+                    if remaining <= 0:
+                        resp.stop_reason = "length"
+                        break
+                    await self._gate().wait()
+                    # a resubmission is prompt + every token so far: the new segment continues the
+                    # sample, and its tokens are stamped with the version the server now holds
+                    payload = {
+                        "input_ids": resp.input_tokens + resp.output_tokens,
+                        "sampling_params": sp.to_json(max_new_tokens=remaining),
+                        "return_logprob": True,
+                        "rid": f"{req.rid}#{resp.num_segments}",
+                    }
+                    if self.routed_experts is not None:
+                        payload["return_routed_experts"] = True
+                    srv, res = await self._segment(payload, prefer, req.rid, bool(req.metadata.get("atomic")))
+                prefer = srv
+                kind, finish, brought = self._take(resp, res, srv)
                 if kind in ("stop", "length"):
                     resp.stop_reason, resp.stop_matched = kind, finish.get("matched")
                     break
@@ -340,7 +367,7 @@ class RolloutClient(HttpClient):
                     break
                 # aborts that bring no token mean the server keeps pausing before this request
                 # runs; give up after max_idle_aborts instead of spinning through every push
-                idle_aborts = 0 if ids else idle_aborts + 1
+                idle_aborts = 0 if brought else idle_aborts + 1
                 if idle_aborts > self.max_idle_aborts:
                     log.warning("%s: %d aborts in a row without progress (%s)", req.rid, idle_aborts, finish)
                     resp.stop_reason = "abort"
@@ -355,14 +382,43 @@ class RolloutClient(HttpClient):
         return resp
 
     async def agenerate_n(self, req: ModelRequest, n: int) -> list[ModelResponse]:
-        """Group sampling: n independent samples of one prompt (seeds derived when seeded)."""
+        """Group sampling: n independent samples of one prompt (seeds derived when seeded).
+
+        The group's first segments go out as one batched /generate (``input_ids`` and
+        ``sampling_params`` as lists, one ``rid`` per sample: SGLang's batch form, which
+        megarl-server takes too): one HTTP request and one response parse per group instead of
+        per sample. A sample a weight update interrupts continues on its own, as in `agenerate`."""
         reqs = []
         for i in range(n):
             sp = SamplingParams(**{**req.sampling.__dict__})
             if sp.seed is not None:
                 sp.seed = sp.seed * 1_000_003 + i
             reqs.append(ModelRequest(list(req.input_ids), sp, f"{req.rid}-{i}", dict(req.metadata)))
-        return list(await asyncio.gather(*(self.agenerate(r) for r in reqs)))
+        if n == 1 or not self.group_requests or req.sampling.max_new_tokens <= 0:
+            return list(await asyncio.gather(*(self.agenerate(r) for r in reqs)))
+        t0 = time.perf_counter()
+        resps = [self._new_response(r) for r in reqs]
+        await self._gate().wait()
+        payload = {"input_ids": [list(r.input_ids) for r in reqs],
+                   "sampling_params": [r.sampling.to_json(max_new_tokens=r.sampling.max_new_tokens) for r in reqs],
+                   "return_logprob": True, "rid": [f"{r.rid}#0" for r in reqs]}
+        if self.routed_experts is not None:
+            payload["return_routed_experts"] = True
+        rids = [r.rid for r in reqs]
+        try:
+            srv, res = await self._segment(payload, None, rids, bool(req.metadata.get("atomic")))
+        except BaseException:
+            for rid in rids:
+                self._active.pop(rid, None)
+                self._cancelled.discard(rid)
+            raise
+        if not isinstance(res, list) or len(res) != n:
+            for rid in rids:
+                self._active.pop(rid, None)
+            raise RolloutError(f"batched /generate from {srv.address}: expected a list of {n} results, "
+                               f"got {type(res).__name__}")
+        return list(await asyncio.gather(*(self._complete(r, resp, t0, (srv, one))
+                                           for r, resp, one in zip(reqs, resps, res))))
 
     async def abort(self, rid: str) -> None:
         """Stop one request: it returns with stop_reason 'abort' and its partial output."""

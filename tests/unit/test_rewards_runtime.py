@@ -184,3 +184,30 @@ def test_a_hung_sync_reward_does_not_keep_the_process_alive():
             "print(asyncio.run(RewardCaller(hang, timeout_s=0.2, on_error_value=-1.0)('p', 'c', {})))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "-1.0", proc.stderr
+
+
+def test_reward_threads_are_reused_and_a_hung_call_keeps_only_its_own():
+    """A returned call's thread takes the next call (a busy run does not start a thread per
+    sample); a hung call holds its own thread only, so the calls after it still run."""
+    release = threading.Event()
+    names = []
+
+    def fn(prompt, completion, meta):
+        names.append(threading.current_thread().ident)
+        if completion == "hang":
+            release.wait()
+        return 1.0
+
+    async def main():
+        caller = RewardCaller(fn, timeout_s=0.3, on_error_value=-1.0)
+        for _ in range(20):  # one at a time: one thread serves all 20
+            assert await caller("p", "ok", {}) == 1.0
+        first = set(names)
+        assert await caller.many("p", ["hang", "ok", "ok"], {}) == [-1.0, 1.0, 1.0]
+        busy = caller._threads.threads()
+        release.set()
+        return first, busy
+
+    first, busy = run(main())
+    assert len(first) == 1
+    assert busy <= 3  # the hung call's thread plus at most two for the others

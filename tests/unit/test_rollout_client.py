@@ -212,3 +212,47 @@ def test_routed_experts_decode_checks_and_errors():
 
     with pytest.raises(RolloutError, match="enable-return-routed-experts"):
         run(main())
+
+
+def test_a_group_goes_out_as_one_batched_request_and_interrupted_samples_continue_alone():
+    """agenerate_n sends the group's first segments as one /generate (lists of input_ids,
+    sampling_params with per-sample seeds, and rids); a sample the push aborted is resubmitted on
+    its own with its tokens so far, and its versions follow its segments."""
+    def script(fake, body):
+        if isinstance(body["input_ids"][0], list):  # the group's batch: sample 1 is interrupted
+            return 200, [sglang_reply([10, 11], {"type": "abort", "message": "paused"}, "3") if i == 1
+                         else sglang_reply([7] * sp["max_new_tokens"], {"type": "length"}, "3")
+                         for i, sp in enumerate(body["sampling_params"])]
+        mx = body["sampling_params"]["max_new_tokens"]
+        return 200, sglang_reply([20] * mx, {"type": "length"}, "4")
+
+    async def main():
+        fake = await Fake(script).start()
+        async with RolloutClient([fake.url]) as c:
+            out = await c.agenerate_n(ModelRequest([1, 2], SamplingParams(max_new_tokens=5, seed=9)), 3)
+        await fake.runner.cleanup()
+        return fake, out
+
+    fake, out = run(main())
+    batch, resubmit = fake.calls
+    assert batch["input_ids"] == [[1, 2]] * 3 and len(batch["rid"]) == 3 == len(set(batch["rid"]))
+    assert [sp["sampling_seed"] for sp in batch["sampling_params"]] == \
+        [9 * 1_000_003 + i for i in range(3)]
+    assert resubmit["input_ids"] == [1, 2, 10, 11] and resubmit["sampling_params"]["max_new_tokens"] == 3
+    assert [r.output_tokens for r in out] == [[7] * 5, [10, 11, 20, 20, 20], [7] * 5]
+    assert out[1].output_versions == [3, 3, 4, 4, 4] and out[1].num_segments == 2
+    assert [r.num_segments for r in (out[0], out[2])] == [1, 1]
+    assert all(r.stop_reason == "length" for r in out)
+
+
+def test_a_batched_reply_of_the_wrong_length_is_an_error_naming_the_server():
+    async def main():
+        fake = await Fake(lambda f, b: (200, [sglang_reply([1], {"type": "length"}, "0")])).start()
+        try:
+            async with RolloutClient([fake.url]) as c:
+                with pytest.raises(RolloutError, match=f"batched /generate from {fake.url}: expected a list of 2"):
+                    await c.agenerate_n(ModelRequest([1], SamplingParams(max_new_tokens=1)), 2)
+        finally:
+            await fake.runner.cleanup()
+
+    run(main())

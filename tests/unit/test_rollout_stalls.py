@@ -36,7 +36,8 @@ class Tok:
 
 
 class _Generate(BaseHTTPRequestHandler):
-    """/generate: three tokens and EOS (``refuse``: HTTP 400 with SGLang's error body)."""
+    """/generate: three tokens and EOS for each prompt of the body, a list for a batch as SGLang
+    answers (``refuse``: HTTP 400 with SGLang's error body)."""
 
     refuse = False
     calls = 0
@@ -45,15 +46,16 @@ class _Generate(BaseHTTPRequestHandler):
         pass
 
     def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
+        ids = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["input_ids"]
         type(self).calls += 1
         if self.refuse:
             code, body = 400, {"object": "error", "message": REFUSAL, "code": 400}
         else:
-            ids = [4, 5, 2]
-            code, body = 200, {"output_ids": ids, "text": "12", "meta_info": {
+            out = [4, 5, 2]
+            one = {"output_ids": out, "text": "12", "meta_info": {
                 "finish_reason": {"type": "stop"}, "weight_version": "0",
-                "output_token_logprobs": [[-0.5, t, None] for t in ids]}}
+                "output_token_logprobs": [[-0.5, t, None] for t in out]}}
+            code, body = 200, ([one] * len(ids) if isinstance(ids[0], list) else one)
         data = json.dumps(body).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
@@ -122,7 +124,7 @@ def test_silent_server_is_a_stall_naming_the_phase_and_the_server(silent_server)
     assert 2.0 <= time.monotonic() - t0 < 5.0
     msg = str(e.value)
     assert "\n" not in msg and "0/2 groups after 2 s of waiting for the step (train.stall_timeout_s)" in msg
-    assert "phase: generate" in msg and f"{silent_server} (8)" in msg  # 4 episodes x 2 samples
+    assert "phase: generate" in msg and f"{silent_server} (4)" in msg  # 4 episodes, one batched request each
     assert "4 episode(s) running" in msg
 
 
