@@ -82,11 +82,6 @@ class ModelArgs:
         on = self.window_layers or (True,) * self.num_layers
         return tuple(self.sliding_window if self.sliding_window and w else None for w in on)
 
-    @property
-    def spec(self) -> Architecture:
-        """This architecture's row of the one table."""
-        return ARCHITECTURES[self.architecture]
-
 
 # ----------------------------------------------------------------------------- the reader
 
