@@ -12,7 +12,6 @@ megarl-train and megarl-launch reject a bad layout before paying for it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import TYPE_CHECKING
 
@@ -28,24 +27,6 @@ _IGNORED_HF = ("rotary_emb.inv_freq",)
 
 # ----------------------------------------------------------------------------- a config vs config.json
 
-def _check_shape_fields(path: str) -> None:
-    """The config.json fields the layout checks divide by must be positive integers (a string or
-    a bool there would otherwise surface as a formatting TypeError)."""
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except FileNotFoundError:
-        return  # read_model_args names the missing file
-    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
-        raise ConfigError(f"model.hf_path: cannot read {path}: {e}") from None
-    if not isinstance(hf, dict):
-        raise ConfigError(f"model.hf_path: {path} must hold a JSON object")
-    for key in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers"):
-        v = hf.get(key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ConfigError(f"model.hf_path: {path}: {key} must be a positive integer, got {v!r}")
-
-
 def check_against_model(cfg) -> None:
     """Checks of a loaded `Config` that need the HF config.json of ``model.hf_path``: TP vs heads
     and query groups, the pipeline split of the layers (uneven first/last stages included), EP vs
@@ -54,7 +35,6 @@ def check_against_model(cfg) -> None:
     from megarl.models import stages
     from megarl.protocol.hf_model import read_model_args
 
-    _check_shape_fields(os.path.join(cfg.model.hf_path, "config.json"))
     try:
         args = read_model_args(cfg.model.hf_path)
     except FileNotFoundError:

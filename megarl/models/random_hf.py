@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from megarl.models.layouts import hf_shapes
-from megarl.protocol.hf_model import read_model_args
+from megarl.protocol.hf_model import ARCHITECTURES, read_model_args
 
 TINY = {
     "LlamaForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
@@ -30,10 +30,7 @@ def tiny_config(arch: str = "LlamaForCausalLM", **overrides) -> dict:
         "intermediate_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "max_position_embeddings": 256, "initializer_range": 0.02, "torch_dtype": "float32",
         "bos_token_id": 1, "eos_token_id": 2,
-        "model_type": {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                       "Qwen3ForCausalLM": "qwen3",
-                       "MistralForCausalLM": "mistral",
-                       "Qwen3MoeForCausalLM": "qwen3_moe"}.get(arch, "llama"),
+        "model_type": ARCHITECTURES[arch].model_type if arch in ARCHITECTURES else "llama",
     }
     cfg.update(TINY.get(arch, {}))
     cfg.update(overrides)

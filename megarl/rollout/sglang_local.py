@@ -29,12 +29,13 @@ from typing import Optional, Sequence
 from megarl.common.errors import ConfigError
 from megarl.common.signals import owned_child_setup
 from megarl.config.server_flags import sglang_flags
+from megarl.protocol.architectures import ARCHITECTURES
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STANDIN_KERNEL = os.path.join(REPO, "tools", "sglang_cpu", "sgl_kernel_cpu")
 VERSION = "0.5.23"
-# SGLang model modules for the architectures megarl converts (megarl/protocol/hf_model.py).
-MEGARL_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe")
+# SGLang model modules (HF model_type) of the architectures in megarl's one table
+MEGARL_ARCHS = tuple(dict.fromkeys(a.model_type for a in ARCHITECTURES.values()))
 
 def venv_dir() -> str:
     return os.environ.get("MEGARL_SGLANG_VENV") or os.path.expanduser("~/.cache/megarl/sglang-venv")

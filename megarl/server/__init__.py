@@ -128,15 +128,7 @@ def build_model(model_dir: str, dtype: str, context_length: Optional[int], devic
     from megarl.server.model import CausalLM, DecoderConfig
     from megarl.server.weights import parse_dtype, read_hf_dir
 
-    config = os.path.join(model_dir, "config.json")
-    try:
-        cfg = DecoderConfig.from_dir(model_dir)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{config}: not found (an HF model directory needs config.json)") from None
-    except KeyError as e:
-        raise ValueError(f"{config}: {e.args[0]!r} is missing") from None
-    except (ValueError, TypeError, AttributeError) as e:  # ValueError: bad JSON, unsupported model
-        raise ValueError(f"{config}: {e}") from None
+    cfg = DecoderConfig.from_dir(model_dir)  # errors name config.json and the field
     if enable_return_routed_experts and cfg.moe is None:
         raise ValueError(f"--enable-return-routed-experts: {cfg.architecture} has no experts")
     ctx = context_limit(cfg, context_length)

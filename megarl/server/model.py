@@ -9,7 +9,8 @@ recomputation to <= 1e-5. So everything is plain torch, in the HF conventions:
 - RoPE "rotate half": ``q * cos + rotate_half(q) * sin`` with ``inv_freq = theta^(-2i/d)``;
 - GQA: ``num_key_value_heads`` K/V heads, each shared by ``heads / kv_heads`` query heads;
 - SwiGLU MLP ``down(silu(gate(x)) * up(x))``; logits are cast to fp32 before any softmax;
-- sliding-window attention per layer (`layer_windows`, transformers' rules in `_layer_windows`):
+- sliding-window attention per layer (`layer_windows`, transformers' rules in
+  `megarl.protocol.hf_model._layer_windows`):
   query i attends to keys j with ``i - W < j <= i``, in prefill and in decode (the cache keeps
   every position; a decode step reads only the last W of a windowed layer).
 
@@ -24,48 +25,23 @@ requests in slots 0..B-1, so a decode step reads the views ``k[:B, :, :T]``.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from megarl.server.moe import MOE_ARCHITECTURES, MoEShape, Routes, alloc_layer, moe_mlp
+from megarl.protocol.hf_model import SERVER, ModelArgs, model_args_from_config, read_model_args
+from megarl.server.moe import MoEShape, Routes, alloc_layer, moe_mlp
 from megarl.server.tp import TPGroup, assemble, full_shape, local_slice, shard_config
-
-
-@dataclass(frozen=True)
-class ArchTraits:
-    """What differs between the supported HF architectures."""
-
-    qkv_bias: Optional[bool]  # None: follow config["attention_bias"]
-    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
-    window: str = "none"  # how transformers picks windowed layers, see `_layer_windows`
-
-
-ARCHITECTURES: dict[str, ArchTraits] = {
-    "LlamaForCausalLM": ArchTraits(qkv_bias=None, qk_norm=False),
-    "MistralForCausalLM": ArchTraits(qkv_bias=False, qk_norm=False, window="all"),  # no biases at all
-    "Qwen2ForCausalLM": ArchTraits(qkv_bias=True, qk_norm=False, window="from_max_window_layers"),
-    "Qwen3ForCausalLM": ArchTraits(qkv_bias=None, qk_norm=True, window="from_max_window_layers"),
-    "Qwen3MoeForCausalLM": ArchTraits(qkv_bias=None, qk_norm=True, window="all_if_used"),
-    "Qwen2MoeForCausalLM": ArchTraits(qkv_bias=True, qk_norm=False, window="even_below_max_window_layers"),
-}
-
-# HF sequence classifiers (reward models): the decoder of the causal LM named here, and a `score`
-# head [num_labels, hidden] in place of lm_head (served on /classify, `megarl.server.reward`)
-SEQUENCE_CLASSIFIERS: dict[str, str] = {
-    "LlamaForSequenceClassification": "LlamaForCausalLM",
-    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
-}
 
 
 @dataclass
 class DecoderConfig:
-    """The fields of an HF config.json that the forward needs."""
+    """What the forward needs of the HF model description (`from_args`; config.json is read by
+    `megarl.protocol.hf_model.read_model_args`, the architecture's row is in
+    `megarl.protocol.architectures`)."""
 
     architecture: str
     vocab_size: int
@@ -92,83 +68,43 @@ class DecoderConfig:
     pad_token_id: Optional[int] = None  # a classifier scores the last token that is not this one
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "DecoderConfig":
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else None
-        base = SEQUENCE_CLASSIFIERS.get(arch, arch)
-        if base not in ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r} in config.json; supported: "
-                             f"{sorted([*ARCHITECTURES, *SEQUENCE_CLASSIFIERS])}")
-        spec = ARCHITECTURES[base]
-        classifier = arch in SEQUENCE_CLASSIFIERS
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} (only 'silu')")
-        heads = int(cfg["num_attention_heads"])
-        layers = int(cfg["num_hidden_layers"])
-        if spec.qkv_bias is True and "qkv_bias" in cfg:  # Qwen2-MoE names its switch qkv_bias
-            spec = ArchTraits(bool(cfg["qkv_bias"]), spec.qk_norm, spec.window)
-        attention_bias = bool(cfg.get("attention_bias", False))
-        # transformers >= 5 writes RoPE settings into "rope_parameters"; older configs at top level
-        rope = cfg["rope_parameters"] if isinstance(cfg.get("rope_parameters"), dict) else {}
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    def from_args(cls, args: ModelArgs) -> "DecoderConfig":
+        """The forward's view of the one HF model description (`megarl.protocol.hf_model`)."""
         return cls(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rope_scaling=cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not classifier,
-            qkv_bias=attention_bias if spec.qkv_bias is None else spec.qkv_bias,
-            o_bias=attention_bias and base in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=spec.qk_norm,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
-            layer_windows=_layer_windows(spec.window, cfg, layers),
-            moe=MoEShape.from_hf(arch, cfg, layers) if arch in MOE_ARCHITECTURES else None,
-            # transformers: num_labels = len(id2label), 2 when a config names no labels
-            num_labels=(len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))) if classifier else 0,
-            pad_token_id=cfg.get("pad_token_id") if classifier else None,
+            architecture=args.architecture,
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            intermediate_size=args.ffn_hidden_size,
+            num_layers=args.num_layers,
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            rms_norm_eps=args.rms_norm_eps,
+            rope_theta=args.rope_theta,
+            rope_scaling=args.rope_scaling,
+            tie_word_embeddings=args.tie_word_embeddings,
+            qkv_bias=args.qkv_bias,
+            o_bias=args.o_bias,
+            mlp_bias=args.mlp_bias,
+            qk_norm=args.qk_norm,
+            max_position_embeddings=args.max_position_embeddings,
+            eos_token_ids=args.eos_token_ids,
+            bos_token_id=args.bos_token_id,
+            layer_windows=args.layer_windows,
+            moe=MoEShape.from_args(args) if args.num_experts else None,
+            num_labels=args.num_labels,
+            pad_token_id=args.pad_token_id if args.num_labels else None,
         )
 
     @classmethod
+    def from_hf(cls, cfg: dict, path: str = "config.json") -> "DecoderConfig":
+        """From a parsed config.json (errors name ``path``)."""
+        return cls.from_args(model_args_from_config(cfg, path, SERVER))
+
+    @classmethod
     def from_dir(cls, path: str) -> "DecoderConfig":
-        with open(os.path.join(path, "config.json")) as f:
-            return cls.from_hf(json.load(f))
-
-
-def _layer_windows(rule: str, cfg: dict, num_layers: int) -> tuple[Optional[int], ...]:
-    """Each layer's sliding window as transformers 5 builds the model from this config.json:
-    Mistral windows every layer (its ``layer_types`` are ignored); the Qwen models window nothing
-    without ``use_sliding_window``; with it, Qwen3-MoE windows every layer and Qwen2/Qwen3/Qwen2-MoE
-    follow ``layer_types`` when the config lists them, else their ``max_window_layers`` default
-    (Qwen2/3: layers >= it; Qwen2-MoE: even-indexed layers below it)."""
-    window = cfg.get("sliding_window")
-    if rule == "none" or not window or (rule != "all" and not cfg.get("use_sliding_window")):
-        return (None,) * num_layers
-    if int(window) < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {window}")
-    types = cfg.get("layer_types")
-    if rule in ("all", "all_if_used"):
-        on = [True] * num_layers
-    elif isinstance(types, list):
-        if len(types) != num_layers:
-            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
-        on = [t == "sliding_attention" for t in types]
-    elif rule == "from_max_window_layers":
-        on = [i >= int(cfg.get("max_window_layers", 28)) for i in range(num_layers)]
-    else:  # even_below_max_window_layers (transformers' Qwen2-MoE default)
-        on = [(i + 1) % 2 == 1 and i < int(cfg.get("max_window_layers", 28)) for i in range(num_layers)]
-    return tuple(int(window) if o else None for o in on)
+        """From ``<path>/config.json``; errors are one line naming the file."""
+        return cls.from_args(read_model_args(path, SERVER))
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:

@@ -27,12 +27,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
-
 
 @dataclass(frozen=True)
 class MoEShape:
-    """The MoE fields of an HF config.json."""
+    """The MoE fields of the HF model description, as the server's MoE MLP uses them."""
 
     num_experts: int
     top_k: int
@@ -42,21 +40,11 @@ class MoEShape:
     moe_layers: tuple[bool, ...]  # per decoder layer: experts (True) or the dense MLP
 
     @classmethod
-    def from_hf(cls, arch: str, cfg: dict, num_layers: int) -> "MoEShape":
-        experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes the latter
-        if not experts:
-            raise KeyError("num_experts")
-        experts = int(experts)
-        dense_only = set(cfg.get("mlp_only_layers") or ())
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        layers = tuple(i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
-        shared = int(cfg.get("shared_expert_intermediate_size", 5632)) if arch == "Qwen2MoeForCausalLM" else 0
-        top_k = int(cfg["num_experts_per_tok"])
-        if not 1 <= top_k <= experts:
-            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
-        # absent norm_topk_prob: False, transformers' default for both (released Qwen3-MoE configs say true)
-        return cls(experts, top_k, int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", False)),
-                   shared, layers)
+    def from_args(cls, args) -> "MoEShape":
+        """From the HF model description (`megarl.protocol.hf_model.ModelArgs`)."""
+        layers = args.moe_layers or (True,) * args.num_layers
+        return cls(args.num_experts, args.moe_topk, args.moe_ffn_hidden_size, args.moe_norm_topk,
+                   args.moe_shared_ffn_hidden_size, tuple(layers))
 
 
 def alloc_layer(spec: MoEShape, hidden: int, dtype: torch.dtype, prefix: str, device="cpu"):

@@ -145,7 +145,7 @@ def test_sliding_window_is_read_like_transformers(tmp_path):
     assert (q.sliding_window, q.window_layers) == (8, (False, False, True, True))
     off = args_of("q0", "Qwen2ForCausalLM", sliding_window=131072, use_sliding_window=False)
     assert off.sliding_window is None and off.window_layers is None  # Qwen2.5 configs look like this
-    t = args_of("t", "Qwen3ForCausalLM", sliding_window=8, layer_types=[
+    t = args_of("t", "Qwen3ForCausalLM", sliding_window=8, use_sliding_window=True, layer_types=[
         "full_attention", "sliding_attention", "full_attention", "sliding_attention"])
     assert t.window_layers == (False, True, False, True)
     assert builder.transformer_config(m, tp=1, pp=1).window_size == (3, 0)
