@@ -22,7 +22,9 @@ Every --eval-every steps each side measures held-out accuracy; evaluation time i
 training wall time of both (megarl: time/eval of its rows; TRL: timed around the callback). A side
 stops at the first evaluation >= --target or after --budget-s seconds of training. Reported per
 side: start accuracy, training seconds to each of 0.5/0.6/0.7/0.8 (those reached), s/step,
-trained completions/s, and the ratio megarl / TRL at every threshold both reached (target <= 1.0x
+trained completions/s, CPU milliseconds per trained sample (megarl: per program - trainer ranks,
+rollout manager, servers, reward workers - over its training window, which includes the
+evaluation it runs beside training; TRL: its process, evaluation excluded), and the ratio megarl / TRL at every threshold both reached (target <= 1.0x
 now, design aim 0.5x). Results go to OUT/result.json.
 """
 from __future__ import annotations
@@ -140,16 +142,19 @@ def run_trl(args: argparse.Namespace, model_dir: str) -> dict:
         """Training seconds (evaluations excluded), held-out accuracy every --eval-every steps."""
 
         def on_train_begin(self, a, state, control, **kw):
-            self.eval_s = 0.0
+            self.eval_s = self.eval_cpu = 0.0
             self.evaluate(0)
-            self.t0 = time.perf_counter()
+            self.t0, self.cpu0 = time.perf_counter(), time.process_time()
 
         def evaluate(self, step: int) -> float:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             acc = greedy_accuracy(model, tok, held_out)
             self.eval_s += time.perf_counter() - t
+            self.eval_cpu += time.process_time() - c
             train_s = (time.perf_counter() - self.t0 - self.eval_s) if step else 0.0
-            log["evals"].append({"step": step, "accuracy": acc, "train_s": train_s})
+            # CPU seconds of the whole TRL process (every thread), evaluation excluded
+            train_cpu = (time.process_time() - self.cpu0 - self.eval_cpu) if step else 0.0
+            log["evals"].append({"step": step, "accuracy": acc, "train_s": train_s, "train_cpu_s": train_cpu})
             print(f"[trl] step {step} accuracy {acc:.3f} train {train_s:.1f}s", flush=True)
             return acc
 
@@ -188,7 +193,10 @@ def run_megarl(args: argparse.Namespace, model_dir: str) -> dict:
     r = run_train(os.path.join(args.out, "megarl"), overrides, "megarl", args.target, args.megarl_config,
                   budget_s=args.budget_s)
     end = next((e for e in r.evals if e["step"] == r.steps_to_target), r.evals[-1])
-    return {"name": "megarl", "start_accuracy": r.start_accuracy, "reached": r.steps_to_target is not None,
+    roles = r.extra.get("cpu_s_by_role") or {}
+    per_sample = {role: cpu / max(r.trained_samples, 1) for role, cpu in roles.items()}
+    return {"cpu_s_per_sample": per_sample, "cpu_s_per_sample_total": sum(per_sample.values()),
+            "name": "megarl", "start_accuracy": r.start_accuracy, "reached": r.steps_to_target is not None,
             "steps": end["step"], "accuracy": end["accuracy"], "train_s": end["train_s"],
             "s_per_step": r.s_per_step, "completions_per_s": r.samples_per_s, "process_s": r.process_s,
             "evals": r.evals}
@@ -199,7 +207,9 @@ def summarize(name: str, evals: list[dict], target: float, completions_per_step:
     hit = next((e for e in evals if e["step"] and e["accuracy"] >= target), None)
     end = hit or evals[-1]
     s_per_step = end["train_s"] / end["step"] if end["step"] else float("nan")
-    return {"name": name, "start_accuracy": evals[0]["accuracy"], "reached": hit is not None,
+    cpu = end.get("train_cpu_s", 0.0) / (end["step"] * completions_per_step) if end["step"] else float("nan")
+    return {"cpu_s_per_sample": {"trl": cpu}, "cpu_s_per_sample_total": cpu,
+            "name": name, "start_accuracy": evals[0]["accuracy"], "reached": hit is not None,
             "steps": end["step"], "accuracy": end["accuracy"], "train_s": end["train_s"],
             "s_per_step": s_per_step, "completions_per_s": completions_per_step / s_per_step,
             "evals": evals}
@@ -274,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['name']:>7}: start {r['start_accuracy']:.3f} -> {r['accuracy']:.3f} at step {r['steps']}"
               f" in {r['train_s']:.1f} s of training ({'reached' if r['reached'] else 'NOT reached'}"
               f" {args.target}), {r['s_per_step']:.3f} s/step, {r['completions_per_s']:.0f} completions/s")
+        cpu = r.get("cpu_s_per_sample") or {}
+        print(f"{'':>7}  CPU ms per trained sample: {1e3 * r.get('cpu_s_per_sample_total', float('nan')):.2f}"
+              + "".join(f", {role} {1e3 * v:.2f}" for role, v in cpu.items() if len(cpu) > 1))
     thresholds = [t for t in THRESHOLDS if t <= args.target]
     results["time_to"] = {}
     for t in thresholds:

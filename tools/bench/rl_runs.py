@@ -77,11 +77,26 @@ def summarize(name: str, rows: list[dict], target: Optional[float] = None) -> Ru
         steps_to_target=hit["step"] if hit else None, evals=evals)
 
 
+def process_role(cmdline: list[str]) -> str:
+    """Which program of the job a process is, from its command line: ``server`` (megarl-server),
+    ``manager`` (the rollout manager), ``reward`` (a reward worker process), else ``trainer``
+    (megarl-train, torchrun and its ranks)."""
+    line = " ".join(cmdline)
+    if "megarl.server" in line:
+        return "server"
+    if "megarl.rollout.manager" in line:
+        return "manager"
+    if "megarl.rewards" in line:
+        return "reward"
+    return "trainer"
+
+
 class CpuSampler:
     """CPU seconds used by a process tree (the trainer, the rollout manager, the servers, reward
-    workers: every descendant), sampled from /proc every ``interval_s``. A process that exits keeps
-    the CPU time it was last seen with. `utilization(t0, t1)`: used CPU seconds over the window
-    divided by (cores x seconds) - 1.0 means every core of the machine was busy."""
+    workers: every descendant), sampled from /proc every ``interval_s``, in total and per role
+    (`process_role`). A process that exits keeps the CPU time it was last seen with.
+    `utilization(t0, t1)`: used CPU seconds over the window divided by (cores x seconds) - 1.0
+    means every core of the machine was busy; `role_cpu(t0, t1)`: CPU seconds per role."""
 
     def __init__(self, pid: int, interval_s: float = 0.5):
         import psutil
@@ -89,8 +104,9 @@ class CpuSampler:
         self.root, self.interval_s = psutil.Process(pid), interval_s
         self.cores = len(os.sched_getaffinity(0))
         self.samples: list[tuple[float, float]] = []  # (time.time(), CPU seconds of the tree)
+        self.role_samples: list[tuple[float, dict]] = []  # (time.time(), {role: CPU seconds})
         self.peak_rss = 0
-        self._seen: dict[int, float] = {}
+        self._seen: dict[int, tuple[str, float]] = {}  # pid -> (role, CPU seconds)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -106,16 +122,22 @@ class CpuSampler:
         for p in procs:
             try:
                 t = p.cpu_times()
-                self._seen[p.pid] = t.user + t.system
+                role = self._seen[p.pid][0] if p.pid in self._seen else process_role(p.cmdline())
+                self._seen[p.pid] = (role, t.user + t.system)
                 rss += p.memory_info().rss
             except psutil.Error:
                 pass
         self.peak_rss = max(self.peak_rss, rss)  # the whole job's resident memory at its peak
-        return sum(self._seen.values())
+        return sum(c for _, c in self._seen.values())
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.time(), self._tree_cpu()))
+            now, total = time.time(), self._tree_cpu()
+            roles: dict[str, float] = {}
+            for role, c in self._seen.values():
+                roles[role] = roles.get(role, 0.0) + c
+            self.samples.append((now, total))
+            self.role_samples.append((now, roles))
             self._stop.wait(self.interval_s)
 
     def stop(self) -> None:
@@ -128,6 +150,14 @@ class CpuSampler:
             return None
         (ta, ca), (tb, cb) = inside[0], inside[-1]
         return (cb - ca) / (self.cores * (tb - ta)) if tb > ta else None
+
+    def role_cpu(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds each role used between the first and last sample inside [t0, t1]."""
+        inside = [r for t, r in self.role_samples if t0 <= t <= t1]
+        if len(inside) < 2:
+            return {}
+        a, b = inside[0], inside[-1]
+        return {role: b[role] - a.get(role, 0.0) for role in sorted(b)}
 
 
 def run_train(*args, **kwargs) -> RunSummary:
@@ -184,7 +214,10 @@ def _run_train(run_dir: str, overrides: list[str], name: Optional[str] = None,
     summary.process_s = time.perf_counter() - t
     steps = [r for r in rows if r["step"] >= 1]
     # the training window: first step's start to the last step's end (start-up excluded)
-    summary.extra["cpu_util"] = sampler.utilization(steps[0]["time"] - steps[0]["step_time"], steps[-1]["time"])
+    window = (steps[0]["time"] - steps[0]["step_time"], steps[-1]["time"])
+    summary.extra["cpu_util"] = sampler.utilization(*window)
+    # per program, over the training window (evaluation runs beside training and is included)
+    summary.extra["cpu_s_by_role"] = sampler.role_cpu(*window)
     summary.extra["budget_stopped"] = stopped
     summary.extra["peak_rss_mb"] = sampler.peak_rss / 2**20
     return summary
