@@ -6,7 +6,8 @@ rank's `TensorBatch` with advantages (ready for `train_batch`), plus the step's 
 
 A synthetic step: ``--samples`` trajectories in groups of 8, long-tailed lengths 20-400 tokens
 (prompt 10-30 tokens), packed by the tree's own `pack_batch` and encoded by its channel. Each
-repeat: rank 0 decodes the frame's bytes into a `Batch` (what `Link.request` returns), then every
+repeat: rank 0 reads the frame with the tree's `Channel.recv` from an in-memory socket (what
+`Link.request` returns: a `Batch`), then every
 rank runs the tree's hand-off (broadcast to the other ranks, this rank's share, advantages). Time
 = the slowest rank's, median of the repeats. DP=1 is one process; DP=2 two processes over gloo on
 loopback (real collectives).
@@ -48,18 +49,39 @@ def synthetic_trajs(n: int, seed: int = 0):
     return trajs
 
 
-def frame(trajs, dp: int):
-    """(header, payloads) of the `Batch` as the trainer's channel reads it off the socket."""
+def frame(trajs, dp: int) -> bytes:
+    """The `Batch` frame as the manager sends it (the tree's own packing and encoding)."""
     from megarl.protocol import channel
     from megarl.protocol.packing import pack_batch
 
-    bufs = channel.encode(pack_batch(trajs, dp, {"rollout/tokens": 1}, []))
-    header, body = bytes(bufs[1]), b"".join(bytes(b) for b in bufs[2:])
-    payloads, at = [], 0
-    for size in channel.array_sizes(header):
-        payloads.append(body[at:at + size])
-        at += size
-    return header, payloads
+    return b"".join(bytes(b) for b in channel.encode(pack_batch(trajs, dp, {"rollout/tokens": 1}, [])))
+
+
+class FrameSocket:
+    """Stands in for the link's socket: hands out one frame in 256 KiB reads, so the tree's own
+    `Channel.recv` (its copies included) runs without the kernel's share of the cost."""
+
+    def __init__(self, data: bytes):
+        self.data, self.at = memoryview(data), 0
+
+    def setsockopt(self, *a):
+        pass
+
+    def settimeout(self, t):
+        pass
+
+    def recv_into(self, view, n):
+        k = min(n, len(self.data) - self.at, 1 << 18)
+        view[:k] = self.data[self.at:self.at + k]
+        self.at += k
+        return k
+
+    def received(self):
+        """The tree's receive of the frame: what `Link.request` returns."""
+        from megarl.protocol.channel import Channel
+
+        self.at = 0
+        return Channel(self, "bench").recv()
 
 
 def handoff_fn(ps, estimator: str):
@@ -93,13 +115,12 @@ def worker(rank: int, dp: int, port: int, args, out_q) -> None:
     import torch
     import torch.distributed as dist
     from types import SimpleNamespace
-    from megarl.protocol import channel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=dp)
     ps = SimpleNamespace(rank=rank, world_size=dp, dp=dp, dp_rank=rank, tp=1, pp=1, tp_rank=0, pp_rank=0,
                          dp_group=dist.group.WORLD, device=torch.device("cpu"))
-    header, payloads = frame(synthetic_trajs(args.samples), dp) if rank == 0 else (None, None)
+    sock = FrameSocket(frame(synthetic_trajs(args.samples), dp)) if rank == 0 else None
     result = {}
     for est in args.estimators.split(","):
         run = handoff_fn(ps, est)
@@ -107,7 +128,7 @@ def worker(rank: int, dp: int, port: int, args, out_q) -> None:
         for i in range(args.repeats + 2):  # two warm-ups
             dist.barrier()
             t0 = time.perf_counter()
-            tb, metrics = run(channel.decode(header, payloads) if rank == 0 else None)
+            tb, metrics = run(sock.received() if rank == 0 else None)
             dt = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if i >= 2:
