@@ -91,16 +91,18 @@ def handoff_fn(ps, estimator: str):
 
     cfg = load_config(None, ["model.hf_path=x", "data.train_path=x", f"algo.advantage={estimator}"])
     actor = Actor(cfg, ps, engine=None)
-    from megarl.trainer import rollout_link
+    import importlib.util
 
-    if hasattr(rollout_link, "receive_step"):  # one form: flat arrays -> this rank's TensorBatch
+    if importlib.util.find_spec("megarl.trainer.handoff"):  # one form: flat arrays -> this rank's TensorBatch
+        from megarl.trainer.handoff import receive_step
         from megarl.trainer.rollout_stats import batch_metrics
 
         def run(batch):
-            step = rollout_link.receive_step(batch, ps)
+            step = receive_step(batch, ps)
             tb = actor.step_fields(step.share(ps.dp_rank), version=4, update=False)[0]
             return tb, batch_metrics(step, 4)
         return run
+    from megarl.trainer import rollout_link
     from megarl.trainer.rl import local_share  # base commit b340815: Trajectory objects per rank
     from megarl.trainer.rollout_stats import batch_metrics
 
