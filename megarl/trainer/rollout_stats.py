@@ -41,16 +41,17 @@ def batch_metrics(step, version: int) -> dict:
     """Reward, lengths, staleness (mean/max/histogram) and partial-rollout shape of one step
     (a `megarl.trainer.handoff.ReceivedStep`: every rank holds its arrays)."""
     response, lo, hi = sample_versions(step.arrays)
+    n = len(response)
     # the oldest token decides: a partial rollout is as stale as the first version that wrote it
-    stale = (version - lo).tolist()
-    spans = (hi - lo + 1).tolist()
+    stale, spans = version - lo, hi - lo + 1
+    # integer sums over n: the same numbers as statistics.fmean over the samples
     out = {"reward": statistics.fmean(step.arrays["rewards"].tolist()),
-           "response_len": statistics.fmean(response.tolist()),
-           "staleness_mean": statistics.fmean(stale), "staleness_max": max(stale),
-           "partial_frac": statistics.fmean(s > 1 for s in spans), "max_partial_span": max(spans),
-           "stale_samples": sum(s > 0 for s in stale), "trained_samples": len(stale)}
-    for k, n in sorted(collections.Counter(stale).items()):
-        out[f"staleness_hist/{k}"] = n
+           "response_len": int(response.sum()) / n,
+           "staleness_mean": int(stale.sum()) / n, "staleness_max": int(stale.max()),
+           "partial_frac": int((spans > 1).sum()) / n, "max_partial_span": int(spans.max()),
+           "stale_samples": int((stale > 0).sum()), "trained_samples": n}
+    for k, c in zip(*np.unique(stale, return_counts=True)):
+        out[f"staleness_hist/{int(k)}"] = int(c)
     return out
 
 

@@ -113,6 +113,25 @@ def handoff_fn(ps, estimator: str):
     return run_old
 
 
+def count_calls(run, sock) -> dict:
+    """Python calls into megarl during one hand-off on this rank: distinct functions, and all
+    calls (per-sample objects show up as calls per sample)."""
+    seen, total = set(), 0
+
+    def prof(frame, event, arg):
+        nonlocal total
+        if event == "call" and "/megarl/" in frame.f_code.co_filename:
+            total += 1
+            seen.add((frame.f_code.co_filename, frame.f_code.co_name))
+    batch = sock.received() if sock is not None else None
+    sys.setprofile(prof)
+    try:
+        run(batch)
+    finally:
+        sys.setprofile(None)
+    return {"functions": len(seen), "calls": total}
+
+
 def worker(rank: int, dp: int, port: int, args, out_q) -> None:
     import torch
     import torch.distributed as dist
@@ -137,7 +156,7 @@ def worker(rank: int, dp: int, port: int, args, out_q) -> None:
                 times.append(float(dt))
             rows = len(tb)
             assert "advantages" in tb.fields and metrics["trained_samples"] == args.samples
-        result[est] = {"median_ms": 1e3 * statistics.median(times), "rows": rows}
+        result[est] = {"median_ms": 1e3 * statistics.median(times), "rows": rows, **count_calls(run, sock)}
     if rank == 0:
         out_q.put(result)
     dist.destroy_process_group()
@@ -193,6 +212,7 @@ def main() -> int:
     ests = args.estimators.split(",")
     print(f"step: {args.samples} samples in groups of 8, lengths 20-400 (long tail); median of {args.repeats}")
     head = "| DP | advantage | rows/rank |" + "".join(f" {n} ms |" for n, _ in trees)
+    head += "".join(f" {n}: megarl functions / calls (rank 0) |" for n, _ in trees)
     head += " ref / this |" if args.ref else ""
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -200,6 +220,7 @@ def main() -> int:
         for est in ests:
             row = f"| {dp} | {est} | {res[('this', dp)][est]['rows']} |"
             row += "".join(f" {res[(n, dp)][est]['median_ms']:.2f} |" for n, _ in trees)
+            row += "".join(f" {res[(n, dp)][est]['functions']} / {res[(n, dp)][est]['calls']} |" for n, _ in trees)
             if args.ref:
                 row += f" **{res[('ref', dp)][est]['median_ms'] / res[('this', dp)][est]['median_ms']:.1f}x** |"
             print(row)
