@@ -13,6 +13,21 @@ DP split): group baselines and batch whitening are statistics of the step, not o
     gae           delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1},
                   returns R_t = A_t + V_t, V after the last generated token = 0
 
+Where each estimator's statistics live, and what a DP split costs (the rollout manager gives every
+DP rank whole groups, `megarl.protocol.packing`):
+
+    grpo, drgrpo, rloo   group statistics only: each rank computes its own groups' advantages,
+                         no collective
+    reinforce_pp         masked_whiten over every generated token of the STEP: a step-wide
+                         mean and std, so `reduce` sums three scalars over the DP shares
+                         (N, sum G, then sum (G - mean)^2): two small all-reduces, no gather
+    gae                  per-row recursion; with norm_adv_by_std the same step-wide whitening
+    kl_in_reward         k_t is per token: local
+
+`reduce` (a callable summing a small float64 tensor over the step's shards, None = this batch is
+the whole step) is the only collective; the whitened numbers equal the single-batch ones up to
+the order of float64 additions.
+
 Sequence-level estimators broadcast A_i onto the generated tokens. Groups of one sample and groups
 whose rewards are all equal get A = 0 (no relative signal; never NaN). For token-level estimators
 r_t = outcome reward on the last generated token minus kl_coef * k_t on every generated token
@@ -23,11 +38,13 @@ r_i - kl_coef * sum_t k_t. "Next token" means next generated token: positions wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from megarl.algo.choices import AdvantageConfig, AdvantageEstimator
+
+Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]  # sums a float64 tensor over the step's shards
 
 
 @dataclass
@@ -114,16 +131,24 @@ def token_level_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor,
     return out
 
 
-def masked_whiten(x: torch.Tensor, loss_mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the masked entries of the whole tensor (biased std); 0 off
-    the mask and everywhere when fewer than 2 entries are masked in."""
+def masked_whiten(x: torch.Tensor, loss_mask: torch.Tensor, eps: float = 1e-6,
+                  reduce: Reduce = None) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked entries of the whole step (biased std); 0 off
+    the mask and everywhere when fewer than 2 entries are masked in. With `reduce` the step is
+    the union of every shard's `x`: (N, sum x) and then sum (x - mean)^2 are summed by it (every
+    shard must call this, with or without masked entries)."""
     m = loss_mask.bool()
-    n = m.sum()
-    if int(n) < 2:
-        return torch.zeros_like(x)
     xs = torch.where(m, x, torch.zeros_like(x)).to(torch.float64)
-    mean = xs.sum() / n
-    var = torch.where(m, (xs - mean).square(), torch.zeros_like(xs)).sum() / n
+    n, total = m.sum().to(torch.float64), xs.sum()
+    if reduce is not None:
+        n, total = reduce(torch.stack([n, total]))
+    if int(n) < 2:  # the same verdict on every shard: n is the step's
+        return torch.zeros_like(x)
+    mean = total / n
+    sq = torch.where(m, (xs - mean).square(), torch.zeros_like(xs)).sum()
+    if reduce is not None:
+        sq = reduce(sq.reshape(1))[0]
+    var = sq / n
     out = ((xs - mean) / (var.sqrt() + eps)).to(x.dtype)
     return torch.where(m, out, torch.zeros_like(out))
 
@@ -142,22 +167,22 @@ def discounted_returns(token_rewards: torch.Tensor, loss_mask: torch.Tensor,
 
 
 def reinforce_pp_advantages(token_rewards: torch.Tensor, loss_mask: torch.Tensor,
-                            gamma: float = 1.0, eps: float = 1e-6) -> AdvantageOutput:
-    """REINFORCE++: A = masked_whiten(G) over the batch, G = `discounted_returns` (gamma) of the
+                            gamma: float = 1.0, eps: float = 1e-6, reduce: Reduce = None) -> AdvantageOutput:
+    """REINFORCE++: A = masked_whiten(G) over the step, G = `discounted_returns` (gamma) of the
     token rewards (outcome + KL penalty, see `token_level_rewards`)."""
     returns = discounted_returns(token_rewards, loss_mask, gamma)
-    return AdvantageOutput(masked_whiten(returns, loss_mask, eps), returns)
+    return AdvantageOutput(masked_whiten(returns, loss_mask, eps, reduce), returns)
 
 
 def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor,
                    gamma: float = 1.0, lam: float = 1.0, whiten: bool = False,
-                   eps: float = 1e-6) -> AdvantageOutput:
+                   eps: float = 1e-6, reduce: Reduce = None) -> AdvantageOutput:
     """GAE over generated tokens, V_t = values[:, t] (critic estimate before emitting token t):
 
         delta_t = r_t + gamma V_{t'} - V_t,  A_t = delta_t + gamma lam A_{t'},  R_t = A_t + V_t
 
-    t' = next generated token (V = A = 0 after the last). `whiten` standardises A over the batch;
-    returns are always from the raw A."""
+    t' = next generated token (V = A = 0 after the last). `whiten` standardises A over the step
+    (`masked_whiten`, `reduce`); returns are always from the raw A."""
     m = loss_mask.bool()
     v = torch.where(m, values.detach().float(), torch.zeros_like(token_rewards))
     adv = torch.zeros_like(token_rewards)
@@ -172,18 +197,19 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, loss_mask:
         next_a = torch.where(mt, a, next_a)
     returns = torch.where(m, adv + v, torch.zeros_like(adv))
     if whiten:
-        adv = masked_whiten(adv, loss_mask, eps)
+        adv = masked_whiten(adv, loss_mask, eps, reduce)
     return AdvantageOutput(adv, returns)
 
 
 def compute_advantages(cfg: AdvantageConfig, rewards: torch.Tensor, loss_mask: torch.Tensor,
                        group_id: Sequence[int] | torch.Tensor | None = None,
                        values: torch.Tensor | None = None,
-                       kl: torch.Tensor | None = None) -> AdvantageOutput:
+                       kl: torch.Tensor | None = None, reduce: Reduce = None) -> AdvantageOutput:
     """The one dispatch point: advantages/returns for `cfg.estimator` (module docstring).
 
     `kl` [B, S] is the per-token KL estimate to fold into the reward with `cfg.kl_coef` (pass it
-    only when algo.kl_in_reward); `group_id` is required by grpo/drgrpo/rloo, `values` by gae.
+    only when algo.kl_in_reward); `group_id` is required by grpo/drgrpo/rloo, `values` by gae;
+    `reduce` makes the step-wide statistics (whitening) those of every shard's batch together.
     """
     est = cfg.estimator
     if est in (AdvantageEstimator.GRPO, AdvantageEstimator.DRGRPO, AdvantageEstimator.RLOO):
@@ -201,10 +227,10 @@ def compute_advantages(cfg: AdvantageConfig, rewards: torch.Tensor, loss_mask: t
         return AdvantageOutput(adv, broadcast_to_tokens(score, loss_mask))
     token_rewards = token_level_rewards(rewards, loss_mask, kl, cfg.kl_coef)
     if est == AdvantageEstimator.REINFORCE_PP:
-        return reinforce_pp_advantages(token_rewards, loss_mask, cfg.gamma, cfg.eps)
+        return reinforce_pp_advantages(token_rewards, loss_mask, cfg.gamma, cfg.eps, reduce)
     if est == AdvantageEstimator.GAE:
         if values is None:
             raise ValueError("advantage=gae needs critic values")
         return gae_advantages(token_rewards, values, loss_mask, cfg.gamma, cfg.lam,
-                              cfg.norm_adv_by_std, cfg.eps)
+                              cfg.norm_adv_by_std, cfg.eps, reduce)
     raise ValueError(f"unknown advantage estimator {est!r}")

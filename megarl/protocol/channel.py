@@ -164,7 +164,8 @@ class Channel:
         except OSError as e:
             raise ChannelError(f"{self.peer}: send failed ({e})") from None
 
-    def _exact(self, n: int) -> bytes:
+    def _exact(self, n: int) -> bytearray:
+        """Exactly ``n`` bytes, read in place (a writable buffer: arrays decoded from it are too)."""
         buf = bytearray(n)
         view, got = memoryview(buf), 0
         while got < n:
@@ -177,7 +178,7 @@ class Channel:
             if k == 0:
                 raise ChannelError(f"{self.peer}: connection closed")
             got += k
-        return bytes(buf)
+        return buf
 
     def recv(self, timeout_s: Optional[float] = None):
         self.sock.settimeout(timeout_s)
@@ -192,7 +193,12 @@ class Channel:
             if sum(sizes) > self.max_arrays:
                 raise ChannelError(f"{self.peer}: frame declares {sum(sizes)} bytes of arrays (more than the "
                                    f"{self.max_arrays} this protocol carries)")
-            return decode(header, [self._exact(k) for k in sizes])
+            # one buffer for all arrays, read in place: each array is a view of it (no second copy)
+            body, at, payloads = memoryview(self._exact(sum(sizes))), 0, []
+            for k in sizes:
+                payloads.append(body[at:at + k])
+                at += k
+            return decode(header, payloads)
         except socket.timeout:
             raise ChannelTimeout(f"{self.peer}: no answer within {timeout_s:.0f} s") from None
         except (ValueError, KeyError, TypeError) as e:

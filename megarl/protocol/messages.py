@@ -46,13 +46,15 @@ class BatchRequest:
 
 @dataclass
 class Batch:
-    """One step for every DP rank, as flat arrays (``arrays``): ``input_ids``, ``loss_mask``,
-    ``behave_logp``, ``versions`` (token-aligned, all samples concatenated), ``lengths``,
-    ``rewards``, ``group_ids``, ``dp_rank`` (per sample; groups are never split over ranks);
-    with MoE routing replay also ``route_ids`` int32 and ``route_weights`` float32, both
-    [tokens, layers, top_k] in the token order of ``input_ids`` (`Trajectory.routes`).
-    ``infos``: each sample's free-form info; ``stats``: the manager's counters at hand-off;
-    ``rejoin``: dropped servers that answer again (the trainer pushes them the weights)."""
+    """One step for every DP rank, laid out as the trainer's batch (`megarl.protocol.packing`):
+    flat arrays (``arrays``) ``input_ids``, ``loss_mask``, ``behave_logp``, ``versions``
+    (token-aligned, all samples back to back), ``lengths``, ``rewards``, ``group_ids``,
+    ``dp_rank`` (per sample); samples ordered by DP rank, so each rank's share (whole groups) is
+    one contiguous run (`packing.share_slices`); with MoE routing replay also ``route_ids`` int32
+    and ``route_weights`` float32, both [tokens, layers, top_k] in the token order of
+    ``input_ids`` (`Trajectory.routes`). ``infos``: each sample's free-form info, in the same
+    order; ``stats``: the manager's counters at hand-off; ``rejoin``: dropped servers that answer
+    again (the trainer pushes them the weights)."""
     infos: list[dict]
     stats: dict
     rejoin: list[str]

@@ -1,15 +1,25 @@
 """The PPO actor: one RL step's policy update on top of the loss-agnostic engine.
 
     actor = Actor.build(cfg, ps, engine)            # + a frozen reference when algo.kl_coef > 0
-    batch = TensorBatch.from_trajectories(share)    # this DP rank's samples, built once
-    batch = actor.with_advantages(batch)            # or step_advantages() before the DP split
-    metrics = actor.ppo_update(batch, version)      # prox recompute, epochs x mini-batches
+    batch = step.share(ps.dp_rank)                  # this DP rank's whole groups (trainer/handoff.py)
+    batch, stats = actor.step_fields(batch, version, values=V)   # ref, prox, advantages: one place
+    metrics = actor.ppo_update(batch, version, stats)            # epochs x mini-batches
 
-`ppo_update` takes this DP rank's share of a step as a `TensorBatch` (fields loss_mask,
-behave_logp, advantages, versions; optional ref_logp) and runs
+`step_fields` is the one place a step's computed fields join its batch, each computed once on
+the step-start weights and added by one `with_fields`:
 
+    values     <- the critic's V_t (given: gae)
+    ref_logp   <- ref.compute_logp(batch)          (algo.kl_loss_coef > 0, or algo.kl_in_reward)
     prox_logp  <- engine.compute_logp(batch)       (algo.prox_logp_mode: recompute | metrics;
                                                     loglinear interpolates inside the loss)
+    advantages, returns <- compute_advantages on this rank's share: the manager gives each DP rank
+                           whole groups, so group baselines need nothing of another rank; the
+                           step-wide whitening of reinforce_pp / gae sums a few scalars over DP
+                           (megarl/algo/advantages.py) - no gather of the step
+
+`ppo_update` then runs on this DP rank's share (fields loss_mask, behave_logp, advantages,
+versions; prox_logp / ref_logp when the loss needs them):
+
     for epoch in range(train.ppo_epochs):
         for mini-batch in shuffled split:           (train.ppo_mini_batch_size is GLOBAL over DP)
             W <- token_weights(mini-batch, all_reduce_DP(step_denominators(mini-batch)))
@@ -42,11 +52,12 @@ from megarl.algo import (AdvantageConfig, AlgoSpec, ProxLogpMode, Stat, aggregat
                          compute_advantages, entropy_loss, kl_loss, kl_penalty,
                          loglinear_prox_logp, onpolicy_mismatch, policy_loss, prox_approx_stats,
                          step_denominators, token_weights)
+from megarl.algo.advantages import AdvantageOutput, Reduce
 from megarl.algo.aggregation import StepDenominators
 from megarl.algo.choices import LossAgg
 from megarl.trainer.metrics import StatsTracker
 from megarl.trainer import moe_losses
-from megarl.trainer.batch import MicroBatch, TensorBatch, cat_padded
+from megarl.trainer.batch import MicroBatch, TensorBatch
 
 # ----------------------------------------------------------------------------- pure helpers
 
@@ -86,15 +97,14 @@ def shuffle_seed(seed: int, update: int, epoch: int) -> int:
     return (seed * 1_000_003 + update * 1_009 + epoch) % (2 ** 63)
 
 
-def step_advantages(cfg: AdvantageConfig, batch: TensorBatch,
-                    kl: Optional[torch.Tensor] = None) -> TensorBatch:
-    """`megarl.algo.compute_advantages` on a WHOLE step (every group complete: call it before the
-    DP split, or use `Actor.with_advantages`). Reads loss_mask, the sample fields rewards and
-    group_ids, and `values` (the critic's V_t) for gae; `kl` [B, S] is the per-token KL estimate
-    to fold into the reward (algo.kl_in_reward). Returns the batch plus `advantages`, `returns`."""
-    out = compute_advantages(cfg, batch["rewards"], batch["loss_mask"], batch["group_ids"],
-                             values=batch.fields.get("values"), kl=kl)
-    return batch.with_fields(advantages=out.advantages, returns=out.returns)
+def step_advantages(cfg: AdvantageConfig, batch: TensorBatch, values: Optional[torch.Tensor] = None,
+                    kl: Optional[torch.Tensor] = None, reduce: Reduce = None) -> AdvantageOutput:
+    """`megarl.algo.compute_advantages` on a batch of whole groups (a DP rank's share, or a whole
+    step): reads loss_mask and the sample fields rewards and group_ids; ``values`` (the critic's
+    V_t) for gae; ``kl`` [B, S], the per-token KL estimate to fold into the reward
+    (algo.kl_in_reward); ``reduce`` sums the step-wide whitening statistics over the DP shares."""
+    return compute_advantages(cfg, batch["rewards"], batch["loss_mask"], batch["group_ids"],
+                              values=values, kl=kl, reduce=reduce)
 
 
 # ----------------------------------------------------------------------------- DP collectives
@@ -111,21 +121,16 @@ def dp_counts(n_local: int, ps) -> list[int]:
     return [int(p.item()) for p in parts]
 
 
-def gather_step(local: dict[str, torch.Tensor], ps) -> tuple[dict[str, torch.Tensor], int]:
-    """Every DP rank's named tensors ([B_r, S_r] or [B_r]) concatenated in rank order (columns
-    zero-padded to the longest) and the row offset of this rank's share.
-
-    One `all_gather_object` of the dict rather than padded `all_gather`s: it carries mixed dtypes
-    (float32 tokens, float64 rewards, int64 group ids) and per-rank shapes in one collective,
-    bitwise, with no shape exchange; the payload is a few numbers per token, once per step."""
+def dp_sum(ps):
+    """A `Reduce` over the DP group (None with one DP rank: the share is the step)."""
     if ps.dp == 1:
-        return dict(local), 0
-    parts: list = [None] * ps.dp
-    # CPU tensors pickle without a device, so every rank can load every part.
-    dist.all_gather_object(parts, {k: v.cpu() for k, v in local.items()}, group=ps.dp_group)
-    # Parts arrive in DP-rank order, so this rank's rows are [offset, offset + B_r).
-    offset = sum(len(p["rewards"]) for p in parts[: ps.dp_rank])
-    return {k: cat_padded([p[k] for p in parts]) for k in local}, offset
+        return None
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(ps.device)  # NCCL reduces device tensors only
+        dist.all_reduce(t, group=ps.dp_group)
+        return t.cpu()
+    return reduce
 
 
 def minibatch_loss_weights(mini: TensorBatch, spec: AlgoSpec, ps,
@@ -198,55 +203,55 @@ class Actor:
             raise ValueError("Actor.ref_logp: no reference model (algo.kl_coef is 0)")
         return self.ref.compute_logp(batch).logp
 
-    def with_advantages(self, batch: TensorBatch) -> TensorBatch:
-        """DP-collective advantages for this rank's share: gathers the step's named advantage
-        inputs over the DP group (`gather_step`), runs `compute_advantages` on the whole step
-        (groups complete, step-level whitening) and keeps this rank's rows. Use it when the
-        advantage needs per-rank model outputs (algo.kl_in_reward: ref_logp, computed here if
-        missing; gae: a `values` field); the batch carries `rewards` and `group_ids` as
-        per-sample fields. Returns the batch plus `advantages` and `returns` (and `ref_logp` if
-        computed)."""
+    def step_fields(self, batch: TensorBatch, version: int, values: Optional[torch.Tensor] = None,
+                    update: bool = True) -> tuple[TensorBatch, StatsTracker]:
+        """This DP rank's share (whole groups) plus every field the step computes (module
+        docstring), added in one `with_fields`; and the stats measured on the way (train-rollout
+        mismatch, entropy, MoE replay deltas) for `ppo_update`. ``update=False``: only what the
+        advantages need (the critic's warm-up steps). Collective over the DP group when the
+        estimator whitens over the step."""
         missing = [n for n in ("loss_mask", "rewards", "group_ids") if n not in batch]
         if missing:
-            raise ValueError(f"Actor.with_advantages: batch lacks field(s) {missing}")
-        local = {"loss_mask": batch["loss_mask"], "rewards": batch["rewards"],
-                 "group_ids": batch["group_ids"]}
-        if "values" in batch.fields:
-            local["values"] = batch["values"]
-        if self.spec.kl_in_reward and self.spec.kl_coef > 0:
-            if "ref_logp" not in batch.fields:
-                batch = batch.with_fields(ref_logp=self.ref_logp(batch))
-            # k_t of the sampling policy vs pi_ref: the shaped reward is fixed for the whole update.
-            local["kl"] = kl_penalty(batch["behave_logp"], batch["ref_logp"], batch["loss_mask"],
-                                     self.spec.kl_estimator)
-        step, offset = gather_step(local, self.ps)
-        out = compute_advantages(self.spec.advantage, step["rewards"], step["loss_mask"],
-                                 step["group_ids"], values=step.get("values"), kl=step.get("kl"))
-        # Extra columns (another rank's longer rows) are masked out: trim back to this batch.
-        mine = slice(offset, offset + len(batch))
-        s = batch.seq_len
-        return batch.with_fields(advantages=out.advantages[mine, :s].contiguous(),
-                                 returns=out.returns[mine, :s].contiguous())
+            raise ValueError(f"Actor.step_fields: batch lacks field(s) {missing}")
+        spec, acc, new = self.spec, StatsTracker(), {}
+        if values is not None:
+            new["values"] = values
+        kl_reward = spec.kl_in_reward and spec.kl_coef > 0
+        kl_loss = update and self.ref is not None and spec.kl_loss_coef > 0
+        if (kl_reward or kl_loss) and "ref_logp" not in batch.fields:
+            new["ref_logp"] = self.ref_logp(batch)
+        if update and spec.prox_logp_mode != ProxLogpMode.LOGLINEAR and spec.policy_loss.needs_prox_logp:
+            new["prox_logp"] = self._prox_logp(batch, acc, version)
+        ref = new.get("ref_logp", batch.fields.get("ref_logp"))
+        # k_t of the sampling policy vs pi_ref: the shaped reward is fixed for the whole update
+        kl = kl_penalty(batch["behave_logp"], ref, batch["loss_mask"], spec.kl_estimator) if kl_reward else None
+        out = step_advantages(spec.advantage, batch, values if values is not None else batch.fields.get("values"),
+                              kl, dp_sum(self.ps))
+        return batch.with_fields(**new, advantages=out.advantages, returns=out.returns), acc
 
     # ------------------------------------------------------------------ the update
-    def ppo_update(self, batch: TensorBatch, version: int) -> dict[str, float]:
-        """One RL step on this DP rank's share (module docstring). `version` = the policy version
-        of the current weights (the cluster's). Collective over all ranks."""
+    def ppo_update(self, batch: TensorBatch, version: int,
+                   stats: Optional[StatsTracker] = None) -> dict[str, float]:
+        """One RL step on this DP rank's share, its fields from `step_fields` (module docstring),
+        ``stats`` the ones measured there. `version` = the policy version of the current weights
+        (the cluster's). Collective over all ranks."""
         t0 = time.perf_counter()
         spec, cfg = self.spec, self.cfg
         mode = spec.prox_logp_mode
         need = ["loss_mask", "behave_logp", "advantages"]
         need += ["versions"] if mode != ProxLogpMode.RECOMPUTE else []
+        need += ["prox_logp"] if mode != ProxLogpMode.LOGLINEAR and spec.policy_loss.needs_prox_logp else []
+        need += ["ref_logp"] if self.ref is not None and spec.kl_loss_coef > 0 else []
         missing = [n for n in need if n not in batch.fields]
         if missing:
-            raise ValueError(f"Actor.ppo_update: batch lacks field(s) {missing}")
-        acc = StatsTracker()
+            raise ValueError(f"Actor.ppo_update: batch lacks field(s) {missing} (Actor.step_fields adds them)")
+        acc = stats if stats is not None else StatsTracker()
         if getattr(self.engine, "replay", None) is not None:  # MoE routing replay: did the routes arrive?
             none = torch.zeros((), dtype=torch.int64)
             covered, fed = batch.routes.coverage(batch.lengths) if batch.routes is not None else (none, none)
             acc.add_stats({"moe/routes_frac": Stat(covered.double().to(self.ps.device),
                                                    fed.double().to(self.ps.device))})
-        full = self._step_inputs(batch, acc, version)
+        full = batch
         # Same on every DP rank (from the gathered counts): all ranks step the optimizer together.
         n_mini = num_minibatches(dp_counts(len(batch), self.ps), cfg.train.ppo_mini_batch_size)
         clock = _Clock(0, max(1, n_mini * cfg.train.ppo_epochs), float(version))
@@ -283,28 +288,20 @@ class Actor:
         self.updates += 1
         return metrics
 
-    def _step_inputs(self, batch: TensorBatch, acc: StatsTracker, version: int) -> TensorBatch:
-        """The batch plus ref_logp (KL loss) and prox_logp (recompute / metrics), both computed
-        once per step on the step-start weights; the entropy metric comes free with prox, and so
-        does the train-rollout mismatch over the whole step (without prox: `_loss_fn`)."""
-        spec = self.spec
-        # with_advantages may have computed ref_logp already (kl_in_reward): never twice.
-        if self.ref is not None and spec.kl_loss_coef > 0 and "ref_logp" not in batch.fields:
-            batch = batch.with_fields(ref_logp=self.ref_logp(batch))
-        train_entropy = spec.entropy_coef > 0
-        if spec.prox_logp_mode != ProxLogpMode.LOGLINEAR and spec.policy_loss.needs_prox_logp:
-            res = self.engine.compute_logp(batch, with_entropy=not train_entropy)
-            batch = batch.with_fields(prox_logp=res.logp)
-            if self.cfg.moe.replay_check:  # the same recompute with the trainer's own routing
-                own = self.engine.compute_logp(dataclasses.replace(batch, routes=None)).logp
-                delta = (res.logp - own).abs()
-                acc.add_stats({"moe/replay_logp_delta_mean": Stat.masked_mean(delta, batch["loss_mask"]),
-                               "moe/replay_logp_delta_max": Stat.masked_max(delta, batch["loss_mask"])})
-            acc.add_stats(onpolicy_mismatch(res.logp, batch["behave_logp"], batch["versions"],
-                                            batch["loss_mask"], version))
-            if res.entropy is not None:  # the entropy metric without paying for it in backward
-                acc.add_stats({"entropy": Stat.masked_mean(res.entropy, batch["loss_mask"])})
-        return batch
+    def _prox_logp(self, batch: TensorBatch, acc: StatsTracker, version: int) -> torch.Tensor:
+        """log pi_prox [B, S] on the step-start weights; the entropy metric comes free with it, and
+        so does the train-rollout mismatch over the whole step (without prox: `_loss_fn`)."""
+        res = self.engine.compute_logp(batch, with_entropy=not self.spec.entropy_coef > 0)
+        if self.cfg.moe.replay_check:  # the same recompute with the trainer's own routing
+            own = self.engine.compute_logp(dataclasses.replace(batch, routes=None)).logp
+            delta = (res.logp - own).abs()
+            acc.add_stats({"moe/replay_logp_delta_mean": Stat.masked_mean(delta, batch["loss_mask"]),
+                           "moe/replay_logp_delta_max": Stat.masked_max(delta, batch["loss_mask"])})
+        acc.add_stats(onpolicy_mismatch(res.logp, batch["behave_logp"], batch["versions"],
+                                        batch["loss_mask"], version))
+        if res.entropy is not None:  # the entropy metric without paying for it in backward
+            acc.add_stats({"entropy": Stat.masked_mean(res.entropy, batch["loss_mask"])})
+        return res.logp
 
     def _loss_fn(self, clock: _Clock, acc: StatsTracker, logp: torch.Tensor,
                  entropy: Optional[torch.Tensor], mb: MicroBatch):
@@ -338,7 +335,7 @@ class Actor:
             gap = (logp.detach() - behave).abs()
             stats["logp_gap"] = Stat.masked_mean(gap, m)
             stats["logp_gap_max"] = Stat.masked_max(gap, m)
-            if "prox_logp" not in mb.fields:  # else measured on the whole step by _step_inputs
+            if "prox_logp" not in mb.fields:  # else measured on the whole step by _prox_logp
                 stats.update(onpolicy_mismatch(logp, behave, mb["versions"], m, clock.prox_version))
         acc.add_stats(stats)
         return loss, {}

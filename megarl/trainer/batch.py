@@ -1,7 +1,9 @@
 """Token batches for the engine: one padded-tensor batch per step, sliced into micro-batches.
 
-A :class:`TensorBatch` is this DP rank's share of a step, built ONCE from per-sample lists
-(`from_lists`) or rollout trajectories (`from_trajectories`) and then only indexed:
+A :class:`TensorBatch` is this DP rank's share of a step, built ONCE and then only indexed: from
+the step's flat arrays (`from_flat`: samples back to back, the rollout manager's layout, one
+masked assignment per field and no Python per sample), per-sample lists (`from_lists`) or
+trajectories (`from_trajectories`):
 
     tokens         [B, S] long     right-padded with 0
     lengths        [B]    long     real tokens per row
@@ -51,15 +53,6 @@ def per_sample(t: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> list[t
     return [t[i, :n] for i, n in enumerate(lens)]
 
 
-def cat_padded(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenates [B_i, S_i] tensors along rows, zero-padding columns to the largest S_i
-    ([B_i] tensors are simply concatenated)."""
-    if parts[0].dim() == 1:
-        return torch.cat(list(parts))
-    s = max(p.shape[1] for p in parts)
-    return torch.cat([torch.nn.functional.pad(p, (0, s - p.shape[1])) for p in parts])
-
-
 def _sample_tensor(values: Any) -> torch.Tensor:
     """Per-sample values -> [B]: ints stay int64, anything else becomes float64 (a reward of 0.1
     must reach the advantage estimator as the same double it was in Python)."""
@@ -68,6 +61,15 @@ def _sample_tensor(values: Any) -> torch.Tensor:
     values = list(values)
     exact_int = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
     return torch.tensor(values, dtype=torch.long if exact_int and values else torch.float64)
+
+
+def _tensor(x: Any) -> torch.Tensor:
+    """A numpy array (or tensor) as a tensor, sharing its memory; a read-only array is copied
+    (torch cannot share memory it may not write)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    x = np.asarray(x)
+    return torch.from_numpy(x if x.flags.writeable else x.copy())
 
 
 @dataclass
@@ -174,6 +176,35 @@ class TensorBatch:
         batch.routes = Routes.from_trajectories(trajs, batch.seq_len)
         batch.__post_init__()
         return batch
+
+    @classmethod
+    def from_flat(cls, input_ids: Any, lengths: Any, fields: Optional[Mapping[str, Any]] = None,
+                  sample_fields: Optional[Mapping[str, Any]] = None,
+                  routes: Optional[tuple[Any, Any]] = None) -> "TensorBatch":
+        """Samples back to back (numpy or torch): ``input_ids`` and each of ``fields`` [T] with
+        T = sum(lengths), ``sample_fields`` [B], ``routes`` (ids, weights) [T, layers, k]. Each
+        padded tensor is filled by one boolean-mask assignment (row-major: row 0's tokens first,
+        exactly the flat order); token fields become float32, sample fields keep their dtype."""
+        lengths = _tensor(lengths).long()
+        n_tok, b = int(lengths.sum()), len(lengths)
+        s = int(lengths.max()) if b else 0
+        mask = valid_mask(lengths, s)
+
+        def pad(name: str, flat: Any, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
+            flat = _tensor(flat)
+            if flat.shape[:1] != (n_tok,):
+                raise ValueError(f"batch field {name!r}: {tuple(flat.shape)[:1]} tokens, expected "
+                                 f"{n_tok} (the sum of lengths)")
+            out = torch.full((b, s, *flat.shape[1:]), fill, dtype=dtype)
+            out[mask] = flat.to(dtype)
+            return out
+
+        return cls(pad("input_ids", input_ids, torch.long), lengths,
+                   {k: pad(k, v, torch.float32) for k, v in (fields or {}).items()},
+                   {k: _tensor(v) for k, v in (sample_fields or {}).items()},
+                   Routes(pad("route_ids", routes[0], torch.int32, -1),
+                          pad("route_weights", routes[1], torch.float32, float("nan")))
+                   if routes is not None else None)
 
     # ------------------------------------------------------------------ access
     def __len__(self) -> int:

@@ -2,10 +2,12 @@
 value head, trained by the same engine machinery as the actor.
 
     critic = Critic.build(CriticSpec.from_config(cfg), ps)   # critic.hf_path, else model.hf_path
-    batch = batch.with_fields(values=critic.values(batch))   # V_t at the step start (old values)
-    batch = actor.with_advantages(batch)            # gae -> advantages + returns
+    warm = critic.warming_up                        # decided before this step's update
+    batch, stats = actor.step_fields(batch, version, values=critic.values(batch), update=not warm)
+                                                    # V_t at the step start (old values); gae ->
+                                                    # advantages + returns (trainer/actor.py)
     metrics = critic.update(batch)                  # clipped value loss, epochs x mini-batches
-    if not critic.warming_up: actor.ppo_update(batch, version)
+    if not warm: actor.ppo_update(batch, version, stats)
 
 The value head is a plain replicated Linear(hidden, 1): on the last pipeline stage the hidden
 states (after the final norm) are complete and identical on every TP rank (no sequence

@@ -2,11 +2,19 @@
 
     rollout manager (its own process, megarl.rollout.manager): generates groups ahead
         (bounded by the staleness window), scores them, evaluates
-    every step, all ranks:
-        groups   <- side.next_batch()   (rank 0 reads the manager's Batch; one tensor broadcast)
-        share    <- this DP rank's whole groups (token-balanced by the manager)
-        share    <- actor.with_advantages(share)         (step-level group baselines)
-        metrics  <- actor.ppo_update(share)              (prox recompute, PPO epochs, mini-batches)
+    every step, all ranks (the step keeps one form, flat arrays, from the socket to the loss):
+        step     <- side.next_batch()   (rank 0 reads the manager's Batch - flat arrays laid out
+                                         as the trainer's batch, samples ordered by DP rank; one
+                                         byte broadcast gives every rank the arrays)
+        share    <- step.share(dp_rank) (this DP rank's whole groups, token-balanced by the
+                                         manager: one contiguous run, padded into a TensorBatch
+                                         by one masked assignment per field)
+        share    <- actor.step_fields(share, values)  (the one place the step's computed fields
+                                         join: critic values, ref/prox logprobs, advantages and
+                                         returns - group baselines need no other rank; step-wide
+                                         whitening all-reduces a few scalars)
+        metrics  <- critic.update(share), actor.ppo_update(share)   (PPO epochs, mini-batches)
+        rollout metrics from the step's arrays; infos (rank 0) for shaping metrics and dumps
         every train.trigger_parameter_sync_step steps: pusher.push(): pause rollouts -> push
         weights -> cluster.version + 1 -> resume (in-flight samples continue as partial
         rollouts, or finished under the old weights first without rollout.partial_rollout)
@@ -42,12 +50,12 @@ from megarl.checkpoint import maybe_export_hf
 from megarl.trainer.metrics import print0, progress
 from megarl.protocol.channel import ManagerStalled
 from megarl.protocol.packing import groups_per_step
-from megarl.protocol.types import Trajectory
 from megarl.common.timeline import Timeline
 from megarl.trainer.actor import Actor
 from megarl.trainer.batch import TensorBatch
 from megarl.trainer.critic import Critic, CriticSpec
 from megarl.trainer.gates import check_mismatch, mismatch_threshold, verify_push
+from megarl.trainer.handoff import ReceivedStep
 from megarl.trainer.rollout_link import ManagerCluster, ManagerState, RolloutSide
 from megarl.trainer.rollout_stats import StepTimer, batch_metrics, dump_generations
 from megarl.weights.push import PushSpec, WeightPusher
@@ -60,17 +68,11 @@ def _broadcast(obj, src: int = 0):
     return box[0]
 
 
-def local_share(trajs: list[Trajectory], ps) -> TensorBatch:
-    """This DP rank's share of the step as one padded batch: the samples the rollout manager gave
-    this rank (whole groups, token-balanced; rewards and group_ids ride along per sample)."""
-    return TensorBatch.from_trajectories([t for t in trajs if t.info.get("dp_rank", 0) == ps.dp_rank])
-
-
-def shaping_metrics(trajs: list[Trajectory]) -> dict:
+def shaping_metrics(infos: list[dict]) -> dict:
     """overlong_* metrics of DAPO's overlong shaping (algo.overlong_*), which the rollout manager
     applied to each group before dynamic sampling (megarl.rollout.shaping): the rewards arrive
-    shaped, each sample's penalty in info["overlong_penalty"]."""
-    penalties = [t.info["overlong_penalty"] for t in trajs if "overlong_penalty" in t.info]
+    shaped, each sample's penalty in info["overlong_penalty"] (rank 0 holds the infos)."""
+    penalties = [i["overlong_penalty"] for i in infos if "overlong_penalty" in i]
     if not penalties:
         return {}
     return {"overlong_penalty_mean": sum(penalties) / len(penalties),
@@ -78,19 +80,20 @@ def shaping_metrics(trajs: list[Trajectory]) -> dict:
 
 
 def train_step(actor: Actor, critic: Optional[Critic], batch: TensorBatch, version: int) -> dict:
-    """Advantages, then the critic's value update (GAE) and the policy update; during
-    critic.warmup_steps only the critic learns."""
-    if critic is not None:
-        batch = batch.with_fields(values=critic.values(batch))  # V_old: the step-start values
-    # advantages need the old values (gae) or only the rewards: computed once, before any update
-    batch = actor.with_advantages(batch)
+    """The step's computed fields (`Actor.step_fields`: V_old, ref/prox logprobs, advantages),
+    then the critic's value update (GAE) and the policy update; during critic.warmup_steps only
+    the critic learns."""
+    warm = critic is not None and critic.warming_up  # decided before this step's critic update
+    # V_old: the step-start values; everything is computed once, before any update
+    values = critic.values(batch) if critic is not None else None
+    batch, stats = actor.step_fields(batch, version, values=values, update=not warm)
     metrics = {}
     if critic is not None:
         metrics.update({f"critic/{k}": v for k, v in critic.update(batch).items()})
-        if critic.updates <= critic.spec.critic.warmup_steps:  # this update was a warm-up one
+        if warm:
             metrics["critic/warmup"] = 1.0
             return metrics
-    metrics.update(actor.ppo_update(batch, version=version))
+    metrics.update(actor.ppo_update(batch, version, stats))
     return metrics
 
 
@@ -122,13 +125,13 @@ class StepRunner:
 
     def run(self, step: int, last: bool) -> tuple[dict, bool]:
         """This step's metrics, and whether train.stop_at_eval_accuracy was reached."""
-        trajs, stats = self._next_batch()
+        received = self._next_batch()
         # decided before the update: the mismatch gate compares against weights the servers really hold
         self.pushed_weights = self.updates_since_push == 0
         colocated = self.cfg.rollout.placement == "colocated"
         if colocated:  # the batch is complete: the servers give their memory to training
             self._sleep_servers()
-        metrics = self._update(trajs, step)
+        metrics = self._update(received, step)
         self.updates_since_push += 1
         if colocated:
             self._wake_servers()
@@ -140,23 +143,22 @@ class StepRunner:
         if self.cfg.data.eval_path:
             self._evaluate(step, last, metrics)
         reached = self._reached(metrics, last)
-        self._report(metrics, trajs, stats)
+        self._report(metrics, received)
         return metrics, reached
 
-    def _next_batch(self) -> tuple[list[Trajectory], dict]:
+    def _next_batch(self) -> ReceivedStep:
         with self.timer.phase("wait"):
-            # the batch, and the dropped servers that answer /health again
-            trajs, stats, rejoin = self.side.next_batch(groups_per_step(self.cfg),
-                                                        self.cfg.train.stall_timeout_s)
-        for address in rejoin:  # current weights first, then work
+            # the batch, and the dropped servers that answer /health again (received.rejoin)
+            received = self.side.next_batch(groups_per_step(self.cfg), self.cfg.train.stall_timeout_s)
+        for address in received.rejoin:  # current weights first, then work
             with self.timer.phase("rejoin"):
                 self.pusher.add_server(address)
-        return trajs, stats
+        return received
 
-    def _update(self, trajs: list[Trajectory], step: int) -> dict:
+    def _update(self, received: ReceivedStep, step: int) -> dict:
         cfg = self.cfg
-        shaping = shaping_metrics(trajs)
-        batch = local_share(trajs, self.ps)
+        shaping = shaping_metrics(received.infos)
+        batch = received.share(self.ps.dp_rank)
         # the version the batch's step starts from; the push after it makes version + 1
         self.trained_version = self.cluster.version
         with self.timer.phase("update"):
@@ -171,9 +173,9 @@ class StepRunner:
                 f"train.max_nonfinite_steps: {self.bad_steps} steps in a row had a NaN/inf gradient "
                 f"(last grad_norm {metrics.get('grad_norm')}, loss {metrics.get('loss')}); "
                 "updates were skipped, weights are the last good ones")
-        metrics.update(batch_metrics(trajs, self.cluster.version))
+        metrics.update(batch_metrics(received, self.cluster.version))
         if cfg.logging.dump_generations and self.ps.rank == 0:
-            dump_generations(f"{cfg.train.run_dir}/generations.jsonl", step, self.cluster.version, trajs)
+            dump_generations(f"{cfg.train.run_dir}/generations.jsonl", step, self.cluster.version, received)
         return metrics
 
     def _sleep_servers(self) -> None:
@@ -219,11 +221,11 @@ class StepRunner:
         # rank 0 alone has the evaluation's numbers; every rank must agree to stop at the same step
         return _broadcast(metrics.get("eval_accuracy", -1.0) >= target if self.ps.rank == 0 else None)
 
-    def _report(self, metrics: dict, trajs: list[Trajectory], stats: dict) -> None:
+    def _report(self, metrics: dict, received: ReceivedStep) -> None:
+        stats = received.stats
         metrics.update(stats)
         metrics.update(self.timer.finish(
-            metrics, stats.get("rollout/busy_s"), stats.get("rollout/tokens"),
-            trained_tokens=sum(len(x.input_ids) for x in trajs)))
+            metrics, stats.get("rollout/busy_s"), stats.get("rollout/tokens"), trained_tokens=received.tokens))
 
 
 def connect_rollout_side(cfg, ps, ckpt, side: RolloutSide) -> tuple[int, ManagerCluster]:

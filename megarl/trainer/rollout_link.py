@@ -7,8 +7,9 @@
       end_push(v)          submitted, not awaited: load-wait, version flip, commit, resume run
                            on the manager while the next update starts; errors surface at the
                            next push's settle()
-    next_batch()           rank 0 reads one `Batch`; one tensor broadcast gives every rank the
-                           step (flat arrays), each keeps the samples of its DP rank
+    next_batch()           rank 0 reads one `Batch`; one byte broadcast gives every rank the
+                           step's flat arrays (megarl.trainer.handoff), each pads its DP rank's
+                           contiguous share into its `TensorBatch`
 
 `RemoteAdmin` has `AdminRunner`'s interface (``call(lambda c: c.method(...))``), so the weight
 transports are the same code whether the admin connection is local or the manager's: the lambda
@@ -27,8 +28,6 @@ import os
 import subprocess
 from typing import Optional
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
 from megarl.protocol.channel import Link, ManagerStalled, RemoteError
@@ -37,7 +36,7 @@ from megarl.protocol.messages import (AddServer, Admitted, BatchRequest, Destroy
                                       FinishPush, Init, InitWeightsGroup, PauseForUpdate, RemoveServer, Resume,
                                       ServerInfo, ShardAnnounce, ShardJoin, Sleep, Start, StateRequest, Unhealthy,
                                       UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake, WeightsChecksum)
-from megarl.protocol.types import RoutedExperts, Trajectory
+from megarl.trainer.handoff import ReceivedStep, receive_step
 
 log = logging.getLogger("megarl.link")
 
@@ -288,10 +287,11 @@ class RolloutSide:
             self._request(Start())
 
     # ------------------------------------------------------------------ the step hand-off
-    def next_batch(self, n_groups: int, timeout_s: float = 600.0) -> tuple[list[Trajectory], dict, list[str]]:
-        """(every sample of the step, the manager's stats (rank 0), servers to re-admit)."""
+    def next_batch(self, n_groups: int, timeout_s: float = 600.0) -> ReceivedStep:
+        """The step on every rank (its arrays; infos and the manager's stats on rank 0; servers to
+        re-admit)."""
         batch = self._request(BatchRequest(n_groups, timeout_s), timeout_s + 30.0) if self.ps.rank == 0 else None
-        return unpack_step(batch, self.ps)
+        return receive_step(batch, self.ps)
 
     def submit_eval(self, step: int, version: int) -> None:
         if self.ps.rank == 0:
@@ -347,66 +347,3 @@ class ManagerState:
 
     def load_state_dict(self, state: dict) -> None:
         self.loaded = state
-
-
-def _broadcast_routes(batch, ps, n_tok: int, layers: int, k: int):
-    """Rank 0's route arrays on every rank: one int32 and one float32 broadcast."""
-    ids = torch.empty(n_tok, layers, k, dtype=torch.int32)
-    w = torch.empty(n_tok, layers, k, dtype=torch.float32)
-    if ps.rank == 0:
-        ids = torch.from_numpy(np.ascontiguousarray(batch.arrays["route_ids"], np.int32))
-        w = torch.from_numpy(np.ascontiguousarray(batch.arrays["route_weights"], np.float32))
-    dist.broadcast(ids, src=0)
-    dist.broadcast(w, src=0)
-    return ids.numpy(), w.numpy()
-
-
-_INT_FIELDS = ("input_ids", "loss_mask", "versions")
-_SAMPLE_FIELDS = ("lengths", "group_ids", "dp_rank")
-
-
-def unpack_step(batch, ps) -> tuple[list[Trajectory], dict, list[str]]:
-    """Rank 0's `Batch` -> every rank's trajectories: two tensor broadcasts (ints, floats), two
-    more with MoE routes, plus a small object broadcast (servers to re-admit). Infos and stats
-    stay on rank 0."""
-    routes = None  # MoE routing replay: (ids, weights) [tokens, layers, k] numpy
-    if ps.world_size > 1:
-        head = torch.zeros(4, dtype=torch.int64)
-        if ps.rank == 0:
-            head[0], head[1] = len(batch.arrays["input_ids"]), len(batch.arrays["lengths"])
-            if "route_ids" in batch.arrays:
-                head[2], head[3] = batch.arrays["route_ids"].shape[1:]
-        dist.broadcast(head, src=0)
-        n_tok, n = int(head[0]), int(head[1])
-        if head[2] > 0:
-            routes = _broadcast_routes(batch, ps, n_tok, int(head[2]), int(head[3]))
-        ints = torch.empty(3 * n_tok + 3 * n, dtype=torch.int64)
-        floats = torch.empty(n_tok + n, dtype=torch.float64)
-        if ps.rank == 0:
-            a = batch.arrays
-            ints = torch.cat([torch.from_numpy(a[k].astype("int64")) for k in _INT_FIELDS + _SAMPLE_FIELDS])
-            floats = torch.cat([torch.from_numpy(a["behave_logp"].astype("float64")),
-                                torch.from_numpy(a["rewards"])])
-        dist.broadcast(ints, src=0)
-        dist.broadcast(floats, src=0)
-        rejoin = [batch.rejoin if ps.rank == 0 else None]
-        dist.broadcast_object_list(rejoin, src=0)
-        cols = dict(zip(_INT_FIELDS, ints[:3 * n_tok].view(3, n_tok).tolist()))
-        cols.update(zip(_SAMPLE_FIELDS, ints[3 * n_tok:].view(3, n).tolist()))
-        cols["behave_logp"], cols["rewards"] = floats[:n_tok].tolist(), floats[n_tok:].tolist()
-        infos, stats, rejoin = (batch.infos, batch.stats, rejoin[0]) if ps.rank == 0 else ([{}] * n, {}, rejoin[0])
-    else:
-        cols = {k: v.tolist() for k, v in batch.arrays.items() if not k.startswith("route_")}
-        infos, stats, rejoin = batch.infos, batch.stats, batch.rejoin
-        if "route_ids" in batch.arrays:
-            routes = batch.arrays["route_ids"], batch.arrays["route_weights"]
-    trajs, at = [], 0
-    for i, n_i in enumerate(cols["lengths"]):
-        s = slice(at, at + n_i)
-        r = RoutedExperts(routes[0][s], routes[1][s]) if routes is not None else None
-        t = Trajectory(cols["input_ids"][s], cols["loss_mask"][s], cols["behave_logp"][s], cols["versions"][s],
-                       float(cols["rewards"][i]), int(cols["group_ids"][i]), dict(infos[i]), r)
-        t.info["dp_rank"] = int(cols["dp_rank"][i])
-        trajs.append(t)
-        at += n_i
-    return trajs, stats, rejoin

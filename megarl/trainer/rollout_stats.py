@@ -17,21 +17,41 @@ import statistics
 import time
 from typing import Optional
 
-from megarl.protocol.types import Trajectory
+import numpy as np
 
 
-def batch_metrics(trajs: list[Trajectory], version: int) -> dict:
-    """Reward, lengths, staleness (mean/max/histogram) and partial-rollout shape of one batch."""
+def sample_versions(arrays: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per sample of a step's flat arrays (`megarl.protocol.packing`): generated tokens, the
+    oldest and the newest policy version among them (-1 and -2 with none: span 0)."""
+    lengths, mask = arrays["lengths"], arrays["loss_mask"].astype(bool)
+    versions = arrays["versions"].astype(np.int64)
+    n = len(lengths)
+    # clipped: a trailing empty sample's start would be past the end (its values are replaced below)
+    starts = np.minimum(np.concatenate([[0], np.cumsum(lengths)[:-1]]), max(len(mask) - 1, 0)).astype(np.int64)
+    big = np.iinfo(np.int64).max
+    response = np.add.reduceat(mask.astype(np.int64), starts) if n and len(mask) else np.zeros(n, np.int64)
+    lo = np.minimum.reduceat(np.where(mask, versions, big), starts) if n and len(mask) else np.full(n, big)
+    hi = np.maximum.reduceat(np.where(mask, versions, -big), starts) if n and len(mask) else np.full(n, -big)
+    empty = (lengths == 0) | (response == 0)  # reduceat gives an empty segment its start's value
+    response = np.where(lengths == 0, 0, response)
+    return response, np.where(empty, -1, lo), np.where(empty, -2, hi)
+
+
+def batch_metrics(step, version: int) -> dict:
+    """Reward, lengths, staleness (mean/max/histogram) and partial-rollout shape of one step
+    (a `megarl.trainer.handoff.ReceivedStep`: every rank holds its arrays)."""
+    response, lo, hi = sample_versions(step.arrays)
+    n = len(response)
     # the oldest token decides: a partial rollout is as stale as the first version that wrote it
-    stale = [version - t.min_version for t in trajs]
-    spans = [t.version_span for t in trajs]
-    out = {"reward": statistics.fmean(t.reward for t in trajs),
-           "response_len": statistics.fmean(t.response_len for t in trajs),
-           "staleness_mean": statistics.fmean(stale), "staleness_max": max(stale),
-           "partial_frac": statistics.fmean(s > 1 for s in spans), "max_partial_span": max(spans),
-           "stale_samples": sum(s > 0 for s in stale), "trained_samples": len(trajs)}
-    for k, n in sorted(collections.Counter(stale).items()):
-        out[f"staleness_hist/{k}"] = n
+    stale, spans = version - lo, hi - lo + 1
+    # integer sums over n: the same numbers as statistics.fmean over the samples
+    out = {"reward": statistics.fmean(step.arrays["rewards"].tolist()),
+           "response_len": int(response.sum()) / n,
+           "staleness_mean": int(stale.sum()) / n, "staleness_max": int(stale.max()),
+           "partial_frac": int((spans > 1).sum()) / n, "max_partial_span": int(spans.max()),
+           "stale_samples": int((stale > 0).sum()), "trained_samples": n}
+    for k, c in zip(*np.unique(stale, return_counts=True)):
+        out[f"staleness_hist/{int(k)}"] = int(c)
     return out
 
 
@@ -84,19 +104,27 @@ class StepTimer:
         return out
 
 
-def dump_generations(path: str, step: int, version: int, trajs: list[Trajectory]) -> None:
-    """Appends one JSON line per sample: prompt index, group, completion, reward, generated
-    token versions and the behaviour logprobs (``logging.dump_generations``); with overlong
-    shaping, reward is the shaped one and reward_raw the verifier's."""
+def dump_generations(path: str, step: int, version: int, received) -> None:
+    """Appends one JSON line per sample of the step (rank 0: it holds the infos): prompt index,
+    group, completion, reward, generated token versions and the behaviour logprobs
+    (``logging.dump_generations``); with overlong shaping, reward is the shaped one and
+    reward_raw the verifier's."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    a = received.arrays
+    gen = a["loss_mask"].tolist()
+    ends = np.cumsum(a["lengths"]).tolist()
+    ids, vers, logp = (a["input_ids"].tolist(), a["versions"].tolist(), a["behave_logp"].tolist())
     with open(path, "a") as f:
-        for t in trajs:
-            gen = [i for i, m in enumerate(t.loss_mask) if m]
+        start = 0
+        for i, info in enumerate(received.infos):
+            g = [j for j in range(start, ends[i]) if gen[j]]
+            start = ends[i]
             f.write(json.dumps({
-                "step": step, "version": version, "prompt_index": t.info.get("prompt_index"),
-                "draw": t.info.get("draw"),
-                "group_id": t.group_id, "completion": t.info.get("completion"), "reward": t.reward,
-                "response_ids": [t.input_ids[i] for i in gen], "versions": [t.versions[i] for i in gen],
-                "behave_logp": [t.behave_logp[i] for i in gen],
+                "step": step, "version": version, "prompt_index": info.get("prompt_index"),
+                "draw": info.get("draw"),
+                "group_id": int(a["group_ids"][i]), "completion": info.get("completion"),
+                "reward": float(a["rewards"][i]),
+                "response_ids": [ids[j] for j in g], "versions": [vers[j] for j in g],
+                "behave_logp": [logp[j] for j in g],
                 # DAPO overlong shaping (the manager's): the verifier's reward before it
-                **({"reward_raw": t.info["reward_raw"]} if "reward_raw" in t.info else {})}) + "\n")
+                **({"reward_raw": info["reward_raw"]} if "reward_raw" in info else {})}) + "\n")

@@ -3,7 +3,8 @@ micro-batch budgets. Rank 0 writes {layout: results} as JSON for test_actor.py.
 
 Layout specs: "actor,tp,pp,micro_batch_tokens,ppo_mini_batch_size" (prox_logp_mode=metrics),
 "loglinear,..." (the same with prox_logp_mode=loglinear) and "critic,tp,pp,mbt".
-Every layout sees the same step: 8 sequences in 2 groups of 4, behave_logp = the trainer's own
+Every layout sees the same step: 8 sequences in 4 groups of 2, whole groups per DP rank (the
+rollout manager's layout: group g on DP rank g % dp), behave_logp = the trainer's own
 logprob + fixed noise (so behaviour weights are not 1 and some are capped), versions v-1 / v.
 """
 import json
@@ -39,7 +40,7 @@ def make_step(n=8, vocab=128, seed=0):
         old = rng.random() < 0.5  # half the samples come from the previous policy version
         versions.append([-1.0] * prompt + [float(VERSION - old)] * (length - prompt))
     rewards = [float(rng.random() < 0.5) + 0.1 * i for i in range(n)]
-    return ids, mask, noise, versions, rewards, [i // 4 for i in range(n)]
+    return ids, mask, noise, versions, rewards, [i // 2 for i in range(n)]
 
 
 def gather_rows(mine, rows_by_name, n):
@@ -71,7 +72,7 @@ def run_actor(hf_dir, tp, pp, mbt, mini, step, extra=()):
     cfg = config(hf_dir, tp, pp, mbt, mini, extra)
     ps = parallel.init_model_parallel(tp, pp, seed=1234)
     actor = Actor.build(cfg, ps)
-    mine = [i for i in range(len(ids)) if i % ps.dp == ps.dp_rank]
+    mine = [i for i in range(len(ids)) if gids[i] % ps.dp == ps.dp_rank]  # whole groups per rank
     step_batch = TensorBatch.from_lists(ids, {"loss_mask": mask, "versions": versions},
                                         {"rewards": rewards, "group_ids": gids})
     local = step_batch.select(mine)
@@ -79,12 +80,12 @@ def run_actor(hf_dir, tp, pp, mbt, mini, step, extra=()):
     # in float64, rounded once to the float32 field (as the per-sample lists used to be)
     noise64 = pad_sequences([noise[i] for i in mine], torch.float64)
     behave = ((true.double() + noise64) * local["loss_mask"].double()).float()
-    full_adv = step_advantages(actor.spec.advantage, step_batch)["advantages"]
+    full_adv = step_advantages(actor.spec.advantage, step_batch).advantages
     local = local.with_fields(behave_logp=behave)
-    # the DP-collective helper gives this rank's rows of the whole-step advantages
-    local = actor.with_advantages(local)
+    # each rank's share of whole groups gives its rows of the whole-step advantages
+    local, stats = actor.step_fields(local, VERSION)
     adv_ok = torch.equal(local["advantages"], full_adv[mine, :local.seq_len])
-    metrics = actor.ppo_update(local, version=VERSION)
+    metrics = actor.ppo_update(local, version=VERSION, stats=stats)
     after = actor.engine.compute_logp(local).logp
     rows = gather_rows(mine, {"before": [t.tolist() for t in per_sample(true, local.lengths)],
                               "after": [t.tolist() for t in per_sample(after, local.lengths)]},
@@ -102,12 +103,11 @@ def run_critic(hf_dir, tp, pp, mbt, step):
                                           "critic.lr=0.01", "critic.value_clip=0.5"])
     ps = parallel.init_model_parallel(tp, pp, seed=1234)
     critic = Critic.build(CriticSpec.from_config(cfg), ps)
-    mine = [i for i in range(len(ids)) if i % ps.dp == ps.dp_rank]
+    mine = [i for i in range(len(ids)) if gids[i] % ps.dp == ps.dp_rank]
     local = TensorBatch.from_lists(ids, {"loss_mask": mask},
                                    {"rewards": rewards, "group_ids": gids}).select(mine)
-    local = local.with_fields(values=critic.values(local))
-    # GAE over the whole step from every rank's values (no engine needed for advantages)
-    local = Actor(cfg, ps, engine=None).with_advantages(local)
+    # GAE on this rank's values, whitened over the step (no engine needed for advantages)
+    local, _ = Actor(cfg, ps, engine=None).step_fields(local, 0, values=critic.values(local), update=False)
     m1 = critic.update(local)
     mid = critic.values(local)
     m2 = critic.update(local.with_fields(values=mid))

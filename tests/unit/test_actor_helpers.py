@@ -10,7 +10,8 @@ from megarl.algo import AdvantageConfig, AdvantageEstimator
 from megarl.config import Config
 from megarl.trainer.metrics import StatsTracker
 from megarl.trainer.actor import (Actor, _Clock, minibatch_indices, num_minibatches,
-                                  shuffle_seed, step_advantages)
+                                  shuffle_seed)
+from megarl.trainer.actor import step_advantages as _advantages
 from megarl.trainer.batch import MicroBatch, TensorBatch, per_sample
 from megarl.trainer.critic import value_loss
 
@@ -58,6 +59,12 @@ def step(mask=MASK, rewards=REWARDS, groups=GROUPS, **fields):
                                   {"rewards": rewards, "group_ids": groups})
 
 
+def step_advantages(cfg, batch, kl=None):
+    """The batch plus advantages and returns (what `Actor.step_fields` adds)."""
+    out = _advantages(cfg, batch, batch.fields.get("values"), kl)
+    return batch.with_fields(advantages=out.advantages, returns=out.returns)
+
+
 def rows(batch, name):
     return [t.tolist() for t in per_sample(batch[name], batch.lengths)]
 
@@ -92,7 +99,7 @@ def test_step_advantages_gae_by_hand():
     assert rows(out, "returns")[0] == pytest.approx([0, 1.0, 1.0])
 
 
-def test_with_advantages_kl_in_reward_one_rank():
+def test_step_fields_kl_in_reward_one_rank():
     """DP = 1: the gathered step is this batch; ref_logp comes from the reference engine and the
     KL (k1 of behave vs ref) is folded into the drgrpo score before the group baseline."""
     cfg = Config()
@@ -103,14 +110,14 @@ def test_with_advantages_kl_in_reward_one_rank():
     ref_engine = SimpleNamespace(compute_logp=lambda b: SimpleNamespace(logp=ref[:, :b.seq_len]))
     actor = Actor(cfg, SimpleNamespace(dp=1, dp_rank=0), engine=None, ref=ref_engine)
     behave = [[0.0, -1.0, -1.0], [0.0, 0.0, -1.0], [0.0, -1.0, -1.0, -1.0], [0.0, -1.0]]
-    out = actor.with_advantages(step(behave_logp=behave))
+    out, _ = actor.step_fields(step(behave_logp=behave), version=0, update=False)
     # k1 = behave - ref = 0.2 on both loss tokens of row 0: score 1 - 0.5 * 0.4 = 0.8 vs 0.0
     assert rows(out, "advantages")[0] == pytest.approx([0, 0.4, 0.4])
     assert rows(out, "advantages")[1] == pytest.approx([0, 0, -0.4])
     assert torch.equal(out["ref_logp"], ref)
     with pytest.raises(ValueError, match="group_ids"):
-        actor.with_advantages(TensorBatch.from_lists([[1]], {"loss_mask": [[1]]},
-                                                     {"rewards": [1.0]}))
+        actor.step_fields(TensorBatch.from_lists([[1]], {"loss_mask": [[1]]},
+                                                 {"rewards": [1.0]}), version=0)
 
 
 # ----------------------------------------------------------------------------- the loss function

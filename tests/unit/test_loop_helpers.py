@@ -5,8 +5,10 @@ import json
 import pytest
 
 from megarl.trainer.metrics import MetricsLogger
+from megarl.protocol.packing import pack_batch
 from megarl.protocol.types import Trajectory
 from megarl.rollout.shaping import GroupShaping
+from megarl.trainer.handoff import ReceivedStep
 from megarl.trainer.rl import shaping_metrics
 from megarl.trainer.rollout_stats import batch_metrics
 
@@ -23,11 +25,11 @@ def test_overlong_shaping_by_hand():
     assert shape(trajs)  # no dynamic sampling: every group is kept
     assert [t.reward for t in trajs] == [1.0, 0.5, -1.0]  # -(L - 4) / 4
     assert [t.info["reward_raw"] for t in trajs] == [1.0, 1.0, 0.0]
-    out = shaping_metrics(trajs)  # what the trainer logs from the shaped samples it receives
+    out = shaping_metrics([t.info for t in trajs])  # what the trainer logs from the shaped samples it receives
     assert out == {"overlong_penalty_mean": pytest.approx(-0.5), "overlong_frac": pytest.approx(2 / 3)}
     plain = [traj(8, 1.0)]
     assert GroupShaping(8)(plain) and plain[0].reward == 1.0 and "reward_raw" not in plain[0].info  # off
-    assert shaping_metrics(plain) == {}
+    assert shaping_metrics([t.info for t in plain]) == {}
 
 
 def test_group_shaping_filters_on_the_shaped_rewards():
@@ -41,11 +43,29 @@ def test_group_shaping_filters_on_the_shaped_rewards():
 
 def test_batch_metrics_staleness_histogram_and_partial_span():
     trajs = [traj(3, 1.0, [5, 5, 5]), traj(3, 0.0, [4, 4, 5]), traj(3, 0.0, [3, 4, 5])]
-    m = batch_metrics(trajs, version=5)
+    m = batch_metrics(received(trajs), version=5)
     assert m["staleness_max"] == 2 and m["staleness_mean"] == 1.0
     assert (m["staleness_hist/0"], m["staleness_hist/1"], m["staleness_hist/2"]) == (1, 1, 1)
     assert m["max_partial_span"] == 3 and m["partial_frac"] == pytest.approx(2 / 3)
     assert m["stale_samples"] == 2 and m["reward"] == pytest.approx(1 / 3)
+
+
+def received(trajs) -> ReceivedStep:
+    """The step as the trainer holds it: the manager's flat arrays."""
+    b = pack_batch(trajs, 1, {}, [])
+    return ReceivedStep(b.arrays, b.infos)
+
+
+def test_batch_metrics_counts_samples_without_generated_tokens():
+    """The flat-array metrics agree with the per-sample definitions: a sample without generated
+    tokens has span 0 and counts as version -1 (stale by version + 1), and response_len is the
+    mean count of loss tokens."""
+    trajs = [traj(2, 1.0, [4, 5]), Trajectory([1, 2], [0, 0], [0.0, 0.0], [-1, -1], 0.5, 1), traj(1, 0.0, [5])]
+    m = batch_metrics(received(trajs), version=5)
+    assert m["response_len"] == pytest.approx(1.0) and m["trained_samples"] == 3
+    assert m["staleness_max"] == 6 and (m["staleness_hist/0"], m["staleness_hist/1"], m["staleness_hist/6"]) == (1, 1, 1)
+    assert m["max_partial_span"] == 2 and m["partial_frac"] == pytest.approx(1 / 3)
+    assert m["reward"] == pytest.approx(0.5)
 
 
 def test_console_line_every_log_interval_steps(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """MoE routes on their way from a /generate response to the trainer's micro-batches: TokenTrace
-places them token-aligned (earlier turns kept), the manager's flat arrays and `unpack_step` carry
-them, TensorBatch pads / selects / micro-batches them with their rows, `Routes.coverage` counts
+places them token-aligned (earlier turns kept), the manager's flat arrays carry
+them to each DP rank's share, TensorBatch pads / selects / micro-batches them with their rows, `Routes.coverage` counts
 them; the config field and its checks."""
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ from megarl.rollout.manager import pack_batch
 from megarl.protocol.types import ModelResponse, RoutedExperts, Trajectory
 from megarl.rollout.workflows.base import TokenTrace
 from megarl.trainer.batch import TensorBatch, make_microbatches
-from megarl.trainer.rollout_link import unpack_step
+from megarl.trainer.handoff import receive_step
 
 L, K = 3, 2
 
@@ -76,8 +76,7 @@ def test_channel_arrays_carry_routes_to_the_batch_and_micro_batches():
     batch = pack_batch(trajs, 1, {}, [])
     assert batch.arrays["route_ids"].shape == (13, L, K) and batch.arrays["route_ids"].dtype == np.int32
     assert batch.arrays["route_weights"].dtype == np.float32
-    got, _, _ = unpack_step(batch, _PS())
-    tb = TensorBatch.from_trajectories(got)
+    tb = receive_step(batch, _PS()).share(0)
     assert tb.routes.ids.shape == (3, 7, L, K)
     assert tb.routes.ids[1, :, 0, 0].tolist() == [10 % 7, 11 % 7, 12 % 7, 13 % 7, 14 % 7, 15 % 7, -1]
     assert tb.routes.ids[0, 3:, 0, 0].tolist() == [-1] * 4  # the last position and padding

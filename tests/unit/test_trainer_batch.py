@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from megarl.trainer.batch import (TensorBatch, cat_padded, make_microbatches, pad_sequences,
+from megarl.trainer.batch import (TensorBatch, make_microbatches, pad_sequences,
                                   per_sample)
 
 IDS = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11]]
@@ -97,9 +97,3 @@ def test_microbatches_are_row_slices():
         assert torch.equal(mb["loss_mask"], b["loss_mask"][mb.indices, :s])
         assert mb.position_ids[0].tolist() == list(range(s))
         assert torch.equal(mb.valid.bool(), mb.tokens != 0)  # no token id 0 in IDS
-
-
-def test_cat_padded():
-    a, b = torch.ones(1, 2), torch.full((2, 3), 2.0)
-    assert cat_padded([a, b]).tolist() == [[1, 1, 0], [2, 2, 2], [2, 2, 2]]
-    assert cat_padded([torch.tensor([1, 2]), torch.tensor([3])]).tolist() == [1, 2, 3]
