@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algo.stats import Stat
-from megarl.config import Config, ModelConfig, OptimConfig, ParallelConfig
+from megarl.config import Config, LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
 from megarl.mcore.optimizer import step_unless_nonfinite
 from megarl.trainer.metrics import StatsTracker
 from megarl.models import builder, hf_io
@@ -62,11 +62,12 @@ class EngineSpec:
     steps: int  # train.steps: the LR schedule's decay length when optim.lr_decay_steps is 0
     micro_batch_tokens: int  # train.micro_batch_tokens: the token budget of one micro-batch
     tokenizer_path: str = ""  # data.tokenizer_path: copied next to an HF export (else model.hf_path's)
+    lora: Optional[LoRAConfig] = None  # lora section: adapters on a frozen base (trainable engines)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "EngineSpec":
         return cls(cfg.model, cfg.parallel, cfg.optim, cfg.moe, cfg.train.steps, cfg.train.micro_batch_tokens,
-                   cfg.data.tokenizer_path)
+                   cfg.data.tokenizer_path, cfg.lora if cfg.lora.enabled else None)
 
 
 @dataclass
@@ -119,10 +120,14 @@ class Engine:
         if spec.model.init == "hf":
             hf_io.load_hf_weights(chunks, args, spec.model.hf_path, ps.tp, ps.tp_rank, use_te)
         cls.adapt_chunks(chunks, spec, args, tconfig)
-        if trainable:  # optim.freeze: before DDP and the optimizer, which then leave them out
+        if trainable:  # optim.freeze / lora: before DDP and the optimizer, which then leave them out
             from megarl.models.freeze import apply_freeze
 
             apply_freeze(chunks, args, spec.optim.freeze, use_te)
+            if spec.lora is not None:  # the base freezes; only the adapters train
+                from megarl.models.lora import apply_lora
+
+                apply_lora(chunks, spec.lora, args, spec.model.seed)
         if not trainable:
             for c in chunks:
                 c.requires_grad_(False)
