@@ -110,6 +110,9 @@ def validate_lora(cfg: Config) -> None:
         if cfg.weights.refit != "gather":
             raise ConfigError(f"weights.refit: lora.rank > 0 pushes the adapters by the gather path; got "
                               f"{cfg.weights.refit!r} (use weights.refit=gather)")
+        if cfg.weights.transport == "disk":
+            raise ConfigError("weights.transport: disk writes whole HF checkpoints; lora.rank > 0 pushes the "
+                              "adapters over distributed, tensor or shm")
         if cfg.rollout.placement == "colocated":
             raise ConfigError("rollout.placement: colocated is not supported with lora.rank > 0 (use disaggregated)")
         if cfg.algo.advantage == "gae":

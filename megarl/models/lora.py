@@ -275,6 +275,11 @@ def _local_adapters(chunks) -> dict[str, torch.nn.Module]:
     return out
 
 
+def stage_layers(chunks) -> list[int]:
+    """Global indices of the adapted layers these chunks hold (this pipeline stage's)."""
+    return sorted({int(k.split(".")[2]) for k in _local_adapters(chunks)})
+
+
 def adapter_hf_tensors(chunks, args: ModelArgs, targets, tp: int, tp_group, layers,
                        dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF adapter name, full tensor) of the given global layers held by these chunks, in

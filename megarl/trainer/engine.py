@@ -26,6 +26,7 @@ one `megarl.trainer.metrics.StatsTracker`.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -109,6 +110,8 @@ class Engine:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
+        if not trainable and spec.lora is not None:  # adapters are for training: a frozen copy is the base
+            spec = dataclasses.replace(spec, lora=None)
         args = pad_vocab(read_model_args(spec.model.hf_path), spec.model.make_vocab_size_divisible_by, ps.tp)
         use_te = builder.resolve_spec(spec.model.spec)
         tconfig = builder.transformer_config(

@@ -73,7 +73,7 @@ def main():
     spec = EngineSpec.from_config(cfg)
     lora = Engine.build(spec, ps)
     base = Engine.build(spec, ps, trainable=False)
-    assert base.spec.lora is not None  # forward-only engines get no adapters even so
+    assert base.spec.lora is None  # a forward-only engine is the base, without adapters
     batch = make_batch()
     base_logp = base.compute_logp(batch).logp
     init_logp = lora.compute_logp(batch).logp

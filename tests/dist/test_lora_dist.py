@@ -77,3 +77,19 @@ def test_hf_form_merged_matches_trainer(runs):
     logp = out[(2, 1)][0]["logp"]
     diff = max(abs(a - b) for i, r in enumerate(ref) for a, b in zip(r, logp[i]))
     assert diff < 1e-4
+
+
+def test_checkpoint_resumes_adapters_and_their_adam_state(tmp_path):
+    """TP=2, LoRA with dropout: save at step 2, go on to 4; a fresh engine resumed from step 2 goes
+    to 4 again. Bitwise equal losses and final weights need the adapters and their Adam moments
+    (a fresh Adam would take a different step 3) and the data position back."""
+    from test_checkpoint import make_run_inputs
+
+    make_run_inputs(str(tmp_path))
+    torchrun("lora_ckpt_worker.py", 2, tmp_path)
+    rows = json.loads((tmp_path / "out.json").read_text())
+    for r in rows:
+        assert r["start"] == 2 and r["n_adapters"] == 2 * 4 * 2  # 2 layers x 4 targets x (A, B)
+        assert r["restored_equal"] and r["restored_nonzero_B"]
+        assert r["losses"] == {k: v for k, v in r["ref_losses"].items() if int(k) > 2}
+        assert r["final_equal"]
