@@ -327,3 +327,76 @@ def merge_hf(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], s
         w0 = base[f"{mod}.weight"]
         out[f"{mod}.weight"] = (w0.float() + scaling * (b.float() @ a.float())).to(w0.dtype)
     return out
+
+
+# ----------------------------------------------------------------------------- export
+
+class merged_into_base:
+    """Context manager: every adapted weight holds W + s B A (this rank's shard: column
+    W_r + s B_r A, row W_r + s B A_r) inside the block and its exact old value after it, so an HF
+    export made inside writes the merged model."""
+
+    def __init__(self, chunks):
+        self.modules = list(_local_adapters(chunks).values())
+        self.saved: list[torch.Tensor] = []
+
+    def __enter__(self):
+        with torch.no_grad():
+            for m in self.modules:
+                self.saved.append(m.weight.detach().clone())
+                m.weight.add_((m.lora_scaling * (m.lora_B.float() @ m.lora_A.float())).to(m.weight.dtype))
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for m, w in zip(self.modules, self.saved):
+                m.weight.copy_(w)
+        self.saved.clear()
+        return False
+
+
+HF_MODULE = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def peft_config(lora, base_model: str) -> dict:
+    """adapter_config.json of a PEFT LoRA adapter for ``lora`` (the `LoRAConfig`)."""
+    targets = {"linear_qkv": ["q_proj", "k_proj", "v_proj"], "linear_proj": ["o_proj"],
+               "linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]}
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+            "target_modules": sorted(m for t in lora.target_modules for m in targets[t]),
+            "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
+            "init_lora_weights": True, "modules_to_save": None}
+
+
+def export_peft(chunks, args: ModelArgs, ps, lora, out_dir: str, base_model: str = "",
+                dtype: Optional[torch.dtype] = None) -> None:
+    """Writes the adapters alone in PEFT's layout: ``adapter_config.json`` and
+    ``adapter_model.safetensors`` (names ``base_model.model.<HF module>.lora_A.weight``). Collective
+    over all ranks; each stage's TP group gathers its layers, global rank 0 writes (atomically)."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    tensors = {}
+    if ps.dp_rank == 0:
+        for name, t in adapter_hf_tensors(chunks, args, lora.target_modules, ps.tp, ps.tp_group,
+                                          stage_layers(chunks), dtype):
+            if ps.tp_rank == 0:
+                tensors[f"base_model.model.{name}"] = t.detach().cpu().clone()
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, tensors)
+    if dist.get_rank() == 0:
+        tmp = out_dir.rstrip("/") + ".tmp-adapter"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        save_file({k: v for p in parts for k, v in p.items()}, os.path.join(tmp, "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump(peft_config(lora, base_model), f, indent=2)
+        if os.path.isdir(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    dist.barrier()

@@ -27,6 +27,7 @@ one `megarl.trainer.metrics.StatsTracker`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -319,9 +320,20 @@ class Engine:
 
     # ------------------------------------------------------------------ weights
     def export_hf(self, out_dir: str, dtype: Optional[torch.dtype] = None) -> None:
+        """The model as an HF checkpoint; with LoRA the merged model (W + s B A), and the adapters
+        alone in PEFT's layout under ``<out_dir>/adapter``."""
         tokenizer_dir = self.spec.tokenizer_path or self.spec.model.hf_path
-        hf_io.export_hf(self.chunks, self.args, self.ps, out_dir, src_hf_dir=tokenizer_dir,
-                        use_te=self.use_te, dtype=dtype)
+        if self.spec.lora is None:
+            hf_io.export_hf(self.chunks, self.args, self.ps, out_dir, src_hf_dir=tokenizer_dir,
+                            use_te=self.use_te, dtype=dtype)
+            return
+        from megarl.models.lora import export_peft, merged_into_base
+
+        with merged_into_base(self.chunks):
+            hf_io.export_hf(self.chunks, self.args, self.ps, out_dir, src_hf_dir=tokenizer_dir,
+                            use_te=self.use_te, dtype=dtype)
+        export_peft(self.chunks, self.args, self.ps, self.spec.lora, os.path.join(out_dir, "adapter"),
+                    self.spec.model.hf_path, dtype)
 
     def named_hf_tensors(self, dtype: Optional[torch.dtype] = None):
         """This stage's (HF name, full tensor) pairs; collective over the TP group of DP rank 0."""

@@ -79,6 +79,8 @@ def main():
     init_logp = lora.compute_logp(batch).logp
     random_B(lora, lora.args, ps.tp, ps.tp_rank)
     lora_logp = lora.compute_logp(batch).logp
+    lora.export_hf(adapters_out + ".export")  # merged model + PEFT adapter (collective)
+    after_export = lora.compute_logp(batch).logp  # the merge is undone after the export
     dense_reference(base, lora)
     dense_logp = base.compute_logp(batch).logp
     # the push/export form: HF names, q/k/v and gate/up split
@@ -103,6 +105,7 @@ def main():
            "init_diff": float((init_logp - base_logp).abs().max()),
            "lora_vs_base": float((lora_logp - base_logp).abs().max()),
            "lora_vs_dense": float((lora_logp - dense_logp).abs().max()),
+           "export_undone": bool(torch.equal(after_export, lora_logp)),
            "logp": lora_logp.tolist(), "optimizer_params": len(trainable), "adapter_params": n_adapters,
            "base_unchanged": base_same, "adapters_moved": adapters_moved, "grad_norm": m["grad_norm"],
            "names": names}

@@ -38,6 +38,7 @@ def test_lora_equals_base_at_init_and_dense_reference_after(runs):
             assert r["init_diff"] == 0.0, layout
             assert r["lora_vs_base"] > 0.1, layout  # the random adapters change the model
             assert r["lora_vs_dense"] < 1e-5, layout
+            assert r["export_undone"], layout
     tp2, pp2 = torch.tensor(out[(2, 1)][0]["logp"]), torch.tensor(out[(1, 2)][0]["logp"])
     assert (tp2 - pp2).abs().max() < 1e-5
 
@@ -77,6 +78,21 @@ def test_hf_form_merged_matches_trainer(runs):
     logp = out[(2, 1)][0]["logp"]
     diff = max(abs(a - b) for i, r in enumerate(ref) for a, b in zip(r, logp[i]))
     assert diff < 1e-4
+    # the trainer's own export (checkpoint.hf_export_dir): the merged model, which transformers
+    # loads as is, and the PEFT adapter beside it; from TP=2 and from PP=2 (stages gathered)
+    for layout in ("21", "12"):
+        export = tmp / f"a{layout}.safetensors.export"
+        merged_model = transformers.AutoModelForCausalLM.from_pretrained(str(export)).float().eval()
+        exported = reference_logprobs(merged_model, rows)
+        assert max(abs(a - b) for i, r in enumerate(exported) for a, b in zip(r, logp[i])) < 1e-4, layout
+        cfg_json = json.loads((export / "adapter" / "adapter_config.json").read_text())
+        assert cfg_json["peft_type"] == "LORA" and cfg_json["r"] == 4 and cfg_json["lora_alpha"] == 8.0
+        assert cfg_json["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                     "up_proj", "down_proj"])
+        peft = load_file(str(export / "adapter" / "adapter_model.safetensors"))
+        assert set(peft) == {f"base_model.model.{k}" for k in adapters}
+        for k, v in adapters.items():
+            assert torch.equal(peft[f"base_model.model.{k}"], v), k
 
 
 def test_checkpoint_resumes_adapters_and_their_adam_state(tmp_path):
