@@ -3,13 +3,16 @@ pushes) at TP=1 and TP=2: after the first full push every push carries exactly t
 bytes computed here from the model's config), the server merges them, and the trainer's logprobs
 of the server's tokens stay within train.mismatch_gate's fp32 threshold after every push
 (synchronous rollouts, rollout.max_staleness=0, so every step's tokens come from the weights the
-step starts from: the adapters pushed one step earlier)."""
+step starts from: the adapters pushed one step earlier). The same run's exports: the trainer's
+merged HF model + PEFT adapter, and megarl-convert's from the final LoRA checkpoint, agree."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from megarl.models.lora import hf_adapter_shapes
 from megarl.protocol.hf_model import read_model_args
@@ -23,7 +26,7 @@ def test_lora_pushes_adapters_only_and_server_matches_trainer(tmp_path, tp):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo_lora.yaml"),
            f"model.hf_path={MODEL}", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
-           "data.eval_path=", f"train.run_dir={run}", "checkpoint.hf_export_dir=", "checkpoint.save_interval=0",
+           "data.eval_path=", f"train.run_dir={run}", "checkpoint.hf_export_dir=model", "checkpoint.save_interval=0",
            "train.steps=3", "train.global_batch_size=32", "rollout.eval_at_start=false",
            "rollout.max_staleness=0", f"parallel.tp={tp}", "lora.rank=8", "lora.alpha=16"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
@@ -40,4 +43,24 @@ def test_lora_pushes_adapters_only_and_server_matches_trainer(tmp_path, tp):
         assert r["mismatch/onpolicy_frac"] == 1.0  # every token from the weights the step starts from
         assert r["mismatch/mean"] <= 1e-5 and r["mismatch/max"] <= 1e-4, r  # gate: 1e-4 mean
         assert r["push/verify_mismatches"] == 0  # the adapters the server holds are the pushed ones
-        assert r["grad_norm"] > 0 and r["update_ok"] == 1.0
+        assert r["grad_norm"] > 0 and r["optimizer_steps"] == 1
+
+    # exports: the trainer merges shard by shard (checkpoint.hf_export_dir), megarl-convert from the
+    # checkpoint's full tensors; both give the same merged model and the same PEFT adapter
+    out = tmp_path / "converted"
+    conv = subprocess.run([sys.executable, "-m", "megarl.commands.convert", "mcore-to-hf",
+                           "--ckpt", str(run / "checkpoints"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    trainer, converted = load_file(str(run / "model" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    base = load_file(f"{MODEL}/model.safetensors")
+    assert trainer.keys() == converted.keys() == base.keys()
+    assert max((trainer[k] - converted[k]).abs().max().item() for k in trainer) < 1e-6
+    merged = [k for k in base if not torch.equal(base[k], trainer[k])]
+    assert len(merged) == 4 * 7  # exactly the adapted weights moved; embeddings and norms are the base's
+    for d in (run / "model" / "adapter", out / "adapter"):
+        peft = load_file(str(d / "adapter_model.safetensors"))
+        assert {k.removeprefix("base_model.model.") for k in peft} == set(shapes)
+        assert json.loads((d / "adapter_config.json").read_text())["r"] == 8
+    a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (run / "model", out))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
