@@ -33,6 +33,7 @@ class LoRAState:
         self.scaling: float | None = None
         self.adapters: dict[str, torch.Tensor] = {}  # HF adapter name -> tensor
         self.bases: dict[str, torch.Tensor] = {}  # canonical weight name -> W0 (full HF tensor)
+        self.name: str | None = None  # the adapter /load_lora_adapter loaded (server/lora_routes.py)
 
     def tracks(self, name: str) -> bool:
         return name in self.bases
@@ -84,6 +85,11 @@ class LoRAState:
             self.bases.update(bases)
 
         return rest, commit
+
+    def unload(self) -> dict[str, torch.Tensor]:
+        """Forgets the adapters; returns the base weights to load back (W0 of every merged module)."""
+        self.adapters, self.scaling, self.name = {}, None, None
+        return dict(self.bases)
 
     def held(self, name: str) -> torch.Tensor:
         """An adapter tensor (or the scale) as last received; KeyError when none was."""

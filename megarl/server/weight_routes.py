@@ -367,3 +367,6 @@ def setup(r: web.UrlDispatcher) -> None:
     r.add_post("/get_weights_by_name", get_weights_by_name)
     r.add_post("/update_weight_version", update_weight_version)
     r.add_post("/weights_checksum", weights_checksum)
+    from megarl.server import lora_routes
+
+    lora_routes.setup(r)  # /load_lora_adapter, /unload_lora_adapter
