@@ -110,6 +110,9 @@ def validate_lora(cfg: Config) -> None:
         if cfg.weights.refit != "gather":
             raise ConfigError(f"weights.refit: lora.rank > 0 pushes the adapters by the gather path; got "
                               f"{cfg.weights.refit!r} (use weights.refit=gather)")
+        if cfg.rollout.engine == "sglang" or cfg.weights.tensor_format == "sglang":
+            raise ConfigError("rollout.engine: SGLang takes LoRA adapters through /load_lora_adapter, which "
+                              "megarl-train does not drive yet; with lora.rank > 0 use megarl-server")
         if cfg.weights.transport == "disk":
             raise ConfigError("weights.transport: disk writes whole HF checkpoints; lora.rank > 0 pushes the "
                               "adapters over distributed, tensor or shm")

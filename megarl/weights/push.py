@@ -140,6 +140,9 @@ class WeightPusher:
         elif ps.is_pp_source and self.spec.streams_buckets:  # disk: the export is collective, rank 0 announces
             self.admin = self.cluster.stage_admin(ps.rank)
             self._own_admin = True
+        if self._merged and w.tensor_format != "megarl":  # LoRA: only megarl-server merges pushed adapters
+            raise PushError("weights.tensor_format: lora.rank > 0 pushes adapters that only megarl-server "
+                            f"merges; the servers resolved to {w.tensor_format!r} (real SGLang?)")
         self.refit = w.refit == "shard"
         if self.refit:  # every trainer TP rank sends its own slices (megarl.weights.shard_push)
             from megarl.weights.shard_push import ShardRefitTransport

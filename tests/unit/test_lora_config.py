@@ -45,6 +45,8 @@ def test_bad_values_name_the_field(overrides, field):
     (["weights.refit=shard"], "weights.refit"),
     (["rollout.placement=colocated", "rollout.servers=[]"], "rollout.placement"),
     (["algo.advantage=gae"], "algo.advantage"),
+    (["weights.transport=disk"], "weights.transport"),
+    (["weights.tensor_format=sglang"], "rollout.engine"),
 ])
 def test_rl_rules(overrides, field):
     with pytest.raises(ConfigError) as e:
