@@ -4,7 +4,9 @@ bytes computed here from the model's config), the server merges them, and the tr
 of the server's tokens stay within train.mismatch_gate's fp32 threshold after every push
 (synchronous rollouts, rollout.max_staleness=0, so every step's tokens come from the weights the
 step starts from: the adapters pushed one step earlier). The same run's exports: the trainer's
-merged HF model + PEFT adapter, and megarl-convert's from the final LoRA checkpoint, agree."""
+merged HF model + PEFT adapter, and megarl-convert's from the final LoRA checkpoint, agree; at TP=2
+megarl-logprobs of that checkpoint (read at TP=1, adapters included) equals transformers on the
+merged export."""
 import json
 import os
 import subprocess
@@ -64,3 +66,23 @@ def test_lora_pushes_adapters_only_and_server_matches_trainer(tmp_path, tp):
         assert json.loads((d / "adapter_config.json").read_text())["r"] == 8
     a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (run / "model", out))
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    if tp == 2:  # the TP=2 checkpoint read back at TP=1 by megarl-logprobs, adapters on the base
+        import transformers
+
+        rows_in = [[1, 5, 6, 7, 3, 9, 2], [1, 4, 4, 8, 10, 11, 12, 3]]
+        (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows_in))
+        lp = subprocess.run([sys.executable, "-m", "megarl.commands.logprobs", "--ckpt", str(run / "checkpoints"),
+                             "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")],
+                            capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert lp.returncode == 0, lp.stderr[-3000:]
+        got = [json.loads(line)["logprobs"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(run / "model")).float().eval()
+        base_hf = transformers.AutoModelForCausalLM.from_pretrained(MODEL).float().eval()
+        for ids, mine in zip(rows_in, got):
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1], -1)
+                base = torch.log_softmax(base_hf(torch.tensor([ids])).logits[0, :-1], -1)
+            ref = [0.0] + ref.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+            base = [0.0] + base.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+            assert max(abs(a - b) for a, b in zip(mine, ref)) < 1e-4
+            assert max(abs(a - b) for a, b in zip(mine, base)) > 1e-3  # the adapters, not the base
