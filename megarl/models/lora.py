@@ -246,6 +246,12 @@ def hf_adapter_shapes(args: ModelArgs, targets, rank: int) -> dict[str, tuple[in
     return out
 
 
+def merged_weight_names(args: ModelArgs, lora) -> frozenset:
+    """HF names of the base weights the adapters change (servers hold them merged, W0 + s B A)."""
+    return frozenset(n.replace(".lora_A.weight", ".weight")
+                     for n in hf_adapter_shapes(args, lora.target_modules, lora.rank) if ".lora_A." in n)
+
+
 def adapter_bytes(args: ModelArgs, targets, rank: int, layers, dtype: torch.dtype) -> int:
     """Bytes of the HF-form adapters of the given layers in ``dtype`` plus the 4-byte fp32 scale
     that travels with them (what one adapter push sends for those layers)."""

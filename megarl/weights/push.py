@@ -16,6 +16,7 @@ from megarl.config import WeightSyncConfig
 import torch
 import torch.distributed as dist
 
+from megarl.models.lora import adapter_bytes, merged_weight_names, stage_layers
 from megarl.protocol.channel import ManagerStalled
 from megarl.weights.resharder import Resharder, ReshardTimes
 from megarl.weights.target import PushTarget
@@ -80,17 +81,6 @@ class PushMetrics:
                 **({"push/adapter_bytes": self.adapter_bytes} if self.adapter_bytes else {})}
 
 
-def _merged_weights(engine) -> frozenset:
-    """HF names of the base weights LoRA adapts (empty without LoRA)."""
-    lora = getattr(engine.spec, "lora", None)
-    if lora is None:
-        return frozenset()
-    from megarl.models.lora import hf_adapter_shapes
-
-    return frozenset(n.replace(".lora_A.weight", ".weight")
-                     for n in hf_adapter_shapes(engine.args, lora.target_modules, lora.rank) if ".lora_A." in n)
-
-
 def _resolved(tensor_format: str) -> str:
     if tensor_format == "auto":  # guessing here is what once sent megarl's wire to real SGLang
         raise PushError("weights.tensor_format: auto was not resolved against the servers "
@@ -124,7 +114,8 @@ class WeightPusher:
         self.digest_s, self._recording = 0.0, False
         # LoRA: the servers hold these base weights merged with the adapters (W0 + s B A), so
         # their checksums are checked through the adapters' and the scale's, not against W0
-        self._merged = _merged_weights(engine)
+        lora = getattr(engine.spec, "lora", None)
+        self._merged = frozenset() if lora is None else merged_weight_names(engine.args, lora)
         self._connect()
 
     @property
@@ -324,13 +315,10 @@ class WeightPusher:
                            int(a))
 
     def _adapter_bytes(self) -> int:
-        """LoRA: what this stage's adapters weigh in the serving dtype, from their shapes alone
-        (counted on the stage source; 0 elsewhere and without LoRA)."""
+        """LoRA: this stage's adapters in the serving dtype, from their shapes (stage sources only)."""
         lora = getattr(self.engine.spec, "lora", None)
         if lora is None or not self.ps.is_pp_source or not self.transport.streams_buckets:
             return 0
-        from megarl.models.lora import adapter_bytes, stage_layers
-
         return adapter_bytes(self.engine.args, lora.target_modules, lora.rank, stage_layers(self.engine.chunks),
                              self.resharder.serving_dtype)
 
