@@ -25,7 +25,6 @@ def random_B(engine, args, tp, tp_rank):
     g = torch.Generator().manual_seed(7)
     for row in adapter_rows(args, engine.spec.lora.target_modules):
         mods = row.hf_modules()
-        shape = {"linear_qkv": None}.get(row.target)
         full = []
         for mod in mods:  # HF rows of each module's B
             rows = {"q_proj": args.num_heads * args.head_dim, "k_proj": args.num_kv_heads * args.head_dim,
@@ -40,7 +39,6 @@ def random_B(engine, args, tp, tp_rank):
         B = hf_to_shard(row.pmap, full, args, tp, tp_rank) if row.column else full[0]
         with torch.no_grad():
             m.lora_B.copy_(B)
-        del shape
 
 
 def dense_reference(ref, lora_engine):

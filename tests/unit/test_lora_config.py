@@ -64,7 +64,6 @@ def test_layer_kind_covers_local_and_te_classes():
     assert L.layer_kind(te["TELayerNormColumnParallelLinear"]()) == "column"
     assert L.layer_kind(te["TEColumnParallelLinear"]()) == "column"
     assert L.layer_kind(te["TERowParallelLinear"]()) == "row"
-    assert issubclass(type("X", (ColumnParallelLinear,), {}), ColumnParallelLinear)
     assert L.layer_kind(ColumnParallelLinear.__new__(ColumnParallelLinear)) == "column"
     assert L.layer_kind(RowParallelLinear.__new__(RowParallelLinear)) == "row"
     with pytest.raises(ConfigError, match="lora.target_modules"):
