@@ -270,6 +270,10 @@ class CheckpointManager:
                             for name, e in self.extra_engines.items()},
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
+            lora = getattr(self.engine.spec, "lora", None)
+            if lora is not None:  # megarl-convert merges the adapters (megarl.commands.conversion)
+                meta["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+                                "target_modules": list(lora.target_modules)}
             return json.dumps(meta, indent=1)
         except (TypeError, ValueError) as e:
             return CheckpointError(f"checkpoint: registered state is not JSON-serialisable ({e})")

@@ -124,10 +124,13 @@ def plan_files(args: ModelArgs, dtype: torch.dtype, max_bytes: int) -> list[list
     return group_by_bytes(param_table(args), nbytes, max_bytes)
 
 
-def write_hf(ckpt_dir: str, out_dir: str, args: ModelArgs, dtype: torch.dtype, max_bytes: int) -> None:
+def write_hf(ckpt_dir: str, out_dir: str, args: ModelArgs, dtype: torch.dtype, max_bytes: int,
+             lora: Optional[dict] = None) -> None:
     """Writes the model tensors of a dist checkpoint as HF safetensors (one file in memory at a
     time). Needs torch.distributed (a single rank is enough). ``args``: `megarl.models.checks.stored_args`
-    (the vocabulary padding is read and dropped)."""
+    (the vocabulary padding is read and dropped). ``lora`` (megarl.json's ``lora`` of a LoRA
+    training checkpoint: rank, alpha, target_modules): every adapted weight is written merged,
+    W + (alpha / rank) B A, and the adapters alone go to ``<out_dir>/adapter`` in PEFT's layout."""
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
@@ -138,6 +141,7 @@ def write_hf(ckpt_dir: str, out_dir: str, args: ModelArgs, dtype: torch.dtype, m
     names = safetensors_file_names(len(groups))
     progress = Progress("mcore-to-hf", len(hf_shapes(args)), enabled=True)
     weight_map, total = {}, 0
+    adapters: dict[str, torch.Tensor] = {}  # LoRA: PEFT name -> tensor
     for fname, rows in zip(names, groups):
         request = {}
         for i, (layer, pmap) in enumerate(rows):
@@ -148,6 +152,8 @@ def write_hf(ckpt_dir: str, out_dir: str, args: ModelArgs, dtype: torch.dtype, m
         tensors = {}
         for i, (layer, pmap) in enumerate(rows):
             full = loaded[i].reshape(loaded[i].shape[(layer is not None) + (pmap.expert is not None):])
+            if lora is not None and _adapter_key(pmap, lora) is not None:
+                full = _merge_adapter(ckpt_dir, stored, pmap, layer, full, args, lora, adapters)
             for name, t in zip(pmap.names(layer)[1], full_to_hf(pmap, full, args)):
                 check_finite(t, name, f"{ckpt_dir} ({mcore_key(pmap)})")  # failing: the temp dir goes
                 tensors[name] = t.to(dtype).contiguous()
@@ -159,4 +165,55 @@ def write_hf(ckpt_dir: str, out_dir: str, args: ModelArgs, dtype: torch.dtype, m
     if len(names) > 1:
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    if lora is not None:
+        _write_peft(out_dir, adapters, lora, dtype)
     progress.close()
+
+
+def _adapter_key(pmap, lora: dict) -> Optional[str]:
+    """The stacked checkpoint key prefix of the adapters of a table row (None: not adapted)."""
+    from megarl.models.lora import TARGETS
+
+    for target in lora["target_modules"]:
+        if pmap.expert is None and pmap.mcore == f"decoder.layers.{{L}}.{TARGETS[target][0]}.weight":
+            return f"decoder.layers.{TARGETS[target][0]}"
+    return None
+
+
+def _merge_adapter(ckpt_dir, stored, pmap, layer, full, args, lora, adapters) -> torch.Tensor:
+    """``full`` (the Megatron full tensor of one layer: fused QKV rows, fc1 = [gate; up]) +
+    (alpha / rank) B A with the layer's stacked A and B, whose rows are in the same full layout;
+    records the row's PEFT tensors (B split like the weight, A shared) in ``adapters``."""
+    from megatron.core import dist_checkpointing
+
+    from megarl.mcore.checkpoint import stacked_piece
+
+    prefix = _adapter_key(pmap, lora)
+    request = {k: stacked_piece(f"{prefix}.{k}", *stored[f"{prefix}.{k}"], layer, None) for k in ("lora_A", "lora_B")}
+    ab = dist_checkpointing.load(request, ckpt_dir, validate_access_integrity=False)
+    A, B = ab["lora_A"][0], ab["lora_B"][0]
+    for name, t in (("lora_A", A), ("lora_B", B)):
+        check_finite(t, name, f"{ckpt_dir} ({prefix}.{name})")
+    scaling = float(lora["alpha"]) / int(lora["rank"])
+    merged = (full.float() + scaling * (B.float() @ A.float())).to(full.dtype)
+    hf = [h[: -len(".weight")] for h in pmap.names(layer)[1]]
+    Bs = full_to_hf(pmap, B, args) if len(hf) > 1 else [B]
+    for mod, b in zip(hf, Bs):
+        adapters[f"base_model.model.{mod}.lora_A.weight"] = A.clone()
+        adapters[f"base_model.model.{mod}.lora_B.weight"] = b.contiguous()
+    return merged
+
+
+def _write_peft(out_dir: str, adapters: dict, lora: dict, dtype: torch.dtype) -> None:
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from megarl.models.lora import peft_config
+
+    adapter_dir = os.path.join(out_dir, "adapter")
+    os.makedirs(adapter_dir, exist_ok=True)
+    save_file({k: v.to(dtype).contiguous() for k, v in adapters.items()},
+              os.path.join(adapter_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
+        json.dump(peft_config(SimpleNamespace(**lora), ""), f, indent=2)

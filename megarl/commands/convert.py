@@ -177,7 +177,12 @@ def _write_hf(a, ckpt, args, dtype, tmp) -> None:
     from megarl.commands.conversion import write_hf
 
     t0 = time.perf_counter()
-    write_hf(ckpt, tmp, args, dtype, a.max_shard_size)
+    meta_path = os.path.join(ckpt, "megarl.json")
+    lora = None
+    if os.path.isfile(meta_path):  # a LoRA training checkpoint: merged model + PEFT adapter
+        with open(meta_path) as f:
+            lora = json.load(f).get("lora")
+    write_hf(ckpt, tmp, args, dtype, a.max_shard_size, lora)
     copy_hf_side_files(ckpt, tmp)
     _set_config_dtype(tmp, args, dtype)
     commit_dir(tmp, os.path.abspath(a.out))

@@ -141,6 +141,14 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
                              f"parallel.ep={a.ep}"])
     engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=False)
     if source.kind == "mcore":
+        from megarl.checkpoint.layout import read_meta
+
+        lora = (read_meta(source.path) or {}).get("lora")
+        if lora:  # a LoRA training checkpoint: its adapters on top of its base (megarl.models.lora)
+            from megarl.config import LoRAConfig
+            from megarl.models.lora import apply_lora
+
+            apply_lora(engine.chunks, LoRAConfig(**lora), engine.args, cfg.model.seed)
         load_model_weights(engine.chunks, source.path)
         for chunk in engine.chunks:  # this rank's shards (HF weights were checked before any rank)
             for name, p in chunk.named_parameters():

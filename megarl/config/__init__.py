@@ -16,6 +16,7 @@ resolved config is written into the run directory by :func:`save_config`.
     train.py     train, data, checkpoint, logging sections
     rollout.py   rollout, reward, weights sections
     launch.py    launch section
+    lora.py      lora section (adapters on the policy)
     eval.py      eval section (megarl-eval)
     common.py    helpers the sections share
     (algo.*: megarl/algo/config.py, next to the RL math it configures)
@@ -25,6 +26,7 @@ resolved config is written into the run directory by :func:`save_config`.
 from megarl.algo.config import AlgoConfig
 from megarl.config.eval import EvalConfig
 from megarl.config.launch import LaunchConfig
+from megarl.config.lora import LORA_TARGETS, LoRAConfig
 from megarl.config.load import (OUTPUT_PATHS, apply_overrides, check_outputs, from_dict, load_config,
                                 parse_value, read_yaml, recipe_keys, resolve_outputs, save_config)
 from megarl.config.model import CriticConfig, ModelConfig, OptimConfig, ParallelConfig
@@ -35,7 +37,7 @@ from megarl.common.errors import ConfigError
 
 __all__ = [
     "AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "EvalConfig",
-    "LaunchConfig",
+    "LaunchConfig", "LORA_TARGETS", "LoRAConfig",
     "LoggingConfig", "ModelConfig", "OUTPUT_PATHS", "OptimConfig", "ParallelConfig", "RewardConfig",
     "RolloutConfig", "TrainConfig", "WeightSyncConfig", "apply_overrides", "check_outputs",
     "check_world_size", "from_dict", "load_config", "parse_value", "read_yaml", "recipe_keys",

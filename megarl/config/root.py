@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from megarl.algo.config import AlgoConfig
 from megarl.config.eval import EvalConfig
 from megarl.config.launch import LaunchConfig
+from megarl.config.lora import LoRAConfig
 from megarl.config.model import CriticConfig, ModelConfig, OptimConfig, ParallelConfig
 from megarl.config.rollout import RewardConfig, RolloutConfig, WeightSyncConfig
 from megarl.config.train import CheckpointConfig, DataConfig, LoggingConfig, TrainConfig
@@ -31,6 +32,7 @@ class Config:
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
         """Types, ranges and rules across fields; no file reads, no model code (the checks against
@@ -57,6 +59,8 @@ class Config:
         if self.weights.refit == "shard" and self.parallel.pp > 1:
             raise ConfigError("weights.refit: shard supports dense models on one pipeline stage "
                               f"(parallel.pp={self.parallel.pp}); use weights.refit=gather")
+        if self.lora.enabled:
+            validate_lora(self)
         if self.moe.replay_check and self.algo.prox_logp_mode == "loglinear":
             raise ConfigError("moe.replay_check: needs algo.prox_logp_mode recompute or metrics (loglinear "
                               "runs no prox recompute to check)")
@@ -93,6 +97,30 @@ def validate_learning_signal(cfg: Config) -> None:
     if r.group_size == 1 and cfg.algo.dynamic_sampling:
         raise ConfigError("algo.dynamic_sampling: drops groups whose rewards are all equal, which is every "
                           "group of rollout.group_size=1: no batch would ever fill")
+
+
+def validate_lora(cfg: Config) -> None:
+    """LoRA trains adapters on a frozen base; settings that would train or push something else
+    are refused at load."""
+    if cfg.optim.freeze:
+        raise ConfigError("optim.freeze: lora.rank > 0 already freezes every base weight; leave optim.freeze empty")
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel: not supported with lora.rank > 0")
+    if cfg.train.is_rl:
+        if cfg.weights.refit != "gather":
+            raise ConfigError(f"weights.refit: lora.rank > 0 pushes the adapters by the gather path; got "
+                              f"{cfg.weights.refit!r} (use weights.refit=gather)")
+        if cfg.rollout.engine == "sglang" or cfg.weights.tensor_format == "sglang":
+            raise ConfigError("rollout.engine: SGLang takes LoRA adapters through /load_lora_adapter, which "
+                              "megarl-train does not drive yet; with lora.rank > 0 use megarl-server")
+        if cfg.weights.transport == "disk":
+            raise ConfigError("weights.transport: disk writes whole HF checkpoints; lora.rank > 0 pushes the "
+                              "adapters over distributed, tensor or shm")
+        if cfg.rollout.placement == "colocated":
+            raise ConfigError("rollout.placement: colocated is not supported with lora.rank > 0 (use disaggregated)")
+        if cfg.algo.advantage == "gae":
+            raise ConfigError("algo.advantage: gae trains a critic, which lora.rank > 0 does not adapt; use a "
+                              "critic-free estimator (grpo, rloo, reinforce_pp)")
 
 
 def check_world_size(cfg: Config, world_size: int) -> int:

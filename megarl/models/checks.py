@@ -201,7 +201,8 @@ def check_mcore(ckpt_dir: str, args: ModelArgs) -> torch.dtype:
     check_safe(ckpt_dir)
     args = stored_args(ckpt_dir, args)
     meta = {k: v for k, v in tensor_metadata(ckpt_dir).items() if not k.startswith("optimizer.")}
-    found = {k: shape for k, (shape, _) in meta.items()}
+    # LoRA adapters (megarl.models.lora) sit beside the base weights; megarl-convert merges them
+    found = {k: shape for k, (shape, _) in meta.items() if not k.endswith((".lora_A", ".lora_B"))}
     _compare(found, mcore_shapes(args), {k: ckpt_dir for k in found},
              "embedding.word_embeddings.weight", args, ckpt_dir)
     return meta["embedding.word_embeddings.weight"][1]

@@ -111,6 +111,8 @@ def local_params(chunks: list[torch.nn.Module], args: ModelArgs, use_te: bool = 
     for ci, chunk in enumerate(chunks):
         model = _unwrap(chunk)
         for local_name, param in model.named_parameters():
+            if local_name.endswith((".lora_A", ".lora_B")):  # LoRA adapters: megarl.models.lora
+                continue
             name = local_name
             m = _LAYER.match(local_name)
             if m:

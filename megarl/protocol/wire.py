@@ -342,3 +342,28 @@ def tensor_digest(t, dtype=None) -> str:
     for chunk in flat.split(4 << 20):
         h.update(chunk.cpu().clone().numpy())  # a CUDA server's weights too
     return h.hexdigest()
+
+
+@dataclass
+class LoRAAdapterLoad:
+    """/load_lora_adapter body (SGLang 0.5.x): the PEFT adapter directory ``lora_path``
+    (adapter_config.json + adapter_model.safetensors) is loaded under ``lora_name``; a generate
+    request then selects it with ``"lora_path": lora_name`` (SGLang needs --enable-lora). megarl-server
+    merges the adapter into its weights (one adapter at a time, `megarl.server.lora`)."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LoRAAdapterUnload:
+    """/unload_lora_adapter body (SGLang 0.5.x)."""
+
+    lora_name: str
+
+    def to_json(self) -> dict:
+        return asdict(self)

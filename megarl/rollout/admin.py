@@ -24,6 +24,7 @@ import aiohttp
 from megarl.rollout.http import AdminError, HttpClient, Server, ServerRequestError, Transient
 from megarl.protocol.types import (DiskWeightsUpdate, DistributedWeightsMeta, PauseMode, PauseRequest,
                                    TensorWeightsUpdate, WeightsChecksumRequest, WeightsUpdateGroup)
+from megarl.protocol.wire import LoRAAdapterLoad, LoRAAdapterUnload
 
 
 class AdminClient(HttpClient):
@@ -149,6 +150,16 @@ class AdminClient(HttpClient):
         # weight_timeout: the servers hash every tensor they hold, which takes as long as a load reads them
         replies = await self._admin("/weights_checksum", body, timeout=self.weight_timeout)
         return {addr: r.get("checksums", {}) for addr, r in replies.items()}
+
+    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> dict:
+        """SGLang's /load_lora_adapter: the PEFT adapter directory ``path`` under ``name`` (requests
+        select it with ``lora_path: name``; megarl-server merges it into its weights)."""
+        return await self._admin("/load_lora_adapter", LoRAAdapterLoad(name, path, pinned).to_json(),
+                                 timeout=self.weight_timeout)
+
+    async def unload_lora_adapter(self, name: str) -> dict:
+        return await self._admin("/unload_lora_adapter", LoRAAdapterUnload(name).to_json(),
+                                 timeout=self.weight_timeout)
 
     async def health(self) -> dict[str, bool]:
         """{address: /health answered 200} (never raises)."""

@@ -22,6 +22,7 @@ from typing import Any, Optional
 from aiohttp import web
 
 from megarl.server.engine import GenerationEngine
+from megarl.server.lora import LoRAState
 from megarl.server.requests import BadRequest
 
 __all__ = ["BadRequest", "ServerState", "error", "result", "read_body", "body_field", "on_engine",
@@ -39,6 +40,7 @@ class ServerState:
     started: float = field(default_factory=time.time)
     weights_roots: tuple[str, ...] = ()  # real paths /update_weights_from_disk may read under
     return_routed_experts: bool = False  # --enable-return-routed-experts (MoE models only)
+    lora: LoRAState = field(default_factory=LoRAState)  # pushed LoRA adapters, merged on load
 
 
 def default_weights_roots(model_dir: str) -> list[str]:

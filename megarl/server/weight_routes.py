@@ -40,6 +40,7 @@ from aiohttp import web
 
 from megarl.common.net import new_process_group
 from megarl.server import weights as W
+from megarl.server.lora import is_lora_name
 from megarl.protocol import delta_format as disk_delta
 from megarl.protocol.wire import DIRECT_BUCKET, FLATTENED_BUCKET, SHARED_MEMORY, tensor_digest
 from megarl.server.state import (BadRequest, ServerState, allowed_weights_path, body_field, on_engine,
@@ -60,8 +61,10 @@ def _apply(state: ServerState, tensors: dict, version, abort_all: bool):
         eng = state.engine
         if abort_all:
             eng.abort(None, abort_all=True)
-        eng.model.load(tensors)
-        eng.loaded(tensors)
+        to_load, commit = state.lora.prepare(eng.model, tensors)  # LoRA adapters: merged (server/lora.py)
+        eng.model.load(to_load)
+        commit()
+        eng.loaded(to_load)
         if version is not None:
             eng.weight_version = version
         return len(tensors)
@@ -163,7 +166,8 @@ async def from_distributed(request: web.Request) -> web.Response:
     def receive_and_load():
         # one engine job: the group's buffer is reused by the next bucket, and the in-place
         # receive writes parameters, so no batch may run (nor another receive) in between
-        targets = _in_place_targets(model, names, dtypes, shapes)
+        targets = {n: t for n, t in _in_place_targets(model, names, dtypes, shapes).items()
+                   if not state.lora.tracks(n)}  # an adapted base goes through the LoRA merge
         try:
             tensors, in_place = W.receive_broadcast(group, names, dtypes, shapes, load_format, model.device,
                                                     targets)
@@ -327,10 +331,18 @@ async def weights_checksum(request: web.Request) -> web.Response:
     except ValueError as e:
         raise BadRequest(f"dtypes: {e}") from e
     model = state.engine.model
-    canon = {n: _param(model, n, "names") for n in names}
+    lora = {n for n in names if is_lora_name(n)}  # pushed adapters: the ones the server holds
+    canon = {n: _param(model, n, "names") for n in names if n not in lora}
+
+    def held(n):
+        try:
+            return state.lora.held(n)
+        except KeyError:
+            raise BadRequest(f"names: no LoRA adapter {n!r} was pushed") from None
 
     def digests():  # on the engine thread: never between the tensors of a load
-        return {n: tensor_digest(model.full_param(canon[n]), d) for n, d in zip(names, casts)}
+        return {n: tensor_digest(held(n) if n in lora else model.full_param(canon[n]), d)
+                for n, d in zip(names, casts)}
 
     return result(True, f"{len(names)} checksums", checksums=await on_engine(state, digests))
 
@@ -355,3 +367,6 @@ def setup(r: web.UrlDispatcher) -> None:
     r.add_post("/get_weights_by_name", get_weights_by_name)
     r.add_post("/update_weight_version", update_weight_version)
     r.add_post("/weights_checksum", weights_checksum)
+    from megarl.server import lora_routes
+
+    lora_routes.setup(r)  # /load_lora_adapter, /unload_lora_adapter

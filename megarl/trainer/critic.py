@@ -132,7 +132,7 @@ class CriticSpec:
         optim = dataclasses.replace(cfg.optim, lr=c.lr if c.lr is not None else cfg.optim.lr,
                                     min_lr=min(cfg.optim.min_lr, c.lr or cfg.optim.lr),
                                     freeze=[])  # optim.freeze names the policy's tensors
-        engine = dataclasses.replace(EngineSpec.from_config(cfg), model=model, optim=optim)
+        engine = dataclasses.replace(EngineSpec.from_config(cfg), model=model, optim=optim, lora=None)
         return cls(c, engine, cfg.algo.build(), cfg.train.ppo_mini_batch_size, cfg.train.ppo_epochs,
                    cfg.train.seed)
 

@@ -26,6 +26,8 @@ one `megarl.trainer.metrics.StatsTracker`.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algo.stats import Stat
-from megarl.config import Config, ModelConfig, OptimConfig, ParallelConfig
+from megarl.config import Config, LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
 from megarl.mcore.optimizer import step_unless_nonfinite
 from megarl.trainer.metrics import StatsTracker
 from megarl.models import builder, hf_io
@@ -62,11 +64,12 @@ class EngineSpec:
     steps: int  # train.steps: the LR schedule's decay length when optim.lr_decay_steps is 0
     micro_batch_tokens: int  # train.micro_batch_tokens: the token budget of one micro-batch
     tokenizer_path: str = ""  # data.tokenizer_path: copied next to an HF export (else model.hf_path's)
+    lora: Optional[LoRAConfig] = None  # lora section: adapters on a frozen base (trainable engines)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "EngineSpec":
         return cls(cfg.model, cfg.parallel, cfg.optim, cfg.moe, cfg.train.steps, cfg.train.micro_batch_tokens,
-                   cfg.data.tokenizer_path)
+                   cfg.data.tokenizer_path, cfg.lora if cfg.lora.enabled else None)
 
 
 @dataclass
@@ -108,6 +111,8 @@ class Engine:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
+        if not trainable and spec.lora is not None:  # adapters are for training: a frozen copy is the base
+            spec = dataclasses.replace(spec, lora=None)
         args = pad_vocab(read_model_args(spec.model.hf_path), spec.model.make_vocab_size_divisible_by, ps.tp)
         use_te = builder.resolve_spec(spec.model.spec)
         tconfig = builder.transformer_config(
@@ -119,10 +124,14 @@ class Engine:
         if spec.model.init == "hf":
             hf_io.load_hf_weights(chunks, args, spec.model.hf_path, ps.tp, ps.tp_rank, use_te)
         cls.adapt_chunks(chunks, spec, args, tconfig)
-        if trainable:  # optim.freeze: before DDP and the optimizer, which then leave them out
+        if trainable:  # optim.freeze / lora: before DDP and the optimizer, which then leave them out
             from megarl.models.freeze import apply_freeze
 
             apply_freeze(chunks, args, spec.optim.freeze, use_te)
+            if spec.lora is not None:  # the base freezes; only the adapters train
+                from megarl.models.lora import apply_lora
+
+                apply_lora(chunks, spec.lora, args, spec.model.seed)
         if not trainable:
             for c in chunks:
                 c.requires_grad_(False)
@@ -311,9 +320,20 @@ class Engine:
 
     # ------------------------------------------------------------------ weights
     def export_hf(self, out_dir: str, dtype: Optional[torch.dtype] = None) -> None:
+        """The model as an HF checkpoint; with LoRA the merged model (W + s B A), and the adapters
+        alone in PEFT's layout under ``<out_dir>/adapter``."""
         tokenizer_dir = self.spec.tokenizer_path or self.spec.model.hf_path
-        hf_io.export_hf(self.chunks, self.args, self.ps, out_dir, src_hf_dir=tokenizer_dir,
-                        use_te=self.use_te, dtype=dtype)
+        if self.spec.lora is None:
+            hf_io.export_hf(self.chunks, self.args, self.ps, out_dir, src_hf_dir=tokenizer_dir,
+                            use_te=self.use_te, dtype=dtype)
+            return
+        from megarl.models.lora import export_peft, merged_into_base
+
+        with merged_into_base(self.chunks):
+            hf_io.export_hf(self.chunks, self.args, self.ps, out_dir, src_hf_dir=tokenizer_dir,
+                            use_te=self.use_te, dtype=dtype)
+        export_peft(self.chunks, self.args, self.ps, self.spec.lora, os.path.join(out_dir, "adapter"),
+                    self.spec.model.hf_path, dtype)
 
     def named_hf_tensors(self, dtype: Optional[torch.dtype] = None):
         """This stage's (HF name, full tensor) pairs; collective over the TP group of DP rank 0."""

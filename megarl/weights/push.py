@@ -16,6 +16,7 @@ from megarl.config import WeightSyncConfig
 import torch
 import torch.distributed as dist
 
+from megarl.models.lora import adapter_bytes, merged_weight_names, stage_layers
 from megarl.protocol.channel import ManagerStalled
 from megarl.weights.resharder import Resharder, ReshardTimes
 from megarl.weights.target import PushTarget
@@ -59,6 +60,7 @@ class PushMetrics:
     # wall time of step 2 (+ the transport's finish): gather/convert on the caller's thread overlap
     # the sender thread's send_s and digest_s, so the four sum to more than this
     stream_s: float = 0.0
+    adapter_bytes: int = 0  # LoRA: the adapters' bytes in the serving dtype (+ the 4-byte scale), all stages
 
     @property
     def fixed_s(self) -> float:
@@ -75,7 +77,8 @@ class PushMetrics:
                 "push/convert_s": self.convert_s, "push/send_s": self.send_s,
                 "push/total_s": self.total_s, "push/gbps": self.gbps, "push/pause_s": self.pause_s,
                 "push/fixed_s": self.fixed_s, "push/digest_s": self.digest_s,
-                "push/stream_s": self.stream_s}
+                "push/stream_s": self.stream_s,
+                **({"push/adapter_bytes": self.adapter_bytes} if self.adapter_bytes else {})}
 
 
 def _resolved(tensor_format: str) -> str:
@@ -109,6 +112,10 @@ class WeightPusher:
         self.delta = w.delta and getattr(engine, "optimizer", None) is not None and spec.streams_buckets
         self._frozen_sent: frozenset = frozenset()  # rows frozen at the last push that reached every server
         self.digest_s, self._recording = 0.0, False
+        # LoRA: the servers hold these base weights merged with the adapters (W0 + s B A), so
+        # their checksums are checked through the adapters' and the scale's, not against W0
+        lora = getattr(engine.spec, "lora", None)
+        self._merged = frozenset() if lora is None else merged_weight_names(engine.args, lora)
         self._connect()
 
     @property
@@ -124,6 +131,9 @@ class WeightPusher:
         elif ps.is_pp_source and self.spec.streams_buckets:  # disk: the export is collective, rank 0 announces
             self.admin = self.cluster.stage_admin(ps.rank)
             self._own_admin = True
+        if self._merged and w.tensor_format != "megarl":  # LoRA: only megarl-server merges pushed adapters
+            raise PushError("weights.tensor_format: lora.rank > 0 pushes adapters that only megarl-server "
+                            f"merges; the servers resolved to {w.tensor_format!r} (real SGLang?)")
         self.refit = w.refit == "shard"
         if self.refit:  # every trainer TP rank sends its own slices (megarl.weights.shard_push)
             from megarl.weights.shard_push import ShardRefitTransport
@@ -297,11 +307,20 @@ class WeightPusher:
         nbytes = t.bytes
         if not self.transport.streams_buckets and not self.refit and self.ps.rank == 0:
             nbytes = getattr(self.transport, "written", None) or self.resharder.total_bytes()
-        stats = torch.tensor([nbytes, t.buckets, t.gather_s, t.convert_s, send_s, self.digest_s],
-                             dtype=torch.float64)
+        stats = torch.tensor([nbytes, t.buckets, t.gather_s, t.convert_s, send_s, self.digest_s,
+                              self._adapter_bytes()], dtype=torch.float64)
         dist.all_reduce(stats)  # sources hold the counts; times summed over stages
-        b, n, g, c, s, h = stats.tolist()
-        return PushMetrics(new_version, int(b), int(n), g, c, s, time.perf_counter() - t0, pause_s, h, stream_s)
+        b, n, g, c, s, h, a = stats.tolist()
+        return PushMetrics(new_version, int(b), int(n), g, c, s, time.perf_counter() - t0, pause_s, h, stream_s,
+                           int(a))
+
+    def _adapter_bytes(self) -> int:
+        """LoRA: this stage's adapters in the serving dtype, from their shapes (stage sources only)."""
+        lora = getattr(self.engine.spec, "lora", None)
+        if lora is None or not self.ps.is_pp_source or not self.transport.streams_buckets:
+            return 0
+        return adapter_bytes(self.engine.args, lora.target_modules, lora.rank, stage_layers(self.engine.chunks),
+                             self.resharder.serving_dtype)
 
     def _send_stages(self, version: str) -> float:
         """Step 2, pipelined: this thread gathers/converts bucket k+1 while a sender thread
@@ -412,7 +431,8 @@ class WeightPusher:
         the sender thread, which alone writes ``digests`` during step 2)."""
         t0 = time.perf_counter()
         for name, dtype, t in zip(bucket.names, bucket.dtypes, bucket.tensors):
-            self.digests[name] = (dtype, tensor_digest(t.cpu()))
+            if name not in self._merged:
+                self.digests[name] = (dtype, tensor_digest(t.cpu()))
         self.digest_s += time.perf_counter() - t0
 
     def _forget(self, bucket) -> None:

@@ -126,6 +126,39 @@ class Resharder:
                 self.times.buckets += 1
                 self.times.bytes += bucket.nbytes
                 yield bucket
+        if getattr(e.spec, "lora", None) is not None and ps.dp_rank == 0:
+            yield from self._adapter_buckets()
+
+    def _adapter_buckets(self) -> Iterator[Bucket]:
+        """LoRA (`megarl.models.lora`): this stage's adapters in HF/PEFT form (q/k/v and gate/up
+        split, A shared), after its base rows (which a delta push leaves out: they are frozen),
+        the first bucket led by the scale ``lora.scaling`` the servers merge with."""
+        from megarl.models.lora import SCALING_NAME, adapter_hf_tensors, stage_layers
+
+        e, ps = self.engine, self.engine.ps
+        lora = e.spec.lora
+        names = [SCALING_NAME]
+        tensors = [torch.tensor([lora.scaling], dtype=torch.float32, device=ps.device)]
+        t0 = time.perf_counter()
+        for name, t in adapter_hf_tensors(e.chunks, e.args, lora.target_modules, ps.tp, ps.tp_group,
+                                          stage_layers(e.chunks), self.dtype):
+            if not ps.is_pp_source:
+                continue
+            if names and sum(x.numel() * x.element_size() for x in tensors) + t.numel() * t.element_size() \
+                    > self.bucket_bytes:
+                self.times.gather_s += time.perf_counter() - t0
+                yield self._count(Bucket(names, tensors))
+                names, tensors, t0 = [], [], time.perf_counter()
+            names.append(name)
+            tensors.append(t)
+        self.times.gather_s += time.perf_counter() - t0
+        if ps.is_pp_source and names:
+            yield self._count(Bucket(names, tensors))
+
+    def _count(self, bucket: Bucket) -> Bucket:
+        self.times.buckets += 1
+        self.times.bytes += bucket.nbytes
+        return bucket
 
     def _convert(self, lp, layer, pmap) -> dict[str, torch.Tensor]:
         """One Megatron row -> its HF tensors. With one shard (TP=1, an expert) a tensor that needs
