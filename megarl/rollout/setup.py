@@ -20,7 +20,7 @@ from megarl.data.chat import load_chat_template
 from megarl.data.datasets import PromptDataset
 from megarl.common.tokenizer import load_tokenizer
 from megarl.protocol.packing import groups_per_step
-from megarl.rewards import RewardCaller
+from megarl.rewards import RewardCaller, load_reward_fn
 from megarl.rollout.controller import RolloutController
 from megarl.rollout.evaluation import EvalWorkflows, PeriodicEval
 from megarl.rollout.shaping import GroupShaping
@@ -160,11 +160,13 @@ def build_controller(spec: ControllerSpec, cluster, timeline=None) -> RolloutCon
 def build_eval(spec: EvalSpec, reward: RewardCaller) -> Optional[PeriodicEval]:
     """Held-out evaluation through the configured workflow (greedy, and k sampled episodes with
     rollout.eval_k), its prompts rendered with the workflow's tool schemas as training's are;
-    the training rollouts' reward caller (one set of reward threads / worker processes).
-    None when data.eval_path is empty."""
+    the training rollouts' reward caller (one set of reward threads / worker processes), or one of
+    rollout.eval_reward_fn when that is set. None when data.eval_path is empty."""
     task, r = spec.task, spec.task.rollout
     if not task.data.eval_path:
         return None
+    if r.eval_reward_fn:  # scored apart from training (e.g. exact match while training from a reward model)
+        reward = RewardCaller(load_reward_fn(r.eval_reward_fn), task.reward.timeout_s, task.reward.on_error_value)
     tok, template, _, sampling = task_parts(task, with_reward=False)
     if r.ignore_eos:  # evaluation answers stop at EOS whatever the training rollouts do
         sampling = dataclasses.replace(sampling, ignore_eos=False, stop_token_ids=[tok.eos_id])

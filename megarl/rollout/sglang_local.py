@@ -33,8 +33,9 @@ from megarl.config.server_flags import sglang_flags
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STANDIN_KERNEL = os.path.join(REPO, "tools", "sglang_cpu", "sgl_kernel_cpu")
 VERSION = "0.5.23"
-# SGLang model modules for the architectures megarl converts (megarl/protocol/hf_model.py).
-MEGARL_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe")
+# SGLang model modules for the architectures megarl converts (megarl/protocol/hf_model.py), and
+# for the reward models megarl-server serves (Llama/Qwen2ForSequenceClassification, --is-embedding).
+MEGARL_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "llama_reward", "qwen2_classification")
 
 def venv_dir() -> str:
     return os.environ.get("MEGARL_SGLANG_VENV") or os.path.expanduser("~/.cache/megarl/sglang-venv")
