@@ -35,27 +35,34 @@ from megarl.data.tasks import AdditionTask  # noqa: E402
 _RM_STREAM = 3  # AdditionTask's random stream for reward-model pairs (0 eval, 1 SFT, 2 RL)
 
 
-def wrong_answers(a: int, b: int, rng: random.Random) -> str:
-    """One wrong completion of ``a+b=``: the kinds of mistakes a policy makes."""
+# kinds of wrong answers (`wrong_answers`) and how often each is drawn: near misses (the units
+# digit off, one digit changed) are the policy's usual mistakes and the hardest to see, so most
+# negatives are those
+KINDS = ("units", "tens", "digit", "length", "random", "operands", "junk", "suffix")
+KIND_WEIGHTS = (4, 1, 4, 1, 1, 1, 1, 1)
+
+
+def wrong_answers(a: int, b: int, rng: random.Random, kind: str = "") -> str:
+    """One wrong completion of ``a+b=``: of ``kind``, else of a kind drawn by `KIND_WEIGHTS`."""
     s = a + b
     text = str(s)
     while True:
-        kind = rng.randrange(8)
-        if kind == 0:
+        k = KINDS.index(kind) if kind else rng.choices(range(len(KINDS)), KIND_WEIGHTS)[0]
+        if k == 0:
             out = str(s + rng.choice([-2, -1, 1, 2]))
-        elif kind == 1:
+        elif k == 1:
             out = str(s + rng.choice([-100, -10, 10, 100]))
-        elif kind == 2:  # one digit changed
+        elif k == 2:  # one digit changed
             i = rng.randrange(len(text))
             out = text[:i] + rng.choice([d for d in "0123456789" if d != text[i]]) + text[i + 1:]
-        elif kind == 3:  # a digit dropped or added
+        elif k == 3:  # a digit dropped or added
             i = rng.randrange(len(text) + 1)
             out = text[:i] + text[i + 1:] if rng.random() < 0.5 else text[:i] + rng.choice("0123456789") + text[i:]
-        elif kind == 4:
+        elif k == 4:
             out = str(rng.randrange(0, 2 * (a + b) + 10))
-        elif kind == 5:  # the operands, not their sum
+        elif k == 5:  # the operands, not their sum
             out = rng.choice([f"{a}{b}", str(a), str(b), str(abs(a - b))])
-        elif kind == 6:  # junk of the task's characters
+        elif k == 6:  # junk of the task's characters
             out = "".join(rng.choice("0123456789+=") for _ in range(rng.randrange(0, 6)))
         else:  # the right sum followed by more
             out = text + "".join(rng.choice("0123456789+=") for _ in range(rng.randrange(1, 3)))
@@ -63,13 +70,13 @@ def wrong_answers(a: int, b: int, rng: random.Random) -> str:
             return out
 
 
-def labelled_pairs(pairs, rng: random.Random) -> list[tuple[str, int]]:
+def labelled_pairs(pairs, rng: random.Random, kind: str = "") -> list[tuple[str, int]]:
     """(text, label) for each pair: the true sum (1) and one wrong answer (0)."""
     out = []
     for a, b in pairs:
         prompt = AdditionTask.prompt(a, b)
         out.append((prompt + AdditionTask.answer(a, b), 1))
-        out.append((prompt + wrong_answers(a, b, rng), 0))
+        out.append((prompt + wrong_answers(a, b, rng, kind), 0))
     return out
 
 
@@ -128,7 +135,7 @@ def evaluate(model, rows, tok, pad: int) -> dict:
 
 
 def train_reward_model(out: str, tokenizer_dir: str, digits: int = 2, seed: int = 0, n_pairs: int = 8000,
-                       n_eval: int = 500, steps: int = 2000, batch_size: int = 128, lr: float = 3e-3,
+                       n_eval: int = 500, steps: int = 2000, batch_size: int = 128, lr: float = 1e-3,
                        hidden: int = 64, layers: int = 2) -> dict:
     """Trains and saves the model (HF dir: config.json, model.safetensors, tokenizer.model) to
     ``out``; returns its held-out metrics (also in ``out/rm_eval.json``)."""
@@ -166,6 +173,9 @@ def train_reward_model(out: str, tokenizer_dir: str, digits: int = 2, seed: int 
     model.eval()
     metrics = {**evaluate(model, held, tok, pad), "train_accuracy": evaluate(model, train[:2000], tok, pad)["accuracy"],
                "steps": steps, "seed": seed, "train_s": round(time.monotonic() - t0, 1)}
+    for i, kind in enumerate(KINDS):  # held-out accuracy against each kind of wrong answer
+        rows = labelled_pairs(task.held_out(n_eval), random.Random(seed * 7919 + 100 + i), kind)
+        metrics[f"auc_{kind}"] = evaluate(model, rows, tok, pad)["auc"]
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(out)
     shutil.copy(os.path.join(tokenizer_dir, "tokenizer.model"), os.path.join(out, "tokenizer.model"))
@@ -183,8 +193,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-eval", type=int, default=500, help="held-out pairs (the demo's eval prompts)")
     ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (one-cycle schedule)")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args(argv)
-    m = train_reward_model(args.out, args.tokenizer, args.digits, args.seed, n_eval=args.n_eval, steps=args.steps)
+    m = train_reward_model(args.out, args.tokenizer, args.digits, args.seed, n_eval=args.n_eval, steps=args.steps,
+                           lr=args.lr, hidden=args.hidden, layers=args.layers)
     print(f"[tiny_reward_model] {args.out}: held-out accuracy {m['accuracy']:.3f}, AUC {m['auc']:.4f} "
           f"on {m['n']} texts ({m['train_s']:.0f}s)")
     return 0

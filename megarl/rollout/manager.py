@@ -225,13 +225,13 @@ class RolloutManager:
 
     def start(self) -> None:
         """After the first push: the servers hold the trainer's weights; generation may begin."""
-        from megarl.rollout.setup import build_eval
+        from megarl.rollout.setup import build_eval, eval_reward
 
         # subscribed before the controller starts: no hold/version event can arrive unseen
         self.cluster.subscribe(self.controller)
         self.controller.start()
         self.stack.callback(self.controller.stop)
-        self.evaluator = build_eval(self.spec.eval, self.controller.reward)
+        self.evaluator = build_eval(self.spec.eval, eval_reward(self.spec.eval.task, self.controller.reward))
 
     # ------------------------------------------------------------------ requests
     def next_batch(self, msg: BatchRequest) -> Batch:

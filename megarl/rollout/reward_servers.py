@@ -55,10 +55,15 @@ def check_reward_model(path: str) -> None:
         raise ConfigError(f"{field}: no *.safetensors weights in {path}")
 
 
+def task_with_reward_urls(task, urls: list[str]):
+    """``task`` (a `TaskSpec`) with reward.args.urls = ``urls``."""
+    return dataclasses.replace(task, reward=dataclasses.replace(task.reward, args={**task.reward.args,
+                                                                                  "urls": list(urls)}))
+
+
 def with_reward_urls(spec, urls: list[str]):
     """``spec`` (a frozen spec holding ``task: TaskSpec``) with reward.args.urls = ``urls``."""
-    reward = dataclasses.replace(spec.task.reward, args={**spec.task.reward.args, "urls": list(urls)})
-    return dataclasses.replace(spec, task=dataclasses.replace(spec.task, reward=reward))
+    return dataclasses.replace(spec, task=task_with_reward_urls(spec.task, urls))
 
 
 def healthy(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
