@@ -14,7 +14,8 @@
                                              └──────────────────────┬───────────────────────┘
                                                                     │ HTTP (SGLang protocol)
                                                             inference servers (started here
-                                                            when rollout.servers is empty)
+                                                            when rollout.servers is empty;
+                                                            reward.model's reward servers too)
 
 Why a process: the controller's event loop (HTTP streams, rewards, workflows) used to be a thread
 of trainer rank 0 and took the GIL from the training loop while generation overlapped the update

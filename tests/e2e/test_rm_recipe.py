@@ -15,6 +15,10 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 60
+# held-out exact-match rise the run must reach. Measured in 60 steps: +0.048, +0.098, +0.096,
+# +0.110 (docs/tasks.md). Greedy evaluation of the same 500 prompts at both ends: the rise is a
+# paired difference, whose standard error is ~sqrt(flipped / 500) ~ 0.015 when ~12% of answers flip
+RISE = 0.03
 
 
 def _cmd(run, *extra):
@@ -65,12 +69,9 @@ def test_rm_recipe_raises_held_out_exact_match(run):
     evals = {r["step"]: r["eval_accuracy"] for r in rows if "eval_accuracy" in r}
     assert sorted(evals) == [0, STEPS], evals
     print(f"\n[rm-recipe] held-out exact match {evals[0]:.3f} -> {evals[STEPS]:.3f} in {STEPS} steps")
-    # 500 held-out prompts: the standard error of one accuracy is <= 0.023, so this is a real rise
     assert evals[STEPS] >= evals[0] + RISE, evals
     assert 0.15 <= evals[0] <= 0.45, evals  # the demo start point (examples/tiny/sft_eval.json)
 
-
-RISE = 0.08
 
 
 def test_killed_reward_server_is_restarted_and_no_reward_fails(run):
