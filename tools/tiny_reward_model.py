@@ -154,7 +154,8 @@ def train_reward_model(out: str, tokenizer_dir: str, digits: int = 2, seed: int 
     vocab = -(-tok.vocab_size // 16) * 16
     model = transformers.LlamaForSequenceClassification(rm_config(vocab, hidden, layers, pad, 64)).float()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    # warm-up: 5% of the steps (at least 2: a one-step phase divides by zero in OneCycleLR)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=max(0.05, 2.0 / steps))
     loss_fn = torch.nn.BCEWithLogitsLoss()
     pos = [r for r in train if r[1]]
     neg = [r for r in train if not r[1]]
