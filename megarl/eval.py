@@ -18,6 +18,7 @@ an evaluation that fails leaves no half-written output (and an earlier evaluatio
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -152,21 +153,30 @@ def evaluate_model(cfg, model_dir: str, log_dir: str):
 
     from megarl.rollout.client import RolloutClient
     from megarl.rollout.evaluation import evaluate
-    from megarl.rollout.setup import EvalSpec, TaskSpec, build_eval, task_parts
+    from megarl.common.net import LOOPBACK
+    from megarl.rollout.setup import EvalSpec, TaskSpec, build_eval, eval_reward, task_parts
 
     task = TaskSpec.from_config(cfg)  # tokenizer: data.tokenizer_path (the checkpoint's), else model.hf_path
-    reward = task_parts(task)[2]
-    periodic = build_eval(EvalSpec(task, n=cfg.eval.n), reward)
-
-    async def score(urls):
-        try:
-            async with RolloutClient(urls) as client:
-                return await evaluate(client, periodic.samples, periodic.workflows)
-        finally:
-            await reward.aclose()  # the reward's threads / worker processes / HTTP session
-
     os.makedirs(log_dir, exist_ok=True)
-    with local_servers(cfg, model_dir, log_dir) as urls:
+    with contextlib.ExitStack() as stack:
+        if cfg.reward.model.path and not cfg.rollout.eval_reward_fn:  # scored by the reward model: serve it
+            from megarl.rollout.reward_servers import RewardServers, task_with_reward_urls
+
+            rm_urls = stack.enter_context(RewardServers(cfg.reward.model, os.path.join(log_dir, "reward_servers"),
+                                                        LOOPBACK, ready_timeout_s=cfg.rollout.health_timeout_s))
+            task = task_with_reward_urls(task, rm_urls)
+        # rollout.eval_reward_fn: the evaluation scores with it and training's reward is not built
+        reward = eval_reward(task, None if cfg.rollout.eval_reward_fn else task_parts(task)[2])
+        periodic = build_eval(EvalSpec(task, n=cfg.eval.n), reward)
+
+        async def score(urls):
+            try:
+                async with RolloutClient(urls) as client:
+                    return await evaluate(client, periodic.samples, periodic.workflows)
+            finally:
+                await reward.aclose()  # the reward's threads / worker processes / HTTP session
+
+        urls = stack.enter_context(local_servers(cfg, model_dir, log_dir))
         print(f"[{PROG}] {len(urls)} server(s) on {model_dir}; {len(periodic.samples)} prompts", flush=True)
         return asyncio.run(score(urls))
 

@@ -64,18 +64,28 @@ def render() -> str:
            "as `section.field=value`; unknown keys and bad values fail at load, naming the field.", "",
            RULES]
     for section in dataclasses.fields(Config):
-        cls = section.type if isinstance(section.type, type) else type(section.default_factory())
-        docs = field_docs(cls)
         out += [f"## `{section.name}`", "", "| field | type | default | range | meaning |",
                 "|---|---|---|---|---|"]
-        default = section.default_factory()
-        for f in dataclasses.fields(cls):
-            tp = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            val = getattr(default, f.name)
-            doc = docs.get(f.name, '').replace('|', '\\|')
-            out.append(f"| `{section.name}.{f.name}` | {tp} | `{val!r}` | {range_text(f)} | {doc} |")
+        out += rows(section.name, section.default_factory())
         out.append("")
     return "\n".join(out)
+
+
+def rows(prefix: str, default) -> list[str]:
+    """One table row per field of the dataclass instance ``default``; a field that is itself a
+    section (``reward.model``) is followed by its own fields (``reward.model.path``, ...)."""
+    cls, out = type(default), []
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        tp = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        val = getattr(default, f.name)
+        doc = docs.get(f.name, '').replace('|', '\\|')
+        if dataclasses.is_dataclass(val):
+            out.append(f"| `{prefix}.{f.name}` | section | | | {doc} |")
+            out += rows(f"{prefix}.{f.name}", val)
+            continue
+        out.append(f"| `{prefix}.{f.name}` | {tp} | `{val!r}` | {range_text(f)} | {doc} |")
+    return out
 
 
 def main() -> int:

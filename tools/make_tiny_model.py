@@ -17,6 +17,11 @@ the run exports an HF checkpoint every `--export-every` steps (`hf_export_dir=..
 measures greedy accuracy through the CPU rollout server (every 4th export until one reaches the
 target, then every export around it), and keeps the one closest to `--target-accuracy`. `--target-accuracy 0` keeps the last step instead.
 `--skip-sft` stops after the config; `--skip-eval` skips the accuracy runs (keeps the last step).
+
+    python tools/make_tiny_model.py --out DIR --reward-model [--rm-steps 2000]
+writes DIR/reward_model/ instead: a tiny LlamaForSequenceClassification trained to score correct
+sums above wrong ones (tools/tiny_reward_model.py; held-out accuracy and AUC in its rm_eval.json),
+with DIR/hf's tokenizer (made first when missing). configs/tiny_grpo_rm.yaml trains from it.
 """
 from __future__ import annotations
 
@@ -191,6 +196,19 @@ def choose_checkpoint(args: argparse.Namespace, exports: dict[int, str], eval_pa
     return best, accs
 
 
+def make_reward_model(args: argparse.Namespace, out: str, hf_dir: str) -> int:
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:  # imported, not run as a script
+        sys.path.insert(0, here)
+    from tiny_reward_model import train_reward_model  # tools/, beside this script
+
+    m = train_reward_model(os.path.join(out, "reward_model"), hf_dir, args.digits, args.seed,
+                           n_eval=args.n_eval, steps=args.rm_steps)
+    print(f"[make_tiny_model] reward model in {out}/reward_model: held-out accuracy {m['accuracy']:.3f}, "
+          f"AUC {m['auc']:.4f} ({m['train_s']:.0f}s)")
+    return 0
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output directory")
@@ -222,6 +240,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--reuse-sft", action="store_true",
                     help="keep the SFT exports of a finished earlier run in DIR/sft_run and only choose")
     ap.add_argument("--skip-eval", action="store_true", help="do not measure held-out accuracy")
+    ap.add_argument("--reward-model", action="store_true",
+                    help="train DIR/reward_model (a tiny reward model for the task) and stop")
+    ap.add_argument("--rm-steps", type=int, default=2000, help="--reward-model: training steps")
     return ap.parse_args(argv)
 
 
@@ -234,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     longest = 1 + args.digits * 2 + 2 + (args.digits + 1) + 1  # bos a + b = sum eos
     if longest > args.max_pos:
         raise SystemExit(f"--max-pos {args.max_pos} < longest sample ({longest} tokens)")
+    if args.reward_model and os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
+        return make_reward_model(args, out, hf_dir)
     paths = write_addition_corpus(os.path.join(out, "data"), args.digits, args.n_sft, args.n_rl,
                                   args.n_eval, args.seed)
     tok = make_tokenizer(paths["sft"], hf_dir)
@@ -242,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(config, f, indent=2)
     print(f"[make_tiny_model] data in {out}/data, tokenizer vocab {tok.vocab_size} "
           f"(config vocab {config['vocab_size']}), config in {hf_dir} ({time.monotonic() - t0:.1f}s)")
+    if args.reward_model:
+        return make_reward_model(args, out, hf_dir)
     if args.skip_sft:
         return 0
 

@@ -110,6 +110,10 @@ class RolloutConfig:
     reward_fn: str = "megarl.rewards:arith_exact_match"
     """Reward import path: fn(prompt, completion, meta) -> float, sync or async; or a class built
     once with reward.args (e.g. megarl.rewards:HttpReward)."""
+    eval_reward_fn: str = ""
+    """Reward import path of the held-out evaluation (a function, or a class built without
+    arguments); empty = rollout.reward_fn and its caller. E.g. training from a reward model
+    (megarl.rewards.model:RewardModel) and measuring exact match (megarl.rewards:arith_exact_match)."""
     workflow: str = "megarl.rollout.workflow:SingleTurnWorkflow"
     """Workflow class import path, built as cls(ctx, **workflow_args); arun_episode(client,
     sample) -> list[Trajectory] or None (sample rejected). Shipped: megarl.rollout.workflows:
@@ -120,7 +124,8 @@ class RolloutConfig:
     eval_interval: int = bounded(0, ge=0)
     """Evaluate on data.eval_path every N steps (0 = only at the end, if eval_path is set): the
     configured rollout.workflow (turns, tools and their schemas) run greedily (temperature 0),
-    pass@1 with rollout.reward_fn, beside training, reported with the version it measured."""
+    pass@1 with rollout.reward_fn (or rollout.eval_reward_fn), beside training, reported with the
+    version it measured."""
     eval_size: int = bounded(500, ge=1)
     """Held-out prompts per evaluation."""
     eval_at_start: bool = False
@@ -188,6 +193,33 @@ class RolloutConfig:
         return 0 if eta == 0 else max(self.staleness_hard_cap, math.ceil(eta))
 
 
+REWARD_MODEL_FN = "megarl.rewards.model:RewardModel"
+
+
+@dataclass
+class RewardModelConfig:
+    """Reward-model servers the job starts itself (megarl-server on an HF sequence classifier),
+    beside the policy servers, with the same health checks and restarts."""
+
+    path: str = ""
+    """HF *ForSequenceClassification directory (config.json, safetensors, tokenizer.model) to serve
+    on /classify; empty = start none (reward.args.urls names servers started apart). Needs
+    rollout.reward_fn megarl.rewards.model:RewardModel, whose reward.args.urls are then these
+    servers."""
+    servers: int = bounded(1, ge=1)
+    """Local reward-model servers started (loopback, or the address ranks reach rank 0 by)."""
+    threads: int = bounded(1, ge=1)
+    """torch threads of each reward-model server."""
+    health_interval_s: float = bounded(5.0, gt=0)
+    """Seconds between /health probes of the reward-model servers; one whose process died, or
+    that fails two probes in a row (3 s each), is restarted on its own port and given
+    rollout.health_timeout_s to answer again (RewardModel's retries send its batches to the
+    other servers meanwhile)."""
+
+    def validate(self) -> None:
+        _check(self, "reward.model")
+
+
 @dataclass
 class RewardConfig:
     executor: str = "thread"
@@ -206,6 +238,9 @@ class RewardConfig:
     args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments when rollout.reward_fn names a class, e.g. {url: http://host:port/score,
     max_batch: 32, max_wait_ms: 20} for HttpReward."""
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Reward-model servers started by the job (reward.model.path, .servers, .threads,
+    .health_interval_s)."""
 
     def validate(self) -> None:
         if self.executor not in ("thread", "process"):
@@ -213,6 +248,10 @@ class RewardConfig:
         _check(self, "reward")
         if not isinstance(self.args, dict):
             raise ConfigError(f"reward.args: expected a mapping, got {self.args!r}")
+        self.model.validate()
+        if self.model.path and "urls" in self.args:
+            raise ConfigError(f"reward.args.urls: the job serves reward.model.path={self.model.path} itself and "
+                              "points the reward at those servers; drop reward.args.urls (or reward.model.path)")
 
 
 @dataclass

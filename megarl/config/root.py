@@ -9,7 +9,7 @@ from megarl.config.eval import EvalConfig
 from megarl.config.launch import LaunchConfig
 from megarl.config.lora import LoRAConfig
 from megarl.config.model import CriticConfig, ModelConfig, OptimConfig, ParallelConfig
-from megarl.config.rollout import RewardConfig, RolloutConfig, WeightSyncConfig
+from megarl.config.rollout import REWARD_MODEL_FN, RewardConfig, RolloutConfig, WeightSyncConfig
 from megarl.config.train import CheckpointConfig, DataConfig, LoggingConfig, TrainConfig
 from megarl.common.errors import ConfigError
 from megarl.config.moe import MoEConfig
@@ -48,6 +48,9 @@ class Config:
         if self.rollout.placement == "colocated" and self.train.trigger_parameter_sync_step != 1:
             raise ConfigError("train.trigger_parameter_sync_step: rollout.placement=colocated pushes after "
                               f"every update (the servers wake to a push); got {self.train.trigger_parameter_sync_step}")
+        if self.reward.model.path and self.rollout.reward_fn != REWARD_MODEL_FN:
+            raise ConfigError(f"reward.model.path: the job's reward-model servers are scored through "
+                              f"rollout.reward_fn={REWARD_MODEL_FN}; got {self.rollout.reward_fn}")
         if self.weights.transport == "shm":
             from megarl.common.net import is_loopback, url_host
 

@@ -15,7 +15,9 @@ torchrun job:
                          present; no prompt that leaves no room for a response under the context
                          (train.max_seq_len); errors name file:line (file:row N) and the key
     rollout.reward_fn    RL: the plugins import and have the right shape
-    rollout.workflow
+    rollout.workflow     (and rollout.eval_reward_fn when set)
+    reward.model.path    RL, job-started reward-model servers: an HF *ForSequenceClassification
+                         dir with config.json and safetensors (`check_reward_model`)
     train.run_dir        writable (probed, then put back as it was)
     checkpoint.save_dir  the checkpoint a resume would load: the newest intact one
                          (`checkpoint.verify`: every file there and whole), tensors only (no
@@ -206,16 +208,26 @@ def check_record(where: str, row: dict, cfg: Config) -> None:
 # ----------------------------------------------------------------------------- plugins, run dir
 
 def check_plugins(cfg: Config) -> None:
-    from megarl.rewards import load_reward_fn
+    from megarl.rewards.loader import check_reward_path
     from megarl.rollout.workflows.base import load_workflow_class
 
-    for field, load, path in (("rollout.reward_fn", load_reward_fn, cfg.rollout.reward_fn),
+    args = dict(cfg.reward.args)
+    if cfg.reward.model.path:  # the job's reward-model servers: their URLs are known once they start
+        args["urls"] = ["http://reward-model-servers:0"]
+    for field, load, path in (("rollout.reward_fn", lambda p: check_reward_path(p, args), cfg.rollout.reward_fn),
+                              ("rollout.eval_reward_fn", check_reward_path, cfg.rollout.eval_reward_fn),
                               ("rollout.workflow", load_workflow_class, cfg.rollout.workflow)):
+        if not path:
+            continue
         try:
             load(path)
         except (ImportError, ValueError, TypeError, AttributeError) as e:
             msg = str(e).removeprefix(f"{field}: ")
             raise ConfigError(f"{field}: {msg}") from None
+    if cfg.reward.model.path:
+        from megarl.rollout.reward_servers import check_reward_model
+
+        check_reward_model(cfg.reward.model.path)
 
 
 def check_writable(field: str, path: str, cleanup: bool = True) -> None:

@@ -57,3 +57,18 @@ def load_reward_fn(path: str, args: Optional[dict] = None):
     except ValueError:
         pass  # builtins without an inspectable signature: trust them
     return obj
+
+
+def check_reward_path(path: str, args: Optional[dict] = None) -> None:
+    """What `load_reward_fn` checks, without building a class: a preflight must not open a
+    plugin's connections or processes. A class's constructor must take ``args``; a function
+    must take (prompt, completion, meta) and no args."""
+    obj = _resolve(path)
+    if not inspect.isclass(obj):
+        load_reward_fn(path, args)
+        return
+    try:
+        inspect.signature(obj).bind(**(args or {}))
+    except TypeError as e:
+        raise TypeError(f"reward class {path!r} cannot be built from reward.args {args or {}}: {e}") from e
+

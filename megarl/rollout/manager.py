@@ -14,7 +14,8 @@
                                              └──────────────────────┬───────────────────────┘
                                                                     │ HTTP (SGLang protocol)
                                                             inference servers (started here
-                                                            when rollout.servers is empty)
+                                                            when rollout.servers is empty;
+                                                            reward.model's reward servers too)
 
 Why a process: the controller's event loop (HTTP streams, rewards, workflows) used to be a thread
 of trainer rank 0 and took the GIL from the training loop while generation overlapped the update
@@ -60,7 +61,7 @@ from megarl.protocol.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, DIRECT_R
 from megarl.protocol.packing import balance_groups, pack_batch  # noqa: F401 - the step's layout
 
 if TYPE_CHECKING:
-    from megarl.config import RolloutConfig, WeightSyncConfig
+    from megarl.config import RewardModelConfig, RolloutConfig, WeightSyncConfig
     from megarl.rollout.setup import ControllerSpec, EvalSpec
 
 log = logging.getLogger("megarl.manager")
@@ -117,13 +118,15 @@ class ManagerSpec:
     eval: "EvalSpec"
     server_flags: tuple[str, ...] = ()
     timeline: bool = False
+    reward_model: Optional["RewardModelConfig"] = None  # reward.model when its path is set
 
     @classmethod
     def from_config(cls, cfg) -> "ManagerSpec":
         from megarl.rollout.setup import ControllerSpec, EvalSpec, route_flags
 
         return cls(cfg.rollout, cfg.weights, cfg.model.hf_path, cfg.train.run_dir, ControllerSpec.from_config(cfg),
-                   EvalSpec.from_config(cfg), tuple(route_flags(cfg)), cfg.logging.timeline)
+                   EvalSpec.from_config(cfg), tuple(route_flags(cfg)), cfg.logging.timeline,
+                   cfg.reward.model if cfg.reward.model.path else None)
 
 
 class RolloutManager:
@@ -133,7 +136,7 @@ class RolloutManager:
     def __init__(self, spec: Optional[ManagerSpec]):
         self.spec = spec
         self.stack = contextlib.ExitStack()
-        self.cluster = self.controller = self.evaluator = self.local = None
+        self.cluster = self.controller = self.evaluator = self.local = self.reward_servers = None
         self.dp = 1
         self.stopped = threading.Event()
         self._updates = threading.Condition()
@@ -164,11 +167,13 @@ class RolloutManager:
         from megarl.rollout.local import LocalServers
 
         spec, r = self.spec, self.spec.rollout
-        if r.servers:
-            return list(r.servers)
         # the trainer pinned this process to rollout.server_cpus already (RolloutSide.start)
         # only CPUs this process may use: pinning a server to a CPU outside the allowed set would fail
         server_cpus = set(r.server_cpus) & os.sched_getaffinity(0) if r.server_cpus else None
+        if spec.reward_model is not None:
+            self.start_reward_servers(server_cpus)
+        if r.servers:
+            return list(r.servers)
         launcher = None
         if r.engine == "sglang":
             from megarl.rollout.sglang_local import SGLangLauncher
@@ -180,6 +185,18 @@ class RolloutManager:
                                   weights_roots=[spec.weights.disk_dir or f"{spec.run_dir}/weights"],
                                   cpus=server_cpus, launcher=launcher, ready_timeout_s=r.health_timeout_s)
         return self.stack.enter_context(self.local)
+
+    def start_reward_servers(self, cpus) -> None:
+        """reward.model's servers, watched and restarted; the reward (RewardModel) is pointed at them."""
+        from megarl.common.net import serving_host
+        from megarl.rollout.reward_servers import RewardServers, with_reward_urls
+
+        spec = self.spec
+        self.reward_servers = RewardServers(spec.reward_model, f"{spec.run_dir}/reward_servers", serving_host(),
+                                            cpus, ready_timeout_s=spec.rollout.health_timeout_s)
+        urls = self.stack.enter_context(self.reward_servers)
+        self.spec = dataclasses.replace(spec, controller=with_reward_urls(spec.controller, urls),
+                                        eval=with_reward_urls(spec.eval, urls))
 
     def init(self, msg: Init) -> list[str]:
         from megarl.rollout.cluster import RolloutCluster
@@ -209,13 +226,13 @@ class RolloutManager:
 
     def start(self) -> None:
         """After the first push: the servers hold the trainer's weights; generation may begin."""
-        from megarl.rollout.setup import build_eval
+        from megarl.rollout.setup import build_eval, eval_reward
 
         # subscribed before the controller starts: no hold/version event can arrive unseen
         self.cluster.subscribe(self.controller)
         self.controller.start()
         self.stack.callback(self.controller.stop)
-        self.evaluator = build_eval(self.spec.eval, self.controller.reward)
+        self.evaluator = build_eval(self.spec.eval, eval_reward(self.spec.eval.task, self.controller.reward))
 
     # ------------------------------------------------------------------ requests
     def next_batch(self, msg: BatchRequest) -> Batch:
@@ -228,6 +245,8 @@ class RolloutManager:
                  "rollout/dead_servers": len(self.cluster.dead)}
         if self.local is not None:
             stats["rollout/restarts"] = self.local.restarts
+        if self.reward_servers is not None:
+            stats["reward/server_restarts"] = self.reward_servers.restarts
         return pack_batch(trajs, self.dp, stats, self.cluster.ready_to_rejoin())
 
     def admin(self, msg):

@@ -20,7 +20,7 @@ from megarl.data.chat import load_chat_template
 from megarl.data.datasets import PromptDataset
 from megarl.common.tokenizer import load_tokenizer
 from megarl.protocol.packing import groups_per_step
-from megarl.rewards import RewardCaller
+from megarl.rewards import RewardCaller, load_reward_fn
 from megarl.rollout.controller import RolloutController
 from megarl.rollout.evaluation import EvalWorkflows, PeriodicEval
 from megarl.rollout.shaping import GroupShaping
@@ -157,11 +157,20 @@ def build_controller(spec: ControllerSpec, cluster, timeline=None) -> RolloutCon
         client_kwargs={"routed_experts": spec.routes} if spec.routes is not None else None)
 
 
+def eval_reward(task: TaskSpec, training: Optional[RewardCaller]) -> RewardCaller:
+    """The evaluation's reward caller: rollout.eval_reward_fn's when set (e.g. exact match while
+    training from a reward model), else the training rollouts' ``training``."""
+    path = task.rollout.eval_reward_fn
+    if not path:
+        return training
+    return RewardCaller(load_reward_fn(path), task.reward.timeout_s, task.reward.on_error_value)
+
+
 def build_eval(spec: EvalSpec, reward: RewardCaller) -> Optional[PeriodicEval]:
     """Held-out evaluation through the configured workflow (greedy, and k sampled episodes with
     rollout.eval_k), its prompts rendered with the workflow's tool schemas as training's are;
-    the training rollouts' reward caller (one set of reward threads / worker processes).
-    None when data.eval_path is empty."""
+    ``reward``: `eval_reward` of the training rollouts' caller (one set of reward threads / worker
+    processes). None when data.eval_path is empty."""
     task, r = spec.task, spec.task.rollout
     if not task.data.eval_path:
         return None

@@ -34,8 +34,10 @@ from megarl.protocol.architectures import ARCHITECTURES
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STANDIN_KERNEL = os.path.join(REPO, "tools", "sglang_cpu", "sgl_kernel_cpu")
 VERSION = "0.5.23"
-# SGLang model modules (HF model_type) of the architectures in megarl's one table
-MEGARL_ARCHS = tuple(dict.fromkeys(a.model_type for a in ARCHITECTURES.values()))
+# SGLang model modules (HF model_type) of the architectures in megarl's one table, plus SGLang's
+# own modules for the reward models megarl-server serves (Llama/Qwen2ForSequenceClassification,
+# which SGLang serves with --is-embedding from llama_reward / qwen2_classification)
+MEGARL_ARCHS = (*dict.fromkeys(a.model_type for a in ARCHITECTURES.values()), "llama_reward", "qwen2_classification")
 
 def venv_dir() -> str:
     return os.environ.get("MEGARL_SGLANG_VENV") or os.path.expanduser("~/.cache/megarl/sglang-venv")

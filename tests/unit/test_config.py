@@ -62,6 +62,11 @@ def test_yaml_and_overrides(tmp_path, hf):
     ("algo.eps_clip_low=-0.1", "algo.eps_clip_low"),
     ("parallel.world_size=3", "parallel.world_size: 3 is not divisible by tp*pp=2"),
     ("parallel.vpp=2", "parallel.vpp: the interleaved (virtual) pipeline schedule is not supported"),
+    ("reward.model.path=rm", "reward.model.path: the job's reward-model servers are scored through "
+                             "rollout.reward_fn=megarl.rewards.model:RewardModel"),
+    ("reward.model.servers=0", "reward.model.servers: must be >= 1"),
+    ("reward.model.health_interval_s=0", "reward.model.health_interval_s: must be > 0"),
+    ("reward.model.port=1", "reward.model.port: unknown key"),
 ])
 def test_bad_values_name_the_field(hf, override, field):
     extra = ["parallel.tp=2"] if override.startswith("parallel.world_size") else []
@@ -270,3 +275,28 @@ def test_weights_disk_delta_choices():
     with pytest.raises(ConfigError, match=r"^weights.disk_delta: real SGLang"):
         load_config(None, base + ["weights.disk_delta=raw", "weights.tensor_format=sglang",
                                   "weights.verify_interval=0"])
+
+
+def test_reward_model_section(hf, tmp_path):
+    """reward.model: a nested section, set in a recipe or field by field; the reward must be
+    RewardModel and must not name its own URLs; preflight refuses a path that is no reward model."""
+    from megarl.launch.preflight import check_plugins
+
+    rm = ["rollout.reward_fn=megarl.rewards.model:RewardModel"]
+    cfg = load(hf, *rm, "reward.model.path=/x", "reward.model.servers=2")
+    assert (cfg.reward.model.path, cfg.reward.model.servers, cfg.reward.model.threads) == ("/x", 2, 1)
+    cfg = load(hf, *rm, "reward.model={path: /y, threads: 3}")
+    assert (cfg.reward.model.path, cfg.reward.model.threads) == ("/y", 3)
+    with pytest.raises(ConfigError, match=r"^reward.args.urls: the job serves reward.model.path"):
+        load(hf, *rm, "reward.model.path=/x", "reward.args={urls: [http://127.0.0.1:1]}")
+    for path, why in ((str(tmp_path / "none"), "is not a directory"), (hf, "not a reward model")):
+        cfg = load(hf, *rm, f"reward.model.path={path}")
+        with pytest.raises(ConfigError, match=f"^reward.model.path: .*{why}"):
+            check_plugins(cfg)
+    # the shipped tiny reward model passes; its URLs are not needed to check RewardModel's arguments
+    check_plugins(load(hf, *rm, f"reward.model.path={REPO}/examples/tiny/reward_model"))
+    with pytest.raises(ConfigError, match=r"^rollout.reward_fn: .*cannot be built from reward.args"):
+        check_plugins(load(hf, *rm, "reward.args={nope: 1}", f"reward.model.path={REPO}/examples/tiny/reward_model"))
+    with pytest.raises(ConfigError, match=r"^rollout.eval_reward_fn: "):
+        check_plugins(load(hf, "rollout.eval_reward_fn=megarl.rewards:no_such_fn"))
+
