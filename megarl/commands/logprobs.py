@@ -146,7 +146,7 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
         lora = (read_meta(source.path) or {}).get("lora")
         if lora:  # a LoRA training checkpoint: its adapters on top of its base (megarl.models.lora)
             from megarl.config import LoRAConfig
-            from megarl.models.lora import apply_lora
+            from megarl.mcore.lora import apply_lora
 
             apply_lora(engine.chunks, LoRAConfig(**lora), engine.args, cfg.model.seed)
         load_model_weights(engine.chunks, source.path)

@@ -271,8 +271,32 @@ HEAD_PINS = (
         "the head attribute _postprocess reads; a replacement sets it False"),
 )
 
+_TPL = "megatron.core.tensor_parallel.layers"
+_MAP = "megatron.core.tensor_parallel.mappings"
+
+LORA_PINS = (
+    Pin(f"{_MAP}:copy_to_tensor_model_parallel_region", "call", "lora.py",
+        "a column layer's adapter: identity forward, TP all-reduce of the gradient of A x",
+        "(input_, group=None)"),
+    Pin(f"{_MAP}:reduce_from_tensor_model_parallel_region", "call", "lora.py",
+        "a row layer's adapter: the partial products A_r x_r summed over TP before B",
+        "(input_, group=None)"),
+    Pin("megatron.core.transformer.utils:make_sharded_tensors_for_checkpoint", "call", "lora.py",
+        "A or B sharded along its own TP dimension in distributed checkpoints",
+        "(state_dict, prefix, tensor_parallel_layers_axis_map=None, sharded_offsets=(), "
+        "extra_state_suffix='_extra_state', tp_group=None, dp_cp_group=None)"),
+    Pin("megatron.core.transformer.mlp:apply_swiglu_sharded_factory", "call", "lora.py",
+        "linear_fc1's B in Megatron's [gate_r; up_r] split, like the base weight",
+        "(original_sh_ten, sharded_offsets, singleton_local_shards=False)"),
+    Pin(f"{_TPL}:set_tensor_model_parallel_attributes", "call", "lora.py",
+        "marks the split adapter (B of a column layer, A of a row layer) as TP-parallel for grad "
+        "norms and checkpoints", "(tensor, is_parallel, dim, stride)"),
+    Pin(f"{_TPL}:ColumnParallelLinear.tp_group", "self", "lora.py", "the TP group an adapter reduces over"),
+    Pin(f"{_TPL}:RowParallelLinear.tp_group", "self", "lora.py", "the TP group an adapter reduces over"),
+)
+
 PINS = (CPU_PINS + ATTENTION_PINS + OPTIMIZER_PINS + CHECKPOINT_PINS + ROUTING_REPLAY_PINS + MOE_LOSS_PINS
-        + MODEL_PINS + HEAD_PINS)
+        + MODEL_PINS + HEAD_PINS + LORA_PINS)
 
 
 def call_signature(obj) -> str:

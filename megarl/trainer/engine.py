@@ -129,7 +129,7 @@ class Engine:
 
             apply_freeze(chunks, args, spec.optim.freeze, use_te)
             if spec.lora is not None:  # the base freezes; only the adapters train
-                from megarl.models.lora import apply_lora
+                from megarl.mcore.lora import apply_lora
 
                 apply_lora(chunks, spec.lora, args, spec.model.seed)
         if not trainable:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megarl.config import ConfigError, load_config
-from megarl.models import lora as L
+from megarl.mcore import lora as L
+from megarl.models import lora as HF
 from megarl.models.random_hf import tiny_config
 from megarl.protocol.hf_model import ModelArgs
 
@@ -83,7 +84,7 @@ def _args() -> ModelArgs:
 
 def test_peft_names_and_bytes():
     args = _args()  # 4 layers, hidden 64, 4 heads x 16, 2 kv heads, ffn 128
-    shapes = L.hf_adapter_shapes(args, ["linear_qkv", "linear_fc2"], rank=8)
+    shapes = HF.hf_adapter_shapes(args, ["linear_qkv", "linear_fc2"], rank=8)
     assert shapes["model.layers.0.self_attn.q_proj.lora_A.weight"] == (8, 64)
     assert shapes["model.layers.0.self_attn.q_proj.lora_B.weight"] == (64, 8)
     assert shapes["model.layers.3.self_attn.v_proj.lora_B.weight"] == (32, 8)
@@ -91,12 +92,12 @@ def test_peft_names_and_bytes():
     assert shapes["model.layers.1.mlp.down_proj.lora_B.weight"] == (64, 8)
     assert not any("o_proj" in n or "gate_proj" in n for n in shapes)
     per_layer = (3 * 8 * 64 + 8 * (64 + 32 + 32)) + (8 * 128 + 64 * 8)  # qkv: 3 A + 3 B; down
-    assert L.adapter_bytes(args, ["linear_qkv", "linear_fc2"], 8, range(4), torch.float32) == 4 * per_layer * 4 + 4
-    assert L.adapter_bytes(args, ["linear_qkv", "linear_fc2"], 8, [0], torch.bfloat16) == per_layer * 2 + 4
+    assert HF.adapter_bytes(args, ["linear_qkv", "linear_fc2"], 8, range(4), torch.float32) == 4 * per_layer * 4 + 4
+    assert HF.adapter_bytes(args, ["linear_qkv", "linear_fc2"], 8, [0], torch.bfloat16) == per_layer * 2 + 4
 
 
 def test_merge_hf():
     w = torch.randn(6, 5)
     a, b = torch.randn(2, 5), torch.randn(6, 2)
-    out = L.merge_hf({"m.weight": w}, {"m.lora_A.weight": a, "m.lora_B.weight": b}, 0.5)
+    out = HF.merge_hf({"m.weight": w}, {"m.lora_A.weight": a, "m.lora_B.weight": b}, 0.5)
     assert torch.allclose(out["m.weight"], w + 0.5 * b @ a)
