@@ -17,7 +17,8 @@ from sglang_runs import MEGARL_ONLY_PATHS, demo_model, metrics, received, requir
 
 pytestmark = pytest.mark.sglang
 
-STEPS = 60  # ~2 s a step: the restarted server needs 40-90 s to start before it can rejoin
+STEPS = 100  # ~1.2 s a step (a group per /generate): the restarted server needs 40-90 s to start
+# before it can rejoin, and the run must still be going then (60 steps ended first in 69 s)
 
 
 def servers(run: str) -> list[dict]:
