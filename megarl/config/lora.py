@@ -14,6 +14,13 @@ from megarl.common.fields import bounded
 
 # Megatron's names of the linear layers of a dense GPT layer, and the HF modules they hold
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+              "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+
+
+def hf_target_modules(targets) -> list[str]:
+    """The HF module names (PEFT's target_modules, SGLang's --lora-target-modules) of Megatron ``targets``."""
+    return sorted(m for t in targets for m in HF_MODULES[t])
 
 
 @dataclass

@@ -270,7 +270,8 @@ class WeightSyncConfig:
     re-prefills them under the new weights), in_place (the server keeps them and their KV cache,
     computed by the old weights) or auto: abort with megarl-servers only, retract when an SGLang
     server is in the set (SGLang's abort pause waits out a 1 s poll: a 1.03 s push against 0.05 s
-    with retract, docs/benchmarks.md), abort whenever rollout.partial_rollout is false."""
+    with retract, docs/benchmarks.md), abort whenever rollout.partial_rollout is false or
+    lora.rank > 0 (SGLang loads each push's adapter: a kept request would resume on the old one)."""
     timeout_s: float = bounded(120.0, gt=0)
     """Deadline of every step of a push (HTTP calls and broadcasts)."""
     master_address: str = "auto"

@@ -113,9 +113,12 @@ def validate_lora(cfg: Config) -> None:
         if cfg.weights.refit != "gather":
             raise ConfigError(f"weights.refit: lora.rank > 0 pushes the adapters by the gather path; got "
                               f"{cfg.weights.refit!r} (use weights.refit=gather)")
-        if cfg.rollout.engine == "sglang" or cfg.weights.tensor_format == "sglang":
-            raise ConfigError("rollout.engine: SGLang takes LoRA adapters through /load_lora_adapter, which "
-                              "megarl-train does not drive yet; with lora.rank > 0 use megarl-server")
+        if cfg.weights.pause_mode in ("retract", "in_place") and (
+                cfg.rollout.engine == "sglang" or cfg.weights.tensor_format == "sglang"):
+            # a paused request keeps its adapter: it would resume on the old one, stamped with the
+            # new version, and hold that adapter loaded (SGLang's unload waits for it)
+            raise ConfigError(f"weights.pause_mode: {cfg.weights.pause_mode} keeps paused requests on the "
+                              "previous LoRA adapter on SGLang; lora.rank > 0 needs abort (or auto)")
         if cfg.weights.transport == "disk":
             raise ConfigError("weights.transport: disk writes whole HF checkpoints; lora.rank > 0 pushes the "
                               "adapters over distributed, tensor or shm")

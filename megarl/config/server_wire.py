@@ -19,7 +19,7 @@ and gets SGLang's endpoints and load formats only.
     verify_interval auto: 1 (every push) when every server has weights_checksum, else 0;
     N > 0 needs weights_checksum everywhere. refit=shard needs shard_refit everywhere.
     pause_mode auto: abort for megarl-servers; retract with SGLang in the set (its abort pause
-    waits out a 1 s poll), unless rollout.partial_rollout is false (abort).
+    waits out a 1 s poll), unless rollout.partial_rollout is false or lora.rank > 0 (abort).
 
 Torch-free and numpy-free at import (a config module): `megarl.protocol.wire` is imported on first use.
 """
@@ -66,12 +66,14 @@ def is_resolved(weights) -> bool:
     return "auto" not in (weights.tensor_format, weights.pause_mode) and weights.verify_interval is not None
 
 
-def resolve_wire(weights, servers: Mapping[str, frozenset], partial_rollout: bool = True):
+def resolve_wire(weights, servers: Mapping[str, frozenset], partial_rollout: bool = True, lora: bool = False):
     """``weights`` (a `WeightSyncConfig`) with ``tensor_format``, ``verify_interval`` and
     ``pause_mode`` resolved for ``servers`` ({url: advertised extensions}); raises `ConfigError`
     naming the field and the first server that cannot take an explicit setting.
     ``partial_rollout`` (rollout.partial_rollout): false keeps requests from running across a
-    push, so auto pauses by abort."""
+    push, so auto pauses by abort. ``lora`` (lora.rank > 0): SGLang servers take the adapters
+    through /load_lora_adapter, a set of SGLang and megarl-servers is refused, and auto pauses by
+    abort (a retracted request would resume on the previous adapter)."""
     from megarl.protocol.wire import (EXT_CHECKSUM, EXT_DIRECT_BUCKET, EXT_DISK_DELTA, EXT_SAFETENSORS,
                                       EXT_SHARD_REFIT)
 
@@ -111,15 +113,23 @@ def resolve_wire(weights, servers: Mapping[str, frozenset], partial_rollout: boo
         fmt = "sglang" if lacking(payload) else "megarl"
     elif fmt == "megarl" and weights.transport != "disk":
         require(payload, "weights.tensor_format", "megarl", "leave it auto or set sglang")
+    if lora and fmt == "sglang" and not plain:
+        raise ConfigError(f"weights.tensor_format: sglang with lora.rank > 0 loads the adapters by "
+                          f"/load_lora_adapter and names them in every request, which megarl-server "
+                          f"{next(iter(servers))} does not serve (it merges pushed adapters); leave it auto")
     if weights.refit == "shard":
         require(EXT_SHARD_REFIT, "weights.refit", "shard", "use weights.refit=gather")
     if weights.disk_delta != "off":
         require(EXT_DISK_DELTA, "weights.disk_delta", weights.disk_delta, "set it to off")
 
+    if lora and plain and len(plain) < len(servers):
+        megarl = next(u for u in servers if u not in plain)
+        raise ConfigError(f"rollout.servers: lora.rank > 0 loads PEFT adapters into SGLang ({plain[0]}) but "
+                          f"pushes adapter tensors to megarl-server ({megarl}); use one kind of server")
     pause = weights.pause_mode
     if pause == "auto":
         # SGLang's abort pause polls every 1 s until its requests let go; retract answers at once
-        pause = "retract" if plain and partial_rollout else "abort"
+        pause = "retract" if plain and partial_rollout and not lora else "abort"
     if pause == "in_place" and weights.transport == "disk":
         if plain:
             raise ConfigError(f"weights.pause_mode: in_place keeps paused requests running on their cache, "

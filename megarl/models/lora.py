@@ -34,6 +34,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megarl.config.lora import hf_target_modules
 from megarl.protocol.hf_model import GATE_UP, ModelArgs, ParamMap, param_table
 
 from megarl.mcore.lora import TARGETS, LoRAMixin, unwrap
@@ -212,20 +213,19 @@ HF_MODULE = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "do
 
 def peft_config(lora, base_model: str) -> dict:
     """adapter_config.json of a PEFT LoRA adapter for ``lora`` (the `LoRAConfig`)."""
-    targets = {"linear_qkv": ["q_proj", "k_proj", "v_proj"], "linear_proj": ["o_proj"],
-               "linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]}
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-            "target_modules": sorted(m for t in lora.target_modules for m in targets[t]),
+            "target_modules": hf_target_modules(lora.target_modules),
             "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
             "init_lora_weights": True, "modules_to_save": None}
 
 
 def export_peft(chunks, args: ModelArgs, ps, lora, out_dir: str, base_model: str = "",
-                dtype: Optional[torch.dtype] = None) -> None:
+                dtype: Optional[torch.dtype] = None) -> int:
     """Writes the adapters alone in PEFT's layout: ``adapter_config.json`` and
     ``adapter_model.safetensors`` (names ``base_model.model.<HF module>.lora_A.weight``). Collective
-    over all ranks; each stage's TP group gathers its layers, global rank 0 writes (atomically)."""
+    over all ranks; each stage's TP group gathers its layers, global rank 0 writes (atomically) and
+    gets the adapters' bytes back (other ranks 0)."""
     import json
     import os
     import shutil
@@ -240,7 +240,9 @@ def export_peft(chunks, args: ModelArgs, ps, lora, out_dir: str, base_model: str
                 tensors[f"base_model.model.{name}"] = t.detach().cpu().clone()
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, tensors)
+    written = 0
     if dist.get_rank() == 0:
+        written = sum(t.numel() * t.element_size() for p in parts for t in p.values())
         tmp = out_dir.rstrip("/") + ".tmp-adapter"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -252,3 +254,4 @@ def export_peft(chunks, args: ModelArgs, ps, lora, out_dir: str, base_model: str
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     dist.barrier()
+    return written

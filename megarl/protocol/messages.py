@@ -131,8 +131,24 @@ class WeightsChecksum:
     timeout_s: Optional[float] = None
 
 
+@dataclass
+class LoadLoRA:
+    """LoRA on SGLang: every server loads the PEFT directory ``path`` under ``name``."""
+    endpoint: ClassVar[str] = "/load_lora_adapter"
+    name: str
+    path: str
+    timeout_s: Optional[float] = None
+
+
+@dataclass
+class UnloadLoRA:
+    endpoint: ClassVar[str] = "/unload_lora_adapter"
+    name: str
+    timeout_s: Optional[float] = None
+
+
 ADMIN_MESSAGES = (InitWeightsGroup, DestroyWeightsGroup, UpdateFromDistributed, UpdateFromTensor,
-                  UpdateFromDisk, ServerInfo, ShardJoin, ShardAnnounce, WeightsChecksum)
+                  UpdateFromDisk, ServerInfo, ShardJoin, ShardAnnounce, WeightsChecksum, LoadLoRA, UnloadLoRA)
 
 
 # ------------------------------------------------------- the server set's steps (closed set)

@@ -344,6 +344,12 @@ def tensor_digest(t, dtype=None) -> str:
     return h.hexdigest()
 
 
+def policy_adapter(version: int) -> str:
+    """The name the policy's LoRA adapter of ``version`` is loaded under on SGLang servers
+    (megarl-train's pusher loads it; the rollout manager's requests select it as ``lora_path``)."""
+    return f"megarl-policy-v{int(version)}"
+
+
 @dataclass
 class LoRAAdapterLoad:
     """/load_lora_adapter body (SGLang 0.5.x): the PEFT adapter directory ``lora_path``

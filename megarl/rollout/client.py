@@ -27,6 +27,11 @@ every segment for it (``return_routed_experts: true``) and returns it decoded an
 segments in `ModelResponse.routed_experts` (`megarl.protocol.wire.RoutedExperts`: ids, and the weights
 when the server sends them - megarl-server does, SGLang does not).
 
+LoRA on SGLang: a client made with ``lora_adapters=True`` sends every segment with
+``lora_path: megarl-policy-v<version>`` (`megarl.protocol.wire.policy_adapter`), the adapter the
+trainer's push loaded for the current version (a push aborts running segments; they resume on the
+new adapter).
+
 Health: a server is marked dead after `dead_after` consecutive failures; a background probe
 re-admits it when ``/health`` answers 200 and (given ``version_fn``) its ``weight_version``
 equals the current policy version, so a server that missed an update never serves.
@@ -44,6 +49,7 @@ import numpy as np
 from megarl.rollout.http import (AdminError, HttpClient, RolloutError, Server, ServerRequestError,
                                  Transient, backoff_delay, normalize_address)
 from megarl.protocol.types import ModelRequest, ModelResponse, RoutedExperts, SamplingParams
+from megarl.protocol.wire import policy_adapter
 
 __all__ = ["RolloutClient", "RolloutError", "ServerRequestError", "AdminError"]
 
@@ -71,9 +77,11 @@ class RolloutClient(HttpClient):
         timeline=None,
         routed_experts: Optional[tuple[int, int]] = None,
         group_requests: bool = True,
+        lora_adapters: bool = False,
     ):
         super().__init__(addresses, api_key, connect_timeout)
         self.version_fn = version_fn
+        self.lora_adapters = lora_adapters  # requests select the policy's adapter (LoRA on SGLang)
         self.request_timeout, self.probe_timeout = request_timeout, probe_timeout
         self.max_retries, self.backoff_base, self.backoff_max = max_retries, backoff_base, backoff_max
         self.dead_after, self.health_interval = dead_after, health_interval
@@ -112,6 +120,17 @@ class RolloutClient(HttpClient):
 
     def _current_version(self) -> int:
         return self.version_fn() if self.version_fn is not None else 0
+
+    def _options(self) -> dict:
+        """What every /generate of this client asks for beside the sampling: the routes of each
+        token (routing replay), and with LoRA on SGLang the adapter of the version the servers
+        hold (the gate is open only while no push runs, so that version is the loaded one)."""
+        out = {}
+        if self.routed_experts is not None:
+            out["return_routed_experts"] = True
+        if self.lora_adapters:
+            out["lora_path"] = policy_adapter(self._current_version())
+        return out
 
     def _backoff(self, attempt: int) -> float:
         return backoff_delay(attempt, self.backoff_base, self.backoff_max)
@@ -351,9 +370,8 @@ class RolloutClient(HttpClient):
                         "sampling_params": sp.to_json(max_new_tokens=remaining),
                         "return_logprob": True,
                         "rid": f"{req.rid}#{resp.num_segments}",
+                        **self._options(),
                     }
-                    if self.routed_experts is not None:
-                        payload["return_routed_experts"] = True
                     srv, res = await self._segment(payload, prefer, req.rid, bool(req.metadata.get("atomic")))
                 prefer = srv
                 kind, finish, brought = self._take(resp, res, srv)
@@ -401,9 +419,7 @@ class RolloutClient(HttpClient):
         await self._gate().wait()
         payload = {"input_ids": [list(r.input_ids) for r in reqs],
                    "sampling_params": [r.sampling.to_json(max_new_tokens=r.sampling.max_new_tokens) for r in reqs],
-                   "return_logprob": True, "rid": [f"{r.rid}#0" for r in reqs]}
-        if self.routed_experts is not None:
-            payload["return_routed_experts"] = True
+                   "return_logprob": True, "rid": [f"{r.rid}#0" for r in reqs], **self._options()}
         rids = [r.rid for r in reqs]
         try:
             srv, res = await self._segment(payload, None, rids, bool(req.metadata.get("atomic")))

@@ -55,9 +55,10 @@ from megarl.protocol import handshake
 from megarl.protocol.channel import MAX_REQUEST_HEADER, Channel, ChannelError, from_wire
 from megarl.protocol.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, DIRECT_REPLIES, AddServer, Admitted, Batch,
                                       BatchRequest, Beat, Close, DestroyWeightsGroup, EvalPoll, EvalReport, EvalSubmit,
-                                      FinishPush, Hello, Init, InitWeightsGroup, PauseForUpdate, RemoveServer, Reply,
+                                      FinishPush, Hello, Init, InitWeightsGroup, LoadLoRA, PauseForUpdate, RemoveServer, Reply,
                                       Resume, ServerInfo, ShardAnnounce, ShardJoin, Sleep, Start, StateRequest, Unhealthy,
-                                      UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake, WeightsChecksum)
+                                      UnloadLoRA, UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake,
+                                      WeightsChecksum)
 from megarl.protocol.packing import balance_groups, pack_batch  # noqa: F401 - the step's layout
 
 if TYPE_CHECKING:
@@ -91,6 +92,8 @@ ADMIN_CALLS = {
     ShardJoin: lambda m, c: c.shard_refit_call("/init_weights_update_group", m.bodies),
     ShardAnnounce: lambda m, c: c.shard_refit_call("/update_weights_from_distributed", m.bodies),
     WeightsChecksum: lambda m, c: c.weights_checksum(m.names, m.dtypes),
+    LoadLoRA: lambda m, c: c.load_lora_adapter(m.name, m.path),
+    UnloadLoRA: lambda m, c: c.unload_lora_adapter(m.name),
 }
 assert set(ADMIN_CALLS) == set(ADMIN_MESSAGES)
 # weight loads: finish_push publishes only after every one of them is in

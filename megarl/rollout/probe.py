@@ -27,7 +27,7 @@ def check_wire(cfg) -> None:
                                 cfg.rollout.health_timeout_s)
     else:
         servers = {f"(local {cfg.rollout.engine} server)": local_extensions(cfg.rollout.engine)}
-    cfg.weights = resolve_wire(cfg.weights, servers, cfg.rollout.partial_rollout)
+    cfg.weights = resolve_wire(cfg.weights, servers, cfg.rollout.partial_rollout, cfg.lora.enabled)
 
 
 HEALTH_WAIT_CAP_S = 3600.0  # the longest preflight waits for a server, whatever the config says

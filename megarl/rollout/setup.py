@@ -62,13 +62,14 @@ class ControllerSpec:
     routes: Optional[tuple[int, int]] = None
     overlong_buffer_len: int = 0  # algo.overlong_*: shaped here, before dynamic sampling (DAPO)
     overlong_penalty_factor: float = 1.0
+    lora_adapters: bool = False  # LoRA on SGLang: requests select the pushed adapter (lora_path)
 
     @classmethod
     def from_config(cls, cfg) -> "ControllerSpec":
         return cls(TaskSpec.from_config(cfg), groups_per_step(cfg) * cfg.train.trigger_parameter_sync_step,
                    cfg.train.seed, cfg.algo.dynamic_sampling, cfg.weights.timeout_s,
                    os.path.join(cfg.train.run_dir, "failed_prompts.jsonl"), routed_experts(cfg),
-                   cfg.algo.overlong_buffer_len, cfg.algo.overlong_penalty_factor)
+                   cfg.algo.overlong_buffer_len, cfg.algo.overlong_penalty_factor, sglang_lora(cfg))
 
     def shaping(self) -> GroupShaping:
         return GroupShaping(self.task.rollout.max_new_tokens, self.overlong_buffer_len,
@@ -133,9 +134,25 @@ def routed_experts(cfg) -> Optional[tuple[int, int]]:
     return args.num_layers, args.moe_topk
 
 
+def sglang_lora(cfg) -> bool:
+    """LoRA with SGLang servers (the resolved wire is SGLang's): every push loads the adapter as a
+    PEFT directory (/load_lora_adapter) and every request names it; megarl-server instead merges
+    the adapter tensors it is pushed."""
+    return cfg.lora.enabled and cfg.weights.tensor_format == "sglang"
+
+
 def route_flags(cfg) -> list[str]:
-    """megarl-server flags of the local servers: routes returned when the run replays them."""
-    return ["--enable-return-routed-experts"] if cfg.moe.routing_replay == "rollout" else []
+    """Flags of the local servers (both engines take them): routes returned when the run replays
+    them; with LoRA on SGLang, its adapter support sized for the run's adapters."""
+    flags = ["--enable-return-routed-experts"] if cfg.moe.routing_replay == "rollout" else []
+    if cfg.lora.enabled and cfg.rollout.engine == "sglang":
+        from megarl.config.lora import hf_target_modules
+
+        # two adapters per batch: the resumed segments of one push and the next never mix, but a
+        # server may still finish a batch of the old version while the new one loads
+        flags += ["--enable-lora", "--max-lora-rank", str(cfg.lora.rank), "--max-loras-per-batch", "2",
+                  "--lora-target-modules", *hf_target_modules(cfg.lora.target_modules)]
+    return flags
 
 
 def build_controller(spec: ControllerSpec, cluster, timeline=None) -> RolloutController:
@@ -154,7 +171,7 @@ def build_controller(spec: ControllerSpec, cluster, timeline=None) -> RolloutCon
         sampling_seed=r.seed, max_consecutive_failures=r.max_consecutive_failures,
         hold_timeout_s=spec.hold_timeout_s, stale_cap=r.stale_cap,
         # with routing replay every /generate asks for the routes of each token (R3)
-        client_kwargs={"routed_experts": spec.routes} if spec.routes is not None else None)
+        client_kwargs={"routed_experts": spec.routes, "lora_adapters": spec.lora_adapters})
 
 
 def eval_reward(task: TaskSpec, training: Optional[RewardCaller]) -> RewardCaller:

@@ -108,6 +108,8 @@ def server_args(model: str, port: int, host: str = "127.0.0.1", *, cpu: bool = T
                  "--dtype", "float32", "--max-total-tokens", str(max_total_tokens),
                  "--mem-fraction-static", "0.05", "--max-running-requests", str(max_running_requests),
                  "--tp-size", "1", "--random-seed", "0", "--log-level", "warning"]
+        if "--enable-lora" in extra:  # its default LoRA backend (csgmv) runs Triton kernels
+            args += ["--lora-backend", "torch_native"]
     if api_key:
         args += ["--api-key", api_key]
     return args + list(extra)  # last: a repeated option takes its last value

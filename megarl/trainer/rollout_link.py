@@ -33,9 +33,10 @@ import torch.distributed as dist
 from megarl.protocol.channel import Link, ManagerStalled, RemoteError
 from megarl.protocol.errors import ClusterError
 from megarl.protocol.messages import (AddServer, Admitted, BatchRequest, DestroyWeightsGroup, EvalPoll, EvalSubmit,
-                                      FinishPush, Init, InitWeightsGroup, PauseForUpdate, RemoveServer, Resume,
+                                      FinishPush, Init, InitWeightsGroup, LoadLoRA, PauseForUpdate, RemoveServer, Resume,
                                       ServerInfo, ShardAnnounce, ShardJoin, Sleep, Start, StateRequest, Unhealthy,
-                                      UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake, WeightsChecksum)
+                                      UnloadLoRA, UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake,
+                                      WeightsChecksum)
 from megarl.trainer.handoff import ReceivedStep, receive_step
 
 log = logging.getLogger("megarl.link")
@@ -49,7 +50,8 @@ _ADMIN_BY_METHOD = {"init_weights_update_group": InitWeightsGroup,
                     "destroy_weights_update_group": DestroyWeightsGroup,
                     "update_weights_from_distributed": UpdateFromDistributed,
                     "update_weights_from_tensor": UpdateFromTensor, "update_weights_from_disk": UpdateFromDisk,
-                    "get_server_info": ServerInfo, "weights_checksum": WeightsChecksum}
+                    "get_server_info": ServerInfo, "weights_checksum": WeightsChecksum,
+                    "load_lora_adapter": LoadLoRA, "unload_lora_adapter": UnloadLoRA}
 _SHARD_REFIT = {"/init_weights_update_group": ShardJoin, "/update_weights_from_distributed": ShardAnnounce}
 
 

@@ -5,6 +5,7 @@ the trainer's `ManagerCluster`, which holds the policy version and forwards the 
 steps to the rollout manager (`push_once` below has the protocol)."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,8 @@ from megarl.weights.target import PushTarget
 from megarl.weights.transports import (DiskTransport, DistributedTransport, PushError,
                                        SharedMemoryTransport, TensorTransport)
 from megarl.protocol.wire import tensor_digest
+
+log = logging.getLogger("megarl.push")
 
 
 @dataclass(frozen=True)
@@ -112,10 +115,16 @@ class WeightPusher:
         self.delta = w.delta and getattr(engine, "optimizer", None) is not None and spec.streams_buckets
         self._frozen_sent: frozenset = frozenset()  # rows frozen at the last push that reached every server
         self.digest_s, self._recording = 0.0, False
-        # LoRA: the servers hold these base weights merged with the adapters (W0 + s B A), so
-        # their checksums are checked through the adapters' and the scale's, not against W0
         lora = getattr(engine.spec, "lora", None)
-        self._merged = frozenset() if lora is None else merged_weight_names(engine.args, lora)
+        # LoRA on SGLang: every push writes the adapters as a PEFT directory that each server loads
+        # (/load_lora_adapter) under the version's name; the buckets carry the base rows only
+        self._peft_dir = f"{spec.run_dir}/lora_adapters" if lora is not None and w.tensor_format == "sglang" else None
+        self._loaded: list[int] = []  # driver: the versions whose adapters the servers hold
+        self.resharder.adapters = self._peft_dir is None
+        # LoRA on megarl-server: the servers hold these base weights merged with the pushed
+        # adapters (W0 + s B A), so their checksums are checked through the adapters' and the
+        # scale's, not against W0
+        self._merged = frozenset() if lora is None or self._peft_dir else merged_weight_names(engine.args, lora)
         self._connect()
 
     @property
@@ -275,7 +284,7 @@ class WeightPusher:
         frozen = self._frozen_now() if self.delta else frozenset()
         # a row frozen now and at the last push has not changed since: the servers keep it
         self._skip = frozen & self._frozen_sent
-        ok, pause_s, stream_s = False, 0.0, 0.0
+        ok, pause_s, stream_s, adapter_nbytes = False, 0.0, 0.0, 0
         try:
             tp = time.perf_counter()
             self._driver(self.cluster.pause_for_update, "pause_generation")  # settles the last push first
@@ -289,6 +298,8 @@ class WeightPusher:
             except Exception as e:  # noqa: BLE001
                 err = e
             self._agree(err)
+            if self._peft_dir is not None:
+                adapter_nbytes = self._load_adapter(new_version)
             send_s += time.perf_counter() - tf
             stream_s = time.perf_counter() - ts
             ok = True
@@ -307,12 +318,49 @@ class WeightPusher:
         nbytes = t.bytes
         if not self.transport.streams_buckets and not self.refit and self.ps.rank == 0:
             nbytes = getattr(self.transport, "written", None) or self.resharder.total_bytes()
-        stats = torch.tensor([nbytes, t.buckets, t.gather_s, t.convert_s, send_s, self.digest_s,
-                              self._adapter_bytes()], dtype=torch.float64)
+        adapter_nbytes = adapter_nbytes or self._adapter_bytes()
+        stats = torch.tensor([nbytes + (adapter_nbytes if self._peft_dir else 0), t.buckets, t.gather_s,
+                              t.convert_s, send_s, self.digest_s, adapter_nbytes], dtype=torch.float64)
         dist.all_reduce(stats)  # sources hold the counts; times summed over stages
         b, n, g, c, s, h, a = stats.tolist()
         return PushMetrics(new_version, int(b), int(n), g, c, s, time.perf_counter() - t0, pause_s, h, stream_s,
                            int(a))
+
+    def _load_adapter(self, version: int) -> int:
+        """LoRA on SGLang, after the base rows: the adapters as a PEFT directory
+        ``<run_dir>/lora_adapters/v<version>`` (collective; global rank 0 writes it, so the servers
+        must see the trainer's run directory: local servers, or a shared filesystem), loaded by
+        every server as `policy_adapter` (version) - the name the rollout manager's requests carry
+        once the push is published. The previous version's adapter is unloaded and its directory
+        removed: the pause (weights.pause_mode abort) returned every request that used it. A
+        re-push of the same version (a server rejoined) unloads and loads it again everywhere.
+        Returns the adapters' bytes on rank 0 (0 elsewhere)."""
+        import os
+        import shutil
+
+        from megarl.models.lora import export_peft
+        from megarl.protocol.wire import policy_adapter
+
+        path = os.path.join(self._peft_dir, f"v{version}")
+        nbytes = export_peft(self.engine.chunks, self.engine.args, self.ps, self.engine.spec.lora, path,
+                             dtype=self.dtype)
+        err = None
+        if self.cluster.driver:
+            try:
+                if version in self._loaded:  # a re-push: a rejoined server lacks it, the others hold it
+                    try:
+                        self.admin.call(lambda c: c.unload_lora_adapter(policy_adapter(version)))
+                    except Exception as e:  # noqa: BLE001 - the servers that do not hold it say so
+                        log.info("re-push of %s: %s", policy_adapter(version), e)
+                self.admin.call(lambda c: c.load_lora_adapter(policy_adapter(version), os.path.abspath(path)))
+                for old in [v for v in self._loaded if v != version]:
+                    self.admin.call(lambda c: c.unload_lora_adapter(policy_adapter(old)))
+                    shutil.rmtree(os.path.join(self._peft_dir, f"v{old}"), ignore_errors=True)
+                self._loaded = [version]
+            except Exception as e:  # noqa: BLE001 - agreed below, so every rank raises
+                err = PushError(f"/load_lora_adapter {policy_adapter(version)}: {e}")
+        self._agree(err)
+        return nbytes
 
     def _adapter_bytes(self) -> int:
         """LoRA: this stage's adapters in the serving dtype, from their shapes (stage sources only)."""

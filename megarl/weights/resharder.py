@@ -60,6 +60,7 @@ class Resharder:
     bucket_bytes: int = 256 * 2**20
     dtype: Optional[torch.dtype] = None  # serving dtype; None = the training dtype
     times: ReshardTimes = field(default_factory=ReshardTimes)
+    adapters: bool = True  # LoRA: stream the adapters after the base rows (off: SGLang loads a PEFT dir)
 
     def stage_plan(self, stage: int, skip: frozenset = frozenset()) -> list[list[TensorMeta]]:
         """Buckets of this stage, identical on every rank; rows whose Megatron name is in ``skip``
@@ -126,7 +127,7 @@ class Resharder:
                 self.times.buckets += 1
                 self.times.bytes += bucket.nbytes
                 yield bucket
-        if getattr(e.spec, "lora", None) is not None and ps.dp_rank == 0:
+        if self.adapters and getattr(e.spec, "lora", None) is not None and ps.dp_rank == 0:
             yield from self._adapter_buckets()
 
     def _adapter_buckets(self) -> Iterator[Bucket]:

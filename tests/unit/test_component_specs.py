@@ -126,7 +126,7 @@ def test_controller_and_eval_built_from_their_sections_without_a_config(tmp_path
     c = build_controller(spec, RolloutCluster([], driver=False))
     assert (c.staleness.batch_size, c.staleness.max_staleness, c.staleness.max_concurrent) == (6, 3, 5)
     assert (c.dynamic_sampling, c.hold_timeout_s, c.max_retries, c.sampling_seed) == (True, 42.0, 4, 11)
-    assert c.failed_log == str(tmp_path / "failed.jsonl") and c._client_kwargs == {"routed_experts": (4, 2)}
+    assert c.failed_log == str(tmp_path / "failed.jsonl") and c._client_kwargs == {"routed_experts": (4, 2), "lora_adapters": False}
     assert [s.answer for s in c.dataset] == ["0", "1", "2"] and c.sampler.next_batch(3) == [0, 1, 2]
     wf = c.workflow
     assert (wf.ctx.group_size, wf.ctx.max_seq_len, wf.ctx.sampling.temperature,

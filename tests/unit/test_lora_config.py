@@ -47,7 +47,8 @@ def test_bad_values_name_the_field(overrides, field):
     (["rollout.placement=colocated", "rollout.servers=[]"], "rollout.placement"),
     (["algo.advantage=gae"], "algo.advantage"),
     (["weights.transport=disk"], "weights.transport"),
-    (["weights.tensor_format=sglang"], "rollout.engine"),
+    (["rollout.engine=sglang", "weights.pause_mode=retract"], "weights.pause_mode"),
+    (["weights.tensor_format=sglang", "weights.pause_mode=in_place"], "weights.pause_mode"),
 ])
 def test_rl_rules(overrides, field):
     with pytest.raises(ConfigError) as e:
@@ -101,3 +102,36 @@ def test_merge_hf():
     a, b = torch.randn(2, 5), torch.randn(6, 2)
     out = HF.merge_hf({"m.weight": w}, {"m.lora_A.weight": a, "m.lora_B.weight": b}, 0.5)
     assert torch.allclose(out["m.weight"], w + 0.5 * b @ a)
+
+
+def test_sglang_servers_get_lora_flags_and_requests_name_the_adapter():
+    """LoRA on SGLang (rollout.engine=sglang): the local servers start with SGLang's adapter
+    support sized for the run, and the rollout client names the adapter the trainer's push loaded
+    for the servers' current version in every /generate (megarl-server merges pushed adapters
+    instead: no flags, no lora_path)."""
+    from megarl.config.server_wire import local_extensions, resolve_wire
+    from megarl.rollout.client import RolloutClient
+    from megarl.rollout.setup import ControllerSpec, route_flags, sglang_lora
+    from megarl.rollout.sglang_local import server_args
+
+    cfg = load("lora.rank=4", "lora.target_modules=[linear_qkv,linear_fc2]", "rollout.engine=sglang", base=RL)
+    cfg.weights = resolve_wire(cfg.weights, {"local": local_extensions("sglang")}, lora=cfg.lora.enabled)
+    assert (cfg.weights.tensor_format, cfg.weights.pause_mode) == ("sglang", "abort")
+    assert sglang_lora(cfg) and ControllerSpec.from_config(cfg).lora_adapters
+    flags = route_flags(cfg)
+    assert flags == ["--enable-lora", "--max-lora-rank", "4", "--max-loras-per-batch", "2",
+                     "--lora-target-modules", "down_proj", "k_proj", "q_proj", "v_proj"]
+    args = server_args("m", 1, extra=flags)
+    assert args[args.index("--lora-backend") + 1] == "torch_native"  # CPU: the default backend is Triton's
+    assert "--lora-backend" not in server_args("m", 1, extra=flags, cpu=False)
+    version = [3]
+    client = RolloutClient(["http://127.0.0.1:9"], version_fn=lambda: version[0], lora_adapters=True)
+    assert client._options() == {"lora_path": "megarl-policy-v3"}
+    version[0] = 4
+    assert client._options() == {"lora_path": "megarl-policy-v4"}
+    assert RolloutClient(["http://127.0.0.1:9"])._options() == {}
+
+    megarl = load("lora.rank=4", base=RL)
+    megarl.weights = resolve_wire(megarl.weights, {"local": local_extensions("megarl")}, lora=True)
+    assert not sglang_lora(megarl) and route_flags(megarl) == []
+    assert not ControllerSpec.from_config(megarl).lora_adapters

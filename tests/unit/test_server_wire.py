@@ -190,3 +190,17 @@ def test_pause_mode_auto_is_retract_with_sglang_and_abort_otherwise():
         from megarl.rollout.cluster import RolloutCluster
         RolloutCluster.from_sections(load_config(RECIPES[0], ["model.hf_path=x"], validate=False).rollout,
                                      WeightSyncConfig(), ["http://s:1"], driver=False)
+
+
+def test_lora_on_sglang_pauses_by_abort_and_needs_one_kind_of_server():
+    """With lora.rank > 0 SGLang loads each push's adapter as a PEFT directory and requests name
+    it: a retracted request would resume on the previous adapter, so auto pauses by abort; a set
+    of SGLang and megarl-servers (which merge pushed adapter tensors instead) is refused, and so
+    is SGLang's wire to a megarl-server."""
+    assert resolve_wire(WeightSyncConfig(), SGLANG, lora=True).pause_mode == "abort"
+    assert resolve_wire(WeightSyncConfig(), SGLANG).pause_mode == "retract"
+    assert resolve_wire(WeightSyncConfig(), MEGARL, lora=True).tensor_format == "megarl"
+    with pytest.raises(ConfigError, match=r"^rollout.servers: lora.rank > 0 .*\(http://s:1\) .*\(http://m:1\)"):
+        resolve_wire(WeightSyncConfig(), MIXED, lora=True)
+    with pytest.raises(ConfigError, match="^weights.tensor_format: sglang with lora.rank > 0 .* http://m:1"):
+        resolve_wire(WeightSyncConfig(tensor_format="sglang"), MEGARL, lora=True)

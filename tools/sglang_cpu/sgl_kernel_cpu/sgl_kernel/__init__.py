@@ -6,8 +6,9 @@ provides plain-torch versions of exactly those; anything else raises ImportError
 SGLang treats as "kernel not available" and falls back to its native torch paths.
 
 It registers no ``torch.ops.sgl_kernel`` operators, so SGLang's Intel AMX backend stays off.
-Importing it also applies `_host_memory`'s one fix to SGLang's CPU path (the routed-experts
-buffer of ``--enable-return-routed-experts`` is pinned through CUDA otherwise).
+Importing it also applies two fixes to SGLang's CPU path, each to the modules that pin host
+memory through CUDA: `_host_memory` (the routed-experts buffer of ``--enable-return-routed-experts``)
+and `_lora_cpu` (the index tensors of ``--enable-lora``).
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from ._host_memory import install as _install_host_memory_fix
+from ._lora_cpu import install as _install_lora_fix
 
 __version__ = "0.0.0+megarl.cpu"
 _install_host_memory_fix()
+_install_lora_fix()
 
 
 def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,

@@ -16,9 +16,7 @@ Pinning only speeds up copies to a GPU; on the CPU engine the buffer is ordinary
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
-import sys
+from ._after_import import after_import
 
 TARGET = "sglang.srt.mem_cache.pool_host.common"
 
@@ -33,28 +31,5 @@ def _fix(module) -> None:
     module.ALLOC_MEMORY_FUNCS["cpu"] = alloc_unpinned
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Applies `_fix` to TARGET right after it executes, in whichever order SGLang imports things."""
-
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)  # find the real spec, then stay out of the way
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _fix(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 def install() -> None:
-    if TARGET in sys.modules:
-        _fix(sys.modules[TARGET])
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    after_import(TARGET, _fix)
