@@ -64,6 +64,9 @@ class Config:
                               f"(parallel.pp={self.parallel.pp}); use weights.refit=gather")
         if self.lora.enabled:
             validate_lora(self)
+        if self.train.pack_sequences and self.model.attention == "unfused" and self.model.spec != "te":
+            raise ConfigError("train.pack_sequences: megatron-core's unfused attention takes no packed "
+                              "sequences; use model.attention=sdpa")
         if self.moe.replay_check and self.algo.prox_logp_mode == "loglinear":
             raise ConfigError("moe.replay_check: needs algo.prox_logp_mode recompute or metrics (loglinear "
                               "runs no prox recompute to check)")

@@ -19,7 +19,13 @@ class TrainConfig:
     global_batch_size: int = bounded(32, ge=1)
     """Sequences per optimizer step, across all DP ranks."""
     micro_batch_tokens: int = bounded(4096, ge=1)
-    """Token budget of one micro-batch (padded length x sequences)."""
+    """Token budget of one micro-batch: padded length x sequences, or the real tokens with
+    train.pack_sequences."""
+    pack_sequences: bool = False
+    """Feed each micro-batch's sequences to the model packed end to end (THD, positions restarting
+    per sequence) instead of padded to its longest: linear layers, norms and the head run on real
+    tokens only (megarl/trainer/packing.py). Needs model.attention sdpa (or the TE spec); not
+    with MoE models."""
     max_seq_len: int = bounded(512, ge=2)
     """Longest sequence (prompt + response) in tokens; longer SFT samples are truncated."""
     run_dir: str = "runs/default"

@@ -118,6 +118,16 @@ ATTENTION_PINS = (
         "(window_size, window_attn_skip_freq, layer_number)"),
     Pin("megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_local_spec", "attr", "sdpa.py",
         "its spec's submodules.self_attention.submodules.core_attention is replaced by SDPAttention"),
+    Pin("megatron.core.packed_seq_params:PackedSeqParams", "call", "packed.py",
+        "packed sequences (train.pack_sequences): THD boundaries given to the model and read here",
+        "(qkv_format=None, cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None, "
+        "cu_seqlens_kv_padded=None, max_seqlen_q=None, max_seqlen_kv=None, local_cp_size=None, cp_group=None)"),
+    Pin("megatron.core.transformer.attention:Attention.forward", "source", "sdpa.py",
+        "with THD params the core attention gets [T, heads, dim] (the batch dimension squeezed)",
+        text="query = query.squeeze(1)"),
+    Pin("megatron.core.models.common.embeddings.rope_utils:_apply_rotary_pos_emb_thd", "source", "sdpa.py",
+        "RoPE positions restart in every packed sequence (split by cu_seqlens)",
+        text="sequence_splits = torch.split(t, seqlens)"),
 )
 
 OPTIMIZER_PINS = (

@@ -9,9 +9,17 @@ the time of torch's fused kernel, which needs none of the copies.
 `SDPAttention` keeps Megatron's module (its constructor computes the per-partition heads, scale and
 window) and replaces only the arithmetic of ``forward``: causal self-attention of full sequences,
 GQA without repeating KV, the window (left, 0) as a boolean mask. Anything else Megatron's module
-supports but this does not (an explicit attention mask or bias, packed sequences, a softmax offset,
-query-key layer scaling, attention dropout while training, sq != sk) runs the original ``forward``.
+supports but this does not (an explicit attention mask or bias, a softmax offset, query-key layer
+scaling, attention dropout while training, sq != sk) runs the original ``forward``.
 GPU runs use the TE spec and never reach this.
+
+Packed sequences (``train.pack_sequences``, `megarl.trainer.packing`): megatron-core hands the
+core attention [T, heads, dim] and the sequence boundaries (``packed_seq_params.cu_seqlens_q``,
+THD; Megatron's own module refuses them). Each sequence attends to itself only: its tokens are
+scattered into a [n_seq, longest, ...] block (one ``index_copy``; the rest zeros), attended
+causally in one fused call, and gathered back (one ``index_select``). A sequence's padding sits
+after its real keys, so the causal mask alone keeps it out. Attention is the one place that pays
+for the longest sequence; every linear layer, norm and the head run on the T real tokens.
 
 It lives in `megarl.mcore` because it depends on `DotProductAttention`'s instance attributes and the
 layout of the local layer spec (pinned in `megarl.mcore.pins.ATTENTION_PINS`).
@@ -46,7 +54,11 @@ class SDPAttention(DotProductAttention):
             self.window = "unsupported"  # a right context: Megatron's own forward handles it
 
     def _fused_ok(self, query, key, attention_mask, attention_bias, packed_seq_params, mask_type) -> bool:
-        return (attention_mask is None and attention_bias is None and packed_seq_params is None
+        packed = packed_seq_params is not None
+        if packed and (packed_seq_params.qkv_format != "thd" or packed_seq_params.cu_seqlens_q_padded is not None
+                       or packed_seq_params.cu_seqlens_q is not packed_seq_params.cu_seqlens_kv):
+            return False
+        return (attention_mask is None and attention_bias is None
                 and self.softmax_offset is None and not self.config.apply_query_key_layer_scaling
                 and not (self.training and self.attention_dropout.p > 0)
                 and query.size(0) == key.size(0) and self.window != "unsupported"
@@ -58,20 +70,53 @@ class SDPAttention(DotProductAttention):
         if not self._fused_ok(query, key, attention_mask, attention_bias, packed_seq_params, mask_type):
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params, mask_type)
         sq, b, heads, hn = query.shape
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        return self._attend(q, k, v, mask_type).permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+    def _packed(self, query, key, value, params, mask_type):
+        """THD: [T, n, hn] each, sequences back to back (``params.cu_seqlens_q``) -> [T, n * hn]."""
+        t, heads, hn = query.shape
+        index, n_seq, longest = _block_index(params, t)
+
+        def blocks(x):  # [T, n, hn] -> [n_seq, n, longest, hn], zeros past each sequence
+            out = x.new_zeros(n_seq * longest, x.shape[1], x.shape[2]).index_copy(0, index, x)
+            return out.view(n_seq, longest, x.shape[1], x.shape[2]).transpose(1, 2)
+
+        out = self._attend(blocks(query), blocks(key), blocks(value), mask_type)
+        # [n_seq, n, longest, hn] -> [n_seq * longest, n * hn] -> the T real rows
+        return out.transpose(1, 2).reshape(n_seq * longest, heads * hn).index_select(0, index)
+
+    def _attend(self, q, k, v, mask_type):
+        """[b, n, s, hn] -> [b, n, s, hn]: causal (or windowed) fused attention, GQA kept grouped."""
+        sq, heads = q.shape[2], q.shape[1]
         causal, mask = mask_type == AttnMaskType.causal, None
         if self.window is not None:
-            mask = window_mask(sq, self.window[0], query.device)
+            mask = window_mask(sq, self.window[0], q.device)
             if not causal:  # a window without causality would see the future: not a Megatron mode
                 raise ValueError("a sliding window needs causal attention")
             causal = False  # the window mask is causal already
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
             enable_gqa=heads != self.num_query_groups_per_partition)
-        # [b, n, s, hn] -> [s, b, n * hn]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+
+def _block_index(params, t: int) -> tuple[torch.Tensor, int, int]:
+    """(for each of the T packed tokens its row in a [n_seq * longest] block layout, n_seq,
+    longest), computed once per forward pass and kept on ``params`` (every layer shares it)."""
+    cached = getattr(params, "_megarl_block_index", None)
+    if cached is not None and cached[0].numel() == t:
+        return cached
+    cu = params.cu_seqlens_q.long()
+    lengths = cu[1:] - cu[:-1]
+    n_seq, longest = len(lengths), int(params.max_seqlen_q)
+    seq = torch.repeat_interleave(torch.arange(n_seq, device=cu.device), lengths)
+    index = seq * longest + (torch.arange(t, device=cu.device) - cu[:-1][seq])
+    params._megarl_block_index = (index, n_seq, longest)
+    return params._megarl_block_index
 
 
 def use_sdpa_core_attention(spec):

@@ -257,7 +257,7 @@ class Actor:
         clock = _Clock(0, max(1, n_mini * cfg.train.ppo_epochs), float(version))
         # Collective (MAX over DP): every rank must call it, hence before the loop.
         norm_len = step_norm_len(full, spec, self.ps) if n_mini else None
-        losses, grad_norms, lr, skipped = [], [], 0.0, 0
+        losses, grad_norms, lr, skipped, pad_shares = [], [], 0.0, 0, []
         router: dict[str, list[float]] = {}  # MoE router losses of each optimizer step
         for epoch in range(cfg.train.ppo_epochs if n_mini else 0):
             seed = shuffle_seed(cfg.train.seed, self.updates, epoch)
@@ -271,6 +271,7 @@ class Actor:
                 losses.append(out["loss"])
                 grad_norms.append(out["grad_norm"])
                 skipped += 1 - int(out["update_ok"])  # NaN/inf gradient: the engine skipped it
+                pad_shares.append(out["pad_share"])
                 lr = out["lr"]
                 for name in moe_losses.METRICS:
                     if name in out:
@@ -282,7 +283,7 @@ class Actor:
         metrics.update(
             loss=mean_or_zero(losses), grad_norm=mean_or_zero(grad_norms),
             grad_norm_max=max(grad_norms, default=0.0), lr=lr, n_minibatches=float(n_mini),
-            optimizer_steps=float(clock.k), skipped_updates=float(skipped),
+            optimizer_steps=float(clock.k), skipped_updates=float(skipped), pad_share=mean_or_zero(pad_shares),
             update_time=time.perf_counter() - t0, **{k: mean_or_zero(v) for k, v in router.items()})
         # K optimizer steps together move the policy by exactly one version (loglinear clock).
         self.updates += 1

@@ -254,6 +254,7 @@ class MicroBatch:
     indices: torch.Tensor  # [b] long (CPU): rows of the TensorBatch
     step_tokens: float = 1.0  # loss_mask tokens in the whole step (all micro-batches, all DP)
     routes: Optional[Routes] = None  # [b, s, layers, k] MoE routing to replay, on `tokens`' device
+    pack: Optional[Any] = None  # `megarl.trainer.packing.Pack` when the model runs it packed (THD)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.fields[name]
@@ -264,13 +265,13 @@ class MicroBatch:
         return valid_mask(self.lengths, self.tokens.shape[1]).float()
 
 
-def make_microbatches(batch: TensorBatch, max_tokens: int, device) -> list[MicroBatch]:
-    """Packs rows into micro-batches of at most ``max_tokens`` padded tokens (a longer row gets a
-    micro-batch of its own), each trimmed to its longest row; deterministic, so every TP/PP peer
-    builds the same ones."""
+def make_microbatches(batch: TensorBatch, max_tokens: int, device, padded: bool = True) -> list[MicroBatch]:
+    """Packs rows into micro-batches of at most ``max_tokens`` tokens - padded (rows x the longest),
+    or real (``padded=False``: the model runs them packed) - a longer row gets a micro-batch of its
+    own; each trimmed to its longest row; deterministic, so every TP/PP peer builds the same ones."""
     out = []
     # The packer plans over B lengths (Python ints), never over tokens.
-    for idx in pack_microbatches(batch.lengths.tolist(), max_tokens):
+    for idx in pack_microbatches(batch.lengths.tolist(), max_tokens, padded=padded):
         sub = batch.select(idx)
         b, s = sub.tokens.shape
         # Positions restart at 0 in every row: each row is one sequence (no packing).

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algo.stats import Stat
-from megarl.config import Config, LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
+from megarl.config import Config, ConfigError, LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
 from megarl.mcore.optimizer import step_unless_nonfinite
 from megarl.trainer.metrics import StatsTracker
 from megarl.models import builder, hf_io
@@ -48,6 +48,7 @@ from megarl.trainer.parallel import ParallelState
 from megarl.trainer import moe_losses
 from megarl.trainer.batch import MicroBatch, TensorBatch, make_microbatches
 from megarl.trainer.logits import shift_logprobs
+from megarl.trainer.packing import pack, packed_length, unpack
 
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], MicroBatch],
                   tuple[torch.Tensor, dict[str, Stat]]]
@@ -65,11 +66,12 @@ class EngineSpec:
     micro_batch_tokens: int  # train.micro_batch_tokens: the token budget of one micro-batch
     tokenizer_path: str = ""  # data.tokenizer_path: copied next to an HF export (else model.hf_path's)
     lora: Optional[LoRAConfig] = None  # lora section: adapters on a frozen base (trainable engines)
+    pack_sequences: bool = False  # train.pack_sequences: micro-batches fed packed (THD), not padded
 
     @classmethod
     def from_config(cls, cfg: Config) -> "EngineSpec":
         return cls(cfg.model, cfg.parallel, cfg.optim, cfg.moe, cfg.train.steps, cfg.train.micro_batch_tokens,
-                   cfg.data.tokenizer_path, cfg.lora if cfg.lora.enabled else None)
+                   cfg.data.tokenizer_path, cfg.lora if cfg.lora.enabled else None, cfg.train.pack_sequences)
 
 
 @dataclass
@@ -114,6 +116,10 @@ class Engine:
         if not trainable and spec.lora is not None:  # adapters are for training: a frozen copy is the base
             spec = dataclasses.replace(spec, lora=None)
         args = pad_vocab(read_model_args(spec.model.hf_path), spec.model.make_vocab_size_divisible_by, ps.tp)
+        if spec.pack_sequences and args.num_experts:
+            raise ConfigError(f"train.pack_sequences: not supported for MoE models ({spec.model.hf_path} has "
+                              f"{args.num_experts} experts: the routers' padding mask and routing replay are "
+                              "per padded row); set it to false")
         use_te = builder.resolve_spec(spec.model.spec)
         tconfig = builder.transformer_config(
             args, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, first_stage_layers=spec.parallel.first_stage_layers,
@@ -181,6 +187,11 @@ class Engine:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if mb.pack is not None:  # one row of the sequences end to end (megarl.trainer.packing)
+                pk = mb.pack
+                out = model(input_ids=pk.tokens, position_ids=pk.position_ids, attention_mask=None,
+                            packed_seq_params=pk.params)
+                return out, partial(loss_func, mb)
             if self.replay is not None:  # the routers of this stage replay this micro-batch's routes
                 self.replay.set(mb.routes)
             # MoE: the router's losses leave padding out (True = padding, megatron-core's sense)
@@ -190,16 +201,36 @@ class Engine:
 
         # Interleaved schedules pull from one iterator per model chunk; all see the same list.
         its = [iter(mbs) for _ in self.chunks] if len(self.chunks) > 1 else iter(mbs)
-        max_len = max(m.tokens.shape[1] for m in mbs)
+        if self.spec.pack_sequences:
+            seq_length, mb_size = self._pack(mbs), 1
+        else:
+            seq_length, mb_size = max(m.tokens.shape[1] for m in mbs), mbs[0].tokens.shape[0]
         try:
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=its,
                 model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-                num_microbatches=len(mbs), seq_length=max_len, micro_batch_size=mbs[0].tokens.shape[0],
+                num_microbatches=len(mbs), seq_length=seq_length, micro_batch_size=mb_size,
                 forward_only=forward_only)
         finally:
             if self.replay is not None:
                 self.replay.set(None)
+
+    def _pack(self, mbs: list[MicroBatch]) -> int:
+        """Packs every micro-batch (`megarl.trainer.packing`); returns the pack length the schedule
+        announces. Between pipeline stages every micro-batch must have one shape: the packs are
+        padded to the longest (a filler sequence); sequence parallelism splits a pack over TP."""
+        multiple = self.ps.tp if self.spec.parallel.sequence_parallel else 1
+        total = max(packed_length(m.lengths, multiple) for m in mbs)
+        for m in mbs:
+            m.pack = pack(m.tokens, m.lengths, total if self.ps.pp > 1 else packed_length(m.lengths, multiple))
+        return total
+
+    def _token_outputs(self, out, mb: MicroBatch, with_entropy: bool):
+        """`_per_token` in the micro-batch's [b, s] layout, whether the model ran padded or packed."""
+        if mb.pack is None:
+            return self._per_token(out, mb, with_entropy)
+        per_token, entropy = self._per_token(out, mb.pack, with_entropy)
+        return unpack(per_token, mb.pack), unpack(entropy, mb.pack)
 
     def _per_token(self, logits, mb: MicroBatch, with_entropy: bool):
         """The per-token output of the head: (log p(y_t) [b, s], entropy or None)."""
@@ -211,7 +242,9 @@ class Engine:
         all-to-all pairs the EP ranks micro-batch by micro-batch, so each rank runs as many as
         the EP rank with the most: the others add filler micro-batches (one token, loss mask 0,
         no row of the batch)."""
-        mbs = make_microbatches(batch, self.spec.micro_batch_tokens, self.ps.device)
+        # packed, a micro-batch costs its real tokens, not its rows times the longest
+        mbs = make_microbatches(batch, self.spec.micro_batch_tokens, self.ps.device,
+                                padded=not self.spec.pack_sequences)
         if self.ps.ep > 1:
             n = torch.tensor([len(mbs)], dtype=torch.int64, device=self.ps.device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.ps.ep_group)
@@ -244,7 +277,7 @@ class Engine:
         mbs = self._microbatches(batch)
 
         def loss_func(mb, logits):
-            logp, ent = self._per_token(logits, mb, with_entropy)
+            logp, ent = self._token_outputs(logits, mb, with_entropy)
             valid = mb.valid.bool()
             s = mb.tokens.shape[1]  # each row of the batch is written by exactly one micro-batch
             for name, t in (("logp", logp), ("entropy", ent)):
@@ -285,7 +318,7 @@ class Engine:
         tracker = StatsTracker()
 
         def loss_func(mb, logits):
-            logp, ent = self._per_token(logits, mb, with_entropy)  # values, for the critic
+            logp, ent = self._token_outputs(logits, mb, with_entropy)  # values, for the critic
             loss, stats = loss_fn(logp, ent, mb)
             num = mb["loss_mask"].sum()
             # The contributions are already step-normalised: with count = this micro-batch's
@@ -304,8 +337,11 @@ class Engine:
         metrics = tracker.reduce(self.ps)
         if router_losses:
             metrics.update(moe_losses.step_metrics(self.ps, len(mbs), self.args.num_layers, self.spec.moe))
+        # the positions the model computed that are padding (packed: only the PP filler)
+        computed = sum(m.pack.length if m.pack is not None else m.tokens.numel() for m in mbs)
         metrics.update(grad_norm=grad_norm, lr=lr, tokens=float(step_tokens.item()),
-                       step_time=time.perf_counter() - t0, update_ok=float(bool(ok)))
+                       step_time=time.perf_counter() - t0, update_ok=float(bool(ok)),
+                       pad_share=1.0 - float(batch.lengths.sum()) / max(computed, 1))
         return metrics
 
     def _router_losses_on(self) -> bool:

@@ -11,7 +11,11 @@ from metric_sinks import tensorboard_scalars, wandb_history
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.pp=2"]], ids=["tp1", "pp2_self_launched"])
+# pp2: the model also runs packed (train.pack_sequences: THD, each pack padded to the step's longest
+# by a filler sequence so every micro-batch crosses the pipeline in one shape); padded PP=2 is
+# checked against TP=1 in tests/dist/test_parallel_equivalence.py
+@pytest.mark.parametrize("layout", [[], ["parallel.pp=2", "train.pack_sequences=true"]],
+                         ids=["tp1", "pp2_packed_self_launched"])
 def test_grpo_steps(tmp_path, layout):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
