@@ -286,9 +286,10 @@ class WeightSyncConfig:
     verify_interval: Optional[int] = bounded(None, ge=0)
     """Every N pushes compare a sha256 of every pushed tensor with the one each server computes of
     what it holds (megarl-server's /weights_checksum: no tensor data over HTTP); 0 = off. auto (or
-    unset): every push when every server advertises /weights_checksum (megarl-server), off when
-    one does not (real SGLang); N > 0 against such a server stops at preflight.
-    Cost per checked push: ~8 ms for the demo model, ~1 s for 472 MiB (docs/reliability.md)."""
+    unset): every 10th push (versions 0, 10, ...; train.mismatch_gate checks every step's served
+    logprobs) when every server advertises /weights_checksum (megarl-server), off when one does
+    not (real SGLang); N > 0 against such a server stops at preflight.
+    Cost per checked push: ~8-20 ms for the demo model, ~1 s for 472 MiB (docs/reliability.md)."""
     verify_mode: str = "fail"
     """What a differing checksum does: fail (stop the run naming the server and tensor) or warn
     (print it and count it in the metric push/verify_mismatches)."""

@@ -16,7 +16,7 @@ and gets SGLang's endpoints and load formats only.
     disk         megarl when every server has disk_delta,    weights.disk_delta != off: disk_delta
                  else sglang (both read HF checkpoints)
 
-    verify_interval auto: 1 (every push) when every server has weights_checksum, else 0;
+    verify_interval auto: AUTO_VERIFY_EVERY (10) when every server has weights_checksum, else 0;
     N > 0 needs weights_checksum everywhere. refit=shard needs shard_refit everywhere.
     pause_mode auto: abort for megarl-servers; retract with SGLang in the set (its abort pause
     waits out a 1 s poll), unless rollout.partial_rollout is false or lora.rank > 0 (abort).
@@ -29,6 +29,14 @@ import dataclasses
 from typing import Mapping
 
 from megarl.common.errors import ConfigError
+
+# verify_interval auto: the checksums of every 10th push (versions 0, 10, 20, ...). Every step's
+# train.mismatch_gate already compares the trainer's logprobs of the served tokens with the
+# server's, so a push that changes what the server computes is caught at once; the checksums
+# catch what logprobs cannot see (a tensor the sampled tokens barely touch) within 10 pushes, at
+# a tenth of their cost on the trainer's critical path (~20 ms of a 0.35 s demo step checked
+# every push; issue #29).
+AUTO_VERIFY_EVERY = 10
 
 
 def local_extensions(engine: str) -> frozenset:
@@ -139,7 +147,7 @@ def resolve_wire(weights, servers: Mapping[str, frozenset], partial_rollout: boo
 
     verify = weights.verify_interval
     if verify is None:
-        verify = 0 if lacking(EXT_CHECKSUM) else 1
+        verify = 0 if lacking(EXT_CHECKSUM) else AUTO_VERIFY_EVERY
     elif verify > 0:
         require(EXT_CHECKSUM, "weights.verify_interval", str(verify), "set it to 0 or auto")
     resolved = dataclasses.replace(weights, tensor_format=fmt, verify_interval=verify, pause_mode=pause)

@@ -45,7 +45,8 @@ def build(hf_b, server, tp, pp, transport, work, timeout_s=60, trainable=False, 
                              f"parallel.pp={pp}", f"parallel.ep={ep}", f"weights.transport={transport}",
                              f"weights.timeout_s={timeout_s}", "weights.bucket_mb=1", f"weights.refit={refit}",
                              f"weights.disk_dir={work}/push_{transport}_{tp}{pp}",
-                             f"rollout.servers=[{server}]", f"train.run_dir={work}/run", *extra])
+                             f"rollout.servers=[{server}]", f"train.run_dir={work}/run",
+                             "weights.verify_interval=1", *extra])  # every push checked (auto: every 10th)
     check_wire(cfg)  # the wire the server advertises, as megarl-train's preflight chooses it
     ps = parallel.init_model_parallel(tp, pp, ep=ep)
     engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=trainable)

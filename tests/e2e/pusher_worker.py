@@ -6,6 +6,7 @@ where it checks them (megarl-server), what `WeightPusher.verify` found.
 
     pusher_worker.py SERVER_URL API_KEY HF_A HF_B WORK_DIR OUT_JSON
 """
+import dataclasses
 import json
 import os
 import sys
@@ -46,6 +47,8 @@ def main():
                                  f"rollout.servers=[{server}]", f"rollout.api_key={key}",
                                  f"train.run_dir={work}/run"])
         check_wire(cfg)
+        if cfg.weights.verify_interval:  # auto checks every 10th push: check this one
+            cfg.weights = dataclasses.replace(cfg.weights, verify_interval=1)
         cluster = RolloutCluster.from_config(cfg, [server], driver=True)
         engine = Engine.build(EngineSpec.from_config(cfg), ps, trainable=False)
         pusher = WeightPusher(PushSpec.from_config(cfg), engine, cluster)

@@ -29,6 +29,7 @@ from e2e_servers import REPO, ServerProc, free_port, http
 from test_server_reference import make_tiny_model, reference_logprobs
 
 from megarl.common.net import new_process_group
+from megarl.config.server_wire import AUTO_VERIFY_EVERY
 from megarl.rollout.admin import AdminClient
 from megarl.rollout.client import RolloutClient
 from megarl.protocol.types import (DiskWeightsUpdate, DistributedWeightsMeta, ModelRequest, SamplingParams,
@@ -382,7 +383,7 @@ def test_wire_is_chosen_by_the_server_and_forced_settings_stop_at_preflight(srv,
             f"rollout.api_key={KEY}", f"train.run_dir={run}"]
     auto = load_config(args[0], args[1:])
     check_wire(auto)
-    want = ("sglang", 0) if srv.kind == "sglang" else ("megarl", 1)
+    want = ("sglang", 0) if srv.kind == "sglang" else ("megarl", AUTO_VERIFY_EVERY)
     assert (auto.weights.tensor_format, auto.weights.verify_interval) == want
     forced = ["weights.tensor_format=megarl", "weights.verify_interval=1"]
     if srv.kind == "megarl":

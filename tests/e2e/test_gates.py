@@ -23,7 +23,7 @@ def train(tmp_path, *overrides, steps: int = 3):
            f"model.hf_path={MODEL}", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
            "data.eval_path=", f"train.run_dir={run}", "checkpoint.hf_export_dir=",
            "checkpoint.save_interval=0", "train.global_batch_size=64", "rollout.eval_at_start=false",
-           f"train.steps={steps}", *overrides]
+           f"train.steps={steps}", "weights.verify_interval=1", *overrides]  # checksums of every push
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     path = run / "metrics.jsonl"

@@ -25,6 +25,7 @@ def test_grpo_steps(tmp_path, layout):
            f"train.run_dir={run}", f"checkpoint.hf_export_dir={run}/model", "train.steps=4",
            "rollout.eval_interval=2", "rollout.eval_size=50", "rollout.max_staleness=1",
            "rollout.staleness_hard_cap=0",  # the strict rule: every trained token within 1
+           "weights.verify_interval=1",  # checksums of every push (auto: every 10th)
            "train.global_batch_size=64", "rollout.eval_at_start=false", *layout]
     sinks = ["logging.tensorboard=true", "logging.wandb_project=megarl-test"] if not layout else []
     proc = subprocess.run(cmd + sinks, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),

@@ -30,7 +30,8 @@ def test_lora_pushes_adapters_only_and_server_matches_trainer(tmp_path, tp):
            f"model.hf_path={MODEL}", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
            "data.eval_path=", f"train.run_dir={run}", "checkpoint.hf_export_dir=model", "checkpoint.save_interval=0",
            "train.steps=3", "train.global_batch_size=32", "rollout.eval_at_start=false",
-           "rollout.max_staleness=0", f"parallel.tp={tp}", "lora.rank=8", "lora.alpha=16"]
+           "rollout.max_staleness=0", f"parallel.tp={tp}", "lora.rank=8", "lora.alpha=16",
+           "weights.verify_interval=1"]  # checksums of every push (auto: every 10th)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]

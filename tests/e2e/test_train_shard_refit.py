@@ -20,7 +20,8 @@ def test_grpo_tp2_trainer_shard_refit_into_tp2_server(tmp_path):
            f"model.hf_path={tiny}/model", f"data.train_path={tiny}/data/rl_prompts.jsonl",
            f"data.eval_path={tiny}/data/eval_prompts.jsonl", f"train.run_dir={run}", "train.steps=2",
            "rollout.eval_at_start=false", "rollout.eval_interval=0", "train.global_batch_size=32",
-           "parallel.tp=2", "weights.refit=shard", "rollout.server_args=[--tp,2]"]
+           "parallel.tp=2", "weights.refit=shard", "rollout.server_args=[--tp,2]",
+           "weights.verify_interval=1"]  # checksums of every push (auto: every 10th)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]

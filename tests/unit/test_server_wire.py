@@ -8,7 +8,7 @@ import os
 import pytest
 
 from megarl.config import ConfigError, WeightSyncConfig, load_config
-from megarl.config.server_wire import local_extensions, resolve_wire
+from megarl.config.server_wire import AUTO_VERIFY_EVERY, local_extensions, resolve_wire
 from megarl.protocol.wire import MEGARL_EXTENSIONS, server_extensions
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,7 +35,7 @@ def test_advertised_extensions_are_read_from_model_info():
 
 @pytest.mark.parametrize("transport", ["distributed", "tensor", "disk"])
 def test_auto_resolves_per_server_kind(transport):
-    assert wire(MEGARL, transport=transport) == ("megarl", 1)
+    assert wire(MEGARL, transport=transport) == ("megarl", AUTO_VERIFY_EVERY)
     assert wire(SGLANG, transport=transport) == ("sglang", 0)
 
 
@@ -72,7 +72,7 @@ def test_sglang_payload_into_megarl_server_is_refused():
                                           "which megarl-server http://m:1 refuses"):
         wire(MEGARL, transport="tensor", tensor_format="sglang")
     # SGLang's flattened buckets into megarl-server, still checked by its /weights_checksum
-    assert wire(MEGARL, transport="distributed", tensor_format="sglang") == ("sglang", 1)
+    assert wire(MEGARL, transport="distributed", tensor_format="sglang") == ("sglang", AUTO_VERIFY_EVERY)
 
 
 def test_explicit_settings_that_fit_are_kept():
@@ -99,7 +99,7 @@ def test_every_recipe_runs_on_both_server_kinds(path):
     assert (w.tensor_format, w.verify_interval) == ("sglang", 0)
     assert (w.transport, w.tensor_format) not in MEGARL_ONLY and w.refit == "gather" and w.disk_delta == "off"
     w = resolve_wire(cfg.weights, MEGARL)
-    assert (w.tensor_format, w.verify_interval) == ("megarl", 1)
+    assert (w.tensor_format, w.verify_interval) == ("megarl", AUTO_VERIFY_EVERY)
 
 
 def test_sglang_flattened_layout_keeps_every_tensor_aligned():
@@ -173,7 +173,7 @@ def test_in_place_pause_with_disk_loads_is_refused_for_sglang():
     with pytest.raises(ConfigError, match="^weights.pause_mode: in_place .* \\(server http://s:1\\)"):
         wire(MIXED, transport="disk", pause_mode="in_place")
     assert wire(SGLANG, transport="distributed", pause_mode="in_place") == ("sglang", 0)
-    assert wire(MEGARL, transport="disk", pause_mode="in_place") == ("megarl", 1)
+    assert wire(MEGARL, transport="disk", pause_mode="in_place") == ("megarl", AUTO_VERIFY_EVERY)
 
 
 def test_pause_mode_auto_is_retract_with_sglang_and_abort_otherwise():
