@@ -11,25 +11,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-
-
-def timed(fn, iters: int) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from in_process import one_rank_world, timed  # noqa: E402
 
 
 def main() -> int:
@@ -43,9 +33,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"))
     args = ap.parse_args()
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from megarl.common.net import free_port
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    one_rank_world()
     import transformers
 
     from megarl.common import compat

@@ -21,22 +21,13 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-
-
-def timed(fn, iters: int) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from in_process import one_rank_world, timed  # noqa: E402
 
 
 def long_tailed_lengths(n: int, cap: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -58,9 +49,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"))
     args = ap.parse_args()
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from megarl.common.net import free_port
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    one_rank_world()
     from megarl.common import compat
     from megarl.config import load_config
     from megarl.models.random_hf import tiny_config, write_random_hf

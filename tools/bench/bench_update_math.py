@@ -25,12 +25,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from in_process import one_rank_world, timed  # noqa: E402
 MODEL = os.path.join(REPO, "examples", "tiny", "model")
 EPS_LOW, EPS_HIGH, LR, CLIP = 0.2, 0.28, 2e-4, 1.0
 
@@ -67,14 +68,6 @@ def clipped_surrogate(logp, behave, adv, mask, step_tokens):
     return (per_token * mask).sum() / step_tokens
 
 
-def timed(fn, iters: int) -> float:
-    fn()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def main() -> int:
@@ -85,9 +78,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from megarl.common.net import free_port
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    one_rank_world()
     import transformers
 
     from megarl.common import compat
