@@ -5,7 +5,7 @@
    /load_lora_adapter and selected per request with ``lora_path`` gives the logprobs of
    transformers on the merged weights W + (alpha/r) B A; requests without ``lora_path`` keep the
    base's.
-2. `megarl-train` with ``lora.rank > 0`` and ``rollout.engine=sglang`` at TP=1 and TP=2: every push
+2. `megarl-train` with ``lora.rank > 0`` and ``rollout.engine=sglang`` (TP=1): every push
    after the base writes the adapters as a PEFT directory that each server loads as
    ``megarl-policy-v<version>`` (and unloads the previous one), every request names it, the
    pushed bytes are exactly the adapters', and the trainer's logprobs of SGLang's tokens stay
@@ -118,7 +118,10 @@ def test_sglang_lora_path_equals_merged_weights(tmp_path, model):
     assert effect > 1.0
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+# TP=1 only: the PEFT directory a push writes is the same at any TP (the adapters are gathered
+# first; tests/e2e/test_train_lora.py checks TP=2's gathered adapters and exports), and each SGLang
+# run costs ~40 s of the CI budget
+@pytest.mark.parametrize("tp", [1])
 def test_lora_train_against_sglang_loads_each_adapter(tmp_path, model, tp):
     from megarl.models.lora import hf_adapter_shapes
     from megarl.protocol.hf_model import read_model_args
