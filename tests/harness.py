@@ -1,0 +1,142 @@
+"""The one way a test runs `megarl-train` (tests/README.md, "The run harness").
+
+    run = harness.train(run_dir, "train.steps=3", "rollout.max_staleness=0")
+    run.check()                       # exit 0, or the tail of its stderr
+    run.rows, run.generations, run.timeline(), run.log, run.last_line
+
+`train` runs the real command (`python -m megarl.train RECIPE a.b=c ...`) as a subprocess on
+the tiny demo model and data unless told otherwise, one thread per process (2 cores), and
+returns a `Run`: its exit code, output, wall time and what it wrote. `during=fn` calls
+fn(proc) while the run is alive (a probe, a fault); the run is then waited for.
+
+Runs whose properties can be read from one run share it: the `shared_train` fixture
+(tests/conftest.py) returns the run made earlier in this pytest session with the same
+arguments, or makes it. A shared run is only read: a test that changes its directory, or
+needs its own servers, runs its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from typing import Callable
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = REPO / "examples" / "tiny"
+TINY_MOE = REPO / "examples" / "tiny_moe"
+
+
+def demo_args(run_dir, recipe: str = "tiny_grpo.yaml", model=None, data=None, eval_data: str = "") -> list[str]:
+    """The recipe on the tiny demo's model and prompts, no held-out evaluation, no HF export."""
+    model = model or TINY / "model"
+    data = data or TINY / "data" / "rl_prompts.jsonl"
+    return [str(REPO / "configs" / recipe), f"model.hf_path={model}", f"data.train_path={data}",
+            f"data.eval_path={eval_data}", f"train.run_dir={run_dir}", "checkpoint.hf_export_dir="]
+
+
+def command(run_dir, *overrides: str, recipe: str = "tiny_grpo.yaml", model=None, data=None,
+            eval_data: str = "") -> list[str]:
+    return [sys.executable, "-m", "megarl.train",
+            *demo_args(run_dir, recipe, model, data, eval_data), *overrides]
+
+
+def run_env(extra: dict | None = None) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", **(extra or {}))
+
+
+def _jsonl(path: pathlib.Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclasses.dataclass
+class Run:
+    """One finished `megarl-train` process and its run directory."""
+
+    dir: pathlib.Path
+    cmd: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+
+    @property
+    def rows(self) -> list[dict]:
+        """metrics.jsonl, one dict per step."""
+        return _jsonl(self.dir / "metrics.jsonl")
+
+    @property
+    def generations(self) -> list[dict]:
+        """generations.jsonl (logging.dump_generations=true)."""
+        return _jsonl(self.dir / "generations.jsonl")
+
+    def timeline(self, rank: int = 0) -> list[dict]:
+        """timeline/rank<N>.jsonl (logging.timeline=true)."""
+        return _jsonl(self.dir / "timeline" / f"rank{rank}.jsonl")
+
+    @property
+    def log(self) -> str:
+        return self.stdout + self.stderr
+
+    @property
+    def last_line(self) -> str:
+        lines = self.stderr.strip().splitlines()
+        return lines[-1] if lines else ""
+
+    def check(self) -> "Run":
+        """The run exited 0; otherwise fail with the tail of its output."""
+        assert self.returncode == 0, f"exit {self.returncode}\n{self.stdout[-2000:]}\n{self.stderr[-4000:]}"
+        return self
+
+
+def train(run_dir, *overrides: str, recipe: str = "tiny_grpo.yaml", model=None, data=None,
+          eval_data: str = "", env: dict | None = None, timeout: float = 600, cwd=None,
+          during: Callable[[subprocess.Popen], None] | None = None, check: bool = False) -> Run:
+    """Runs megarl-train once into ``run_dir`` (see the module docstring)."""
+    run_dir = pathlib.Path(run_dir)
+    cmd = command(run_dir, *overrides, recipe=recipe, model=model, data=data, eval_data=eval_data)
+    cwd = str(cwd or run_dir.parent)
+    os.makedirs(cwd, exist_ok=True)
+    t0 = time.monotonic()
+    if during is None:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=run_env(env))
+        out, err, code = proc.stdout, proc.stderr, proc.returncode
+    else:
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                              env=run_env(env)) as proc:
+            import threading
+
+            outs: dict[str, str] = {}
+            reader = threading.Thread(target=lambda: outs.update(zip(("out", "err"), proc.communicate(timeout=timeout))),
+                                      daemon=True)
+            reader.start()
+            try:
+                during(proc)
+            finally:
+                reader.join(timeout)
+                if reader.is_alive():
+                    proc.kill()
+                    reader.join(10)
+            out, err, code = outs.get("out", ""), outs.get("err", ""), proc.wait()
+    run = Run(run_dir, cmd, code, out, err, time.monotonic() - t0)
+    return run.check() if check else run
+
+
+class SharedRuns:
+    """Runs made once per pytest session, keyed by their arguments (the `shared_train` fixture)."""
+
+    def __init__(self, root: pathlib.Path):
+        self.root = root
+        self.runs: dict[tuple, Run] = {}
+
+    def __call__(self, *overrides: str, recipe: str = "tiny_grpo.yaml", **kw) -> Run:
+        key = (recipe, overrides, tuple(sorted((k, str(v)) for k, v in kw.items())))
+        if key not in self.runs:
+            run_dir = self.root / f"shared{len(self.runs)}" / "run"
+            self.runs[key] = train(run_dir, *overrides, recipe=recipe, **kw)
+        return self.runs[key]
