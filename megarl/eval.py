@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -142,9 +143,9 @@ def local_servers(cfg, model_dir: str, log_dir: str):
     launcher = None
     if r.engine == "sglang":
         from megarl.rollout.sglang_local import SGLangLauncher
-        launcher = SGLangLauncher(model_dir, list(r.server_args), threads=r.server_threads)
+        launcher = SGLangLauncher(model_dir, list(r.server_args), threads=r.server_threads, api_key=r.api_key)
     return LocalServers(model_dir, r.local_servers, log_dir, extra=["--threads", r.server_threads, *r.server_args],
-                        cpus=cpus, launcher=launcher, ready_timeout_s=r.health_timeout_s)
+                        cpus=cpus, launcher=launcher, ready_timeout_s=r.health_timeout_s, api_key=r.api_key)
 
 
 def evaluate_model(cfg, model_dir: str, log_dir: str):
@@ -156,22 +157,24 @@ def evaluate_model(cfg, model_dir: str, log_dir: str):
     from megarl.common.net import LOOPBACK
     from megarl.rollout.setup import EvalSpec, TaskSpec, build_eval, eval_reward, task_parts
 
+    if not cfg.rollout.api_key:  # the servers started here answer only this command (megarl.rollout.local)
+        cfg.rollout.api_key = secrets.token_urlsafe(32)
     task = TaskSpec.from_config(cfg)  # tokenizer: data.tokenizer_path (the checkpoint's), else model.hf_path
     os.makedirs(log_dir, exist_ok=True)
     with contextlib.ExitStack() as stack:
         if cfg.reward.model.path and not cfg.rollout.eval_reward_fn:  # scored by the reward model: serve it
             from megarl.rollout.reward_servers import RewardServers, task_with_reward_urls
 
-            rm_urls = stack.enter_context(RewardServers(cfg.reward.model, os.path.join(log_dir, "reward_servers"),
-                                                        LOOPBACK, ready_timeout_s=cfg.rollout.health_timeout_s))
-            task = task_with_reward_urls(task, rm_urls)
+            rm = RewardServers(cfg.reward.model, os.path.join(log_dir, "reward_servers"), LOOPBACK,
+                               ready_timeout_s=cfg.rollout.health_timeout_s)
+            task = task_with_reward_urls(task, stack.enter_context(rm), rm.api_key)
         # rollout.eval_reward_fn: the evaluation scores with it and training's reward is not built
         reward = eval_reward(task, None if cfg.rollout.eval_reward_fn else task_parts(task)[2])
         periodic = build_eval(EvalSpec(task, n=cfg.eval.n), reward)
 
         async def score(urls):
             try:
-                async with RolloutClient(urls) as client:
+                async with RolloutClient(urls, cfg.rollout.api_key) as client:
                     return await evaluate(client, periodic.samples, periodic.workflows)
             finally:
                 await reward.aclose()  # the reward's threads / worker processes / HTTP session

@@ -287,11 +287,17 @@ def _coerce(tp, value, name):
 
 
 def save_config(cfg: Config, run_dir: str) -> str:
-    """Writes the resolved config to ``<run_dir>/config.yaml`` (atomically) and returns the path."""
-    os.makedirs(run_dir, exist_ok=True)
+    """Writes the resolved config to ``<run_dir>/config.yaml`` (atomically) and returns the path.
+    It may hold keys (rollout.api_key): a run directory made here is the user's alone (0700), and
+    the file is created exclusively, mode 0600, without following a link planted at its name."""
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
     path = os.path.join(run_dir, "config.yaml")
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    try:
+        os.unlink(tmp)  # a crashed save's leftover (or a planted link: removed, not followed)
+    except FileNotFoundError:
+        pass
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "w") as f:
         yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
     os.replace(tmp, path)
     return path

@@ -51,11 +51,14 @@ def read_secret_file(path: str, field: str = "rollout.manager_secret_file") -> b
     """The secret in ``path`` (trailing whitespace dropped). The file must belong to this user and
     be readable by nobody else (as ssh asks of a private key): a secret others can read is none."""
     try:
-        st = os.stat(path)
         with open(path, "rb") as f:
+            st = os.fstat(f.fileno())  # of the file read, not of whatever the path names a moment later
             secret = f.read().rstrip()
     except OSError as e:
         raise ValueError(f"{field}: cannot read {path!r} ({e.strerror or e})") from None
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"{field}: {path!r} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}): "
+                         f"another user could have written it")
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ValueError(f"{field}: {path!r} is readable by others (mode {stat.S_IMODE(st.st_mode):o}); "
                          f"chmod 600 it")
@@ -76,11 +79,14 @@ def secret_pipe(secret: bytes) -> int:
     return r
 
 
-def read_secret_fd(fd: int) -> bytes:
-    with os.fdopen(fd, "rb") as f:
-        secret = f.read()
+def read_secret_fd(fd: int, flag: str = "--secret-fd") -> bytes:
+    try:
+        with os.fdopen(fd, "rb") as f:
+            secret = f.read()
+    except OSError as e:
+        raise ValueError(f"{flag} {fd}: cannot read it ({e.strerror or e})") from None
     if len(secret) < MIN_SECRET:
-        raise ValueError(f"--secret-fd {fd}: {len(secret)} bytes, not a secret")
+        raise ValueError(f"{flag} {fd}: {len(secret)} bytes, not a secret")
     return secret
 
 

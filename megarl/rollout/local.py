@@ -12,8 +12,10 @@ answers /health and has been given the current weights). ``<log_dir>/servers.jso
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -22,18 +24,62 @@ import urllib.request
 from megarl.common.net import LOOPBACK, free_port, http_url
 from megarl.common.procs import last_line_since, log_size
 from megarl.common.signals import owned_child_setup
+from megarl.protocol.handshake import secret_pipe
 
 def spawn_server(model_dir: str, log_path: str, port: int, extra=(), host: str = LOOPBACK,
-                 cpus=None) -> subprocess.Popen:
-    """Starts ``megarl-server`` on ``host:port`` (pinned to ``cpus`` when given) and returns at once."""
+                 cpus=None, api_key: str | None = None) -> subprocess.Popen:
+    """Starts ``megarl-server`` on ``host:port`` (pinned to ``cpus`` when given) and returns at once.
+    ``api_key`` reaches it through an inherited pipe (``--api-key-fd``), never argv."""
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    log = open(log_path, "a")  # append: a restarted server keeps its predecessor's log
-    proc = subprocess.Popen([sys.executable, "-m", "megarl.server", "--model", model_dir,
-                             "--host", host, "--port", str(port), *map(str, extra)], stdout=log,
-                            stderr=subprocess.STDOUT, preexec_fn=owned_child_setup)
+    cmd = [sys.executable, "-m", "megarl.server", "--model", model_dir, "--host", host, "--port", str(port),
+           *map(str, extra)]
+    with open(log_path, "a") as log, key_pipe(api_key) as fds:  # append: a restart keeps its predecessor's log
+        if fds:
+            cmd += ["--api-key-fd", str(fds[0])]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=owned_child_setup,
+                                pass_fds=fds)
     if cpus:  # right after the fork, before the child starts its torch threads (they inherit it)
         os.sched_setaffinity(proc.pid, cpus)
     return proc
+
+
+@contextlib.contextmanager
+def key_pipe(api_key: str | None):
+    """() without a key; else (fd,): a pipe's read end holding it, for one child to inherit."""
+    if not api_key:
+        yield ()
+        return
+    fd = secret_pipe(api_key.encode())
+    try:
+        yield (fd,)
+    finally:
+        os.close(fd)
+
+
+def key_run_servers(rollout, run_dir: str) -> None:
+    """The servers a run starts itself (``rollout.servers`` empty) answer only that run: without
+    ``rollout.api_key``, a key made for the run (their every route but /health refuses a request
+    without it). It stays in the process that starts them and reaches them through pipes; its one
+    copy at rest is <run_dir>/servers/api_key, for the run's own user (tools, tests)."""
+    if rollout.servers or rollout.api_key:
+        return
+    rollout.api_key = secrets.token_urlsafe(32)
+    write_key_file(os.path.join(run_dir, "servers", "api_key"), rollout.api_key)
+
+
+def write_key_file(path: str, api_key: str) -> None:
+    """``api_key`` into ``path``, mode 0600, its directory 0700. Created exclusively without
+    following links: a previous run's file (a resume) is removed first, and a name planted there
+    in between is refused, never written through."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    os.chmod(os.path.dirname(path), 0o700)
+    try:
+        os.unlink(path)  # a link is removed, not its target
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(api_key)
 
 
 def root_flags(weights_roots) -> list[str]:
@@ -66,12 +112,12 @@ class MegarlLauncher:
 
     name = "megarl-server"
 
-    def __init__(self, model_dir: str, extra=(), weights_roots=()):
-        self.model_dir = model_dir
+    def __init__(self, model_dir: str, extra=(), weights_roots=(), api_key: str | None = None):
+        self.model_dir, self.api_key = model_dir, api_key
         self.extra = [*extra, *root_flags(weights_roots)]  # restarts get the same flags
 
     def spawn(self, port: int, log_path: str, host: str, cpus=None) -> subprocess.Popen:
-        return spawn_server(self.model_dir, log_path, port, self.extra, host, cpus)
+        return spawn_server(self.model_dir, log_path, port, self.extra, host, cpus, self.api_key)
 
     @staticmethod
     def kill(proc: subprocess.Popen) -> None:
@@ -82,14 +128,15 @@ class MegarlLauncher:
 
 
 def start_server(model_dir: str, log_path: str, extra=(), ready_timeout_s: float = 60.0,
-                 host: str = LOOPBACK, weights_roots=(), cpus=None) -> tuple[str, subprocess.Popen]:
+                 host: str = LOOPBACK, weights_roots=(), cpus=None,
+                 api_key: str | None = None) -> tuple[str, subprocess.Popen]:
     """Starts ``megarl-server`` on a free port of ``host`` and waits for ``/health``.
     ``weights_roots``: where ``/update_weights_from_disk`` may read (the run's disk-transport
     directory); empty = the server's default (the model dir and its parent)."""
     port = free_port(host)
     extra = [*extra, *root_flags(weights_roots)]
     since = log_size(log_path)
-    proc = spawn_server(model_dir, log_path, port, extra, host, cpus)
+    proc = spawn_server(model_dir, log_path, port, extra, host, cpus, api_key)
     url = http_url(host, port)
     try:
         wait_ready(url, proc, log_path, ready_timeout_s, since=since)
@@ -105,9 +152,10 @@ class LocalServers:
     cluster waits up to ``ready_timeout_s`` for each /health."""
 
     def __init__(self, model_dir: str, n: int, log_dir: str, extra=(), host: str = LOOPBACK,
-                 weights_roots=(), cpus=None, launcher=None, ready_timeout_s: float = 60.0):
+                 weights_roots=(), cpus=None, launcher=None, ready_timeout_s: float = 60.0,
+                 api_key: str | None = None):
         self.model_dir, self.n, self.log_dir, self.host, self.cpus = model_dir, n, log_dir, host, cpus
-        self.launcher = launcher or MegarlLauncher(model_dir, extra, weights_roots)
+        self.launcher = launcher or MegarlLauncher(model_dir, extra, weights_roots, api_key)
         self.ready_timeout_s = ready_timeout_s
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []

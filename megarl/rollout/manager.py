@@ -181,12 +181,14 @@ class RolloutManager:
         if r.engine == "sglang":
             from megarl.rollout.sglang_local import SGLangLauncher
             # the route flags (--enable-return-routed-experts) are SGLang's too
-            launcher = SGLangLauncher(spec.model_path, [*spec.server_flags, *r.server_args], threads=r.server_threads)
+            launcher = SGLangLauncher(spec.model_path, [*spec.server_flags, *r.server_args], threads=r.server_threads,
+                                      api_key=r.api_key)
         self.local = LocalServers(spec.model_path, r.local_servers, f"{spec.run_dir}/servers",
                                   extra=["--threads", r.server_threads, *spec.server_flags, *r.server_args],
                                   host=serving_host(),
                                   weights_roots=[spec.weights.disk_dir or f"{spec.run_dir}/weights"],
-                                  cpus=server_cpus, launcher=launcher, ready_timeout_s=r.health_timeout_s)
+                                  cpus=server_cpus, launcher=launcher, ready_timeout_s=r.health_timeout_s,
+                                  api_key=r.api_key)
         return self.stack.enter_context(self.local)
 
     def start_reward_servers(self, cpus) -> None:
@@ -198,8 +200,9 @@ class RolloutManager:
         self.reward_servers = RewardServers(spec.reward_model, f"{spec.run_dir}/reward_servers", serving_host(),
                                             cpus, ready_timeout_s=spec.rollout.health_timeout_s)
         urls = self.stack.enter_context(self.reward_servers)
-        self.spec = dataclasses.replace(spec, controller=with_reward_urls(spec.controller, urls),
-                                        eval=with_reward_urls(spec.eval, urls))
+        key = self.reward_servers.api_key
+        self.spec = dataclasses.replace(spec, controller=with_reward_urls(spec.controller, urls, key),
+                                        eval=with_reward_urls(spec.eval, urls, key))
 
     def init(self, msg: Init) -> list[str]:
         from megarl.rollout.cluster import RolloutCluster
@@ -496,6 +499,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _run(args) -> int:
     from megarl.config import load_config
     from megarl.config.server_wire import is_resolved
+    from megarl.rollout.local import key_run_servers
     from megarl.rollout.probe import check_wire
 
     from megarl.common.signals import dump_stacks_on_sigusr2
@@ -503,6 +507,7 @@ def _run(args) -> int:
     logging.basicConfig(level=logging.WARNING, format="[manager] %(levelname)s %(message)s")
     dump_stacks_on_sigusr2()  # kill -USR2: its threads' stacks in manager.log
     cfg = load_config(args.config)
+    key_run_servers(cfg.rollout, cfg.train.run_dir)  # before anything reads rollout.api_key
     if not is_resolved(cfg.weights):
         # a manager run apart on the user's config: the wire from what the servers advertise, as
         # the trainer's preflight chooses it (a config megarl-train saved is resolved already)

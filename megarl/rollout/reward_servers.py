@@ -16,6 +16,7 @@ dropped: RewardModel sends each batch round-robin and retries a failed one on th
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import json
 import logging
 import os
@@ -55,15 +56,15 @@ def check_reward_model(path: str) -> None:
         raise ConfigError(f"{field}: no *.safetensors weights in {path}")
 
 
-def task_with_reward_urls(task, urls: list[str]):
-    """``task`` (a `TaskSpec`) with reward.args.urls = ``urls``."""
-    return dataclasses.replace(task, reward=dataclasses.replace(task.reward, args={**task.reward.args,
-                                                                                  "urls": list(urls)}))
+def task_with_reward_urls(task, urls: list[str], api_key: str):
+    """``task`` (a `TaskSpec`) with reward.args.urls = ``urls`` and their ``api_key``."""
+    args = {**task.reward.args, "urls": list(urls), "api_key": api_key}
+    return dataclasses.replace(task, reward=dataclasses.replace(task.reward, args=args))
 
 
-def with_reward_urls(spec, urls: list[str]):
+def with_reward_urls(spec, urls: list[str], api_key: str):
     """``spec`` (a frozen spec holding ``task: TaskSpec``) with reward.args.urls = ``urls``."""
-    return dataclasses.replace(spec, task=task_with_reward_urls(spec.task, urls))
+    return dataclasses.replace(spec, task=task_with_reward_urls(spec.task, urls, api_key))
 
 
 def healthy(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
@@ -80,8 +81,9 @@ class RewardServers:
 
     def __init__(self, model_cfg, log_dir: str, host: str, cpus=None, ready_timeout_s: float = 120.0):
         self.cfg, self.ready_timeout_s = model_cfg, ready_timeout_s
+        self.api_key = secrets.token_urlsafe(32)  # like the policy servers: only this run's requests
         self.local = LocalServers(model_cfg.path, model_cfg.servers, log_dir, extra=["--threads", model_cfg.threads],
-                                  host=host, cpus=cpus, ready_timeout_s=ready_timeout_s)
+                                  host=host, cpus=cpus, ready_timeout_s=ready_timeout_s, api_key=self.api_key)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 

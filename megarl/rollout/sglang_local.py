@@ -30,6 +30,7 @@ from megarl.common.errors import ConfigError
 from megarl.common.signals import owned_child_setup
 from megarl.config.server_flags import sglang_flags
 from megarl.protocol.architectures import ARCHITECTURES
+from megarl.rollout.local import key_pipe
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STANDIN_KERNEL = os.path.join(REPO, "tools", "sglang_cpu", "sgl_kernel_cpu")
@@ -123,6 +124,15 @@ def check_model_dir(model_dir: str) -> None:
                           f"tokenizer_config.json) in {model_dir}")
 
 
+# `python -c KEYED_LAUNCH FD ARGS...`: sglang.launch_server with ARGS and --api-key read from the
+# inherited pipe FD. The key is added to sys.argv inside the process (the kernel's copy, what
+# /proc/PID/cmdline shows, keeps the command as started); SGLang's workers get their settings
+# pickled by multiprocessing, not on a command line.
+KEYED_LAUNCH = ("import os, runpy, sys; fd = int(sys.argv[1]); key = os.read(fd, 4096).decode(); os.close(fd); "
+                "sys.argv = ['sglang.launch_server', *sys.argv[2:], '--api-key', key]; "
+                "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
+
+
 class SGLangLauncher:
     """Spawns one SGLang server per `LocalServers` slot (the megarl-server one is
     `megarl.rollout.local.MegarlLauncher`)."""
@@ -141,10 +151,13 @@ class SGLangLauncher:
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         log = open(log_path, "a")  # append: a restarted server keeps its predecessor's log
         env = server_env(python=self.python, threads=self.threads) if self.cpu else dict(os.environ)
-        args = server_args(self.model_dir, port, host, cpu=self.cpu, api_key=self.api_key, extra=self.extra)
-        # its own session: the scheduler and detokenizer it forks are killed with it (kill())
-        proc = subprocess.Popen([self.python, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, preexec_fn=owned_child_setup)
+        args = server_args(self.model_dir, port, host, cpu=self.cpu, extra=self.extra)
+        with key_pipe(self.api_key) as fds:
+            if fds:  # the key through a pipe: SGLang reads --api-key from argv only, which /proc shows
+                args = ["-c", KEYED_LAUNCH, str(fds[0]), *args[2:]]
+            # its own session: the scheduler and detokenizer it forks are killed with it (kill())
+            proc = subprocess.Popen([self.python, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True, preexec_fn=owned_child_setup, pass_fds=fds)
         if cpus:
             os.sched_setaffinity(proc.pid, cpus)
         return proc

@@ -39,7 +39,12 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: where the model runs")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (argv is readable by every user of the "
+                        "host in /proc: prefer --api-key-file)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="the API key, read from FILE (yours, mode 600)")
+    p.add_argument("--api-key-fd", type=int, default=None, help=argparse.SUPPRESS)  # a pipe from the launcher
     p.add_argument("--weights-root", action="append", default=None, metavar="DIR",
                    help="directory /update_weights_from_disk may read under (repeatable; "
                         "default: the model dir's parent; the model dir itself is always allowed)")
@@ -62,6 +67,10 @@ def parse_args(argv=None):
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     add_debug_flag(p)
     args = p.parse_args(argv)
+    given = [f for f, v in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
+                            ("--api-key-fd", args.api_key_fd)) if v is not None]
+    if len(given) > 1:
+        p.error(f"{' and '.join(given)}: give the key one way")
     for flag, v in (("--port", args.port), ("--max-running-requests", args.max_running_requests),
                     ("--max-prefill-tokens", args.max_prefill_tokens), ("--threads", args.threads),
                     ("--context-length", args.context_length or 1), ("--tp", args.tp)):
@@ -116,10 +125,25 @@ def follow(args) -> int:
     return 0
 
 
+def read_api_key(args) -> None:
+    """Sets ``args.api_key`` from --api-key-file (owner-only, as ssh asks of a private key) or
+    --api-key-fd (a pipe the launcher wrote it to: never argv, which /proc shows every user)."""
+    from megarl.protocol import handshake
+
+    try:
+        if args.api_key_file is not None:
+            args.api_key = handshake.read_secret_file(args.api_key_file, "--api-key-file").decode()
+        elif args.api_key_fd is not None:
+            args.api_key = handshake.read_secret_fd(args.api_key_fd, "--api-key-fd").decode()
+    except (ValueError, UnicodeDecodeError) as e:
+        raise StartupError(str(e)) from None
+
+
 def serve(args, argv=None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("megarl.server")
     t0 = time.perf_counter()
+    read_api_key(args)
     import torch
     from aiohttp import web
 

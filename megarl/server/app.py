@@ -1,7 +1,7 @@
 """aiohttp application of the CPU rollout server: SGLang 0.5.x endpoints over one
 `GenerationEngine`.
 
-Auth: with an API key, every endpoint except ``/health`` and ``/health_generate`` (`OPEN_PATHS`)
+Auth: with an API key, every endpoint except ``/health`` (`OPEN_PATHS`)
 needs ``Authorization: Bearer KEY`` (401 otherwise) - like SGLang, generation is protected too;
 a route added to `setup_routes` is protected unless it is listed in `OPEN_PATHS`.
 Errors: a malformed request is a 400 ``{"object": "error", "message": ..., "code": 400}`` naming the
@@ -31,7 +31,7 @@ from megarl.protocol.wire import MEGARL_EXTENSIONS
 
 log = logging.getLogger("megarl.server")
 
-OPEN_PATHS = frozenset({"/health", "/health_generate"})
+OPEN_PATHS = frozenset({"/health"})  # liveness only: /health_generate runs the model
 
 
 @web.middleware

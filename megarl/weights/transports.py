@@ -243,22 +243,43 @@ class SharedMemoryTransport:
     def __init__(self, admin: StageAdmin, timeout_s: float):
         self.admin, self.timeout_s = admin, timeout_s
         self.path, self.buf = "", torch.empty(0, dtype=torch.uint8)
+        self.fd, self.map = -1, None
         self.shared_bytes = self.socket_bytes = 0
 
     def setup(self, stage: int) -> None:
+        """The file is created here, exclusively (O_EXCL | O_NOFOLLOW, 0600) under a name with 64
+        random bits: /dev/shm is writable by every user, and a name planted there in advance (a
+        link, a file another user can read) makes the setup fail instead of receiving the weights.
+        The sticky bit of /dev/shm keeps others from renaming or removing it afterwards, and the
+        trainer writes through its own descriptor only; the name reaches the server in each
+        manifest over the keyed channel."""
+        import secrets
+
         from megarl.protocol.wire import SHM_DIR, SHM_PREFIX
 
-        self.path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-pp{stage}")
+        if self.fd >= 0:  # a new server set: the same file serves it
+            return
         remove_orphans(SHM_DIR, SHM_PREFIX)
+        self.path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-pp{stage}-{secrets.token_hex(8)}")
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            path, self.path = self.path, ""  # not ours: close() must not remove it
+            raise RuntimeError(f"weights.transport=shm: cannot create {path} ({e.strerror or e})") from None
 
     def _map(self, nbytes: int) -> torch.Tensor:
+        import mmap
+
         if self.buf.numel() < nbytes:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)
-            finally:
-                os.close(fd)
-            self.buf = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
+            self.buf = torch.empty(0, dtype=torch.uint8)
+            if self.map is not None:
+                try:
+                    self.map.close()
+                except BufferError:  # a view still alive: the old mapping goes with it
+                    pass
+            os.ftruncate(self.fd, nbytes)
+            self.map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.buf = torch.frombuffer(self.map, dtype=torch.uint8)
         return self.buf
 
     def send(self, bucket: Bucket, version: str) -> None:
@@ -287,6 +308,15 @@ class SharedMemoryTransport:
 
     def close(self) -> None:
         self.buf = torch.empty(0, dtype=torch.uint8)
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:  # a tensor view still alive: the mapping goes with it
+                pass
+            self.map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         if self.path:
             try:
                 os.unlink(self.path)
