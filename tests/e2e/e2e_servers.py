@@ -161,11 +161,13 @@ def wait_for(cond, what: str, proc, timeout: float = 300.0, err=None, poll_s: fl
         time.sleep(poll_s)
 
 
-def model_version(url: str):
+def model_version(url: str, key: str | None = None):
     """A server's /model_info weight_version (SGLang says "default" until the first push,
-    megarl-server the version it was started with); None while it does not answer."""
+    megarl-server the version it was started with); None while it does not answer. ``key``: a
+    run's own servers answer only with the run's key (<run>/servers/api_key)."""
+    req = urllib.request.Request(url + "/model_info", headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(url + "/model_info", timeout=2) as r:
+        with urllib.request.urlopen(req, timeout=2) as r:
             return json.loads(r.read())["weight_version"]
     except OSError:
         return None

@@ -63,7 +63,7 @@ def test_killed_local_server_is_restarted_with_current_weights(tmp_path):
         after = wait_for(lambda: [s for s in json.loads((run / "servers" / "servers.json").read_text())
                                   if s["url"] == victim["url"] and s["pid"] != victim["pid"]],
                          "the restart", proc)
-        version = wait_for(lambda: (v := model_version(victim["url"])) not in (None, "0") and v,
+        version = wait_for(lambda: (v := model_version(victim["url"], (run / "servers" / "api_key").read_text())) not in (None, "0") and v,
                            "current weights on the restarted server", proc)
         assert int(version) >= killed_at and after[0]["pid"] != victim["pid"]
         assert proc.wait(timeout=600) == 0, (tmp_path / "err").read_text()[-3000:]
