@@ -39,6 +39,7 @@ link (global rank 0: every request, and only it ends the run) and any number of 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -104,6 +105,7 @@ DRIVER_MESSAGES = (Init, BatchRequest, EvalSubmit, EvalPoll, StateRequest, Close
                    *CLUSTER_MESSAGES)
 MAX_LINKS = 64  # authenticated links: the driver and one per pipeline stage
 MAX_HANDSHAKES = 16  # connections still proving the secret
+MAX_HANDSHAKES_PER_PEER = 4  # of them, from one peer (a local user, or a remote address)
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,7 @@ class RolloutManager:
         self._servers_done = threading.Event()
         self._slots = threading.Lock()
         self.handshaking = self.links = 0  # connections proving the secret / authenticated links
+        self._peer_slots: collections.Counter = collections.Counter()  # handshakes per `peer_of`
         self._driver_seen = False
 
     def begin_servers(self) -> None:
@@ -371,14 +374,16 @@ class RolloutManager:
             self._driver_seen = True
         return True
 
-    def admit(self, sock: socket.socket, addr, secret: bytes) -> None:
+    def admit(self, sock: socket.socket, addr, secret: bytes, peer=None) -> None:
         """A connection thread: the handshake, then `serve`; a peer that does not prove the
-        secret is closed with nothing read but its 64 handshake bytes."""
+        secret is closed with nothing read but its 64 handshake bytes. ``peer``: the slot's
+        owner from `take_slot`."""
         try:
             ok = handshake.accept(sock, secret)
         finally:
             with self._slots:
                 self.handshaking -= 1
+                self._peer_slots[peer] -= 1
                 self.links += ok
         if not ok:
             log.warning("refused a connection from %s: no proof of the run's secret", addr)
@@ -390,12 +395,16 @@ class RolloutManager:
             with self._slots:
                 self.links -= 1
 
-    def take_slot(self) -> bool:
-        """Room for one more connection (handshakes and links are both capped)."""
+    def take_slot(self, peer=None) -> bool:
+        """Room for one more connection (handshakes and links are both capped, and so are one
+        peer's handshakes: `peer_of`, so a user who holds silent connections open fills its
+        own slots, never the run's trainer's)."""
         with self._slots:
-            if self.handshaking >= MAX_HANDSHAKES or self.handshaking + self.links >= MAX_LINKS:
+            if (self.handshaking >= MAX_HANDSHAKES or self.handshaking + self.links >= MAX_LINKS
+                    or self._peer_slots[peer] >= MAX_HANDSHAKES_PER_PEER):
                 return False
             self.handshaking += 1
+            self._peer_slots[peer] += 1
             return True
 
     def close(self) -> None:
@@ -440,11 +449,42 @@ def serve_forever(manager: RolloutManager, listener: socket.socket, secret: byte
             sock, addr = listener.accept()
         except socket.timeout:
             continue
-        if not manager.take_slot():  # over the limits: closed before the challenge (a trainer retries)
+        peer = peer_of(sock, addr)
+        if not manager.take_slot(peer):  # over the limits: closed before the challenge (a trainer retries)
             sock.close()
             continue
-        threading.Thread(target=manager.admit, args=(sock, addr, secret), name="megarl-link", daemon=True).start()
+        threading.Thread(target=manager.admit, args=(sock, addr, secret, peer), name="megarl-link",
+                         daemon=True).start()
     manager.close()
+
+
+def peer_of(sock: socket.socket, addr) -> tuple:
+    """Who a connection's handshake slot is counted against: for a peer on this host, the user
+    owning its socket (the kernel's /proc/net/tcp{,6}: every local user shares the loopback
+    address, so an address alone would let one of them lock the trainer out); else its address."""
+    import ipaddress
+
+    host, port = addr[0], addr[1]
+    try:
+        loopback = ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        loopback = False
+    uid = _local_socket_uid(port, sock.getsockname()[1]) if loopback else None
+    return ("uid", uid) if uid is not None else ("addr", host)
+
+
+def _local_socket_uid(port: int, our_port: int):
+    """The uid owning the local TCP socket bound to ``port`` and connected to ``our_port``."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[1].rsplit(":", 1)[1] == f"{port:04X}" and f[2].rsplit(":", 1)[1] == f"{our_port:04X}":
+                return int(f[7])
+    return None
 
 
 PROG = "megarl-rollout-manager"

@@ -151,3 +151,65 @@ def test_megarl_server_takes_its_key_from_a_file_or_a_pipe_never_a_readable_file
     assert args.api_key == "b" * 40
     with pytest.raises(SystemExit):
         parse_args(["--model", "m", "--api-key", "x", "--api-key-file", str(key)])
+
+
+
+
+ATTACKER = """
+import socket, sys, time
+socks = []
+for _ in range(24):
+    try:
+        socks.append(socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5))
+    except OSError:
+        pass
+print(len(socks), flush=True)
+time.sleep(60)  # silent: never answers the challenge
+"""
+SYSTEM_PYTHON = "/usr/bin/python3"  # one that uid nobody may execute (the test's may live under /root)
+
+
+@as_root
+@pytest.mark.skipif(not os.access(SYSTEM_PYTHON, os.X_OK), reason=f"no {SYSTEM_PYTHON} for the other user")
+def test_another_user_holding_silent_connections_cannot_lock_the_trainer_out():
+    """24 silent connections of another local user (uid nobody) hold at most their own
+    MAX_HANDSHAKES_PER_PEER slots: the run's trainer still passes the handshake at once."""
+    import functools
+    import socket
+    import subprocess
+    import threading
+    import time
+
+    from megarl.protocol.channel import connect
+    from megarl.rollout.manager import MAX_HANDSHAKES_PER_PEER, RolloutManager, serve_forever
+
+    secret = os.urandom(32)
+    manager = RolloutManager(None)
+    manager.admit = functools.partial(_handshake_only, manager)  # the slots and handshake, no link served
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    threading.Thread(target=serve_forever, args=(manager, listener, secret), daemon=True).start()
+    attacker = subprocess.Popen([SYSTEM_PYTHON, "-c", ATTACKER, str(port)], stdout=subprocess.PIPE, text=True,
+                                cwd="/", env={}, preexec_fn=lambda: (os.setgid(NOBODY), os.setuid(NOBODY)))
+    try:
+        assert attacker.stdout.readline().strip() == "24"  # the kernel accepted them all
+        time.sleep(0.5)  # the manager has taken each into a handshake slot, or closed it
+        assert manager._peer_slots[("uid", NOBODY)] == MAX_HANDSHAKES_PER_PEER
+        t0 = time.monotonic()
+        sock = connect(f"127.0.0.1:{port}", secret, timeout_s=3.0)
+        assert time.monotonic() - t0 < 1.0
+        sock.close()
+    finally:
+        attacker.kill()
+        attacker.wait()
+        manager.stopped.set()
+
+def _handshake_only(manager, sock, addr, secret, peer=None):
+    """RolloutManager.admit's slot accounting around the real handshake, without serving a link."""
+    try:
+        handshake.accept(sock, secret)
+    finally:
+        with manager._slots:
+            manager.handshaking -= 1
+            manager._peer_slots[peer] -= 1
+        sock.close()
