@@ -63,12 +63,19 @@ def encode_sglang_ipc(tensors: dict[str, torch.Tensor]) -> str:
     bad = [k for k, v in tensors.items() if not v.is_cuda]
     if bad:
         raise ValueError(f"sglang_ipc: {bad[0]} is not a CUDA tensor (CUDA-IPC hands over GPU memory only)")
+    return base64.b64encode(fork_pickle([(k, v.detach().contiguous()) for k, v in tensors.items()])).decode("ascii")
+
+
+def fork_pickle(obj) -> bytes:
+    """``obj`` pickled the way SGLang's `MultiprocessingSerializer` does (torch's reducers: a CUDA
+    tensor becomes its CUDA-IPC handle, a CPU tensor a shared-memory handle), protocol 4."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401 - registers torch's reducers (CUDA tensor -> IPC handle)
     buf = io.BytesIO()
-    ForkingPickler(buf, protocol=4).dump([(k, v.detach().contiguous()) for k, v in tensors.items()])
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    # positional: ForkingPickler.__init__ takes *args only (protocol=4 is a TypeError on 3.11/3.12)
+    ForkingPickler(buf, 4).dump(obj)
+    return buf.getvalue()
 
 
 def tensor_update(tensors: dict[str, torch.Tensor], wire: WireFormat = "megarl", *,

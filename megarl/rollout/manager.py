@@ -185,7 +185,8 @@ class RolloutManager:
             from megarl.rollout.sglang_local import SGLangLauncher
             # the route flags (--enable-return-routed-experts) are SGLang's too
             launcher = SGLangLauncher(spec.model_path, [*spec.server_flags, *r.server_args], threads=r.server_threads,
-                                      api_key=r.api_key)
+                                      api_key=r.api_key,
+                                      colocated=r.placement == "colocated")  # sleeps need SGLang's memory saver
         self.local = LocalServers(spec.model_path, r.local_servers, f"{spec.run_dir}/servers",
                                   extra=["--threads", r.server_threads, *spec.server_flags, *r.server_args],
                                   host=serving_host(),

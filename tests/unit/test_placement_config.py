@@ -37,3 +37,17 @@ def test_the_cuda_ipc_wire_refuses_host_tensors():
 
     with pytest.raises(ValueError, match="^sglang_ipc: w is not a CUDA tensor"):
         tensor_update({"w": torch.ones(2)}, "sglang_ipc")
+
+
+def test_the_cuda_ipc_wire_pickles_with_torchs_reducers():
+    """The pickling under `encode_sglang_ipc` (whose CUDA tensors only a GPU has): torch's reducers
+    turn a tensor into a handle to its memory, here a CPU tensor's shared memory, opened in process."""
+    import pickle
+
+    import torch
+
+    from megarl.protocol.tensor_wire import fork_pickle
+
+    w = torch.arange(6.0)
+    (name, opened), = pickle.loads(fork_pickle([("w", w)]))
+    assert name == "w" and torch.equal(opened, w) and opened.is_shared()

@@ -62,10 +62,53 @@ def test_cpu_command_carries_the_cpu_settings_and_gpu_the_plain_one(tmp_path):
                         ("--max-total-tokens", "16384")):
         assert cpu[cpu.index(flag) + 1] == value
     assert cpu[-2:] == ["--log-level-http", "info"]  # the user's flags last: they win
+    # GPU, disaggregated: the plain command; colocated: SGLang's memory saver, without which its
+    # /release_memory_occupation frees nothing while the trainer trains on the same GPU
     assert S.server_args("/m", 5, cpu=False) == cpu[:8]
+    assert S.server_args("/m", 5, cpu=False, colocated=True) == cpu[:8] + ["--enable-memory-saver"]
+    # CPU: torch_memory_saver is CUDA-only (SGLang would fail importing it at start-up)
+    assert "--enable-memory-saver" not in S.server_args("/m", 5, colocated=True)
     env = S.server_env(base={"PYTHONPATH": "/x"}, threads=2)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["OMP_NUM_THREADS"] == "2"
     assert env["PYTHONPATH"] == S.STANDIN_KERNEL + os.pathsep + "/x"
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_the_manager_starts_sglang_with_the_memory_saver_when_colocated(monkeypatch, tmp_path, placement):
+    """rollout.placement reaches the SGLang command the manager's local servers run (on GPU). No
+    server starts: `LocalServers` is replaced by a stand-in that only keeps the launcher."""
+    from megarl.rollout import local
+    from megarl.rollout.manager import ManagerSpec, RolloutManager
+
+    (tmp_path / "tokenizer.json").write_text("{}")  # what SGLangLauncher checks for
+    cfg = load_config(RECIPE, ["rollout.engine=sglang", f"rollout.placement={placement}", "rollout.max_staleness=0",
+                               f"model.hf_path={tmp_path}", f"train.run_dir={tmp_path}/run"])
+    launchers = []
+
+    class GPULauncher(S.SGLangLauncher):  # as on a CUDA machine, whichever Python has SGLang here
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, cpu=False, python=sys.executable, **kwargs)
+
+    class NoServers:
+        def __init__(self, *args, launcher=None, **kwargs):
+            launchers.append(launcher)
+
+        def __enter__(self):
+            return []
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(S, "SGLangLauncher", GPULauncher)
+    monkeypatch.setattr(local, "LocalServers", NoServers)
+    manager = RolloutManager(ManagerSpec.from_config(cfg))
+    try:
+        manager.start_servers()
+    finally:
+        manager.close()
+    argv = launchers[0].argv(30000, "127.0.0.1")
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    assert ("--enable-memory-saver" in argv) == (placement == "colocated"), argv
 
 
 class ForkingLauncher(S.SGLangLauncher):
