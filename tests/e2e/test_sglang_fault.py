@@ -42,7 +42,7 @@ def test_killed_sglang_server_is_restarted_with_current_weights(tmp_path):
         killed_at, killed_t = len(metrics(run)), time.monotonic()
         wait_for(lambda: [s for s in servers(run) if s["url"] == victim["url"] and s["pid"] != victim["pid"]],
                  "the restart", proc, err=tmp_path / "err", timeout=600)
-        version = wait_for(lambda: (v := model_version(victim["url"])) not in (None, "default") and v,
+        version = wait_for(lambda: (v := model_version(victim["url"], open(os.path.join(run, "servers", "api_key")).read())) not in (None, "default") and v,
                            "current weights on the restarted server", proc, err=tmp_path / "err", timeout=600)
         rejoin_s, rejoined_at = time.monotonic() - killed_t, len(metrics(run))
         assert int(version) >= killed_at
