@@ -15,6 +15,7 @@ resumes from, so its schedule lives with the loops (``export.maybe_export_hf``).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from megarl.common import runlogs
 from megarl.checkpoint.layout import (
     FORMAT, HF_SIDE_FILES, LATEST, META, TMP_PREFIX, CheckpointError, commit_dir, copy_hf_side_files,
-    is_complete, list_checkpoints, read_meta, step_dir_name, write_synced)
+    find_latest, is_complete, list_checkpoints, read_meta, step_dir_name, write_synced)
 from megarl.checkpoint.rng import load_rng, save_rng
 from megarl.common.safe_load import check_safe
 from megarl.checkpoint.verify import MANIFEST, file_manifest, find_resumable, verify_checkpoint
@@ -192,12 +193,14 @@ class CheckpointManager:
             for name in self.extra_engines:
                 os.makedirs(os.path.join(tmp, name))
         dist.barrier()  # the temp dir exists (and is empty) before any rank writes into it
-        for directory, engine in [(tmp, self.engine)] + [
-                (os.path.join(tmp, n), e) for n, e in self.extra_engines.items()]:
-            mcore.save_sharded(mcore.training_sharded_state_dict(
-                engine.chunks, engine.optimizer, is_loading=False), directory)
-        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-        save_rng(os.path.join(tmp, "rng", f"rank_{self.ps.rank:05d}.safetensors"))
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        error = None
+        try:
+            self._write(tmp)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - decided together below: all raise, none hangs
+            error = e
+        self._agree_written(error, tmp, final)
         self._stage("written", step)
         dist.barrier()  # every rank's tensors are on disk before rank 0 marks the checkpoint complete
         if self.ps.rank == 0:
@@ -205,6 +208,40 @@ class CheckpointManager:
             print(f"[checkpoint] saved {final} in {time.perf_counter() - t0:.2f}s", flush=True)
         dist.barrier()  # no rank goes on (or exits) before the checkpoint is committed
         return final
+
+    def _write(self, tmp: str) -> None:
+        """This rank's shards of every engine, and its RNG states, into ``tmp``."""
+        for directory, engine in [(tmp, self.engine)] + [
+                (os.path.join(tmp, n), e) for n, e in self.extra_engines.items()]:
+            mcore.save_sharded(mcore.training_sharded_state_dict(
+                engine.chunks, engine.optimizer, is_loading=False), directory)
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        save_rng(os.path.join(tmp, "rng", f"rank_{self.ps.rank:05d}.safetensors"))
+
+    def _agree_written(self, error: Optional[BaseException], tmp: str, final: str) -> None:
+        """Every rank learns whether any rank failed to write; then all raise one line (the
+        partial directory removed, ``latest`` still naming the previous checkpoint) or go on."""
+        import torch
+
+        free = shutil.disk_usage(self.save_dir).free  # read before the partial directory is removed
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if not failed.item():
+            return
+        if self.ps.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        raise save_error(error, final, self.save_dir, free, self._bytes_needed())
+
+    def _bytes_needed(self) -> int:
+        """What a checkpoint of this run takes: the newest complete one's size, else the engines'
+        parameters with their fp32 Adam state (weights, two moments, main params: 16 bytes each)."""
+        done = list_checkpoints(self.save_dir)
+        if done:
+            path = done[-1][1]
+            return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+        engines = [self.engine, *self.extra_engines.values()]
+        return sum(16 * p.numel() for e in engines for c in e.chunks for p in c.parameters())
 
     def _commit(self, tmp: str, final: str, meta_text: str, step: int) -> None:
         """Rank 0: side files, megarl.json (last file in), rename, ``latest``, retention."""
@@ -277,3 +314,29 @@ class CheckpointManager:
             return json.dumps(meta, indent=1)
         except (TypeError, ValueError) as e:
             return CheckpointError(f"checkpoint: registered state is not JSON-serialisable ({e})")
+
+
+def save_error(error: Optional[BaseException], final: str, save_dir: str, free: int, needed: int) -> CheckpointError:
+    """One line for a save that failed on some rank: a full disk says so (torch's writer reports it
+    as "enforce fail at inline_container.cc" with a C++ trace, errno lost), anything else is named.
+    ``error`` is None on the ranks that wrote their part."""
+    mib = 1 << 20
+    chain, todo = [], [error]
+    while todo and len(chain) < 16:
+        e = todo.pop()
+        if e is None:
+            continue
+        chain.append(e)
+        # torch.distributed.checkpoint's CheckpointException: {rank: (exception, traceback)}
+        todo += [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+        todo += [e.__cause__, e.__context__]
+    full = (any(getattr(x, "errno", None) == errno.ENOSPC for x in chain) or free < max(needed // 100, mib)
+            or any("No space left" in str(x) for x in chain))
+    latest = find_latest(save_dir)
+    kept = f"the previous checkpoint {latest} is intact and stays latest" if latest else "no checkpoint was kept"
+    if full:
+        return CheckpointError(f"checkpoint.save_dir: no space left on {save_dir} to write {os.path.basename(final)}: "
+                               f"it needs ~{needed / mib:.1f} MiB, {free / mib:.1f} MiB free; {kept}")
+    first = chain[-1] if chain else None  # the innermost failure: what a user can act on
+    what = "another rank failed" if first is None else f"{type(first).__name__}: {str(first).strip().splitlines()[0][:300]}"
+    return CheckpointError(f"checkpoint.save_dir: writing {final} failed ({what}); {kept}")
