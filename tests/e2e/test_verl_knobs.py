@@ -4,12 +4,15 @@ alone (a fraction of a version's samples generated ahead by the previous version
 optimizer step per mini-batch). Counts versions, staleness and trained groups."""
 import collections
 
-from test_async_modes import run_train
+import harness
+from test_async_modes import LONG
 
 
 def test_staleness_threshold_alone_bounds_the_stale_fraction(tmp_path):
     steps, group, per_step = 6, 4, 8  # 8 groups of 4 per step (global batch 32)
-    rows, gens = run_train(tmp_path, ["rollout.staleness_threshold=0.5"], steps)
+    run = harness.train(tmp_path / "run", f"train.steps={steps}", *LONG, "rollout.staleness_threshold=0.5",
+                        check=True)
+    rows, gens = run.rows, run.generations
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     # one push per step: the version the step trains at advances by one each step
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
@@ -30,9 +33,10 @@ def test_staleness_threshold_alone_bounds_the_stale_fraction(tmp_path):
 
 def test_require_batches_sets_what_a_step_trains(tmp_path):
     steps, group = 4, 4
-    rows, gens = run_train(tmp_path, ["train.require_batches=2", "train.ppo_mini_batch_size=8",
-                                      "train.global_batch_size=32", "rollout.max_staleness=1",
-                                      "rollout.staleness_hard_cap=0"], steps)  # strict: within 1
+    run = harness.train(tmp_path / "run", f"train.steps={steps}", *LONG, "train.require_batches=2",
+                        "train.ppo_mini_batch_size=8", "train.global_batch_size=32", "rollout.max_staleness=1",
+                        "rollout.staleness_hard_cap=0", check=True)  # strict: within 1
+    rows, gens = run.rows, run.generations
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     per_step = collections.Counter(g["step"] for g in gens)
     # 2 x 8 = 16 sequences a step (not the 32 of train.global_batch_size): 4 groups of 4
