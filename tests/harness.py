@@ -7,7 +7,9 @@
 `train` runs the real command (`python -m megarl.train RECIPE a.b=c ...`) as a subprocess on
 the tiny demo model and data unless told otherwise, one thread per process (2 cores), and
 returns a `Run`: its exit code, output, wall time and what it wrote. `during=fn` calls
-fn(proc) while the run is alive (a probe, a fault); the run is then waited for.
+fn(proc) while the run is alive (a probe, a fault); the run is then waited for, and what fn
+returned is `Run.probe` (a shared run can carry a probe: pass the same fn on every call).
+`plugin_env()` puts tests/e2e on the run's PYTHONPATH (rollout.reward_fn=reward_plugins:...).
 
 Runs whose properties can be read from one run share it: the `shared_train` fixture
 (tests/conftest.py) returns the run made earlier in this pytest session with the same
@@ -26,6 +28,7 @@ import time
 from typing import Callable
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+E2E = REPO / "tests" / "e2e"
 TINY = REPO / "examples" / "tiny"
 TINY_MOE = REPO / "examples" / "tiny_moe"
 
@@ -48,6 +51,11 @@ def run_env(extra: dict | None = None) -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", **(extra or {}))
 
 
+def plugin_env(extra: dict | None = None) -> dict:
+    """`env=` for a run that imports test plugins from tests/e2e (reward_plugins, ...)."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, (str(E2E), os.environ.get("PYTHONPATH")))), **(extra or {})}
+
+
 def _jsonl(path: pathlib.Path) -> list[dict]:
     if not path.exists():
         return []
@@ -64,6 +72,7 @@ class Run:
     stdout: str
     stderr: str
     wall_s: float
+    probe: object = None  # what train(during=fn)'s fn returned
 
     @property
     def rows(self) -> list[dict]:
@@ -102,7 +111,7 @@ def train(run_dir, *overrides: str, recipe: str = "tiny_grpo.yaml", model=None, 
     cmd = command(run_dir, *overrides, recipe=recipe, model=model, data=data, eval_data=eval_data)
     cwd = str(cwd or run_dir.parent)
     os.makedirs(cwd, exist_ok=True)
-    t0 = time.monotonic()
+    t0, probe = time.monotonic(), None
     if during is None:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=run_env(env))
         out, err, code = proc.stdout, proc.stderr, proc.returncode
@@ -116,14 +125,14 @@ def train(run_dir, *overrides: str, recipe: str = "tiny_grpo.yaml", model=None, 
                                       daemon=True)
             reader.start()
             try:
-                during(proc)
+                probe = during(proc)
             finally:
                 reader.join(timeout)
                 if reader.is_alive():
                     proc.kill()
                     reader.join(10)
             out, err, code = outs.get("out", ""), outs.get("err", ""), proc.wait()
-    run = Run(run_dir, cmd, code, out, err, time.monotonic() - t0)
+    run = Run(run_dir, cmd, code, out, err, time.monotonic() - t0, probe)
     return run.check() if check else run
 
 

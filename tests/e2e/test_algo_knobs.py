@@ -1,5 +1,6 @@
 """The algorithm knobs in the real loop: short megarl-train runs of the tiny demo (real trainer,
-real rollout manager and server), each asserting the metric that shows its knob acted.
+real rollout manager and server), each asserting the metric that shows its knob acted (kl and
+dapo read one run, tis runs its own: it needs stale samples, dapo on-policy ones).
 
   kl         algo.kl_coef > 0 with the reference = the start weights: kl_ref is 0 at step 1
              (policy = reference) and > 0 after the policy moved, and the step's loss is the
@@ -14,49 +15,37 @@ real rollout manager and server), each asserting the metric that shows its knob 
              first step (fp noise)
 """
 import collections
-import json
-import os
-import subprocess
-import sys
 
+import harness
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = os.path.join(REPO, "examples", "tiny")
+# every run: batch 32 (8 groups of 4), lr 1e-3 without warm-up (the knobs' effects show in a few steps)
+COMMON = ("checkpoint.save_interval=0", "train.global_batch_size=32", "rollout.group_size=4", "optim.lr=1e-3",
+          "optim.lr_warmup_steps=0", "logging.dump_generations=true")
+KL_COEF = 0.5
+# kl and dapo read one run (shared_train): the KL term is in the loss of any batch (a filtered one
+# too), and DAPO's shaping and filter act on the rollouts of any policy. Seeded and on-policy: the
+# same batches every run (measured: 2 groups of equal verifier rewards trained, at steps 2 and 4;
+# kl_ref 0.14-0.27 after step 1). For dapo: answers are 2-3 characters + EOS (3-4 tokens); max 6
+# new tokens, buffer 4: lengths above 2 are penalised -0.25 per token, so equal verifier rewards
+# of different lengths differ once shaped
+KL_DAPO = (*COMMON, "train.steps=4", "rollout.max_staleness=0", "rollout.seed=1",
+           f"algo.kl_coef={KL_COEF}", "algo.kl_estimator=k3",
+           "rollout.max_new_tokens=6", "algo.overlong_buffer_len=4", "algo.dynamic_sampling=true")
 
 
-def train(tmp_path, *overrides) -> tuple[list[dict], list[dict]]:
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-           f"model.hf_path={TINY}/model", f"data.train_path={TINY}/data/rl_prompts.jsonl", "data.eval_path=",
-           f"train.run_dir={run}", "checkpoint.hf_export_dir=", "checkpoint.save_interval=0",
-           "train.global_batch_size=32", "rollout.group_size=4", "optim.lr=1e-3", "optim.lr_warmup_steps=0",
-           "logging.dump_generations=true", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    gens = [json.loads(x) for x in (run / "generations.jsonl").read_text().splitlines()]
-    return rows, gens
-
-
-def test_reference_kl_is_measured_and_in_the_loss(tmp_path):
-    coef = 0.5
-    rows, _ = train(tmp_path, "train.steps=4", f"algo.kl_coef={coef}", "algo.kl_estimator=k3",
-                    "rollout.max_staleness=0")
+def test_reference_kl_is_measured_and_in_the_loss(shared_train):
+    rows = shared_train(*KL_DAPO).check().rows
     kl = [r["kl_ref"] for r in rows]
     assert kl[0] == pytest.approx(0.0, abs=1e-6), kl  # step 1: the policy is the reference
     assert min(kl[1:]) > 1e-4, kl  # the policy moved away from it
     for r in rows:  # one mini-batch, token_mean: loss = policy loss + kl_coef * mean k3
-        assert r["loss"] == pytest.approx(r["pg_loss"] + coef * r["kl_ref"], abs=1e-6), r
+        assert r["loss"] == pytest.approx(r["pg_loss"] + KL_COEF * r["kl_ref"], abs=1e-6), r
 
 
-def test_dynamic_sampling_filters_on_overlong_shaped_rewards(tmp_path):
-    # answers are 2-3 characters + EOS (3-4 tokens); max 6 new tokens, buffer 4: lengths above 2
-    # are penalised -0.25 per token, so equal verifier rewards of different lengths differ once shaped
-    rows, gens = train(tmp_path, "train.steps=4", "rollout.max_new_tokens=6", "algo.overlong_buffer_len=4",
-                       "algo.dynamic_sampling=true", "rollout.max_staleness=0",
-                       "rollout.seed=1")  # seeded, on-policy: the same batches every run (measured: 2 such groups of 32)
+def test_dynamic_sampling_filters_on_overlong_shaped_rewards(shared_train):
+    run = shared_train(*KL_DAPO).check()
+    rows, gens = run.rows, run.generations
     assert rows[-1]["rollout/filtered/dynamic_sampling"] > 0, rows[-1]  # the filter acted
     assert all(r["overlong_frac"] > 0 for r in rows) and all(r["overlong_penalty_mean"] < 0 for r in rows)
     groups = collections.defaultdict(list)
@@ -72,9 +61,9 @@ def test_dynamic_sampling_filters_on_overlong_shaped_rewards(tmp_path):
 
 
 def test_tis_rollout_correction_truncates_stale_tokens(tmp_path):
-    rows, gens = train(tmp_path, "train.steps=5", "algo.rollout_correction=tis_token",
-                       "algo.rollout_correction_high=1.0", "algo.prox_logp_mode=recompute",
-                       "rollout.max_staleness=1")
+    rows = harness.train(tmp_path / "run", *COMMON, "train.steps=5", "algo.rollout_correction=tis_token",
+                         "algo.rollout_correction_high=1.0", "algo.prox_logp_mode=recompute",
+                         "rollout.max_staleness=1", timeout=300, check=True).rows
     # mean rho - mean min(rho, C) = mean (rho - 1)+ : what the truncation at C = 1 took off the weights
     cut = [r["rollout_corr_rho"] - r["rollout_corr_weight"] for r in rows]
     assert rows[0]["staleness_max"] == 0 and cut[0] < 1e-5, rows[0]  # step 1 is on-policy: rho = 1 up to fp noise

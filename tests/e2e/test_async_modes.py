@@ -2,14 +2,13 @@
 on-policy, stream off-policy (k steps per push), async with stale samples (no sample spans two
 versions) and async with partial rollouts (samples continue across pushes). Generations are long
 (ignore_eos) so pushes land while requests are in flight."""
-import json
-import os
-import subprocess
-import sys
-
+import harness
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# every run (test_verl_knobs.py too): batch 32 (8 groups of 4), 48 tokens a sample whatever the
+# model says (ignore_eos), every sample's versions and logprobs in generations.jsonl
+LONG = ("train.global_batch_size=32", "rollout.group_size=4", "rollout.max_new_tokens=48", "rollout.ignore_eos=true",
+        "logging.dump_generations=true")
 
 # One episode of 8 x 56 tokens at a time, decoded 2 sequences at a time, makes generation several
 # times slower than training on a quiet machine as on a loaded one, so the controller is always
@@ -28,26 +27,11 @@ MODES = {
 }
 
 
-def run_train(tmp_path, extra: list[str], steps: int) -> tuple[list[dict], list[dict]]:
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-           f"model.hf_path={REPO}/examples/tiny/model",
-           f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
-           f"train.run_dir={run}", "checkpoint.hf_export_dir=", f"train.steps={steps}",
-           "train.global_batch_size=32", "rollout.group_size=4", "rollout.max_new_tokens=48",
-           "rollout.ignore_eos=true", "logging.dump_generations=true", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    gens = [json.loads(line) for line in (run / "generations.jsonl").read_text().splitlines()]
-    return rows, gens
-
-
 @pytest.mark.parametrize("mode", list(MODES))
 def test_mode(tmp_path, mode):
     steps = 8 if mode == "stream_off_policy" else 4
-    rows, gens = run_train(tmp_path, MODES[mode], steps)
+    run = harness.train(tmp_path / "run", f"train.steps={steps}", *LONG, *MODES[mode], check=True)
+    rows, gens = run.rows, run.generations
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     bound = {"on_policy": 0, "stream_off_policy": 0, "async_stale": 2, "async_partial": 64}[mode]
     for r in rows:

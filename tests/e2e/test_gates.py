@@ -4,9 +4,8 @@ checksum verification catches a server tensor changed behind the trainer's back.
 import json
 import os
 import shutil
-import subprocess
-import sys
 
+import harness
 import pytest
 import torch
 from e2e_servers import ForwardingProxy, ServerProc, http
@@ -17,22 +16,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MODEL = f"{REPO}/examples/tiny/model"
 
 
-def train(tmp_path, *overrides, steps: int = 3):
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-           f"model.hf_path={MODEL}", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
-           "data.eval_path=", f"train.run_dir={run}", "checkpoint.hf_export_dir=",
-           "checkpoint.save_interval=0", "train.global_batch_size=64", "rollout.eval_at_start=false",
-           f"train.steps={steps}", "weights.verify_interval=1", *overrides]  # checksums of every push
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    path = run / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return proc, rows
-
-
-def last_line(proc) -> str:
-    return proc.stderr.strip().splitlines()[-1]
+def train(tmp_path, *overrides, steps: int = 3) -> harness.Run:
+    return harness.train(tmp_path / "run", "checkpoint.save_interval=0", "train.global_batch_size=64",
+                         "rollout.eval_at_start=false", f"train.steps={steps}",
+                         "weights.verify_interval=1", *overrides, timeout=300)  # checksums of every push
 
 
 def test_mismatch_gate_stops_a_run_whose_server_runs_another_model(tmp_path):
@@ -46,11 +33,11 @@ def test_mismatch_gate_stops_a_run_whose_server_runs_another_model(tmp_path):
     (wrong / "config.json").write_text(json.dumps(cfg))
     server = ServerProc(str(wrong)).wait_ready()
     try:
-        proc, rows = train(tmp_path, f"rollout.servers=[{server.url}]")
+        run = train(tmp_path, f"rollout.servers=[{server.url}]")
     finally:
         server.stop()
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    line = last_line(proc)
+    assert run.returncode == 1, run.stderr[-3000:]
+    line, rows = run.last_line, run.rows
     assert line.startswith("megarl-train: MismatchError: train.mismatch_gate: at step 1"), line
     assert "likely causes" in line and "> 0.0001 nats" in line
     assert [r["step"] for r in rows] == [1]  # the offending step is logged, no later one runs
@@ -63,18 +50,19 @@ def test_mismatch_gate_stops_a_run_whose_server_runs_another_model(tmp_path):
 def test_a_bf16_server_fails_verification_before_any_rollout(tmp_path):
     """A server that rounds the fp32 push to bf16 cannot hold it: the checksums of the initial
     push differ and the run stops before step 1, naming the server and a tensor."""
-    proc, rows = train(tmp_path, "rollout.server_args=[--dtype,bfloat16]")
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    line = last_line(proc)
+    run = train(tmp_path, "rollout.server_args=[--dtype,bfloat16]")
+    assert run.returncode == 1, run.stderr[-3000:]
+    line, rows = run.last_line, run.rows
     assert "weights.verify_interval: server http://127.0.0.1:" in line, line
     assert "than the trainer pushed as version 0" in line and "tensor(s) differ" in line
     assert rows == []
 
 
 def test_mismatch_gate_catches_a_bf16_server_when_verification_is_off(tmp_path):
-    proc, rows = train(tmp_path, "rollout.server_args=[--dtype,bfloat16]", "weights.verify_interval=0")
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "train.mismatch_gate: at step 1" in last_line(proc)
+    run = train(tmp_path, "rollout.server_args=[--dtype,bfloat16]", "weights.verify_interval=0")
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "train.mismatch_gate: at step 1" in run.last_line
+    rows = run.rows
     assert 1e-4 < rows[0]["mismatch/mean"] and "push/verify_mismatches" not in rows[0]
 
 
@@ -102,19 +90,20 @@ def test_checksum_verify_detects_a_tampered_server_tensor(tmp_path, mode):
         proxy = TamperingProxy(server.url, n=2)  # 1: the initial push, 2: step 1's push
         # the tampered server generates until the next push: the mismatch gate would stop the warn
         # run at step 2 (that is its job); off here, to see what verification alone does
-        proc, rows = train(tmp_path, f"rollout.servers=[{proxy.url}]", f"weights.verify_mode={mode}",
-                           "weights.transport=tensor", f"train.mismatch_gate={mode == 'fail'}")
+        run = train(tmp_path, f"rollout.servers=[{proxy.url}]", f"weights.verify_mode={mode}",
+                    "weights.transport=tensor", f"train.mismatch_gate={mode == 'fail'}")
     finally:
         server.stop()
+    rows = run.rows
     if mode == "fail":
-        assert proc.returncode == 1, proc.stderr[-3000:]
-        line = last_line(proc)
+        assert run.returncode == 1, run.stderr[-3000:]
+        line = run.last_line
         assert f"weights.verify_interval: server {proxy.url} holds a different model.norm.weight " \
                "than the trainer pushed as version 1 (1 tensor(s) differ on 1 server(s)" in line, line
         assert rows == []  # step 1 stops before its metrics are logged
         return
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run.check()
     # counted at step 1; step 2's push overwrites the tampered tensor and verifies clean
     assert [r["push/verify_mismatches"] for r in rows] == [1, 0, 0]
-    assert "WARNING weights.verify_interval" in proc.stdout
+    assert "WARNING weights.verify_interval" in run.stdout
     assert proxy.calls == 4 and all(r["push/digest_s"] > 0 for r in rows)

@@ -11,36 +11,25 @@ second optimizer step of a step, later steps' stale tokens) the trainer's own ro
 experts for a measurable share of the replayed routes - what a run without replay would have
 used, and the step's prox recompute scored again without replay (moe.replay_check) differs by
 more than 1e-3 nats on average at a later step."""
-import json
-import os
 import shutil
-import subprocess
-import sys
+
+import harness
 
 from megarl.models.random_hf import tiny_config, write_random_hf
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_moe_grpo_replays_rollout_routes(tmp_path):
     model = tmp_path / "moe"
     write_random_hf(str(model), tiny_config("Qwen3MoeForCausalLM", vocab_size=16, max_position_embeddings=64),
                     seed=5, std=0.2)
-    shutil.copy(f"{REPO}/examples/tiny/model/tokenizer.model", model / "tokenizer.model")
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-           f"model.hf_path={model}", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
-           "data.eval_path=", f"train.run_dir={run}", "checkpoint.hf_export_dir=", "checkpoint.save_interval=0",
-           "train.steps=3", "train.global_batch_size=16", "train.ppo_mini_batch_size=8",
-           "rollout.eval_at_start=false", "rollout.max_new_tokens=6", "optim.lr=0.02", "optim.lr_warmup_steps=0",
-           "algo.prox_logp_mode=recompute", "parallel.ep=2", "parallel.world_size=2",
-           "moe.routing_replay=rollout", "moe.replay_check=true",
-           "rollout.reward_fn=reward_plugins:length_reward"]  # varies within a group: real updates
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path), env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    shutil.copy(harness.TINY / "model" / "tokenizer.model", model / "tokenizer.model")
+    rows = harness.train(tmp_path / "run", "checkpoint.save_interval=0",
+                         "train.steps=3", "train.global_batch_size=16", "train.ppo_mini_batch_size=8",
+                         "rollout.eval_at_start=false", "rollout.max_new_tokens=6", "optim.lr=0.02",
+                         "optim.lr_warmup_steps=0", "algo.prox_logp_mode=recompute", "parallel.ep=2",
+                         "parallel.world_size=2", "moe.routing_replay=rollout", "moe.replay_check=true",
+                         "rollout.reward_fn=reward_plugins:length_reward",  # varies within a group: real updates
+                         model=model, env=harness.plugin_env(), timeout=300, check=True).rows
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["moe/routes_frac"] == 1.0  # every fed position, every layer

@@ -2,12 +2,9 @@
 megarl-server counts every admin call the GRPO loop makes (real trainer, real server; the proxy
 only forwards and counts)."""
 import collections
-import json
 import os
-import subprocess
-import sys
 
-
+import harness
 from e2e_servers import ForwardingProxy, ServerProc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,18 +24,12 @@ def test_one_pause_and_one_continue_per_push(tmp_path):
     server = ServerProc(f"{REPO}/examples/tiny/model").wait_ready()
     try:
         proxy = RecordingProxy(server.url)
-        run = tmp_path / "run"
-        cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-               f"model.hf_path={REPO}/examples/tiny/model",
-               f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
-               f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.global_batch_size=64", "rollout.eval_at_start=false", "train.steps=3",
-               f"rollout.servers=[{proxy.url}]", "weights.transport=tensor", "rollout.max_staleness=1"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        run = harness.train(tmp_path / "run", "train.global_batch_size=64", "rollout.eval_at_start=false",
+                            "train.steps=3", f"rollout.servers=[{proxy.url}]", "weights.transport=tensor",
+                            "rollout.max_staleness=1", check=True)
     finally:
         server.stop()
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = run.rows
     assert [r["step"] for r in rows] == [1, 2, 3]
     pushes = 1 + 3  # the initial push (servers get the trainer's weights) + one per step
     counts = {name: proxy.counts[name] for name in ADMIN}

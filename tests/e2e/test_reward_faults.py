@@ -3,9 +3,8 @@ record (reward.on_error_value), the counts are reported, and the run completes; 
 worker processes (reward.executor=process: a hung call's worker is killed and replaced)."""
 import json
 import os
-import subprocess
-import sys
 
+import harness
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -14,23 +13,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_raising_hanging_and_nan_rewards_do_not_stop_the_run(tmp_path, executor):
     run = tmp_path / "run"
-    here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-           f"model.hf_path={REPO}/examples/tiny/model",
-           f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
-           f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.global_batch_size=64", "rollout.eval_at_start=false", "train.steps=3",
-           "rollout.reward_fn=reward_plugins:faulty_reward", "reward.timeout_s=0.3",
-           "reward.on_error_value=-1.0", "logging.dump_generations=true", f"reward.executor={executor}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    proc = harness.train(run, "train.global_batch_size=64", "rollout.eval_at_start=false", "train.steps=3",
+                         "rollout.reward_fn=reward_plugins:faulty_reward", "reward.timeout_s=0.3",
+                         "reward.on_error_value=-1.0", "logging.dump_generations=true", f"reward.executor={executor}",
+                         env=harness.plugin_env(), check=True)
+    rows = proc.rows
     assert [r["step"] for r in rows] == [1, 2, 3]
     last = rows[-1]
     assert last["reward/errors"] > 0 and last["reward/timeouts"] > 0  # cumulative counts
     if executor == "process":  # every timed-out call cost its worker
         assert last["reward/worker_restarts"] == last["reward/timeouts"]
-    gens = [json.loads(line) for line in (run / "generations.jsonl").read_text().splitlines()]
+    gens = proc.generations
     by_digit = {}
     for g in gens:
         prompt = open(f"{REPO}/examples/tiny/data/rl_prompts.jsonl").readlines()[g["prompt_index"]]

@@ -4,11 +4,11 @@ against a real megarl-server, whose own counters (/get_server_info) say where th
 through; the run's logprob gap at step 1 passes the mismatch gate (the handed-over weights are
 the trainer's), and the file is gone when the run ends."""
 import glob
-import json
 import os
 import subprocess
 import sys
 
+import harness
 from e2e_servers import ServerProc, http
 
 from megarl.protocol.wire import SHM_DIR, SHM_PREFIX
@@ -24,20 +24,13 @@ def test_the_push_crosses_no_socket(tmp_path):
     before = handover_files()  # another test's SIGKILLed trainer may have left one
     server = ServerProc(f"{REPO}/examples/tiny/model").wait_ready()
     try:
-        run = tmp_path / "run"
-        cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-               f"model.hf_path={REPO}/examples/tiny/model",
-               f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
-               f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.global_batch_size=64",
-               "rollout.eval_at_start=false", "train.steps=3", f"rollout.servers=[{server.url}]",
-               "weights.transport=shm", "rollout.max_staleness=0"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        run = harness.train(tmp_path / "run", "train.global_batch_size=64", "rollout.eval_at_start=false",
+                            "train.steps=3", f"rollout.servers=[{server.url}]", "weights.transport=shm",
+                            "rollout.max_staleness=0", check=True)
         info = http("GET", server.url + "/get_server_info")[1]
     finally:
         server.stop()
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = run.rows
     params = 2_300_000 // 4  # the tiny model's ~0.58 M fp32 parameters, at least once per push
     assert info.get("weight_bytes_socket", 0) == 0  # nothing ever came through a socket
     assert info["weight_bytes_shared_memory"] >= 3 * params * 4 * 0.9
@@ -66,13 +59,9 @@ def test_the_file_of_a_killed_trainer_is_removed_by_the_next_run(tmp_path):
 
 
 def test_shm_against_a_remote_address_is_refused_at_preflight(tmp_path):
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-           f"model.hf_path={REPO}/examples/tiny/model", f"train.run_dir={tmp_path}/run",
-           f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
-           "rollout.servers=[http://10.255.255.1:30000]", "weights.transport=shm",
-           "weights.tensor_format=megarl", "weights.verify_interval=0", "weights.pause_mode=abort",
-           "rollout.health_timeout_s=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    run = harness.train(tmp_path / "run", "rollout.servers=[http://10.255.255.1:30000]", "weights.transport=shm",
+                        "weights.tensor_format=megarl", "weights.verify_interval=0", "weights.pause_mode=abort",
+                        "rollout.health_timeout_s=2", timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().count("\n") == 0, run.stderr
     assert not (tmp_path / "run").exists()

@@ -1,31 +1,19 @@
 """GAE with a critic inside the RL loop: the critic is built, trained every step (warm-up steps
 first, value clip on), its value loss falls, and it is checkpointed and resumed with the policy."""
-import json
-import os
-import subprocess
-import sys
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness
 
 
 def train(tmp_path, steps: int) -> list[dict]:
-    run = tmp_path / "run"
-    here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-           f"model.hf_path={REPO}/examples/tiny/model",
-           f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
-           f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.global_batch_size=64", "rollout.eval_at_start=false", f"train.steps={steps}",
-           "checkpoint.save_interval=5", "algo.advantage=gae", "critic.warmup_steps=2",
-           "critic.lr=1e-3", "critic.value_clip=0.5", "optim.lr=3e-5",
-           "rollout.reward_fn=reward_plugins:exact_match_plus_one",
-           # a deterministic run (as test_determinism's): with async generation the samples of a
-           # step depend on timing, and so does how far the value loss falls in 10 steps
-           # (a CI run ended at 0.64x of step 1's; this seed ends at 0.43x, the same every run)
-           "rollout.max_staleness=0", "rollout.seed=7", "rollout.server_args=[--max-running-requests,'1']"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return harness.train(
+        tmp_path / "run", "train.global_batch_size=64", "rollout.eval_at_start=false", f"train.steps={steps}",
+        "checkpoint.save_interval=5", "algo.advantage=gae", "critic.warmup_steps=2",
+        "critic.lr=1e-3", "critic.value_clip=0.5", "optim.lr=3e-5",
+        "rollout.reward_fn=reward_plugins:exact_match_plus_one",
+        # a deterministic run (as test_determinism's): with async generation the samples of a
+        # step depend on timing, and so does how far the value loss falls in 10 steps
+        # (a CI run ended at 0.64x of step 1's; this seed ends at 0.43x, the same every run)
+        "rollout.max_staleness=0", "rollout.seed=7", "rollout.server_args=[--max-running-requests,'1']",
+        env=harness.plugin_env(), check=True).rows
 
 
 def test_gae_critic_trains_and_resumes(tmp_path):

@@ -1,37 +1,21 @@
 """The async GRPO loop end to end on the tiny demo: real megatron-core trainer, a real local
-megarl server, weight pushes every step, staleness bounded, rollouts in sync at step 1."""
-import json
-import os
-import subprocess
-import sys
+megarl server, weight pushes every step, staleness bounded, rollouts in sync at step 1.
 
+TP=1 reads the session's shared demo run (demo_run.py: test_listeners reads the same run); the
+packed PP=2 layout is a run of its own."""
+import os
+
+import harness
 import pytest
+from demo_run import EVAL, GRPO_STEPS, demo_run
 from metric_sinks import tensorboard_scalars, wandb_history
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-# pp2: the model also runs packed (train.pack_sequences: THD, each pack padded to the step's longest
-# by a filler sequence so every micro-batch crosses the pipeline in one shape); padded PP=2 is
-# checked against TP=1 in tests/dist/test_parallel_equivalence.py
-@pytest.mark.parametrize("layout", [[], ["parallel.pp=2", "train.pack_sequences=true"]],
-                         ids=["tp1", "pp2_packed_self_launched"])
-def test_grpo_steps(tmp_path, layout):
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-           f"model.hf_path={REPO}/examples/tiny/model",
-           f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
-           f"data.eval_path={REPO}/examples/tiny/data/eval_prompts.jsonl",
-           f"train.run_dir={run}", f"checkpoint.hf_export_dir={run}/model", "train.steps=4",
-           "rollout.eval_interval=2", "rollout.eval_size=50", "rollout.max_staleness=1",
-           "rollout.staleness_hard_cap=0",  # the strict rule: every trained token within 1
-           "weights.verify_interval=1",  # checksums of every push (auto: every 10th)
-           "train.global_batch_size=64", "rollout.eval_at_start=false", *layout]
-    sinks = ["logging.tensorboard=true", "logging.wandb_project=megarl-test"] if not layout else []
-    proc = subprocess.run(cmd + sinks, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
-                          env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+def check_grpo_steps(run: harness.Run, sinks: bool) -> None:
+    run.check()
+    rows = run.rows
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     hf_bytes = os.path.getsize(f"{REPO}/examples/tiny/model/model.safetensors")
     for r in rows:
@@ -54,17 +38,30 @@ def test_grpo_steps(tmp_path, layout):
     assert [r["eval/step"] for r in evals] == [2, 4] and evals[-1] is rows[3]
     assert evals[0]["eval/version"] == 2 and evals[1]["eval/version"] == 4
     assert 0.0 <= rows[3]["eval_accuracy"] <= 1.0
-    assert "policy version 4" in proc.stdout + proc.stderr
+    assert "policy version 4" in run.log
     if sinks:  # TensorBoard and W&B (offline) hold the same per-step metrics as metrics.jsonl
-        tb = tensorboard_scalars(str(run / "tensorboard"))
-        wb = wandb_history(str(run))
+        tb = tensorboard_scalars(str(run.dir / "tensorboard"))
+        wb = wandb_history(str(run.dir))
         for key in ("reward", "staleness_max", "trainer_idle_ratio", "time/update", "push/total_s"):
             assert [s for s, _ in tb[key]] == [1, 2, 3, 4], key
             assert [v for _, v in tb[key]] == pytest.approx([r[key] for r in rows], rel=1e-6), key
             assert [w[key] for w in wb] == pytest.approx([r[key] for r in rows], rel=1e-6), key
         assert [w["_step"] for w in wb] == [1, 2, 3, 4]
-    files = set(os.listdir(run / "model"))  # PP=2 writes one file per stage plus the index
+    files = set(os.listdir(run.dir / "model"))  # PP=2 writes one file per stage plus the index
     assert "model.safetensors" in files or "model.safetensors.index.json" in files
+
+
+def test_grpo_steps_tp1(shared_train):
+    check_grpo_steps(demo_run(shared_train), sinks=True)
+
+
+def test_grpo_steps_pp2_packed_self_launched(tmp_path):
+    """The model also runs packed (train.pack_sequences: THD, each pack padded to the step's longest
+    by a filler sequence so every micro-batch crosses the pipeline in one shape); padded PP=2 is
+    checked against TP=1 in tests/dist/test_parallel_equivalence.py."""
+    run = harness.train(tmp_path / "run", *GRPO_STEPS, "checkpoint.hf_export_dir=model", "parallel.pp=2",
+                        "train.pack_sequences=true", eval_data=EVAL)
+    check_grpo_steps(run, sinks=False)
 
 
 def test_grpo_learns_a_reward(tmp_path):
@@ -72,17 +69,10 @@ def test_grpo_learns_a_reward(tmp_path):
     for answers starting with '1' (~0.6 of the demo model's samples at first: 60% of the sums are
     3-digit), the policy must learn it. Batch 64, no warmup and lr 5e-4: a short, fast-moving run
     (the demo recipe's batch 256 and 10-step warmup would spend the 14 steps warming up)."""
-    run = tmp_path / "run"
-    here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-           f"model.hf_path={REPO}/examples/tiny/model",
-           f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl", "data.eval_path=",
-           f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.global_batch_size=64", "rollout.eval_at_start=false", "train.steps=14", "optim.lr=1e-4", "optim.lr_warmup_steps=0",
-           "rollout.reward_fn=reward_plugins:starts_with_one"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rewards = [json.loads(line)["reward"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    run = harness.train(tmp_path / "run", "train.global_batch_size=64", "rollout.eval_at_start=false",
+                        "train.steps=14", "optim.lr=1e-4", "optim.lr_warmup_steps=0",
+                        "rollout.reward_fn=reward_plugins:starts_with_one", env=harness.plugin_env(), check=True)
+    rewards = [r["reward"] for r in run.rows]
     last = sum(rewards[-5:]) / 5
     # step 1 is the untrained policy (its base rate depends on which prompts came first)
     assert last > 0.55 and last > rewards[0] + 0.15, rewards

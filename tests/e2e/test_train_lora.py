@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import harness
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -26,16 +27,11 @@ MODEL = f"{REPO}/examples/tiny/model"
 @pytest.mark.parametrize("tp", [1, 2])
 def test_lora_pushes_adapters_only_and_server_matches_trainer(tmp_path, tp):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo_lora.yaml"),
-           f"model.hf_path={MODEL}", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
-           "data.eval_path=", f"train.run_dir={run}", "checkpoint.hf_export_dir=model", "checkpoint.save_interval=0",
-           "train.steps=3", "train.global_batch_size=32", "rollout.eval_at_start=false",
-           "rollout.max_staleness=0", f"parallel.tp={tp}", "lora.rank=8", "lora.alpha=16",
-           "weights.verify_interval=1"]  # checksums of every push (auto: every 10th)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = harness.train(run, "checkpoint.hf_export_dir=model", "checkpoint.save_interval=0",
+                         "train.steps=3", "train.global_batch_size=32", "rollout.eval_at_start=false",
+                         "rollout.max_staleness=0", f"parallel.tp={tp}", "lora.rank=8", "lora.alpha=16",
+                         "weights.verify_interval=1",  # checksums of every push (auto: every 10th)
+                         recipe="tiny_grpo_lora.yaml", timeout=300, check=True).rows
     assert [r["step"] for r in rows] == [1, 2, 3]
     shapes = hf_adapter_shapes(read_model_args(MODEL), ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], 8)
     adapters = sum(r * c for r, c in shapes.values()) * 4 + 4  # fp32 adapters + the fp32 scale

@@ -2,30 +2,19 @@
 entry starts its own ranks), with progress, metrics.jsonl and an HF export that reloads."""
 import json
 import os
-import subprocess
-import sys
 
+import harness
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def run_train(tmp_path, *overrides):
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_sft.yaml"),
-           f"model.hf_path={REPO}/examples/tiny/hf", f"data.train_path={REPO}/examples/tiny/data/sft.jsonl",
-           f"train.run_dir={run}", f"checkpoint.hf_export_dir={run}/model", "train.steps=40",
-           "checkpoint.hf_export_interval=20", "optim.lr_warmup_steps=5", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return proc, run, rows
 
 
 @pytest.mark.parametrize("layout", [[], ["parallel.tp=2"]], ids=["tp1", "tp2_self_launched"])
 def test_sft_loss_goes_down_and_exports(tmp_path, layout):
-    proc, run, rows = run_train(tmp_path, *layout)
+    run = tmp_path / "run"
+    proc = harness.train(run, f"checkpoint.hf_export_dir={run}/model", "train.steps=40",
+                         "checkpoint.hf_export_interval=20", "optim.lr_warmup_steps=5", *layout,
+                         recipe="tiny_sft.yaml", model=harness.TINY / "hf", data=harness.TINY / "data" / "sft.jsonl",
+                         check=True)
+    rows = proc.rows
     assert [r["step"] for r in rows] == list(range(1, 41))
     first = sum(r["loss"] for r in rows[:5]) / 5
     last = sum(r["loss"] for r in rows[-5:]) / 5

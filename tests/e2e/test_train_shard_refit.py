@@ -3,30 +3,21 @@ trainer pushes with weights.refit=shard into a megarl-server --tp 2 every step. 
 rollouts of the weights it starts from, so the servers' logprobs must equal the trainer's
 (logp_gap <= 1e-5); every push's checksum verify agrees; the bytes are the model's plus the
 replicated tensors sent to the second server rank."""
-import json
-import os
-import subprocess
-import sys
-
+import harness
 from safetensors.torch import load_file
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_grpo_tp2_trainer_shard_refit_into_tp2_server(tmp_path):
     run = tmp_path / "run"
-    tiny = f"{REPO}/examples/tiny"
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-           f"model.hf_path={tiny}/model", f"data.train_path={tiny}/data/rl_prompts.jsonl",
-           f"data.eval_path={tiny}/data/eval_prompts.jsonl", f"train.run_dir={run}", "train.steps=2",
-           "rollout.eval_at_start=false", "rollout.eval_interval=0", "train.global_batch_size=32",
-           "parallel.tp=2", "weights.refit=shard", "rollout.server_args=[--tp,2]",
-           "weights.verify_interval=1"]  # checksums of every push (auto: every 10th)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    tiny = harness.TINY
+    proc = harness.train(run, "checkpoint.hf_export_dir=model",  # the recipe's: the TP=2 export too
+                         "train.steps=2", "rollout.eval_at_start=false", "rollout.eval_interval=0",
+                         "train.global_batch_size=32", "parallel.tp=2", "weights.refit=shard",
+                         "rollout.server_args=[--tp,2]",
+                         "weights.verify_interval=1",  # checksums of every push (auto: every 10th)
+                         eval_data=f"{tiny}/data/eval_prompts.jsonl", timeout=300, check=True)
     assert "2 TP ranks" in (run / "servers" / "server0.log").read_text()
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = proc.rows
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["logp_gap"] <= 1e-5 and rows[0]["staleness_max"] == 0
     model = load_file(f"{tiny}/model/model.safetensors")
