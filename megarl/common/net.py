@@ -130,6 +130,29 @@ def normalize_address(address: str) -> str:
     return address if address.startswith(("http://", "https://")) else "http://" + address
 
 
+LOCAL_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
+
+
+def server_identity(address: str) -> str:
+    """``host:port`` of a server address with this host's own names spelled one way: localhost,
+    loopback addresses and this machine's hostname are one host to a server bound to them, so
+    ``http://localhost:30000`` and ``http://127.0.0.1:30000`` are one server (it would join the
+    weight-update group twice). No DNS lookup: other names are compared as written."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(normalize_address(address))
+    host, port = (parts.hostname or "").lower(), parts.port
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            host = "loopback"
+    except ValueError:
+        if host in LOCAL_NAMES:
+            host = "loopback"
+        elif host == socket.gethostname().lower():
+            host = "thishost"
+    return f"{host}:{port}"
+
+
 def new_process_group(addr: str, port: int, rank: int, world: int, name: str, backend: str,
                       timeout_s: float, store=None, listener: Optional[socket.socket] = None):
     """Hosts (rank 0) or joins (rank > 0) a process group outside the default one.

@@ -10,7 +10,7 @@ from typing import Any, Optional
 from megarl.config.common import _COLD, _check, _choice
 from megarl.common.errors import ConfigError
 from megarl.common.fields import bounded
-from megarl.common.net import normalize_address
+from megarl.common.net import server_identity
 
 
 @dataclass
@@ -150,7 +150,8 @@ class RolloutConfig:
             if not s.startswith(("http://", "https://")) and ":" not in s:
                 raise ConfigError(f"rollout.servers[{i}]: expected host:port or a URL, got {s!r}")
             # a server listed twice joins the weight-update group twice: the first push would hang
-            first = seen.setdefault(normalize_address(s).lower(), i)
+            # (localhost and 127.0.0.1 are one server too: its group of a dead run would then block it)
+            first = seen.setdefault(server_identity(s), i)
             if first != i:
                 raise ConfigError(f"rollout.servers[{i}]: {s} is listed twice (also rollout.servers[{first}]: "
                                   f"{self.servers[first]})")

@@ -16,6 +16,7 @@ rank's own shard). ``weights.delta`` does not apply: every tensor is sent.
 """
 from __future__ import annotations
 
+import secrets
 import time
 
 import torch
@@ -61,7 +62,7 @@ class ShardRefitTransport:
     def __init__(self, admin, engine, master_address: str, timeout_s: float, backend: str, dtype):
         self.admin, self.engine, self.ps = admin, engine, engine.ps
         self.addr, self.timeout_s, self.backend, self.dtype = master_address, timeout_s, backend, dtype
-        self.group, self.group_name, self.bytes = None, "megarl-weights-shard", 0
+        self.group, self.group_name, self.bytes = None, f"megarl-weights-shard-{secrets.token_hex(4)}", 0  # per run: see transports
         self.server_tp: list[int] = []
 
     @property

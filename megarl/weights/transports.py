@@ -14,6 +14,7 @@ stage source ranks (DP=0, TP=0 of each pipeline stage) send anything.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 from typing import ClassVar, Optional, Protocol
 
@@ -74,7 +75,9 @@ class DistributedTransport:
         """Source rank of ``stage``: host a group and have every server join it. Stages may sit on
         different nodes, so each source advertises its own address (weights.master_address, or
         for "auto" the address its route to the servers leaves from) and a free port of it."""
-        self.group_name = f"megarl-weights-pp{stage}"
+        # a name of this run's: a group a crashed run left registered on an external server (the
+        # server keeps it until destroyed) must not block the next run's, fresh or resumed
+        self.group_name = f"megarl-weights-pp{stage}-{secrets.token_hex(4)}"
         addr = advertised_address(self.addr, url_host(self.admin.addresses[0]))
         listener = listening_socket(addr)  # the store below serves on it: this address only
         port = listener.getsockname()[1]
@@ -253,8 +256,6 @@ class SharedMemoryTransport:
         The sticky bit of /dev/shm keeps others from renaming or removing it afterwards, and the
         trainer writes through its own descriptor only; the name reaches the server in each
         manifest over the keyed channel."""
-        import secrets
-
         from megarl.protocol.wire import SHM_DIR, SHM_PREFIX
 
         if self.fd >= 0:  # a new server set: the same file serves it
