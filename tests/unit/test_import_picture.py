@@ -7,6 +7,8 @@ A static scan (AST, function-level imports included); a failure names file:line.
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "megarl"
 
 
@@ -52,6 +54,7 @@ def test_the_scan_sees_function_level_imports(tmp_path):
     assert imports(f) == [(2, "megarl.commands.conversion"), (2, "megarl.commands.conversion.check_hf")]
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch / megatron-core: not in-process
 def test_loading_a_config_imports_no_torch(tmp_path):
     """megarl.config (algo.* included), a recipe's load and validation, the megarl-train and
     megarl-launch entry modules, and preflight's checks of the SFT demo (model config, layout,
@@ -86,6 +89,7 @@ def _fresh(code: str) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch / megatron-core: not in-process
 def test_the_rollout_manager_imports_no_torch(tmp_path):
     """The manager process (its module and a manager built from the demo config) stays off torch:
     it listens ~1.8 s sooner, while the trainer imports megatron-core."""
@@ -98,6 +102,7 @@ def test_the_rollout_manager_imports_no_torch(tmp_path):
     assert _fresh(code) == "[]"
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch / megatron-core: not in-process
 def test_megatron_first_cpu_import_defers_its_compiler_and_skips_wandb():
     """The CPU shim imports megatron-core without loading torch's compiler stack or wandb (~3 s a
     rank): megatron's fused kernels hold the deferred torch.compile, which compiles (dynamo loads)

@@ -98,6 +98,7 @@ def _worker(rank, port, q):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned ranks, each importing torch: not in-process
 def test_two_ranks_receive_their_share_and_step_advantages():
     import torch.multiprocessing as mp
 
