@@ -114,7 +114,24 @@ def check_model(cfg: Config):
     for field, path in (("model.ref_hf_path", cfg.model.ref_hf_path), ("critic.hf_path", cfg.critic.hf_path)):
         if path:
             _check_weights(field, path, _model_args(field, path))
+    check_features(cfg, args)
     return args
+
+
+def check_features(cfg: Config, args) -> None:
+    """What the engine would refuse for this model once its ranks started, refused here instead
+    (the same lines: megarl.trainer.engine, megarl.mcore.lora keep them for callers without a preflight)."""
+    if cfg.train.pack_sequences and args.num_experts:
+        raise ConfigError(f"train.pack_sequences: not supported for MoE models ({cfg.model.hf_path} has "
+                          f"{args.num_experts} experts: the routers' padding mask and routing replay are "
+                          "per padded row); set it to false")
+    if cfg.lora.enabled:
+        if args.num_experts and {"linear_fc1", "linear_fc2"} & set(cfg.lora.target_modules):
+            raise ConfigError("lora.target_modules: MoE expert layers (linear_fc1/linear_fc2 of "
+                              f"{args.architecture}) are not supported; target linear_qkv/linear_proj")
+        if cfg.lora.rank > args.hidden_size:
+            raise ConfigError(f"lora.rank: {cfg.lora.rank} is above the model's hidden size {args.hidden_size} "
+                              f"({cfg.model.hf_path}): a low-rank adapter needs rank < hidden size")
 
 
 def _check_weights(field: str, path: str, args) -> None:

@@ -1,0 +1,34 @@
+"""Inputs refused at preflight, before any rank or server starts, that used to fail only after
+ranks and servers had started (issue 40, "late lines"): each is one line naming the field.
+In-process through `megarl.launch.preflight.check_model` (what megarl-train runs first)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megarl.common.errors import ConfigError
+from megarl.config import load_config
+from megarl.launch.preflight import check_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY, MOE = f"{REPO}/examples/tiny/model", f"{REPO}/examples/tiny_moe/model"
+
+
+@pytest.mark.parametrize("overrides,line", [
+    (["lora.rank=1000000000"], "lora.rank: 1000000000 is above the model's hidden size 128 "),
+    (["lora.rank=9223372036854775808"], "lora.rank: 9223372036854775808 is above the model's hidden size 128 "),
+    ([f"model.hf_path={MOE}", "train.pack_sequences=true"], "train.pack_sequences: not supported for MoE models "),
+    ([f"model.hf_path={MOE}", "lora.rank=8"],
+     "lora.target_modules: MoE expert layers (linear_fc1/linear_fc2 of Qwen3MoeForCausalLM) are not supported"),
+])
+def test_refused_at_preflight_in_one_line(overrides, line):
+    cfg = load_config(os.path.join(REPO, "configs", "tiny_grpo.yaml"), [f"model.hf_path={TINY}", *overrides])
+    with pytest.raises(ConfigError) as e:
+        check_model(cfg)
+    assert str(e.value).startswith(line) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_same_models_pass_without_those_settings():
+    for model, extra in ((TINY, ["lora.rank=8"]), (MOE, ["lora.rank=8", "lora.target_modules=[linear_qkv]"])):
+        check_model(load_config(os.path.join(REPO, "configs", "tiny_grpo.yaml"), [f"model.hf_path={model}", *extra]))
