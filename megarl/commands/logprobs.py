@@ -158,11 +158,13 @@ def _compute_and_write(a, source: ModelSource, rows: list[dict], ps) -> None:
     try:
         for lo in range(0, len(rows), a.batch_size):
             chunk = list(range(lo, min(lo + a.batch_size, len(rows))))
-            mine = [i for i in chunk if i % ps.dp == ps.dp_rank]
+            ours = [i for i in chunk if i % ps.dp == ps.dp_rank]
+            # a 1-token sequence has nothing to predict: entry 0 is 0.0 by definition, no forward
+            mine = [i for i in ours if len(rows[i]["input_ids"]) > 1]
             batch = TensorBatch.from_lists([rows[i]["input_ids"] for i in mine])
             logp = per_sample(engine.compute_logp(batch).logp, batch.lengths) if mine else []
-            share = ({i: lp.tolist() for i, lp in zip(mine, logp)}
-                     if mine and ps.tp_rank == 0 and ps.pp_rank == 0 else {})
+            share = ({i: lp.tolist() for i, lp in zip(mine, logp)} | {i: [0.0] for i in ours if i not in mine}
+                     if ours and ps.tp_rank == 0 and ps.pp_rank == 0 else {})
             gathered = [None] * ps.world_size if ps.rank == 0 else None
             dist.gather_object(share, gathered, dst=0)
             if out is not None:

@@ -114,8 +114,11 @@ def model_args_from_config(hf: dict, path: str = "config.json", program: str = T
 def _describe(hf: dict, path: str, program: str) -> ModelArgs:
     if not isinstance(hf, dict):
         raise ValueError(f"{path}: must hold a JSON object, not {type(hf).__name__}")
-    archs = hf.get("architectures") or []
-    if not isinstance(archs, list) or not archs:
+    archs = hf.get("architectures")
+    if archs is not None and not isinstance(archs, list):
+        raise ValueError(f"{path}: 'architectures' must be a list of class names, e.g. [{json.dumps(str(archs))}]; "
+                         f"got {type(archs).__name__} {archs!r}")
+    if not archs or not isinstance(archs[0], str):
         raise ValueError(f"{path}: 'architectures' is missing")
     arch = get_architecture(archs[0], program, path)
     act = hf.get("hidden_act", "silu")

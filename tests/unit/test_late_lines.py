@@ -32,3 +32,19 @@ def test_refused_at_preflight_in_one_line(overrides, line):
 def test_the_same_models_pass_without_those_settings():
     for model, extra in ((TINY, ["lora.rank=8"]), (MOE, ["lora.rank=8", "lora.target_modules=[linear_qkv]"])):
         check_model(load_config(os.path.join(REPO, "configs", "tiny_grpo.yaml"), [f"model.hf_path={model}", *extra]))
+
+
+def test_architectures_given_as_a_string_is_named_as_such(tmp_path):
+    import json
+    import shutil
+
+    from megarl.protocol.hf_model import read_model_args
+
+    model = tmp_path / "model"
+    shutil.copytree(TINY, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["architectures"] = cfg["architectures"][0]
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"'architectures' must be a list of class names, e\.g\. \[\"LlamaForCausalLM\"\]; "
+                                         r"got str 'LlamaForCausalLM'"):
+        read_model_args(str(model))
