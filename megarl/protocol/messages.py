@@ -39,9 +39,14 @@ class Init:
 
 @dataclass
 class BatchRequest:
-    """Driver -> manager: the next ``n_groups`` finished groups. Reply: `Batch`."""
+    """Driver -> manager: the next ``n_groups`` finished groups. Reply: `Batch`. ``version``: the
+    trainer's policy version, the one that trains them (None: the manager's own). The staleness
+    hard cap counts from it, not from the manager's version, which stays behind when a push's
+    deferred tail failed to publish (a server died after its buckets loaded) while the trainer
+    committed the version anyway."""
     n_groups: int
     timeout_s: float = 600.0
+    version: Optional[int] = None
 
 
 @dataclass

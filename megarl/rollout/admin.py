@@ -106,8 +106,12 @@ class AdminClient(HttpClient):
         return await self._admin("/end_weight_update", {}, skip=skip)
 
     async def update_weight_version(self, version: str) -> dict:
-        """Servers flip their reported ``weight_version`` at once (after every bucket landed)."""
-        return await self._admin("/update_weight_version", {"new_version": str(version)})
+        """Servers flip their reported ``weight_version`` at once (after every bucket landed).
+        ``abort_all_requests: false`` always: SGLang's default is true, which ends every request
+        it holds - also those ``pause_mode: retract`` (or in_place) kept to continue under the new
+        weights, returned as aborts without their tokens so far, so no sample ever spanned two
+        versions; the pause already decided what happens to them (megarl-server defaults false)."""
+        return await self._admin("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 
     async def init_weights_update_group(self, group: WeightsUpdateGroup,
                                         rank_offsets: Optional[list[int]] = None) -> dict:

@@ -257,10 +257,12 @@ class RolloutController:
                 self._ready.notify_all()
 
     # ------------------------------------------------------------------ trainer-thread API
-    def next_batch(self, n_groups: int, timeout_s: float = 600.0) -> list[Trajectory]:
+    def next_batch(self, n_groups: int, timeout_s: float = 600.0, version: Optional[int] = None) -> list[Trajectory]:
         """The oldest ``n_groups`` finished groups, flattened; blocks until they exist. The
         prompts of the returned groups count as trained from here on. Raises `RolloutFailed`
-        when prompts keep failing, `RolloutStalled` after ``timeout_s`` without the batch."""
+        when prompts keep failing, `RolloutStalled` after ``timeout_s`` without the batch.
+        ``version``: the policy version that trains them (the trainer's; None: the servers'
+        version here), from which the hard cap counts (`_too_stale`)."""
         deadline = time.monotonic() + timeout_s
         groups: list[Group] = []
         with self._ready:
@@ -278,7 +280,7 @@ class RolloutController:
                     self._ready.wait(timeout=min(left, 1.0))
                 # FIFO: the oldest finished group first, which bounds how stale a trained group can be
                 group = self._buffer.popleft()
-                if self._too_stale(group):
+                if self._too_stale(group, version):
                     continue
                 groups.append(group)
             # counted under the lock with the pops: a checkpoint sees the groups either buffered or trained
@@ -315,15 +317,20 @@ class RolloutController:
         recent = list(dict.fromkeys(" ".join(e.split())[:200] for e in reversed(self._errors)))[:n]
         return "; ".join(recent) if recent else "none"
 
-    def _too_stale(self, group: Group) -> bool:
+    def _too_stale(self, group: Group, version: Optional[int] = None) -> bool:
         """The staleness bound is kept when episodes start (`StalenessManager`); a started group
         is trained however long it ran, so long answers are not selected against. Only a
         straggler past the hard cap (its server died, its requests were resubmitted, say) is not
         trained: its prompt goes back to be generated again (still exactly once) and its slot is
-        freed."""
+        freed. Counted from ``version``, the policy that trains the group: the trainer's counter,
+        which runs ahead of the servers' version here when a push's deferred tail failed to
+        publish (a server died after the buckets loaded: the live servers flipped, the trainer
+        committed, this side did not) - counting from the servers' then let a group one version
+        past the cap be trained."""
         oldest = min((t.min_version for t in group.trajectories), default=-1)
+        current = self.versions.get_version() if version is None else max(version, self.versions.get_version())
         # oldest < 0: no token carries a version (nothing generated)
-        if oldest < 0 or self.versions.get_version() - oldest <= self.stale_cap:
+        if oldest < 0 or current - oldest <= self.stale_cap:
             return False
         self._pending.appendleft((group.draw, group.prompt_index))
         # the group was counted accepted when it finished: give the slot back so a replacement can start

@@ -246,7 +246,7 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ requests
     def next_batch(self, msg: BatchRequest) -> Batch:
-        trajs = self.controller.next_batch(msg.n_groups, timeout_s=msg.timeout_s)
+        trajs = self.controller.next_batch(msg.n_groups, timeout_s=msg.timeout_s, version=msg.version)
         c = self.controller
         # stats at hand-off time: the step logs what the rollouts had done when its batch was ready
         stats = {**c.stats(), "rollout/busy_s": c.client.busy_seconds(),

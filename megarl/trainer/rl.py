@@ -149,7 +149,9 @@ class StepRunner:
     def _next_batch(self) -> ReceivedStep:
         with self.timer.phase("wait"):
             # the batch, and the dropped servers that answer /health again (received.rejoin)
-            received = self.side.next_batch(groups_per_step(self.cfg), self.cfg.train.stall_timeout_s)
+            # the version that trains it (no push until _update): the manager's hard cap counts from it
+            received = self.side.next_batch(groups_per_step(self.cfg), self.cfg.train.stall_timeout_s,
+                                            self.cluster.version)
         for address in received.rejoin:  # current weights first, then work
             with self.timer.phase("rejoin"):
                 self.pusher.add_server(address)

@@ -289,10 +289,11 @@ class RolloutSide:
             self._request(Start())
 
     # ------------------------------------------------------------------ the step hand-off
-    def next_batch(self, n_groups: int, timeout_s: float = 600.0) -> ReceivedStep:
+    def next_batch(self, n_groups: int, timeout_s: float = 600.0, version: Optional[int] = None) -> ReceivedStep:
         """The step on every rank (its arrays; infos and the manager's stats on rank 0; servers to
-        re-admit)."""
-        batch = self._request(BatchRequest(n_groups, timeout_s), timeout_s + 30.0) if self.ps.rank == 0 else None
+        re-admit). ``version``: the policy version that trains it (the staleness hard cap's clock)."""
+        batch = (self._request(BatchRequest(n_groups, timeout_s, version), timeout_s + 30.0)
+                 if self.ps.rank == 0 else None)
         return receive_step(batch, self.ps)
 
     def submit_eval(self, step: int, version: int) -> None:

@@ -61,3 +61,29 @@ def test_megarl_tensor_payload_is_safetensors():
     upd = tensor_update(named, "megarl")
     assert upd.load_format == "safetensors_b64" and upd.serialized_named_tensors[0] == encode_megarl(named)
     assert torch.equal(load(base64.b64decode(upd.serialized_named_tensors[0]))["x"], named["x"])
+
+
+def test_version_flip_keeps_the_requests_the_pause_kept():
+    """SGLang's /update_weight_version defaults to abort_all_requests: true, which ended every
+    request ``pause_mode: retract`` had kept (returned as aborts without their tokens: no sample
+    spanned two versions, tests/e2e/test_sglang_async.py[retract]); the flip must say false."""
+    import asyncio
+
+    from megarl.rollout.admin import AdminClient
+
+    sent = []
+
+    class Recording(AdminClient):
+        async def _call(self, srv, method, path, body, timeout):
+            sent.append((path, body))
+            return {"success": True}
+
+    async def flip():
+        c = Recording(["127.0.0.1:1"])
+        try:
+            await c.update_weight_version("3")
+        finally:
+            await c.close()
+
+    asyncio.run(flip())
+    assert sent == [("/update_weight_version", {"new_version": "3", "abort_all_requests": False})]
