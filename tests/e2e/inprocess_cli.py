@@ -270,12 +270,14 @@ def _exit_status(code, err) -> int:
     return 1
 
 
-def call_main(main, argv: list[str], prog_path: str, cwd: str, env: dict, timeout: float) -> Outcome:
+def call_main(main, argv: list[str], prog_path: str, cwd: str, env: dict, timeout: float,
+              guard: bool = True) -> Outcome:
     """``main(argv)`` as a child process would run it (see the module doc). The main thread only:
-    signal handlers and the watchdog need it."""
+    signal handlers and the watchdog need it. ``guard=False`` (`steps_in_a_child` only): no
+    tripwires and no leak report, for calls that do their work in a process made for them."""
     assert threading.current_thread() is threading.main_thread(), "in-process cases run on the main thread"
     hits: list[str] = []
-    undo = _install_tripwires(hits)  # (imports what they guard: before the snapshot)
+    undo = _install_tripwires(hits) if guard else []  # (imports what they guard: before the snapshot)
     before = snapshot()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -338,7 +340,7 @@ def call_main(main, argv: list[str], prog_path: str, cwd: str, env: dict, timeou
         f.close()
     if rc is None:
         texts[1] += f"HUNG: no exit within {timeout:g} s"
-    leaks = [f"went past its refusal: {spec}" for spec in hits] + _leftovers(before)
+    leaks = [f"went past its refusal: {spec}" for spec in hits] + _leftovers(before) if guard else []
     return Outcome(rc, texts[0], texts[1], wall, tuple(leaks))
 
 
@@ -369,3 +371,43 @@ def import_guarded() -> None:
     a case's doing): before a snapshot meant to compare with one taken after in-process calls."""
     for spec in TRIPWIRES + LISTENERS:
         _resolve(spec)
+
+
+# ----------------------------------------------------------------------------- calls that work
+
+def steps_in_a_child(steps: dict, env: dict, timeout: float = 600.0) -> dict:
+    """Entry-point calls that do real work (start ranks: megarl's process-wide CUDA->CPU shim, a
+    process group's environment), one after another in ONE child process made for them, so
+    this process pays the imports once and keeps none of it. ``steps``: {key: (MAINS key as
+    "module:main", argv, noops)}, ``noops`` a list of "module:attr" replaced by a no-op during
+    that call only. Returns {key: (rc, stderr)}, each call's own (`call_main`, unguarded)."""
+    import json
+    import subprocess
+
+    env = dict(env, PYTHONPATH=os.path.dirname(os.path.abspath(__file__)) + os.pathsep + env.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "inprocess_cli", json.dumps(steps)], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {k: tuple(v) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
+def _child(steps_json: str) -> None:
+    import json
+
+    out = {}
+    for key, (entry, argv, noops) in json.loads(steps_json).items():
+        owner, name = _resolve(entry)
+        patched = [(o, n, getattr(o, n)) for o, n in map(_resolve, noops)]
+        for o, n, _ in patched:
+            setattr(o, n, lambda *a, **k: None)
+        try:
+            res = call_main(getattr(owner, name), argv, key, os.getcwd(), dict(os.environ), 300, guard=False)
+        finally:
+            for o, n, real in patched:
+                setattr(o, n, real)
+        out[key] = (res.rc, res.stderr)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

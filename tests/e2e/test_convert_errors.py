@@ -1,9 +1,8 @@
 """Bad input to megarl-convert / megarl-logprobs: one line on stderr naming the file or key, exit
 status 1, and nothing (not even a temp directory) left next to --out. Validation runs before any
 rank starts, so these call the entry points in-process (inprocess_cli.call_main: the process left
-as it was, and a call that gets past its refusal fails), plus real subprocesses for one case and
-for the checks made only as ranks read a dist checkpoint."""
-import concurrent.futures
+as it was, and a call that gets past its refusal fails), plus one real subprocess; the calls that
+start ranks run in one child process (the `ranked` fixture)."""
 import json
 import os
 import pickle
@@ -14,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from badinput_support import cli_env, run_cli
-from inprocess_cli import call_main
+from badinput_support import cli_env
+from inprocess_cli import call_main, steps_in_a_child
 
 from megarl.models.random_hf import tiny_config, write_random_hf
 from megarl.commands import convert, logprobs
@@ -127,19 +126,42 @@ def test_vocab_mismatch_unknown_architecture_and_bad_tp(tmp_path, hf):
     assert_fails(convert.main, to_mcore(hf, out), "GPT2LMHeadModel", "not supported", out=out)
 
 
-def test_rope_parameters_are_never_silently_ignored(tmp_path, hf):
+Q = "model.layers.1.self_attn.q_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def ranked(tmp_path_factory):
+    """The calls that start ranks, made once in one child process (inprocess_cli.steps_in_a_child;
+    in this process they left megarl's CUDA->CPU shim, a process group's environment and
+    Megatron's warnings filters): a conversion with rope_parameters, a dist checkpoint with NaN
+    weights (written with the HF-side check off) and the two tools refusing it as ranks read it.
+    Returns (root, {key: (rc, stderr)})."""
+    root = tmp_path_factory.mktemp("ranked")
+    rope = write_random_hf(str(root / "rope"), tiny_config("LlamaForCausalLM", num_hidden_layers=2))
+    edit_config(rope, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    nan = write_random_hf(str(root / "nan"), tiny_config("LlamaForCausalLM", num_hidden_layers=2))
+    rewrite(nan, replace={Q: torch.full_like(load_file(os.path.join(nan, "model.safetensors"))[Q], float("nan"))})
+    (root / "in.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
+    (root / "backs").mkdir()
+    conv, lp = "megarl.commands.convert:main", "megarl.commands.logprobs:main"
+    ckpt = str(root / "ckpt")
+    steps = {"rope": (conv, to_mcore(rope, root / "rope_out", "--force"), []),
+             "nan_ckpt": (conv, to_mcore(nan, ckpt), ["megarl.models.checks:check_finite_hf"]),
+             "back": (conv, ["mcore-to-hf", "--ckpt", ckpt, "--out", str(root / "backs" / "back")], []),
+             "lp": (lp, ["--ckpt", ckpt, "--input", str(root / "in.jsonl"), "--output", str(root / "lp.jsonl")], [])}
+    return root, steps_in_a_child(steps, cli_env())
+
+
+def test_rope_parameters_are_never_silently_ignored(tmp_path, hf, ranked):
     from megarl.protocol.hf_model import read_model_args
 
     edit_config(hf, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
-    res = call_main(convert.main, to_mcore(hf, tmp_path / "out", "--force"), "megarl-convert", os.getcwd(),
-                    cli_env(), 300)
     if read_model_args(hf).rope_theta == 50000.0:  # the registry reads the newer layout
-        # every check passed: the conversion reached its ranks (not started in this process)
-        assert res.leaks == ("went past its refusal: megarl.commands.convert:_run_ranks",), res.leaks
-        assert "rope" not in res.stderr, res.stderr
+        rc, err = ranked[1]["rope"]  # accepted: the conversion started ranks (in the child)
+        assert rc in (0, None) or "rope" not in err
     else:
-        assert not res.leaks, res.leaks
-        assert res.rc == 1 and "rope_parameters" in res.stderr
+        rc, err = run(convert.main, to_mcore(hf, tmp_path / "out", "--force"))
+        assert rc == 1 and "rope_parameters" in err
 
 
 def test_existing_output_and_dtype_choice(tmp_path, hf):
@@ -171,13 +193,13 @@ def test_unwritable_output_is_refused_before_any_rank_starts(tmp_path, hf, monke
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".megarl-probe-")]
 
 
-def test_non_finite_weights_are_refused(tmp_path, hf):
+def test_non_finite_weights_are_refused(tmp_path, hf, ranked):
     """A model whose weights are NaN (or hold an inf) passes every header check; the tools name
     the tensor and its file and write nothing. A dist checkpoint is checked as it is read: by
-    ranks, so those two refusals (and the conversion that makes the checkpoint) are subprocesses."""
+    ranks, so those two refusals are made in the `ranked` child."""
     out, inp = str(tmp_path / "out"), tmp_path / "in.jsonl"
     inp.write_text('{"input_ids": [1, 2, 3]}\n')
-    q = "model.layers.1.self_attn.q_proj.weight"
+    q = Q
     t = load_file(os.path.join(hf, "model.safetensors"))[q]
     rewrite(hf, replace={q: torch.full_like(t, float("nan"))})
     st = os.path.join(hf, "model.safetensors")
@@ -190,25 +212,13 @@ def test_non_finite_weights_are_refused(tmp_path, hf):
     assert_fails(convert.main, to_mcore(hf, out), f"{st}: tensor {q} has 1 NaN/inf values of 4096",
                  out=out)
     # a dist checkpoint with NaN weights (written with the HF check off): refused as it is read
-    rewrite(hf, replace={q: torch.full_like(t, float("nan"))})
-    ckpt = str(tmp_path / "ckpt")
-    off = ("import sys; from megarl.models import checks; checks.check_finite_hf = lambda *a: None; "
-           "from megarl.commands import convert; sys.exit(convert.main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", off, *to_mcore(hf, ckpt)], capture_output=True, text=True,
-                          env=cli_env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    back = str(tmp_path / "back")
-    lp = [str(a) for a in lp]
-    lp[1] = ckpt
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two refusals at once (imports dominate)
-        back_f = pool.submit(run_cli, "megarl-convert", ["mcore-to-hf", "--ckpt", ckpt, "--out", back], str(tmp_path))
-        lp_f = pool.submit(run_cli, "megarl-logprobs", lp, str(tmp_path))
-    res = back_f.result()
-    assert_one_line(res.rc, res.stderr,
-                    f"{ckpt} (decoder.layers.self_attention.linear_qkv.weight): tensor {q} is all NaN", out=back)
-    res = lp_f.result()
-    assert_one_line(res.rc, res.stderr, f"{ckpt}: tensor ", "NaN")
-    assert not os.path.exists(tmp_path / "lp.jsonl") and not os.path.exists(tmp_path / "lp.jsonl.tmp")
+    root, res = ranked
+    assert res["nan_ckpt"][0] == 0, res["nan_ckpt"][1][-3000:]
+    ckpt, back = str(root / "ckpt"), str(root / "backs" / "back")
+    assert_one_line(*res["back"], f"{ckpt} (decoder.layers.self_attention.linear_qkv.weight): tensor {q} is all NaN",
+                    out=back)
+    assert_one_line(*res["lp"], f"{ckpt}: tensor ", "NaN")
+    assert not os.path.exists(root / "lp.jsonl") and not os.path.exists(root / "lp.jsonl.tmp")
 
 
 def fake_checkpoint(path, hf_dir, shapes, complete=True, payload=None):
