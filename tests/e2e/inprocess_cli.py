@@ -20,7 +20,9 @@ of doing its work in here:
   instead while the call runs: a leak, "went past its refusal".
 - a watchdog (SIGALRM) bounds the call like the subprocess timeout: rc None, ``HUNG: ...``.
 
-Cases that wait on the network or start servers stay real subprocesses (badinput_support.run_cli).
+Cases that start a server's engine, the megarl-train cases that wait on a rollout server, and
+one case of each entry point stay real subprocesses (badinput_support.run_cli; REAL in
+test_bad_input.py). Calls that must do real work (start ranks) but are many: `steps_in_a_child`.
 """
 from __future__ import annotations
 
