@@ -1,6 +1,9 @@
 """Inputs for the bad-input corpus (test_bad_input.py) and the security tests (test_security.py):
 a directory of broken models, tokenizers and datasets built from the tiny demo model, misbehaving
-HTTP servers, and a runner for the real console entry points as subprocesses.
+HTTP servers, and two runners of the console entry points: in-process (`run_in_process`, for a
+case refused before any work: `main(argv)` under inprocess_cli's guards) and as a real
+subprocess (`run_cli`, for a case that waits on the network or starts a server, and one case of
+each entry point so the console path itself stays covered).
 
 Each corpus CLI case is a `CliCase`: argv with ``{name}`` placeholders filled from `World.paths`,
 the exact exit status, substrings the one error line must contain, paths that must not exist
@@ -9,6 +12,7 @@ afterwards (no half-written output) and inputs that must still exist (nothing cl
 from __future__ import annotations
 
 import http.server
+import importlib
 import json
 import os
 import shutil
@@ -24,6 +28,9 @@ TINY = os.path.join(REPO, "examples", "tiny")
 MODULES = {"megarl-train": "megarl.train", "megarl-convert": "megarl.commands.convert",
            "megarl-logprobs": "megarl.commands.logprobs", "megarl-server": "megarl.server",
            "megarl-launch": "megarl.launch.plan", "megarl-rollout-manager": "megarl.rollout.manager"}
+MAINS = {"megarl-train": "megarl.train:main", "megarl-convert": "megarl.commands.convert:main",  # setup.py's
+         "megarl-logprobs": "megarl.commands.logprobs:main", "megarl-server": "megarl.server.__main__:main",
+         "megarl-launch": "megarl.launch.plan:main", "megarl-rollout-manager": "megarl.rollout.manager:main"}
 
 
 @dataclass(frozen=True)
@@ -44,22 +51,40 @@ class CliResult:
     stdout: str
     stderr: str
     wall_s: float
+    leaks: tuple[str, ...] = ()  # in-process only: what the call left in this process (inprocess_cli)
+
+
+def cli_env() -> dict:
+    """The environment of an entry point run by a test: one thread, this checkout, no launcher."""
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    return env
 
 
 def run_cli(prog: str, argv: list[str], cwd: str, timeout: float = 300.0) -> CliResult:
     """One real entry point as a subprocess (``python -m``, what the console script calls).
     ``timeout`` is the generous "no hang" bound; a run past it is a failed case (rc None)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(k, None)
     t0 = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, "-m", MODULES[prog], *argv], capture_output=True, text=True,
-                              cwd=cwd, env=env, timeout=timeout)
+                              cwd=cwd, env=cli_env(), timeout=timeout)
     except subprocess.TimeoutExpired as e:
         return CliResult(None, str(e.stdout or ""), f"HUNG: no exit within {timeout:g} s", timeout)
     return CliResult(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
+
+
+def run_in_process(prog: str, argv: list[str], cwd: str, timeout: float = 300.0) -> CliResult:
+    """The entry point's ``main(argv)`` in this process, as `run_cli` would run it (same argv,
+    cwd, environment, captured output, exit status and timeout); ``leaks`` names what it left in
+    this process or a work step it reached (inprocess_cli). For cases refused before any work."""
+    from inprocess_cli import call_main
+
+    module, fn = MAINS[prog].split(":")
+    main = getattr(importlib.import_module(module), fn)
+    out = call_main(main, argv, sys.modules[module].__file__, cwd, cli_env(), timeout)
+    return CliResult(out.rc, out.stdout, out.stderr, out.wall_s, out.leaks)
 
 
 # ----------------------------------------------------------------------------- misbehaving servers
@@ -229,6 +254,7 @@ def check_cli_result(case: CliCase, res: CliResult, fill) -> None:
     holding every needle, no traceback, nothing half-written. ``fill`` expands placeholders."""
     import re
 
+    assert not res.leaks, res.leaks  # in-process: refused before any work, the process left as it was
     lines = res.stderr.strip().splitlines()
     assert res.rc == case.rc, (res.rc, res.stderr[-3000:])
     assert len(lines) == 1, res.stderr[-3000:]
@@ -242,14 +268,27 @@ def check_cli_result(case: CliCase, res: CliResult, fill) -> None:
         assert os.path.exists(fill(path)), path
 
 
-def run_cases(cases: dict, fill, cwd: str, workers: int = 3) -> dict:
-    """Every case of ``cases`` ({key: CliCase}) as a subprocess, a few at a time; {key: CliResult}."""
+def run_cases(cases: dict, fill, cwd: str, workers: int = 3, real: dict | None = None) -> dict:
+    """Every case of ``cases`` ({key: CliCase}); {key: CliResult}. The keys of ``real`` ({key:
+    why}) run as subprocesses, a few at a time; the others in-process, one after another, first
+    (nothing else runs meanwhile: they swap this process's cwd, environment and fds). After them
+    this process must be as before (inprocess_cli.snapshot), whatever the per-case guards say."""
     import concurrent.futures
 
+    from inprocess_cli import diff, import_guarded, snapshot
+
+    real = real or {}
+    assert set(real) <= set(cases), set(real) - set(cases)
+    argv = {k: [fill(a.replace("{id}", c.id)) for a in c.args] for k, c in cases.items()}
+    import_guarded()
+    before = snapshot()
+    results = {k: run_in_process(c.prog, argv[k], cwd) for k, c in cases.items() if k not in real}
+    left = diff(before, snapshot())
+    assert not left, f"the in-process cases changed this process: {left}"
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futs = {k: pool.submit(run_cli, c.prog, [fill(a.replace("{id}", c.id)) for a in c.args], cwd)
-                for k, c in cases.items()}
-        return {k: f.result() for k, f in futs.items()}
+        futs = {k: pool.submit(run_cli, cases[k].prog, argv[k], cwd) for k in real}
+        results.update({k: f.result() for k, f in futs.items()})
+    return results
 
 
 def docs_missing(keys) -> list[str]:
@@ -258,10 +297,10 @@ def docs_missing(keys) -> list[str]:
     return [k for k in keys if f"`{k}`" not in text]
 
 
-def corpus_tests(cases: dict):
+def corpus_tests(cases: dict, real: dict | None = None):
     """What a corpus module of CLI cases repeats, made once: a module fixture running every case
-    (``run_cases``; it needs the module's ``world`` fixture, ``(root, fill)``), one test per case
-    (``check_cli_result``) and the test that docs/reliability.md lists every case.
+    (``run_cases``, ``real`` as there; it needs the module's ``world`` fixture, ``(root, fill)``),
+    one test per case (``check_cli_result``) and the test that docs/reliability.md lists every case.
 
         results, test_data_case, test_docs_list_every_case = corpus_tests(CASES)
 
@@ -271,7 +310,7 @@ def corpus_tests(cases: dict):
     @pytest.fixture(scope="module")
     def results(world):
         root, fill = world
-        return run_cases(cases, fill, root)
+        return run_cases(cases, fill, root, real=real)
 
     @pytest.mark.parametrize("key", list(cases))
     def test_case(key, results, world):

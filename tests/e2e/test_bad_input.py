@@ -1,6 +1,6 @@
-"""The bad-input corpus: every case runs a real entry point as a subprocess (megarl-train,
-megarl-convert, megarl-logprobs, megarl-server) or sends a real HTTP request to one real
-megarl-server, and checks what docs/reliability.md promises:
+"""The bad-input corpus: every case runs a real entry point (megarl-train, megarl-convert,
+megarl-logprobs, megarl-server, megarl-launch, megarl-rollout-manager) or sends a real HTTP
+request to one real megarl-server, and checks what docs/reliability.md promises:
 
 - CLI: the exact exit status; stderr is ONE line ``<prog>: <message>`` naming the field, file or
   endpoint (no traceback); nothing half-written is left (run dir, --out, --output); no hang: a run
@@ -9,16 +9,20 @@ megarl-server, and checks what docs/reliability.md promises:
 - HTTP: the exact status and a message naming the field; after every bad request the server is
   still up and a greedy request gives the same tokens as before the corpus started.
 
-The CLI cases run in parallel (imports dominate); most megarl-train cases fail in `load_config`
-or `megarl.launch.preflight`, before Megatron is imported.
+A CLI case refused before any work (arguments, `load_config`, `megarl.launch.preflight`, the
+tools' input checks) calls the entry point's ``main(argv)`` in this process (inprocess_cli: the
+same argv, cwd, environment and captured output; the process left as it was; a case that gets
+past its refusal fails). The cases in REAL run as subprocesses, a few at a time: those that wait
+on the network or start the server's engine, and one case of each entry point, so the console
+path itself (a new interpreter, its imports, its exit status) stays covered.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import os
 
 import pytest
-from badinput_support import REPO, CliCase, World, check_cli_result, docs_missing, run_cli
+from badinput_support import (MODULES, REPO, CliCase, World, check_cli_result, docs_missing, run_cases, run_cli,
+                              run_in_process)
 from e2e_servers import API_KEY as KEY
 from e2e_servers import ServerProc, free_port, http
 
@@ -302,6 +306,17 @@ MANAGER = [  # megarl-rollout-manager started apart (rollout.manager_address): n
 ]
 
 CLI_CASES = {f"{c.prog}:{c.id}": c for c in TRAIN + CONVERT + LOGPROBS + SERVER + LAUNCH + MANAGER}
+NET = "waits on the network: the subprocess timeout is its no-hang bound"
+CONSOLE = "the console entry as a process (its imports print nothing, its exit status)"
+REAL = {  # run as subprocesses (run_cli), and why; every other CLI case in-process
+    "megarl-train:server_refused": NET, "megarl-train:server_hangs": NET, "megarl-train:server_http_500": NET,
+    "megarl-train:server_malformed_json": NET,
+    "megarl-convert:hf_weights_nan": CONSOLE + ", after reading every weight",
+    "megarl-logprobs:ckpt_weights_nan": CONSOLE + ", after reading every weight",
+    "megarl-server:port_in_use": "starts the engine thread before the bind fails",
+    "megarl-launch:world_too_large": CONSOLE,
+    "megarl-rollout-manager:host_invalid": "a DNS lookup: " + NET,
+}
 DEBUG_CASES = {  # the same bad input with --debug: the traceback instead of one line
     "megarl-train": ["{sft_yaml}", "trian.steps=3", "--debug"],
     "megarl-convert": ["hf-to-mcore", "--hf", "{root}/nope", "--out", "{root}/outs/dbg", "--debug"],
@@ -321,12 +336,11 @@ def world(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cli_results(world):
-    """Every CLI case (and the --debug runs), four at a time; {key: CliResult}."""
-    jobs = {k: (c.prog, [world.fill(a.replace("{id}", c.id)) for a in c.args]) for k, c in CLI_CASES.items()}
-    jobs.update({f"debug:{prog}": (prog, [world.fill(a) for a in args]) for prog, args in DEBUG_CASES.items()})
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futs = {k: pool.submit(run_cli, prog, argv, world.root) for k, (prog, argv) in jobs.items()}
-        return {k: f.result() for k, f in futs.items()}
+    """Every CLI case (and the --debug runs, in-process); {key: CliResult}."""
+    results = run_cases(CLI_CASES, world.fill, world.root, workers=4, real=REAL)
+    for prog, args in DEBUG_CASES.items():
+        results[f"debug:{prog}"] = run_in_process(prog, [world.fill(a) for a in args], world.root)
+    return results
 
 
 @pytest.mark.parametrize("key", list(CLI_CASES))
@@ -341,9 +355,16 @@ def test_corpus_size():
     assert sum(by_tool.values()) + len(HTTP_CASES) >= 40, by_tool
 
 
+def test_every_entry_point_runs_as_a_real_process():
+    """In-process cases call main(argv); at least one case of each entry point runs the console
+    path itself."""
+    assert {CLI_CASES[k].prog for k in REAL} == set(MODULES)
+
+
 @pytest.mark.parametrize("prog", list(DEBUG_CASES))
 def test_debug_flag_shows_the_traceback(prog, cli_results):
     res = cli_results[f"debug:{prog}"]
+    assert not res.leaks, res.leaks
     assert res.rc == 1 and "Traceback (most recent call last)" in res.stderr, res.stderr[-2000:]
 
 

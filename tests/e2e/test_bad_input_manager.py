@@ -3,7 +3,11 @@ pointed at an HTTP server, at a closed port, at `nonsense`, or at a real megarl-
 with another secret file. Preflight checks the address (listening, speaking the channel's
 handshake, accepting rollout.manager_secret_file) before any rank starts: each case is one line
 naming the field, exit status 2, no run directory, within a few seconds (it used to hang up to
-600 s, retry silently for 60 s, or fail after the ranks started)."""
+600 s, retry silently for 60 s, or fail after the ranks started). The cases run in-process
+(badinput_support.run_in_process): the wall time each takes is then the refusal's own, not a
+new interpreter's imports (as subprocesses they took 15-33 s on a loaded 2-core machine, past
+the 20 s bound, with the handshake's 3 s inside); a wait that regresses into a hang ends at the
+runner's watchdog (inprocess_cli), the same 300 s bound as the subprocess timeout."""
 from __future__ import annotations
 
 import os

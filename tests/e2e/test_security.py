@@ -1,4 +1,6 @@
-"""Security defaults of megarl-server and the checkpoint loaders, against real processes.
+"""Security defaults of megarl-server and the checkpoint loaders: a real server process; the
+CLIs that load checkpoints called in-process (badinput_support.run_in_process: they refuse before
+any work, and a payload that ran would run in this process just as well, creating the marker).
 
 - The server binds loopback unless told otherwise.
 - With an API key, every route of the server's route table except the health checks refuses a
@@ -20,7 +22,7 @@ import shutil
 import types
 
 import pytest
-from badinput_support import REPO, TINY, run_cli
+from badinput_support import REPO, TINY, run_in_process
 from e2e_servers import API_KEY as KEY
 from e2e_servers import http
 
@@ -249,8 +251,9 @@ def test_checkpoint_loaders_refuse_pickles(tmp_path, where):
                           f"checkpoint.save_dir={tmp_path / 'save'}"], 2),
     }
     (tmp_path / "in.jsonl").write_text('{"input_ids": [1, 2]}\n')
-    for prog, (argv, rc) in runs.items():
-        res = run_cli(prog, argv, str(tmp_path))
+    for prog, (argv, rc) in runs.items():  # refused before any work: in-process (a real run of each
+        res = run_in_process(prog, argv, str(tmp_path))  # entry point: test_bad_input.REAL)
+        assert not res.leaks, (prog, res.leaks)
         assert res.rc == rc and len(res.stderr.strip().splitlines()) == 1, (prog, res.stderr[-2000:])
         assert "not allowed" in res.stderr or "refused" in res.stderr, (prog, res.stderr)
         assert not os.path.exists(marker), prog
