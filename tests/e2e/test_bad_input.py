@@ -598,6 +598,6 @@ def test_http_case(case, corpus_server):
     if cid == "max_new_tokens_default_capped":  # no max_new_tokens: the context bounds it, 64 - 3
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 61}
     # the server is up, not paused, and answers exactly as before
-    assert http("GET", srv.url + "/health_generate")[0] == 200
+    assert http("GET", srv.url + "/health_generate", key=KEY)[0] == 200  # keyed: it runs the model
     code, good = http("POST", srv.url + G, GOOD, key=KEY)
     assert code == 200 and good["output_ids"] == baseline, good

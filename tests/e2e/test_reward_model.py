@@ -87,7 +87,8 @@ def test_bad_requests_and_model_kind(rm, tmp_path_factory, start_server):
     assert http("POST", url + "/classify", {"input_ids": [1]})[0] == 401  # API key like every endpoint
     code, out = http("POST", url + "/generate", {"input_ids": [1, 2]}, key=API_KEY)
     assert code == 400 and "reward model" in out["message"], out
-    assert http("GET", url + "/health_generate")[0] == 200
+    assert http("GET", url + "/health_generate")[0] == 401  # keyed: it runs the model
+    assert http("GET", url + "/health_generate", key=API_KEY)[0] == 200
 
 
 def test_causal_lm_refuses_classify(tmp_path_factory, start_server):

@@ -132,7 +132,7 @@ def test_api_key_required(srv):
 def test_malformed_requests_are_400_and_server_survives(srv, body, field):
     code, out = http("POST", srv.url + "/generate", body, key=KEY)
     assert code == 400 and field in out["message"], out
-    assert http("GET", srv.url + "/health_generate")[0] == 200
+    assert http("GET", srv.url + "/health_generate", key=KEY)[0] == 200  # keyed: it runs the model
 
 
 def test_admin_endpoint_validation(srv):
