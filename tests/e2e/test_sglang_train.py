@@ -53,7 +53,8 @@ def test_held_out_accuracy_rises(run):
     print(f"\n[sglang-train] held-out accuracy (500 prompts, greedy on SGLang): {evals}")
     assert sorted(evals) == [0, STEPS], evals
     assert 0.15 <= evals[0] <= 0.45, evals  # the demo start point (examples/tiny/sft_eval.json)
-    # 500 prompts: one accuracy's standard error is <= 0.023, so +0.08 is a real rise (test_recipes_learn.py, the demo row)
+    # 500 prompts: one accuracy's standard error is <= 0.023, so +0.08 is a real rise (the demo row of
+    # test_recipes_learn.py)
     assert evals[STEPS] >= evals[0] + 0.08, evals
 
 

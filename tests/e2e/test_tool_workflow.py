@@ -152,8 +152,9 @@ def test_eval_runs_the_tool_workflow_greedily_with_pass_at_k_and_dumps(chat_mode
     run = harness.train(tmp_path / "run", "data.prompt_key=messages", "train.steps=1",
                         "train.global_batch_size=4", "train.max_seq_len=1024", "train.micro_batch_tokens=8192",
                         "rollout.group_size=2", "rollout.max_concurrent=2", "rollout.max_new_tokens=6",
-                        "rollout.workflow=megarl.rollout.workflows:ToolCallingWorkflow", f"rollout.workflow_args={args}",
-                        "rollout.reward_fn=reward_plugins:even_length", "rollout.eval_at_start=true", "rollout.eval_k=2",
+                        "rollout.workflow=megarl.rollout.workflows:ToolCallingWorkflow",
+                        f"rollout.workflow_args={args}", "rollout.reward_fn=reward_plugins:even_length",
+                        "rollout.eval_at_start=true", "rollout.eval_k=2",
                         "logging.dump_eval_generations=true", model=chat_models[0], data=train_data,
                         eval_data=eval_data, env=PLUGINS, check=True)
     metrics = {r["step"]: r for r in run.rows}
