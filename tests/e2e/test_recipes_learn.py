@@ -176,26 +176,25 @@ MOE = Case("moe", "tiny_moe_grpo.yaml", 60, (*learning(60, own_start=True), "rol
 
 # ---- reward model --------------------------------------------------------------------------------
 
-def kill_reward_server_at_step_10(proc) -> None:
-    """Kills the job's reward-model server once training is under way (step 10 logged), noting
-    which one in <run>/../killed_reward_server.json."""
+def kill_reward_server_at_step_10(proc) -> dict | None:
+    """Kills the job's reward-model server once training is under way (step 10 logged); returns
+    its servers.json entry (Run.probe), None when the run ended first."""
     run = harness.run_dir_of(proc)
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
         if any(r.get("step", 0) >= 10 and "reward" in r for r in harness.rows_so_far(run)):
             killed = json.loads((run / "reward_servers" / "servers.json").read_text())[0]
             os.kill(killed["pid"], signal.SIGKILL)
-            (run.parent / "killed_reward_server.json").write_text(json.dumps(killed))
-            return
+            return killed
         time.sleep(0.2)
+    return None
 
 
 def killed_reward_server_is_restarted(case, run, recipes):
     """The job restarts its killed reward-model server on its own port, RewardModel's retries
     cover the gap, no reward call fails; the training reward is the model's score."""
-    noted = run.dir.parent / "killed_reward_server.json"
-    assert noted.exists(), "the run ended before step 10"
-    killed = json.loads(noted.read_text())
+    killed = run.probe
+    assert killed is not None, "the run ended before step 10"
     rows = run.rows
     last = [r for r in rows if "reward/server_restarts" in r][-1]
     assert last["reward/server_restarts"] >= 1, last

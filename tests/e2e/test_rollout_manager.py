@@ -13,13 +13,12 @@ import psutil
 import harness
 from test_resume_exactly_once import OVERRIDES, PLACEMENTS, prompts, resume_and_check, until_step
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 RESUMABLE = (*OVERRIDES, *PLACEMENTS["disaggregated"])
 
 
 def _env(**extra):
     """reward_plugins / workflow_plugins (this directory) importable by the run."""
-    return dict(PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+    return harness.plugin_env(extra)
 
 
 def _manager(trainer: psutil.Process) -> psutil.Process:
@@ -43,8 +42,9 @@ def watch_then_sigusr1(proc) -> None:
     """Once step 3 is logged: notes the rollout manager(s) among the trainer's children, the
     servers among all its descendants, and for 1 s which of trainer and manager hold connections
     to the server's port; then SIGUSR1 to the whole process group (trainer, manager and server
-    alike, as SLURM signals every process). The notes go to <run>/../probe.json for the tests to
-    assert on (a shared run's probe never fails it: on an error it notes it and kills the run)."""
+    alike, as SLURM signals every process). Returns the notes (Run.probe) for the tests to assert
+    on: a shared run's probe never fails (a failed one would be rerun by the next test); on an
+    error it notes it and kills the run."""
     run_dir = harness.run_dir_of(proc)
     notes = {}
     try:
@@ -66,14 +66,14 @@ def watch_then_sigusr1(proc) -> None:
         notes["error"] = repr(e)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    (run_dir.parent / "probe.json").write_text(json.dumps(notes))
+    return notes
 
 
 def sigusr1_run(shared_train) -> tuple[harness.Run, dict]:
     """The shared run and its probe's notes."""
     run = shared_train(*SIGUSR1_RUN, env=_env(MEGARL_TEST_PID_FILE="reward_pids.txt"), during=watch_then_sigusr1,
                        start_new_session=True)
-    notes = json.loads((run.dir.parent / "probe.json").read_text())
+    notes = run.probe
     assert "error" not in notes, (notes, run.log[-3000:])
     return run, notes
 

@@ -39,8 +39,8 @@ def test_killed_sglang_server_is_restarted_with_current_weights(tmp_path):
         killed_at, killed_t = len(harness.rows_so_far(run)), time.monotonic()
         wait_for(lambda: [s for s in servers(run) if s["url"] == victim["url"] and s["pid"] != victim["pid"]],
                  "the restart", proc, timeout=600)
-        key = open(os.path.join(run, "servers", "api_key")).read()  # the run's servers answer only with it
-        version = wait_for(lambda: (v := model_version(victim["url"], key)) not in (None, "default") and v,
+        key = os.path.join(run, "servers", "api_key")  # the run's own servers answer only with its key
+        version = wait_for(lambda: (v := model_version(victim["url"], open(key).read())) not in (None, "default") and v,
                            "current weights on the restarted server", proc, timeout=600)
         seen.update(killed_at=killed_at, version=version, rejoin_s=time.monotonic() - killed_t,
                     rejoined_at=len(harness.rows_so_far(run)))

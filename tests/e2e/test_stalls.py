@@ -16,7 +16,6 @@ import harness
 from e2e_servers import ServerProc
 
 MODEL = str(harness.TINY / "model")
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def train(tmp_path, *extra, env=None) -> tuple[harness.Run, float]:
@@ -25,7 +24,7 @@ def train(tmp_path, *extra, env=None) -> tuple[harness.Run, float]:
     run = harness.train(tmp_path / "run", "checkpoint.save_interval=1", "train.steps=3",
                         "train.global_batch_size=16", "rollout.group_size=4", "rollout.max_concurrent=4",
                         "rollout.max_staleness=0", "train.stall_timeout_s=5", *extra, timeout=120,
-                        env=dict(**(env or {}), PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", "")))
+                        env=harness.plugin_env(env))
     return run, run.wall_s
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 
 import pytest
 
@@ -27,7 +26,6 @@ from megarl.rollout.workflows import ToolCallingWorkflow, WorkflowContext, check
 
 FORCED = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>'
 EOS = 2  # <|im_end|>
-PLUGINS = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__)) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 async def length_reward(prompt, completion, meta):
@@ -125,7 +123,7 @@ def test_grpo_trains_on_tool_trajectories(chat_models, tmp_path):
                         "train.max_seq_len=1024", "train.micro_batch_tokens=8192", "rollout.group_size=2",
                         "rollout.max_concurrent=4", "rollout.workflow=megarl.rollout.workflows:ToolCallingWorkflow",
                         f"rollout.workflow_args={args}", "rollout.reward_fn=reward_plugins:length_reward",
-                        "reward.timeout_s=30", model=chat_models[0], data=data, env=PLUGINS, check=True)
+                        "reward.timeout_s=30", model=chat_models[0], data=data, env=harness.plugin_env(), check=True)
     rows_out = run.rows
     assert [r["step"] for r in rows_out] == [1, 2]
     for r in rows_out:
@@ -156,7 +154,7 @@ def test_eval_runs_the_tool_workflow_greedily_with_pass_at_k_and_dumps(chat_mode
                         f"rollout.workflow_args={args}", "rollout.reward_fn=reward_plugins:even_length",
                         "rollout.eval_at_start=true", "rollout.eval_k=2",
                         "logging.dump_eval_generations=true", model=chat_models[0], data=train_data,
-                        eval_data=eval_data, env=PLUGINS, check=True)
+                        eval_data=eval_data, env=harness.plugin_env(), check=True)
     metrics = {r["step"]: r for r in run.rows}
     dumps = run.jsonl("eval_generations.jsonl")
     assert sorted({d["step"] for d in dumps}) == [0, 1]
