@@ -8,7 +8,10 @@
 the tiny demo model and data unless told otherwise, one thread per process (2 cores), and
 returns a `Run`: its exit code, output, wall time and what it wrote. `during=fn` calls
 fn(proc) while the run is alive (a probe, a fault); the run is then waited for, and what fn
-returned is `Run.probe` (a shared run can carry a probe: pass the same fn on every call).
+returned is `Run.probe` (a shared run can carry a probe: pass the same fn on every call). A probe
+that raises kills the run (its process group with `start_new_session=True`, which a test that
+signals the whole job needs) and fails with the tail of the run's output. `rows_so_far(run_dir)`
+is a probe's view of metrics.jsonl while the run writes it, `run_dir_of(proc)` the probe's run.
 `plugin_env()` puts tests/e2e on the run's PYTHONPATH (rollout.reward_fn=reward_plugins:...).
 
 Runs whose properties can be read from one run share it: the `shared_train` fixture
@@ -22,6 +25,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -62,6 +66,22 @@ def _jsonl(path: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def rows_so_far(run_dir, name: str = "metrics.jsonl") -> list[dict]:
+    """The complete lines of a jsonl file a live run is appending to (a line being written is
+    skipped, not parsed): what a `during` probe reads. A finished run's: `Run.rows`."""
+    path = pathlib.Path(run_dir) / name
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
+
+
+def run_dir_of(proc: subprocess.Popen) -> pathlib.Path:
+    """The run directory of a live `train` process (its train.run_dir=): for a `during` probe
+    that is not a closure over it, as a shared run's is not."""
+    return pathlib.Path(next(a for a in proc.args if a.startswith("train.run_dir=")).split("=", 1)[1])
+
+
 @dataclasses.dataclass
 class Run:
     """One finished `megarl-train` process and its run directory."""
@@ -73,6 +93,7 @@ class Run:
     stderr: str
     wall_s: float
     probe: object = None  # what train(during=fn)'s fn returned
+    ended: float = 0.0  # time.monotonic() once it had exited and its output closed (no process holds it)
 
     @property
     def rows(self) -> list[dict]:
@@ -83,6 +104,10 @@ class Run:
     def generations(self) -> list[dict]:
         """generations.jsonl (logging.dump_generations=true)."""
         return _jsonl(self.dir / "generations.jsonl")
+
+    def jsonl(self, name: str) -> list[dict]:
+        """Any jsonl file of the run directory (eval_generations.jsonl, ...)."""
+        return _jsonl(self.dir / name)
 
     def timeline(self, rank: int = 0) -> list[dict]:
         """timeline/rank<N>.jsonl (logging.timeline=true)."""
@@ -105,7 +130,8 @@ class Run:
 
 def train(run_dir, *overrides: str, recipe: str = "tiny_grpo.yaml", model=None, data=None,
           eval_data: str = "", env: dict | None = None, timeout: float = 600, cwd=None,
-          during: Callable[[subprocess.Popen], None] | None = None, check: bool = False) -> Run:
+          during: Callable[[subprocess.Popen], None] | None = None, check: bool = False,
+          start_new_session: bool = False) -> Run:
     """Runs megarl-train once into ``run_dir`` (see the module docstring)."""
     run_dir = pathlib.Path(run_dir)
     cmd = command(run_dir, *overrides, recipe=recipe, model=model, data=data, eval_data=eval_data)
@@ -113,26 +139,41 @@ def train(run_dir, *overrides: str, recipe: str = "tiny_grpo.yaml", model=None, 
     os.makedirs(cwd, exist_ok=True)
     t0, probe = time.monotonic(), None
     if during is None:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=run_env(env))
-        out, err, code = proc.stdout, proc.stderr, proc.returncode
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=run_env(env),
+                              start_new_session=start_new_session)
+        out, err, code, ended = proc.stdout, proc.stderr, proc.returncode, time.monotonic()
     else:
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                              env=run_env(env)) as proc:
+                              env=run_env(env), start_new_session=start_new_session) as proc:
             import threading
 
             outs: dict[str, str] = {}
-            reader = threading.Thread(target=lambda: outs.update(zip(("out", "err"), proc.communicate(timeout=timeout))),
-                                      daemon=True)
+            def read():
+                outs.update(zip(("out", "err"), proc.communicate(timeout=timeout)))
+                outs["ended"] = time.monotonic()
+
+            reader = threading.Thread(target=read, daemon=True)
             reader.start()
+
+            def kill():
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL) if start_new_session else proc.kill()
+
             try:
                 probe = during(proc)
+            except BaseException as e:  # a failed probe: the run is not waited for
+                kill()
+                reader.join(30)
+                e.add_note(f"megarl-train ({run_dir}), killed when the probe failed; its output ends:\n"
+                           f"{outs.get('out', '')[-2000:]}\n{outs.get('err', '')[-8000:]}")
+                raise
             finally:
                 reader.join(timeout)
-                if reader.is_alive():
-                    proc.kill()
-                    reader.join(10)
+                kill()  # past the timeout (communicate gave up): never wait on a live run
+                reader.join(10)
             out, err, code = outs.get("out", ""), outs.get("err", ""), proc.wait()
-    run = Run(run_dir, cmd, code, out, err, time.monotonic() - t0, probe)
+            ended = outs.get("ended", time.monotonic())
+    run = Run(run_dir, cmd, code, out, err, time.monotonic() - t0, probe, ended)
     return run.check() if check else run
 
 

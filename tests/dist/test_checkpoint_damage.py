@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+import harness
 from distrun import free_port
 from megarl.checkpoint import CheckpointError, find_resumable, verify_checkpoint
 
@@ -19,18 +20,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SHARD, STEP1, STEP2 = "__0_0.distcp", "step_00000001", "step_00000002"
 
 
-def train(run_dir, steps, *extra, check=True):
+def train(run_dir, steps, *extra, check=True) -> harness.Run:
     """The tiny SFT recipe for ``steps`` steps, a checkpoint every step (all kept)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()),
-               PYTHONPATH=REPO)
-    proc = subprocess.run(
-        [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_sft.yaml"),
-         f"train.steps={steps}", f"train.run_dir={run_dir}", "train.global_batch_size=8",
-         "checkpoint.save_interval=1", "checkpoint.keep_last=5", "checkpoint.hf_export_dir=", *extra],
-        capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+    run = harness.train(run_dir, f"train.steps={steps}", "train.global_batch_size=8", "checkpoint.save_interval=1",
+                        "checkpoint.keep_last=5", *extra, recipe="tiny_sft.yaml", model=harness.TINY / "hf",
+                        data=harness.TINY / "data" / "sft.jsonl", timeout=300,
+                        env={"PYTHONWARNINGS": "ignore", "MASTER_PORT": str(free_port()), "PYTHONPATH": REPO})
+    return run.check() if check else run
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Helpers of the end-to-end tier against real SGLang (`sglang` marker): `megarl-train` runs of the
 tiny demo recipe whose local servers are real SGLang on CPU, fp32, started by megarl-train itself
-(``rollout.engine=sglang``).
+(``rollout.engine=sglang``), run by tests/harness.py (`train` below).
 
 SGLang is installed into its own venv on first use (tools/sglang_cpu/install.sh, 1-3 min, ~11 GB);
 MEGARL_SKIP_SGLANG=1 skips the tier instead.
@@ -12,13 +12,14 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEMO = os.path.join(REPO, "examples", "tiny")
-MOE = os.path.join(REPO, "examples", "tiny_moe")  # same tokenizer and task as DEMO
+import harness
+
+REPO = str(harness.REPO)
+DEMO = str(harness.TINY)
+MOE = str(harness.TINY_MOE)  # same tokenizer and task as DEMO
 RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_recorder")
 
 # Every path SGLang 0.5.x serves that megarl's client and pusher may call.
@@ -57,25 +58,31 @@ def _hf_tokenizer():
     return mod
 
 
-def train_cmd(run: str, model: str, *overrides: str, server_args=(), recipe: str = "tiny_grpo.yaml") -> list[str]:
-    """megarl-train on the demo ``recipe`` with SGLang servers it starts itself (``server_args``:
-    more SGLang flags), each logging every HTTP request it answers (uvicorn's access log) into
-    <run>/servers/serverN.log."""
-    return [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", recipe),
-            f"model.hf_path={model}", f"data.train_path={DEMO}/data/rl_prompts.jsonl",
-            f"data.eval_path={DEMO}/data/eval_prompts.jsonl", f"train.run_dir={run}",
-            "checkpoint.hf_export_dir=", "rollout.engine=sglang", "rollout.health_timeout_s=400",
-            f"rollout.server_args=[{','.join(['--log-level-http', 'info', *server_args])}]", *overrides]
+def overrides(*more: str, server_args=()) -> tuple[str, ...]:
+    """The overrides that make megarl-train start SGLang servers itself (``server_args``: more
+    SGLang flags), each logging every HTTP request it answers (uvicorn's access log) into
+    <run>/servers/serverN.log; then ``more``."""
+    return ("rollout.engine=sglang", "rollout.health_timeout_s=400",
+            f"rollout.server_args=[{','.join(['--log-level-http', 'info', *server_args])}]", *more)
 
 
 def run_env(run: str) -> dict:
-    """The environment of a run: one thread per process (2 cores), and the recorder
+    """What a run's environment adds to harness.run_env's (one thread per process): the recorder
     (sglang_recorder/sitecustomize.py) on PYTHONPATH, inherited by the SGLang servers: it writes
     the load_format of every weight update they receive under <run>/received/."""
     os.makedirs(os.path.join(run, "received"), exist_ok=True)
     path = os.pathsep.join(p for p in (RECORDER, os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path,
-                MEGARL_TEST_RECORD_DIR=os.path.join(run, "received"))
+    return {"PYTHONPATH": path, "MEGARL_TEST_RECORD_DIR": os.path.join(run, "received")}
+
+
+def train(run: str, model: str, *more: str, server_args=(), recipe: str = "tiny_grpo.yaml", timeout: float = 900,
+          during=None) -> harness.Run:
+    """harness.train of the demo ``recipe`` on ``model`` (demo_model's copy) with the demo's
+    held-out prompts (``data.eval_path=`` in ``more`` turns evaluation off) and SGLang servers
+    (``overrides``), recorded (``run_env``)."""
+    return harness.train(run, *overrides(*more, server_args=server_args), recipe=recipe, model=model,
+                         eval_data=f"{DEMO}/data/eval_prompts.jsonl", env=run_env(run), timeout=timeout,
+                         during=during)
 
 
 def load_formats(run: str) -> dict[str, set]:
@@ -89,14 +96,6 @@ def load_formats(run: str) -> dict[str, set]:
                 if "weights" in row["path"]:
                     out.setdefault(row["path"], set()).add(row["load_format"])
     return out
-
-
-def metrics(run: str) -> list[dict]:
-    path = os.path.join(run, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(x) for x in f if x.strip()]
 
 
 def received(run: str) -> dict[str, dict[str, int]]:

@@ -17,8 +17,10 @@ import sys
 
 import pytest
 
+import harness
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = os.path.join(REPO, "examples", "tiny")
+TINY = str(harness.TINY)
 EVAL_SIZE, K, N = 100, 4, 6
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
@@ -31,21 +33,20 @@ def base_args(run) -> list[str]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """The run dir and the trainer's greedy completions / accuracy at step 0 and at the end."""
-    run = tmp_path_factory.mktemp("eval") / "run"
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"), *base_args(run),
-           "train.steps=2", "train.global_batch_size=32", "rollout.group_size=4", "rollout.max_staleness=0",
-           "optim.lr=1e-3", "optim.lr_warmup_steps=0", "rollout.eval_at_start=true",
-           "logging.dump_eval_generations=true", "checkpoint.hf_export_dir=", "checkpoint.save_interval=0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=str(run.parent))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    acc = {r["step"]: r["eval_accuracy"] for r in rows if "eval_accuracy" in r}
+    """The run dir and the trainer's greedy completions / accuracy at step 0 and at the end.
+    Its own run, not a shared one: megarl-eval writes <run_dir>/eval."""
+    run = harness.train(tmp_path_factory.mktemp("eval") / "run", f"rollout.eval_size={EVAL_SIZE}",
+                        "train.steps=2", "train.global_batch_size=32", "rollout.group_size=4",
+                        "rollout.max_staleness=0", "optim.lr=1e-3", "optim.lr_warmup_steps=0",
+                        "rollout.eval_at_start=true", "logging.dump_eval_generations=true",
+                        "checkpoint.save_interval=0", eval_data=f"{TINY}/data/eval_prompts.jsonl", timeout=300,
+                        check=True)
+    acc = {r["step"]: r["eval_accuracy"] for r in run.rows if "eval_accuracy" in r}
     done = {}
-    for g in map(json.loads, (run / "eval_generations.jsonl").read_text().splitlines()):
+    for g in run.jsonl("eval_generations.jsonl"):
         done.setdefault(g["step"], {})[g["index"]] = g["completion"]
     assert sorted(acc) == sorted(done) == [0, 2] and all(len(c) == EVAL_SIZE for c in done.values())
-    return run, acc, done
+    return run.dir, acc, done
 
 
 def megarl_eval(run, *overrides, recipe=None):

@@ -18,59 +18,43 @@ import sys
 import threading
 import time
 
-
+import harness
 from e2e_servers import ForwardingProxy, ServerProc, model_version, wait_for
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODEL = f"{REPO}/examples/tiny/model"
+MODEL = str(harness.TINY / "model")
+# the demo recipe, small steps (8 groups of 4), every trained sample dumped
+OVERRIDES = ("train.global_batch_size=32", "rollout.group_size=4", "logging.dump_generations=true")
 
 
-def train_cmd(run, *extra) -> list[str]:
-    return [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-            f"model.hf_path={MODEL}", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
-            "data.eval_path=", f"train.run_dir={run}", "checkpoint.hf_export_dir=",
-            "train.global_batch_size=32", "rollout.group_size=4", "logging.dump_generations=true",
-            *extra]
-
-
-def rows_of(run) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
-def assert_every_draw_trained_once(run, steps: int, groups: int) -> None:
+def assert_every_draw_trained_once(run: harness.Run, steps: int, groups: int) -> None:
     draws = collections.defaultdict(set)
-    for line in (run / "generations.jsonl").read_text().splitlines():
-        g = json.loads(line)
+    for g in run.generations:
         draws[g["draw"]].add(g["step"])
     assert len(draws) == steps * groups and all(len(s) == 1 for s in draws.values())
-    assert not (run / "failed_prompts.jsonl").exists()
+    assert not (run.dir / "failed_prompts.jsonl").exists()
 
 
 def test_killed_local_server_is_restarted_with_current_weights(tmp_path):
-    run = tmp_path / "run"
-    # 30 steps: a relaunched server needs 2-4 s to load before it can rejoin
-    proc = subprocess.Popen(train_cmd(run, "train.steps=30", "rollout.local_servers=2"),
-                            cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err", "w"))
-    try:
-        wait_for(lambda: len(rows_of(run)) >= 2, "step 2", proc)
-        before = json.loads((run / "servers" / "servers.json").read_text())
-        victim = before[0]
+    run_dir = tmp_path / "run"
+
+    def kill_a_server(proc):
+        wait_for(lambda: len(harness.rows_so_far(run_dir)) >= 2, "step 2", proc)
+        victim = json.loads((run_dir / "servers" / "servers.json").read_text())[0]
         os.kill(victim["pid"], signal.SIGKILL)  # mid-generation: staleness 1 keeps them busy
-        killed_at = len(rows_of(run))
+        killed_at = len(harness.rows_so_far(run_dir))
         # restarted on its own port by the trainer, then pushed the current weights
-        after = wait_for(lambda: [s for s in json.loads((run / "servers" / "servers.json").read_text())
+        after = wait_for(lambda: [s for s in json.loads((run_dir / "servers" / "servers.json").read_text())
                                   if s["url"] == victim["url"] and s["pid"] != victim["pid"]],
                          "the restart", proc)
-        version = wait_for(lambda: (v := model_version(victim["url"], (run / "servers" / "api_key").read_text())) not in (None, "0") and v,
+        key = run_dir / "servers" / "api_key"  # the run's own servers answer only with its key
+        version = wait_for(lambda: (v := model_version(victim["url"], key.read_text())) not in (None, "0") and v,
                            "current weights on the restarted server", proc)
         assert int(version) >= killed_at and after[0]["pid"] != victim["pid"]
-        assert proc.wait(timeout=600) == 0, (tmp_path / "err").read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    rows = rows_of(run)
+
+    # 30 steps: a relaunched server needs 2-4 s to load before it can rejoin
+    run = harness.train(run_dir, *OVERRIDES, "train.steps=30", "rollout.local_servers=2", during=kill_a_server)
+    run.check()
+    rows = run.rows
     assert [r["step"] for r in rows] == list(range(1, 31))  # every step completed
     assert max(r["rollout/dead_servers"] for r in rows) == 1
     assert rows[-1]["rollout/live_servers"] == 2 and rows[-1]["rollout/restarts"] == 1
@@ -98,31 +82,32 @@ class KillingProxy(ForwardingProxy):
 def test_server_killed_mid_push_rejoins_and_hung_server_is_dropped(tmp_path):
     a, b, c = (ServerProc(MODEL).wait_ready() for _ in range(3))
     proxy = KillingProxy(a, kill_at=3)  # the initial push, step 1's, then step 2's push kills it
-    run = tmp_path / "run"
-    cmd = train_cmd(run, "train.steps=40", "weights.timeout_s=5",
-                    f"rollout.servers=[{proxy.url},{b.url},{c.url}]")
-    proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err", "w"))
-    try:
-        assert proxy.killed.wait(300), (tmp_path / "err").read_text()[-3000:]
+    run_dir = tmp_path / "run"
+    seen, restarted = {}, []
+
+    def kill_then_hang(proc):
+        assert proxy.killed.wait(300), "the proxy never saw the third /begin_weight_update"
         time.sleep(1.0)
-        restarted = subprocess.Popen([sys.executable, "-m", "megarl.server", "--model", MODEL,
-                                      "--port", str(a.port), "--log-level", "WARNING"])
-        wait_for(lambda: any(r.get("rollout/live_servers") == 3 and r["step"] > 2 for r in rows_of(run)),
-                 "the killed server to rejoin", proc)
+        restarted.append(subprocess.Popen([sys.executable, "-m", "megarl.server", "--model", MODEL,
+                                           "--port", str(a.port), "--log-level", "WARNING"]))
+        wait_for(lambda: any(r.get("rollout/live_servers") == 3 and r["step"] > 2
+                             for r in harness.rows_so_far(run_dir)), "the killed server to rejoin", proc)
         # re-admitted = given the trainer's current weights first (its version is no longer "0")
         assert model_version(a.url) not in (None, "0")
-        hung_at = len(rows_of(run))
+        seen["hung_at"] = len(harness.rows_so_far(run_dir))
         os.kill(b.proc.pid, signal.SIGSTOP)
-        assert proc.wait(timeout=600) == 0, (tmp_path / "err").read_text()[-3000:]
+
+    try:
+        run = harness.train(run_dir, *OVERRIDES, "train.steps=40", "weights.timeout_s=5",
+                            f"rollout.servers=[{proxy.url},{b.url},{c.url}]", during=kill_then_hang)
     finally:
         os.kill(b.proc.pid, signal.SIGCONT)
-        if proc.poll() is None:
-            proc.kill()
         for s in (b, c):
             s.stop()
-        restarted.kill()
-    rows = rows_of(run)
+        for p in restarted:
+            p.kill()
+    run.check()
+    rows, hung_at = run.rows, seen["hung_at"]
     assert [r["step"] for r in rows] == list(range(1, 41))
     # the proxied server (A) dropped at the push that killed it, then back with the weights
     assert min(r["rollout/live_servers"] for r in rows[:hung_at]) == 2

@@ -2,38 +2,46 @@
 check over the epoch: every prompt trained exactly once, none lost, none repeated, and the
 staleness bound held in every batch of both runs (real trainer, real local server). The same for
 a colocated run (rollout.placement colocated: on-policy, the server sleeping through every update,
-weights handed over through shared memory)."""
+weights handed over through shared memory).
+
+The stop-then-resume frame (`prompts`, `OVERRIDES`, `until_step`, `resume_and_check`) is shared
+with test_rollout_manager.py and test_manager_liveness.py, which stop the run in other ways."""
 import collections
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness
+
 PROMPTS, GROUP, GROUPS_PER_STEP = 24, 4, 4  # one epoch = 6 steps
 
-
 PLACEMENTS = {
-    "disaggregated": ["rollout.max_staleness=2",
-                      "rollout.staleness_hard_cap=0"],  # the strict rule: every trained token within 2
-    "colocated": ["rollout.placement=colocated", "rollout.max_staleness=0", "weights.transport=shm"],
+    "disaggregated": ("rollout.max_staleness=2",
+                      "rollout.staleness_hard_cap=0"),  # the strict rule: every trained token within 2
+    "colocated": ("rollout.placement=colocated", "rollout.max_staleness=0", "weights.transport=shm"),
 }
+# 9 steps of 4 groups of 4, a checkpoint every 2 steps, every trained sample dumped
+OVERRIDES = ("checkpoint.save_interval=2", "train.steps=9", f"train.global_batch_size={GROUP * GROUPS_PER_STEP}",
+             f"rollout.group_size={GROUP}", "logging.dump_generations=true")
 
 
-def command(run, data, placement: str = "disaggregated") -> list[str]:
-    return [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-            f"model.hf_path={REPO}/examples/tiny/model", f"data.train_path={data}", "data.eval_path=",
-            f"train.run_dir={run}", "checkpoint.hf_export_dir=", "checkpoint.save_interval=2",
-            "train.steps=9", f"train.global_batch_size={GROUP * GROUPS_PER_STEP}",
-            f"rollout.group_size={GROUP}", "logging.dump_generations=true", *PLACEMENTS[placement]]
+def prompts(tmp_path):
+    """The demo's first PROMPTS training prompts: an epoch is 6 steps, so 9 steps start a second."""
+    data = tmp_path / "prompts.jsonl"
+    lines = (harness.TINY / "data" / "rl_prompts.jsonl").read_text().splitlines()[:PROMPTS]
+    data.write_text("\n".join(lines) + "\n")
+    return data
 
 
-def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in open(path).read().splitlines()] if os.path.exists(path) else []
+def until_step(proc, run_dir, step: int = 3, timeout: float = 300) -> None:
+    """Until the live run has logged `step` (a `during` probe's first part)."""
+    deadline = time.monotonic() + timeout
+    while not any(r["step"] >= step for r in harness.rows_so_far(run_dir)):
+        assert proc.poll() is None, f"the run exited ({proc.returncode}) before step {step}"
+        assert time.monotonic() < deadline, f"the run never reached step {step}"
+        time.sleep(0.05)
 
 
 def latest_checkpoint_step(run) -> int:
@@ -42,38 +50,32 @@ def latest_checkpoint_step(run) -> int:
     return max(int(n.split("_")[1]) for n in names)
 
 
+def resume_and_check(run_dir, data, *overrides: str, env=None) -> None:
+    """After run 1 was stopped: keeps its rows and the generations up to its latest checkpoint
+    (the rest rolled back), moves both logs aside, runs the same command again, which resumes
+    from the checkpoint and finishes, and checks every prompt exactly once over both runs."""
+    saved = latest_checkpoint_step(run_dir)
+    assert saved >= 2
+    rows1 = harness.rows_so_far(run_dir)
+    gens1 = [g for g in harness.rows_so_far(run_dir, "generations.jsonl") if g["step"] <= saved]
+    os.rename(run_dir / "generations.jsonl", run_dir.parent / "generations_run1.jsonl")
+    os.rename(run_dir / "metrics.jsonl", run_dir.parent / "metrics_run1.jsonl")
+    done = harness.train(run_dir, *overrides, data=data, env=env, check=True)
+    assert [r["step"] for r in done.rows] == list(range(saved + 1, 10))
+    check_exactly_once(gens1 + done.generations, rows1 + done.rows)
+
+
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_sigkill_and_resume_trains_every_prompt_exactly_once(tmp_path, placement):
-    data = tmp_path / "prompts.jsonl"
-    lines = open(f"{REPO}/examples/tiny/data/rl_prompts.jsonl").read().splitlines()[:PROMPTS]
-    data.write_text("\n".join(lines) + "\n")
-    run = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    data, run_dir = prompts(tmp_path), tmp_path / "run"
+    args = (*OVERRIDES, *PLACEMENTS[placement])
 
-    # run 1: killed (with its local server: the whole process group) once step 3 is logged
-    proc = subprocess.Popen(command(run, data, placement), cwd=str(tmp_path), env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "run1.err", "w"))
-    deadline = time.monotonic() + 300
-    while not any(r["step"] >= 3 for r in read_jsonl(run / "metrics.jsonl")):
-        assert proc.poll() is None, open(tmp_path / "run1.err").read()[-3000:]
-        assert time.monotonic() < deadline, "run 1 never reached step 3"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    saved = latest_checkpoint_step(run)
-    assert saved >= 2
-    rows1 = read_jsonl(run / "metrics.jsonl")
-    gens1 = [g for g in read_jsonl(run / "generations.jsonl") if g["step"] <= saved]  # the rest rolled back
-    os.rename(run / "generations.jsonl", tmp_path / "generations_run1.jsonl")
-    os.rename(run / "metrics.jsonl", tmp_path / "metrics_run1.jsonl")
+    def sigkill_at_step_3(proc):  # the trainer with its local server: the whole process group
+        until_step(proc, run_dir)
+        os.killpg(proc.pid, signal.SIGKILL)
 
-    # run 2: the same command resumes from the checkpoint and finishes
-    done = subprocess.run(command(run, data, placement), cwd=str(tmp_path), env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    rows2 = read_jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows2] == list(range(saved + 1, 10))
-    check_exactly_once(gens1 + read_jsonl(run / "generations.jsonl"), rows1 + rows2)
+    harness.train(run_dir, *args, data=data, during=sigkill_at_step_3, start_new_session=True)
+    resume_and_check(run_dir, data, *args)
 
 
 def check_exactly_once(gens: list[dict], rows: list[dict]) -> None:

@@ -2,24 +2,23 @@
 local server): the controller's HTTP traffic, the workflow and the reward run there, never in the
 trainer, whose update runs with no other Python thread; a SIGKILLed manager stops the job with one
 line within 30 s and a resume trains every prompt exactly once."""
+import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
 
-from test_resume_exactly_once import check_exactly_once, command, latest_checkpoint_step, read_jsonl
+import harness
+from test_resume_exactly_once import OVERRIDES, PLACEMENTS, prompts, resume_and_check, until_step
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HERE = os.path.dirname(os.path.abspath(__file__))
+RESUMABLE = (*OVERRIDES, *PLACEMENTS["disaggregated"])
 
 
 def _env(**extra):
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                **extra)
+    """reward_plugins / workflow_plugins (this directory) importable by the run."""
+    return harness.plugin_env(extra)
 
 
 def _manager(trainer: psutil.Process) -> psutil.Process:
@@ -32,78 +31,80 @@ def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
 
-def test_controller_rewards_and_http_run_in_the_manager_not_the_trainer(tmp_path):
-    run, pids = tmp_path / "run", tmp_path / "reward_pids.txt"
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-           f"model.hf_path={REPO}/examples/tiny/model", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
-           "data.eval_path=", f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.global_batch_size=64",
-           "rollout.eval_at_start=false", "train.steps=400", "checkpoint.save_interval=0",
-           "rollout.reward_fn=reward_plugins:pid_reward"]
-    proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=_env(MEGARL_TEST_PID_FILE=str(pids)),
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err", "w"), start_new_session=True)
+# One run serves the manager test below and test_stop_resume.py's SIGUSR1 test: the demo recipe,
+# rewards by pid_reward (MEGARL_TEST_PID_FILE relative: the run's cwd, harness's run_dir.parent),
+# watched by `watch_then_sigusr1` and stopped by SIGUSR1 to its process group.
+SIGUSR1_RUN = ("train.global_batch_size=64", "rollout.eval_at_start=false", "train.steps=1000",
+               "checkpoint.save_interval=0", "rollout.reward_fn=reward_plugins:pid_reward")
+
+
+def watch_then_sigusr1(proc) -> None:
+    """Once step 3 is logged: notes the rollout manager(s) among the trainer's children, the
+    servers among all its descendants, and for 1 s which of trainer and manager hold connections
+    to the server's port; then SIGUSR1 to the whole process group (trainer, manager and server
+    alike, as SLURM signals every process). Returns the notes (Run.probe) for the tests to assert
+    on: a shared run's probe never fails (a failed one would be rerun by the next test); on an
+    error it notes it and kills the run."""
+    run_dir = harness.run_dir_of(proc)
+    notes = {}
     try:
-        deadline = time.monotonic() + 300
-        while len(read_jsonl(run / "metrics.jsonl")) < 3:
-            assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        until_step(proc, run_dir)
         trainer = psutil.Process(proc.pid)
-        manager = _manager(trainer)
-        server_port = _port(json.loads((run / "servers" / "servers.json").read_text())[0]["url"])
-        # the generation requests (HTTP to the server's port) come from the manager only
-        seen_manager = seen_trainer = 0
+        managers = [c for c in trainer.children() if "megarl.rollout.manager" in " ".join(c.cmdline())]
+        notes["managers"] = [m.pid for m in managers]
+        notes["servers"] = [(c.pid, c.create_time()) for c in trainer.children(recursive=True)
+                            if "megarl.server" in " ".join(c.cmdline())]
+        server_port = _port(json.loads((run_dir / "servers" / "servers.json").read_text())[0]["url"])
+        # the generation requests (HTTP to the server's port): who holds them
+        notes["manager_conns"] = notes["trainer_conns"] = 0
         for _ in range(50):
-            seen_manager += sum(bool(c.raddr) and c.raddr.port == server_port for c in manager.net_connections("tcp"))
-            seen_trainer += sum(bool(c.raddr) and c.raddr.port == server_port for c in trainer.net_connections("tcp"))
+            for who, p in (("manager_conns", managers[0]), ("trainer_conns", trainer)):
+                notes[who] += sum(bool(c.raddr) and c.raddr.port == server_port for c in p.net_connections("tcp"))
             time.sleep(0.02)
-        assert seen_manager > 0 and seen_trainer == 0, (seen_manager, seen_trainer)
-        manager_pid = manager.pid
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    rows = read_jsonl(run / "metrics.jsonl")
+        os.killpg(proc.pid, signal.SIGUSR1)
+    except Exception as e:  # noqa: BLE001 - noted for the tests
+        notes["error"] = repr(e)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return notes
+
+
+def sigusr1_run(shared_train) -> tuple[harness.Run, dict]:
+    """The shared run and its probe's notes."""
+    run = shared_train(*SIGUSR1_RUN, env=_env(MEGARL_TEST_PID_FILE="reward_pids.txt"), during=watch_then_sigusr1,
+                       start_new_session=True)
+    notes = run.probe
+    assert "error" not in notes, (notes, run.log[-3000:])
+    return run, notes
+
+
+def test_controller_rewards_and_http_run_in_the_manager_not_the_trainer(shared_train):
+    run, notes = sigusr1_run(shared_train)
+    assert len(notes["managers"]) == 1, notes
+    # the generation requests (HTTP to the server's port) come from the manager only
+    assert notes["manager_conns"] > 0 and notes["trainer_conns"] == 0, notes
+    rows = run.rows
     # the update ran with the main thread alone: no controller, admin, health or reward thread
     assert {r["trainer/python_threads"] for r in rows} == {1}, [r["trainer/python_threads"] for r in rows]
     # every reward call of the workflow ran in the manager process
-    called = {int(x) for x in pids.read_text().split()}
-    assert called == {manager_pid}, (called, manager_pid, proc.pid)
+    called = {int(x) for x in (run.dir.parent / "reward_pids.txt").read_text().split()}
+    assert called == set(notes["managers"]), (called, notes)
 
 
 def test_sigkilled_manager_stops_the_job_and_a_resume_trains_every_prompt_once(tmp_path):
-    data = tmp_path / "prompts.jsonl"
-    lines = open(f"{REPO}/examples/tiny/data/rl_prompts.jsonl").read().splitlines()[:24]
-    data.write_text("\n".join(lines) + "\n")
-    run = tmp_path / "run"
-    proc = subprocess.Popen(command(run, data), cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not any(r["step"] >= 3 for r in read_jsonl(run / "metrics.jsonl")):
-            assert proc.poll() is None
-            assert time.monotonic() < deadline, "never reached step 3"
-            time.sleep(0.05)
-        _manager(psutil.Process(proc.pid)).kill()
-        killed = time.monotonic()
-        out, _ = proc.communicate(timeout=60)
-        stopped_in = time.monotonic() - killed
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode not in (0, None)
-    assert stopped_in < 30, stopped_in
-    errors = [line for line in out.splitlines() if line.startswith("megarl-train:")]
-    assert len(errors) == 1 and "rollout manager" in errors[0], out[-3000:]
-    assert "Traceback" not in out
-    saved = latest_checkpoint_step(run)
-    assert saved >= 2
-    rows1 = read_jsonl(run / "metrics.jsonl")
-    gens1 = [g for g in read_jsonl(run / "generations.jsonl") if g["step"] <= saved]
-    os.rename(run / "generations.jsonl", tmp_path / "generations_run1.jsonl")
-    os.rename(run / "metrics.jsonl", tmp_path / "metrics_run1.jsonl")
+    data, run_dir = prompts(tmp_path), tmp_path / "run"
+    seen = {}
 
-    done = subprocess.run(command(run, data), cwd=str(tmp_path), env=_env(), capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    rows2 = read_jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows2] == list(range(saved + 1, 10))
-    check_exactly_once(gens1 + read_jsonl(run / "generations.jsonl"), rows1 + rows2)
+    def kill_the_manager(proc):
+        until_step(proc, run_dir)
+        _manager(psutil.Process(proc.pid)).kill()
+        seen["killed"] = time.monotonic()
+
+    run = harness.train(run_dir, *RESUMABLE, data=data, env=_env(), during=kill_the_manager, start_new_session=True)
+    assert run.returncode not in (0, None)
+    stopped_in = run.ended - seen["killed"]  # exited, and no process of the job holds its output
+    assert stopped_in < 30, stopped_in
+    errors = [line for line in run.log.splitlines() if line.startswith("megarl-train:")]
+    assert len(errors) == 1 and "rollout manager" in errors[0], run.log[-3000:]
+    assert "Traceback" not in run.log
+    resume_and_check(run_dir, data, *RESUMABLE, env=_env())

@@ -7,13 +7,10 @@ re-prefills them under the new weights). Every drawn prompt is trained exactly o
 test_async_modes.py (async_partial), with the same slow-rollout settings.
 """
 import collections
-import json
 import os
-import subprocess
-import time
 
 import pytest
-from sglang_runs import demo_model, metrics, require_sglang, run_env, train_cmd
+from sglang_runs import demo_model, require_sglang, train
 
 pytestmark = pytest.mark.sglang
 
@@ -26,19 +23,15 @@ def test_partial_rollouts_resume_across_pushes(tmp_path, pause):
     model, run = demo_model(str(tmp_path / "model")), str(tmp_path / "run")
     # one episode of 8 x 25 tokens at a time (48 asked, the recipe's train.max_seq_len 32 caps
     # them), decoded 2 sequences at a time: pushes find requests in flight (test_async_modes)
-    cmd = train_cmd(run, model, f"train.steps={STEPS}", "data.eval_path=", "rollout.eval_at_start=false",
-                    "train.global_batch_size=32", "rollout.group_size=8", "rollout.max_concurrent=1",
-                    "rollout.max_new_tokens=48", "rollout.ignore_eos=true", "rollout.max_staleness=2",
-                    "rollout.staleness_hard_cap=0",  # the strict rule: every trained token within 2
-                    "rollout.partial_rollout=true", "logging.dump_generations=true", f"weights.pause_mode={pause}",
-                    server_args=["--max-running-requests", "2"])
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=str(tmp_path), env=run_env(run))
-    wall = time.monotonic() - t0
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = metrics(run)
-    with open(os.path.join(run, "generations.jsonl")) as f:
-        gens = [json.loads(line) for line in f]
+    done = train(run, model, f"train.steps={STEPS}", "data.eval_path=", "rollout.eval_at_start=false",
+                 "train.global_batch_size=32", "rollout.group_size=8", "rollout.max_concurrent=1",
+                 "rollout.max_new_tokens=48", "rollout.ignore_eos=true", "rollout.max_staleness=2",
+                 "rollout.staleness_hard_cap=0",  # the strict rule: every trained token within 2
+                 "rollout.partial_rollout=true", "logging.dump_generations=true", f"weights.pause_mode={pause}",
+                 server_args=["--max-running-requests", "2"])
+    wall = done.wall_s
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows, gens = done.rows, done.generations
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["staleness_max"] <= 2 for r in rows)
     partial = [g for g in gens if len(set(g["versions"])) > 1]

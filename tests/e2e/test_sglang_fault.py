@@ -8,12 +8,13 @@ import collections
 import json
 import os
 import signal
-import subprocess
 import time
 
 import pytest
+
+import harness
 from e2e_servers import model_version, wait_for
-from sglang_runs import MEGARL_ONLY_PATHS, demo_model, metrics, received, require_sglang, run_env, train_cmd
+from sglang_runs import MEGARL_ONLY_PATHS, demo_model, received, require_sglang, train
 
 pytestmark = pytest.mark.sglang
 
@@ -29,41 +30,38 @@ def servers(run: str) -> list[dict]:
 def test_killed_sglang_server_is_restarted_with_current_weights(tmp_path):
     require_sglang()
     model, run = demo_model(str(tmp_path / "model")), str(tmp_path / "run")
-    cmd = train_cmd(run, model, f"train.steps={STEPS}", "rollout.local_servers=2", "data.eval_path=",
-                    "rollout.eval_at_start=false", "logging.dump_generations=true",
-                    "rollout.staleness_hard_cap=0")  # the strict rule: every trained token within 1
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=run_env(run), stdout=subprocess.DEVNULL,
-                            stderr=open(tmp_path / "err", "w"))
-    try:
-        wait_for(lambda: len(metrics(run)) >= 2, "step 2", proc, err=tmp_path / "err", timeout=600)
+    seen = {}
+
+    def kill_the_leader(proc):
+        wait_for(lambda: len(harness.rows_so_far(run)) >= 2, "step 2", proc, timeout=600)
         victim = servers(run)[0]
         os.kill(victim["pid"], signal.SIGKILL)  # the leader, mid-generation (staleness 1 keeps them busy)
-        killed_at, killed_t = len(metrics(run)), time.monotonic()
+        killed_at, killed_t = len(harness.rows_so_far(run)), time.monotonic()
         wait_for(lambda: [s for s in servers(run) if s["url"] == victim["url"] and s["pid"] != victim["pid"]],
-                 "the restart", proc, err=tmp_path / "err", timeout=600)
-        version = wait_for(lambda: (v := model_version(victim["url"], open(os.path.join(run, "servers", "api_key")).read())) not in (None, "default") and v,
-                           "current weights on the restarted server", proc, err=tmp_path / "err", timeout=600)
-        rejoin_s, rejoined_at = time.monotonic() - killed_t, len(metrics(run))
+                 "the restart", proc, timeout=600)
+        key = os.path.join(run, "servers", "api_key")  # the run's own servers answer only with its key
+        version = wait_for(lambda: (v := model_version(victim["url"], open(key).read())) not in (None, "default") and v,
+                           "current weights on the restarted server", proc, timeout=600)
+        seen.update(killed_at=killed_at, version=version, rejoin_s=time.monotonic() - killed_t,
+                    rejoined_at=len(harness.rows_so_far(run)))
         assert int(version) >= killed_at
-        assert proc.wait(timeout=900) == 0, (tmp_path / "err").read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    wall = time.monotonic() - t0
-    rows = metrics(run)
-    print(f"\n[sglang-fault] killed at step {killed_at}, back with weights v{version} after {rejoin_s:.0f} s "
-          f"(step {rejoined_at}); {STEPS} steps in {wall:.0f} s wall")
+
+    done = train(run, model, f"train.steps={STEPS}", "rollout.local_servers=2", "data.eval_path=",
+                 "rollout.eval_at_start=false", "logging.dump_generations=true",
+                 "rollout.staleness_hard_cap=0",  # the strict rule: every trained token within 1
+                 timeout=2400, during=kill_the_leader)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = done.rows
+    print(f"\n[sglang-fault] killed at step {seen['killed_at']}, back with weights v{seen['version']} after "
+          f"{seen['rejoin_s']:.0f} s (step {seen['rejoined_at']}); {STEPS} steps in {done.wall_s:.0f} s wall")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step completed
     assert max(r["rollout/dead_servers"] for r in rows) == 1
     assert rows[-1]["rollout/live_servers"] == 2 and rows[-1]["rollout/restarts"] == 1
     assert rows[-1]["rollout/dead_servers"] == 0
     assert all(r["staleness_max"] <= 1 for r in rows)
     draws = collections.defaultdict(set)
-    with open(os.path.join(run, "generations.jsonl")) as f:
-        for line in f:
-            g = json.loads(line)
-            draws[g["draw"]].add(g["step"])
+    for g in done.generations:
+        draws[g["draw"]].add(g["step"])
     assert len(draws) == STEPS * 32 and all(len(s) == 1 for s in draws.values())
     assert not os.path.exists(os.path.join(run, "failed_prompts.jsonl"))
     # the restarted server's log (appended to its predecessor's) shows the second start's weight group

@@ -16,14 +16,13 @@ MEGARL_SKIP_SGLANG=1 skips the tier.
 """
 import json
 import os
-import subprocess
 import sys
 import urllib.request
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from sglang_runs import REPO, demo_model, metrics, received, require_sglang, run_env, train_cmd
+from sglang_runs import REPO, demo_model, received, require_sglang, train
 
 pytestmark = pytest.mark.sglang
 
@@ -127,13 +126,12 @@ def test_lora_train_against_sglang_loads_each_adapter(tmp_path, model, tp):
     from megarl.protocol.hf_model import read_model_args
 
     run, steps = str(tmp_path / "run"), 4
-    cmd = train_cmd(run, model, "data.eval_path=", "rollout.eval_at_start=false", "checkpoint.save_interval=0",
-                    f"train.steps={steps}", "train.global_batch_size=32", "rollout.max_staleness=0",
-                    f"parallel.tp={tp}", "lora.rank=8", "lora.alpha=16", "optim.lr=1e-2", "optim.lr_warmup_steps=0",
-                    recipe="tiny_grpo_lora.yaml")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=run_env(run))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = metrics(run)
+    done = train(run, model, "data.eval_path=", "rollout.eval_at_start=false", "checkpoint.save_interval=0",
+                 f"train.steps={steps}", "train.global_batch_size=32", "rollout.max_staleness=0",
+                 f"parallel.tp={tp}", "lora.rank=8", "lora.alpha=16", "optim.lr=1e-2", "optim.lr_warmup_steps=0",
+                 recipe="tiny_grpo_lora.yaml", timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = done.rows
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     shapes = hf_adapter_shapes(read_model_args(model), ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], 8)
     adapters = sum(r * c for r, c in shapes.values()) * 4  # fp32; the scale travels in adapter_config.json

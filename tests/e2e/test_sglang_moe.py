@@ -11,11 +11,8 @@ router's choice on every replayed (position, layer), prompt rows included.
 
 Marker ``sglang``: ``python -m pytest -m sglang`` runs the tier alone, MEGARL_SKIP_SGLANG=1 skips it.
 """
-import subprocess
-import time
-
 import pytest
-from sglang_runs import MOE, demo_model, metrics, received, require_sglang, run_env, train_cmd
+from sglang_runs import MOE, demo_model, received, require_sglang, train
 
 pytestmark = pytest.mark.sglang
 
@@ -26,15 +23,13 @@ GAP = 1e-5  # mean |logp_trainer - logp_sglang| nats on on-policy tokens, fp32 (
 def test_moe_replays_sglang_routes(tmp_path):
     require_sglang()
     model, run = demo_model(str(tmp_path / "model"), MOE), str(tmp_path / "run")
-    cmd = train_cmd(run, model, f"train.steps={STEPS}", "train.global_batch_size=32", "train.ppo_mini_batch_size=32",
-                    "rollout.max_staleness=0", "rollout.eval_at_start=false", "data.eval_path=",
-                    "checkpoint.save_interval=0", "algo.prox_logp_mode=recompute", "moe.routing_replay=rollout",
-                    "moe.replay_check=true", f"train.mismatch_threshold={GAP}", recipe="tiny_moe_grpo.yaml")
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=str(tmp_path), env=run_env(run))
-    wall = time.monotonic() - t0
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = metrics(run)
+    done = train(run, model, f"train.steps={STEPS}", "train.global_batch_size=32", "train.ppo_mini_batch_size=32",
+                 "rollout.max_staleness=0", "rollout.eval_at_start=false", "data.eval_path=",
+                 "checkpoint.save_interval=0", "algo.prox_logp_mode=recompute", "moe.routing_replay=rollout",
+                 "moe.replay_check=true", f"train.mismatch_threshold={GAP}", recipe="tiny_moe_grpo.yaml")
+    wall = done.wall_s
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = done.rows
     print(f"\n[sglang-moe] {len(rows)} steps in {wall:.0f} s wall; " + "; ".join(
         f"step {r['step']}: mismatch mean {r['mismatch/mean']:.2g} max {r['mismatch/max']:.2g}, "
         f"routes_frac {r['moe/routes_frac']}, flip {r['moe/route_flip_frac']}" for r in rows))

@@ -6,13 +6,10 @@ logs under <run_dir>/servers, what the servers received under <run_dir>/received
 Marker ``sglang``: ``python -m pytest -m sglang`` runs the tier alone, MEGARL_SKIP_SGLANG=1 skips it.
 """
 import os
-import subprocess
-import time
 
 import pytest
 import yaml
-from sglang_runs import (MEGARL_ONLY_PATHS, SGLANG_PATHS, demo_model, load_formats, metrics, received,
-                         require_sglang, run_env, train_cmd)
+from sglang_runs import MEGARL_ONLY_PATHS, SGLANG_PATHS, demo_model, load_formats, received, require_sglang, train
 
 pytestmark = pytest.mark.sglang
 
@@ -26,17 +23,15 @@ def run(tmp_path_factory):
     work = tmp_path_factory.mktemp("sglang-train")
     model, run = demo_model(str(work / "model")), str(work / "run")
     # on-policy: every step's tokens come from the weights the step starts from, so each step is gated
-    cmd = train_cmd(run, model, f"train.steps={STEPS}", "rollout.max_staleness=0", "rollout.eval_at_start=true",
-                    f"rollout.eval_interval={STEPS}", "rollout.eval_size=500", f"train.mismatch_threshold={GAP}")
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=str(work), env=run_env(run))
-    wall = time.monotonic() - t0
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = metrics(run)
+    done = train(run, model, f"train.steps={STEPS}", "rollout.max_staleness=0", "rollout.eval_at_start=true",
+                 f"rollout.eval_interval={STEPS}", "rollout.eval_size=500", f"train.mismatch_threshold={GAP}",
+                 timeout=1500)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = done.rows
     steps = [r for r in rows if "step_time" in r]
-    print(f"\n[sglang-train] {len(steps)} steps in {wall:.0f} s wall; median step "
+    print(f"\n[sglang-train] {len(steps)} steps in {done.wall_s:.0f} s wall; median step "
           f"{sorted(r['step_time'] for r in steps)[len(steps) // 2]:.2f} s", flush=True)
-    return run, rows, proc.stdout + proc.stderr
+    return run, rows, done.log
 
 
 def test_mismatch_gate_passes_at_step_one_within_fp32_gap(run):
@@ -58,7 +53,8 @@ def test_held_out_accuracy_rises(run):
     print(f"\n[sglang-train] held-out accuracy (500 prompts, greedy on SGLang): {evals}")
     assert sorted(evals) == [0, STEPS], evals
     assert 0.15 <= evals[0] <= 0.45, evals  # the demo start point (examples/tiny/sft_eval.json)
-    # 500 prompts: one accuracy's standard error is <= 0.023, so +0.08 is a real rise (test_demo_learns)
+    # 500 prompts: one accuracy's standard error is <= 0.023, so +0.08 is a real rise (the demo row of
+    # test_recipes_learn.py)
     assert evals[STEPS] >= evals[0] + 0.08, evals
 
 

@@ -11,29 +11,21 @@ and nothing half-written (real trainer, rollout manager and megarl-servers):
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 
+import harness
 from e2e_servers import ServerProc
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODEL = f"{REPO}/examples/tiny/model"
-HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL = str(harness.TINY / "model")
 
 
-def train(tmp_path, *extra, env=None) -> tuple[subprocess.CompletedProcess, float]:
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-           f"model.hf_path={MODEL}", f"data.train_path={REPO}/examples/tiny/data/rl_prompts.jsonl",
-           "data.eval_path=", f"train.run_dir={tmp_path / 'run'}", "checkpoint.hf_export_dir=",
-           "checkpoint.save_interval=1", "train.steps=3", "train.global_batch_size=16",
-           "rollout.group_size=4", "rollout.max_concurrent=4", "rollout.max_staleness=0",
-           "train.stall_timeout_s=5", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}),
-               PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=env)
-    return proc, time.monotonic() - t0
+def train(tmp_path, *extra, env=None) -> tuple[harness.Run, float]:
+    """3 small steps, a checkpoint every step, a 5 s stall deadline; the plugins of this
+    directory importable. Returns the run and its wall time."""
+    run = harness.train(tmp_path / "run", "checkpoint.save_interval=1", "train.steps=3",
+                        "train.global_batch_size=16", "rollout.group_size=4", "rollout.max_concurrent=4",
+                        "rollout.max_staleness=0", "train.stall_timeout_s=5", *extra, timeout=120,
+                        env=harness.plugin_env(env))
+    return run, run.wall_s
 
 
 def last_line(proc) -> str:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+import harness
 from chatml import write_chat_tokenizer
-from e2e_servers import REPO, http
+from e2e_servers import http
 from test_server_reference import make_tiny_model
 
 from megarl.data import PromptSample, load_chat_template, load_tokenizer
@@ -118,21 +117,14 @@ def test_grpo_trains_on_tool_trajectories(chat_models, tmp_path):
     rows.append({"messages": [{"role": "user", "content": "x" * 2000}], "answer": "0"})
     data = tmp_path / "prompts.parquet"
     pq.write_table(pa.Table.from_pylist(rows), str(data))
-    run = tmp_path / "run"
-    here = os.path.dirname(os.path.abspath(__file__))
     args = json.dumps({"tools": ["calculator"], "max_turns": 2, "forced_prefix": FORCED})
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-           f"model.hf_path={chat_models[0]}", f"data.train_path={data}", "data.eval_path=",
-           "data.prompt_key=messages", "data.max_prompt_length=600", "data.truncation=filter",
-           f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.steps=2", "train.global_batch_size=4",
-           "train.max_seq_len=1024", "train.micro_batch_tokens=8192", "rollout.group_size=2",
-           "rollout.max_concurrent=4", "rollout.workflow=megarl.rollout.workflows:ToolCallingWorkflow",
-           f"rollout.workflow_args={args}", "rollout.reward_fn=reward_plugins:length_reward",
-           "reward.timeout_s=30"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows_out = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    run = harness.train(tmp_path / "run", "data.prompt_key=messages", "data.max_prompt_length=600",
+                        "data.truncation=filter", "train.steps=2", "train.global_batch_size=4",
+                        "train.max_seq_len=1024", "train.micro_batch_tokens=8192", "rollout.group_size=2",
+                        "rollout.max_concurrent=4", "rollout.workflow=megarl.rollout.workflows:ToolCallingWorkflow",
+                        f"rollout.workflow_args={args}", "rollout.reward_fn=reward_plugins:length_reward",
+                        "reward.timeout_s=30", model=chat_models[0], data=data, env=harness.plugin_env(), check=True)
+    rows_out = run.rows
     assert [r["step"] for r in rows_out] == [1, 2]
     for r in rows_out:
         assert r["reward"] >= 0.0 and 2 <= r["response_len"] <= 16  # two turns of at most 8 tokens
@@ -154,22 +146,17 @@ def test_eval_runs_the_tool_workflow_greedily_with_pass_at_k_and_dumps(chat_mode
 
     train_data = write("train.parquet", ((2, 3), (4, 5), (6, 7), (8, 9)))
     eval_data = write("eval.parquet", ((2, 3), (3, 4), (2, 3)))  # a repeated prompt: greedy twice
-    run = tmp_path / "run"
     args = json.dumps({"tools": ["calculator"], "max_turns": 2, "forced_prefix": FORCED, "group_size": 2})
-    cmd = [sys.executable, "-m", "megarl.train", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
-           f"model.hf_path={chat_models[0]}", f"data.train_path={train_data}", f"data.eval_path={eval_data}",
-           "data.prompt_key=messages", f"train.run_dir={run}", "checkpoint.hf_export_dir=", "train.steps=1",
-           "train.global_batch_size=4", "train.max_seq_len=1024", "train.micro_batch_tokens=8192",
-           "rollout.group_size=2", "rollout.max_concurrent=2", "rollout.max_new_tokens=6",
-           "rollout.workflow=megarl.rollout.workflows:ToolCallingWorkflow", f"rollout.workflow_args={args}",
-           "rollout.reward_fn=reward_plugins:even_length", "rollout.eval_at_start=true", "rollout.eval_k=2",
-           "logging.dump_eval_generations=true"]
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    metrics = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
-    dumps = [json.loads(x) for x in (run / "eval_generations.jsonl").read_text().splitlines()]
+    run = harness.train(tmp_path / "run", "data.prompt_key=messages", "train.steps=1",
+                        "train.global_batch_size=4", "train.max_seq_len=1024", "train.micro_batch_tokens=8192",
+                        "rollout.group_size=2", "rollout.max_concurrent=2", "rollout.max_new_tokens=6",
+                        "rollout.workflow=megarl.rollout.workflows:ToolCallingWorkflow",
+                        f"rollout.workflow_args={args}", "rollout.reward_fn=reward_plugins:even_length",
+                        "rollout.eval_at_start=true", "rollout.eval_k=2",
+                        "logging.dump_eval_generations=true", model=chat_models[0], data=train_data,
+                        eval_data=eval_data, env=harness.plugin_env(), check=True)
+    metrics = {r["step"]: r for r in run.rows}
+    dumps = run.jsonl("eval_generations.jsonl")
     assert sorted({d["step"] for d in dumps}) == [0, 1]
     for step in (0, 1):
         m, rows = metrics[step], [d for d in dumps if d["step"] == step]
