@@ -62,7 +62,7 @@ class ShardRefitTransport:
     def __init__(self, admin, engine, master_address: str, timeout_s: float, backend: str, dtype):
         self.admin, self.engine, self.ps = admin, engine, engine.ps
         self.addr, self.timeout_s, self.backend, self.dtype = master_address, timeout_s, backend, dtype
-        self.group, self.group_name, self.bytes = None, f"megarl-weights-shard-{secrets.token_hex(4)}", 0  # per run: see transports
+        self.group, self.group_name, self.bytes = None, "", 0
         self.server_tp: list[int] = []
 
     @property
@@ -82,10 +82,11 @@ class ShardRefitTransport:
             self.server_tp = [int(infos[a].get("tp_size", 1)) for a in self.admin.addresses]
             addr = advertised_address(self.addr, url_host(self.admin.addresses[0]))
             listener = listening_socket(addr)  # group rank 0 serves the store there, nowhere else
-            box = [(addr, listener.getsockname()[1], self.server_tp)]
+            # a name of this run's (see transports): TP rank 0 picks it, every TP rank joins under it
+            box = [(addr, listener.getsockname()[1], self.server_tp, f"megarl-weights-shard-{secrets.token_hex(4)}")]
         # every TP rank joins the same rendezvous, so TP rank 0's choice of address and port is shared
         dist.broadcast_object_list(box, group_src=0, group=ps.tp_group)
-        addr, port, self.server_tp = box[0]
+        addr, port, self.server_tp, self.group_name = box[0]
         world = ps.tp + sum(self.server_tp)
         joined = None
         if ps.tp_rank == 0:
