@@ -431,9 +431,9 @@ def test_kept_requests_span_the_push(srv, models, mode):
     finally:
         cluster.close()
     n, k = r.output_len, r.output_versions.count(0)
-    # megarl-server keeps the request; SGLang 0.5.23 (CPU) ended it with an abort during the push
-    # in both modes (measured: 48-125 tokens at version 0), and the client resubmitted it: a
-    # partial rollout, as with pause_mode abort (tools/sglang_cpu/README.md)
-    assert n == 600 and r.stop_reason == "length" and r.num_segments == (2 if srv.kind == "sglang" else 1)
+    # both servers keep the request through the push: one segment, no resubmission (SGLang used to
+    # end it at the version flip: /update_weight_version's default abort_all_requests is true, and
+    # megarl now sends false - megarl.rollout.admin)
+    assert n == 600 and r.stop_reason == "length" and r.num_segments == 1
     assert 0 < k < n and r.output_versions == [0] * k + [1] * (n - k)
     assert cluster.version == 1
