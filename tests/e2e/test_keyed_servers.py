@@ -14,20 +14,7 @@ import urllib.error
 import urllib.request
 
 import harness
-from aiohttp import web
-
-from megarl.server.app import setup_routes
-
-
-def server_routes() -> set[tuple[str, str]]:
-    """(method, path) of every route megarl-server serves (its own router, not a list kept here)."""
-    app = web.Application()
-    setup_routes(app)
-    out = set()
-    for route in app.router.routes():
-        path = route.resource.canonical
-        out.add(("POST" if route.method in ("*", "POST") else route.method, path))
-    return out
+from test_security import route_table  # every route megarl-server registers
 
 
 def call(method: str, url: str, key: str | None = None) -> int:
@@ -55,7 +42,7 @@ def test_a_keyless_local_client_is_refused_on_every_route_during_a_run(tmp_path)
         assert index.exists(), "the run's servers never started"
         url = json.loads(index.read_text())[0]["url"]
         seen["pid_cmdline"] = open(f"/proc/{json.loads(index.read_text())[0]['pid']}/cmdline", "rb").read()
-        seen["keyless"] = {(m, p): call(m, url + p) for m, p in sorted(server_routes())}
+        seen["keyless"] = {(m, p): call(m, url + p) for m, p in sorted(route_table())}
         key = (run_dir / "servers" / "api_key").read_text()
         seen["keyed"] = call("GET", url + "/model_info", key)
         seen["key"] = key
