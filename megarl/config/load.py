@@ -208,7 +208,24 @@ def load_config(path: Optional[str], overrides: list[str] = (), validate: bool =
     if validate:
         cfg.validate()
         check_outputs(cfg)  # looks at the disk (another run's directory): the loader's, not validate's
+        read_api_key_file(cfg.rollout)
     return cfg
+
+
+def read_api_key_file(r: RolloutConfig) -> None:
+    """rollout.api_key from rollout.api_key_file (the user's own file, readable by nobody else)."""
+    if not r.api_key_file:
+        return
+    from megarl.protocol.handshake import read_secret_file
+
+    try:
+        key = read_secret_file(r.api_key_file, "rollout.api_key_file").decode()
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(str(e) if isinstance(e, ValueError) else
+                          f"rollout.api_key_file: {r.api_key_file!r} is not text") from None
+    if r.api_key and r.api_key != key:
+        raise ConfigError("rollout.api_key_file: holds another key than rollout.api_key; set one of them")
+    r.api_key = key
 
 
 def _settle_staleness(r: RolloutConfig, given: dict[str, int]) -> None:
@@ -298,6 +315,9 @@ def save_config(cfg: Config, run_dir: str) -> str:
     except FileNotFoundError:
         pass
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "w") as f:
-        yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
+        data = dataclasses.asdict(cfg)
+        if cfg.rollout.api_key_file:  # the key stays in its file; loading this config reads it again
+            data["rollout"]["api_key"] = ""
+        yaml.safe_dump(data, f, sort_keys=False)
     os.replace(tmp, path)
     return path

@@ -48,7 +48,13 @@ class RolloutConfig:
     same file. Empty with rollout.manager_address empty: the trainer makes a fresh secret per run
     and hands it to the manager it starts through an inherited pipe (docs/reliability.md, Security)."""
     api_key: str = ""
-    """Bearer token for the servers' admin endpoints; empty = none."""
+    """Bearer token of rollout.servers (every route but /health); empty = none. The servers a run
+    starts itself get a key made for the run when this is empty (<run_dir>/servers/api_key)."""
+    api_key_file: str = ""
+    """A file holding rollout.api_key (the user's own, chmod 600), read when the config is loaded
+    and kept out of <run_dir>/config.yaml: a key on the command line is visible to every user of
+    the node in /proc. megarl-launch keys the servers it plans with <run_dir>/servers/api_key (made
+    by ``--emit servers``) and passes the trainer this field."""
     health_timeout_s: float = bounded(120.0, gt=0, le=86400)
     """Deadline for every server in rollout.servers, or each local server the job starts, to answer
     /health when the job starts (an unreachable server is an error naming it, not a hang; SGLang on

@@ -27,6 +27,7 @@ shows exactly the commands a job runs. ``--get KEY[,KEY]`` prints resolved confi
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -153,7 +154,7 @@ def plan_servers(cfg, alloc: Allocation) -> tuple[str, list[ServerLaunch]]:
             port = L.server_port + i
             env: tuple = ()
             if kind == "sglang":
-                argv = [alloc.python, "-m", "sglang.launch_server", "--model-path", cfg.model.hf_path,
+                argv = ["-m", "sglang.launch_server", "--model-path", cfg.model.hf_path,
                         "--host", host, "--port", str(port), "--tp-size", str(L.server_tp)]
                 if L.server_dp > 1:
                     argv += ["--dp-size", str(L.server_dp)]
@@ -162,11 +163,42 @@ def plan_servers(cfg, alloc: Allocation) -> tuple[str, list[ServerLaunch]]:
                     env = (("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in range(i * per_server,
                                                                                     (i + 1) * per_server))),)
             else:
-                argv = [alloc.python, "-m", "megarl.server", "--model", cfg.model.hf_path,
+                argv = ["-m", "megarl.server", "--model", cfg.model.hf_path,
                         "--host", host, "--port", str(port), "--dtype", serving_dtype(cfg),
                         "--threads", str(cfg.rollout.server_threads)]
-            servers.append(ServerLaunch(node, i, host, port, tuple(argv + list(L.server_args)), env))
+            argv = keyed_argv(alloc.python, argv + list(L.server_args), key_file(cfg))
+            servers.append(ServerLaunch(node, i, host, port, tuple(argv), env))
     return kind, servers
+
+
+def key_file(cfg) -> str:
+    """The key of the servers megarl-launch plans: rollout.api_key_file, or <run_dir>/servers/api_key
+    (written by ``--emit servers``; the run directory is on the file system every node shares)."""
+    return cfg.rollout.api_key_file or os.path.abspath(os.path.join(cfg.train.run_dir, "servers", "api_key"))
+
+
+def keyed_argv(python: str, module_args: list[str], path: str) -> list[str]:
+    """The command of a planned server keyed by the file ``path``: megarl-server reads
+    --api-key-file itself; SGLang and its router take --api-key on argv only, which /proc shows
+    every user of the node, so they start through KEYED_LAUNCH, which reads the file."""
+    from megarl.rollout.sglang_local import keyed
+
+    if module_args[1] == "megarl.server":
+        return [python, *module_args, "--api-key-file", path]
+    return keyed(python, module_args, path)
+
+
+def write_server_key(cfg) -> None:
+    """Makes the planned servers' key file (mode 0600, directory 0700, a fresh file each time: a
+    requeued job's servers get a new key): rollout.api_key when set, else a random key. A file
+    the user named in rollout.api_key_file is theirs, read, never written."""
+    if cfg.rollout.api_key_file:
+        return
+    import secrets
+
+    from megarl.rollout.local import write_key_file
+
+    write_key_file(key_file(cfg), cfg.rollout.api_key or secrets.token_urlsafe(32))
 
 
 def plan_router(cfg, alloc: Allocation, servers: list[ServerLaunch]) -> Optional[ServerLaunch]:
@@ -175,9 +207,10 @@ def plan_router(cfg, alloc: Allocation, servers: list[ServerLaunch]) -> Optional
         return None
     node = alloc.rollout_nodes[0]
     host = alloc.addr(node)
-    argv = [alloc.python, "-m", "sglang_router.launch_router", "--worker-urls", *[s.url for s in servers],
+    argv = ["-m", "sglang_router.launch_router", "--worker-urls", *[s.url for s in servers],
             "--host", host, "--port", str(L.router_port), "--policy", L.router_policy]
-    return ServerLaunch(node, 0, host, L.router_port, tuple(argv))
+    # the router checks the key of its clients and sends it on to the workers of --worker-urls
+    return ServerLaunch(node, 0, host, L.router_port, tuple(keyed_argv(alloc.python, argv, key_file(cfg))))
 
 
 def plan_ranks(cfg, alloc: Allocation) -> tuple[int, list[RankLaunch]]:
@@ -207,11 +240,13 @@ def plan_ranks(cfg, alloc: Allocation) -> tuple[int, list[RankLaunch]]:
     return per_node, ranks
 
 
-def trainer_argv(alloc: Allocation, config_path: str, overrides: list[str],
+def trainer_argv(cfg, alloc: Allocation, config_path: str, overrides: list[str],
                  servers: list[ServerLaunch]) -> list[str]:
     argv = [alloc.python, "-m", "megarl.train", config_path, *overrides]
     if servers:
         argv.append("rollout.servers=[" + ",".join(s.url for s in servers) + "]")
+        if not cfg.rollout.api_key_file:
+            argv.append(f"rollout.api_key_file={key_file(cfg)}")
     return argv
 
 
@@ -290,7 +325,7 @@ def make_plan(cfg, config_path: str, overrides: list[str], alloc: Allocation) ->
     master = alloc.addr(alloc.trainer_nodes[0])
     plan = Plan(alloc, cfg.parallel.tp, cfg.parallel.pp, len(ranks) // (cfg.parallel.tp * cfg.parallel.pp),
                 per_node, master, kind, servers, plan_router(cfg, alloc, servers), ranks)
-    plan.launches = plan_launches(alloc, per_node, master, trainer_argv(alloc, config_path, overrides, servers))
+    plan.launches = plan_launches(alloc, per_node, master, trainer_argv(cfg, alloc, config_path, overrides, servers))
     return plan
 
 
@@ -421,6 +456,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
         check_against_model(cfg)  # the plan places ranks by TP/PP/EP: they must fit the model
         plan = make_plan(cfg, args.config, args.overrides, allocation_from_args(args))
+        if args.emit == "servers" and plan.servers:
+            try:
+                write_server_key(cfg)
+            except OSError as e:
+                raise PlanError(f"train.run_dir: cannot write the servers' key {key_file(cfg)} "
+                                f"({e.strerror or e})") from None
     except (ConfigError, PlanError) as e:
         print(f"megarl-launch: {e}", file=sys.stderr)
         return 2

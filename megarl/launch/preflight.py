@@ -63,13 +63,49 @@ def check_inputs(cfg: Config, *, cleanup_run_dir: bool = True) -> None:
     check_writable("train.run_dir", cfg.train.run_dir, cleanup=cleanup_run_dir)
     check_resume(cfg, args)
     if rl and not cfg.rollout.servers and cfg.rollout.engine == "sglang":
-        from megarl.rollout.sglang_local import check_model_dir, sglang_python
+        from megarl.rollout.sglang_local import check_model_dir, cuda_available, sglang_python
+        if cfg.rollout.placement == "colocated" and not cuda_available():
+            # SGLang sleeps through torch_memory_saver, a CUDA-only package: on CPU its scheduler
+            # dies at the first /release_memory_occupation, after the ranks and servers started
+            raise ConfigError("rollout.placement: colocated with rollout.engine=sglang needs CUDA (SGLang "
+                              "sleeps through its CUDA memory saver); on CPU use rollout.engine=megarl")
         sglang_python()
         check_model_dir(cfg.model.hf_path)
+        check_server_args(cfg)
+    elif rl and not cfg.rollout.servers:
+        check_server_args(cfg)
     if rl and cfg.rollout.manager_address:
         check_manager(cfg.rollout.manager_address, cfg.rollout.manager_secret_file)
     if rl:
         check_wire(cfg)
+
+
+def check_server_args(cfg: Config) -> None:
+    """rollout.server_args parse as the local servers' own command line would (an unknown flag, a
+    value of the wrong type), so a typo stops the run here instead of killing its servers at
+    start-up: megarl-server's parser in this process, SGLang's in its venv (a few seconds)."""
+    r = cfg.rollout
+    if not r.server_args:
+        return
+    if r.engine == "sglang":
+        from megarl.rollout.sglang_local import check_sglang_flags
+        problem = check_sglang_flags(cfg.model.hf_path, r.server_args)
+        problem = problem and f"sglang.launch_server: {problem}"
+    else:
+        import contextlib
+        import io
+
+        from megarl.server.__main__ import parse_args
+
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                parse_args(["--model", cfg.model.hf_path, *map(str, r.server_args)])
+            problem = ""
+        except SystemExit:
+            problem = (err.getvalue().strip().splitlines() or ["refused"])[-1].removesuffix(" (see --help)")
+    if problem:
+        raise ConfigError(f"rollout.server_args: {' '.join(map(str, r.server_args))}: {problem}")
 
 
 MANAGER_CHECK_S = 3.0  # a manager started apart is listening already: no long retry here
@@ -293,6 +329,21 @@ def check_resume(cfg: Config, args) -> None:
         raise ConfigError(f"{field}: {e}; checkpoint.resume=false starts over") from None
     if path is not None:
         _check_same_model(field, path, cfg, args)
+        _check_same_lora(path, cfg)
+
+
+def _check_same_lora(ckpt: str, cfg: Config) -> None:
+    """The checkpoint's adapters (its megarl.json "lora": rank and targets) are the config's:
+    switched on or off, or reshaped, the optimizer state would not fit the trained parameters."""
+    from megarl.checkpoint.layout import read_meta
+
+    saved = (read_meta(ckpt) or {}).get("lora")
+    lora = cfg.lora
+    have = (f"LoRA rank {saved['rank']} on {', '.join(sorted(saved['target_modules']))}" if saved else "no LoRA")
+    want = f"LoRA rank {lora.rank} on {', '.join(sorted(lora.target_modules))}" if lora.enabled else "no LoRA"
+    if have != want:
+        raise ConfigError(f"lora.rank: {ckpt} was trained with {have}, this config asks for {want}; "
+                          f"resume with the checkpoint's lora settings, or checkpoint.resume=false to start over")
 
 
 def _check_same_model(field: str, ckpt: str, cfg: Config, args) -> None:

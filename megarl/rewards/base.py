@@ -48,13 +48,15 @@ class _DaemonThreads:
     timeout keeps only its own thread (a fixed pool would let hung calls starve the ones queued
     behind them), and a daemon thread cannot keep the process alive after the run ends. A thread
     whose call returned parks for the next call (`idle_s` at most), so a busy run does not start
-    a thread per sample. At most `cap` calls run at once; beyond that (hung verifiers piling up)
-    a call fails at once."""
+    a thread per sample. At most `cap` calls run at once; the calls beyond (a large group, or
+    hung verifiers piling up) wait in order for a thread to come free; each caller's deadline
+    counts from its submit, so a backlog behind hung calls times out instead of growing for ever."""
 
     def __init__(self, cap: int, name: str, idle_s: float = 30.0):
         self.cap, self.name, self.idle_s = cap, name, idle_s
         self._running = 0
         self._idle: list[queue.SimpleQueue] = []  # inboxes of parked threads
+        self._backlog: collections.deque = collections.deque()  # calls waiting for a thread
         self._lock = threading.Lock()
 
     def submit(self, fn, *args) -> asyncio.Future:
@@ -62,7 +64,8 @@ class _DaemonThreads:
         fut = loop.create_future()
         with self._lock:
             if self._running >= self.cap:
-                raise RuntimeError(f"{self._running} reward calls still running (hung verifier?)")
+                self._backlog.append((loop, fut, fn, args))  # the next thread to finish a call takes it
+                return fut
             self._running += 1
             inbox = self._idle.pop() if self._idle else None
         if inbox is None:
@@ -86,9 +89,13 @@ class _DaemonThreads:
             except BaseException as e:  # noqa: BLE001 - delivered to the awaiting caller
                 value, ok = e, False
             with self._lock:
-                self._running -= 1
-                self._idle.append(inbox)
+                nxt = self._backlog.popleft() if self._backlog else None
+                if nxt is None:
+                    self._running -= 1
+                    self._idle.append(inbox)
             deliver(loop, fut, ok, value)
+            if nxt is not None:
+                inbox.put(nxt)  # this thread runs the oldest waiting call next
 
     def threads(self) -> int:
         """Threads alive for reward calls: running ones plus parked ones."""

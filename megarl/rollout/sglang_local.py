@@ -133,13 +133,87 @@ def check_model_dir(model_dir: str) -> None:
                           f"tokenizer_config.json) in {model_dir}")
 
 
-# `python -c KEYED_LAUNCH FD ARGS...`: sglang.launch_server with ARGS and --api-key read from the
-# inherited pipe FD. The key is added to sys.argv inside the process (the kernel's copy, what
-# /proc/PID/cmdline shows, keeps the command as started); SGLang's workers get their settings
-# pickled by multiprocessing, not on a command line.
-KEYED_LAUNCH = ("import os, runpy, sys; fd = int(sys.argv[1]); key = os.read(fd, 4096).decode(); os.close(fd); "
-                "sys.argv = ['sglang.launch_server', *sys.argv[2:], '--api-key', key]; "
-                "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
+# `python -c PARSE_FLAGS ARGS...`: SGLang's own parser over ARGS; exit 0, or argparse's error line
+PARSE_FLAGS = ("import argparse, sys; from sglang.srt.server_args import ServerArgs; "
+               "p = argparse.ArgumentParser(prog='sglang.launch_server'); ServerArgs.add_cli_args(p); "
+               "p.parse_args(sys.argv[1:])")
+
+
+def check_sglang_flags(model_dir: str, flags: Sequence) -> str:
+    """'' when SGLang's parser accepts ``flags`` (rollout.server_args as SGLang's, `sglang_flags`),
+    else its error line. Importing SGLang's argument module takes ~10 s of CPU, so each verdict is
+    kept in ~/.cache/megarl/sglang-flags.json, keyed by the flags and the SGLang install it came from."""
+    import hashlib
+    import json
+
+    args = ["--model-path", model_dir, *sglang_flags(flags)]
+    py = sglang_python()
+    prefix = os.path.dirname(os.path.dirname(py))
+    found = glob.glob(os.path.join(prefix, "lib", "python*", "site-packages", "sglang", "srt", "server_args.py"))
+    if not found and py == sys.executable and importlib.util.find_spec("sglang") is not None:
+        found = [os.path.join(os.path.dirname(importlib.util.find_spec("sglang").origin), "srt", "server_args.py")]
+    try:
+        install = [(f, os.stat(f).st_mtime_ns) for f in found]
+    except OSError:
+        install = []
+    key = hashlib.sha256(json.dumps([py, install, args[2:]]).encode()).hexdigest()
+    path = os.path.expanduser("~/.cache/megarl/sglang-flags.json")
+    try:
+        with open(path) as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known, dict) and isinstance(known.get(key), str):
+        return known[key]
+    try:
+        out = subprocess.run([py, "-c", PARSE_FLAGS, *args], capture_output=True, text=True, timeout=300,
+                             env=server_env(python=py) if not cuda_available() else None)
+    except subprocess.TimeoutExpired:
+        return ""
+    lines = out.stderr.strip().splitlines()
+    if out.returncode == 0:
+        verdict = ""
+    elif out.returncode == 2 and lines and "error: " in lines[-1]:  # argparse's own refusal
+        verdict = lines[-1].split("error: ", 1)[1]
+    else:
+        return ""  # SGLang failed to import: not a verdict on the flags (the server start says more)
+    if not install:
+        return verdict  # which SGLang answered is unknown: nothing to key a verdict by
+    known = known if isinstance(known, dict) else {}
+    known[key] = verdict
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "w") as f:
+            json.dump(known, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache: the next run asks SGLang again
+    return verdict
+
+
+# `python -c KEYED_LAUNCH MODULE SOURCE ARGS...`: runs MODULE (sglang.launch_server, or the router
+# sglang_router.launch_router) with ARGS and `--api-key KEY`, KEY read from SOURCE: an inherited
+# pipe's descriptor number (a server megarl starts itself), or a key file that must be the user's
+# own and readable by nobody else (a server megarl-launch plans on another node). The key is added
+# to sys.argv inside the process (the kernel's copy, what /proc/PID/cmdline shows, keeps the
+# command as started); SGLang's workers get their settings pickled by multiprocessing, not on a
+# command line.
+KEYED_LAUNCH = (
+    "import os, runpy, sys; mod, src = sys.argv[1:3]; "
+    "fd = int(src) if src.isdigit() else os.open(src, os.O_RDONLY | os.O_NOFOLLOW); st = os.fstat(fd); "
+    "key = os.read(fd, 4096).decode().strip(); os.close(fd); "
+    "src.isdigit() or (st.st_uid == os.geteuid() and not st.st_mode & 0o077) "
+    "or sys.exit(f'--api-key-file: {src} must be yours and readable by nobody else (chmod 600)'); "
+    "key or sys.exit(f'--api-key-file: {src} is empty'); "
+    "sys.argv = [mod, *sys.argv[3:], '--api-key', key]; runpy.run_module(mod, run_name='__main__', alter_sys=True)")
+
+
+def keyed(python: str, module_args: Sequence[str], source: str) -> list[str]:
+    """``python -m MODULE ARGS`` (``module_args``: ``["-m", MODULE, *ARGS]``) as a KEYED_LAUNCH
+    command whose key comes from ``source`` (a descriptor number or a key file's path)."""
+    assert module_args[0] == "-m", module_args
+    return [python, "-c", KEYED_LAUNCH, module_args[1], source, *module_args[2:]]
 
 
 class SGLangLauncher:
@@ -160,9 +234,7 @@ class SGLangLauncher:
         """The command of the server on ``host:port``; ``key_fd``: a pipe holding its API key
         (`KEYED_LAUNCH`: SGLang itself reads --api-key from argv only)."""
         args = server_args(self.model_dir, port, host, cpu=self.cpu, colocated=self.colocated, extra=self.extra)
-        if key_fd is not None:
-            args = ["-c", KEYED_LAUNCH, str(key_fd), *args[2:]]
-        return [self.python, *args]
+        return [self.python, *args] if key_fd is None else keyed(self.python, args, str(key_fd))
 
     def spawn(self, port: int, log_path: str, host: str, cpus=None) -> subprocess.Popen:
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)

@@ -58,6 +58,13 @@ CASES = {f"{c.prog}:{c.id}": c for c in [
       "model.hf_path={root}/wide", extra=("model.hf_path={root}/wide",)),
     T("ckpt_other_model_depth", "good", "holds another model: tensor embedding.word_embeddings.weight",
       "(128, 128) there, (128, 64)", extra=("model.hf_path={root}/narrow",)),
+    CliCase("ckpt_lora_switched_on", "megarl-train", TRAIN + ("checkpoint.save_dir={root}/good", "lora.rank=4"), 2,
+            ("lora.rank: {root}/good/step_00000002 was trained with no LoRA, this config asks for LoRA rank 4 on "
+             "linear_fc1, linear_fc2, linear_proj, linear_qkv; resume with the checkpoint's lora settings, or "
+             "checkpoint.resume=false to start over",), ("{root}/runs/ckpt_lora_switched_on",)),
+    CliCase("ckpt_lora_switched_off", "megarl-train", TRAIN + ("checkpoint.save_dir={root}/lora",), 2,
+            ("lora.rank: {root}/lora/step_00000002 was trained with LoRA rank 4 on linear_proj, linear_qkv, "
+             "this config asks for no LoRA",), ("{root}/runs/ckpt_lora_switched_off",)),
     C("ckpt_shard_truncated", "trunc/step_00000002", "{root}/trunc/step_00000002/__0_0.distcp: 1000 bytes"),
     C("ckpt_common_missing", "common/step_00000002", "{root}/common/step_00000002/common.pt: missing"),
     C("ckpt_save_dir_latest_damaged", "deleted", "{root}/deleted/step_00000002/__0_0.distcp: missing"),
@@ -98,6 +105,15 @@ def _drop_manifest(d: str) -> None:
     os.truncate(os.path.join(d, SHARD), 1000)
 
 
+def _lora_meta(d: str) -> None:
+    """megarl.json as a LoRA run writes it (the adapters' rank and targets): what the resume
+    check reads, without a second training run."""
+    path = os.path.join(d, "megarl.json")
+    meta = json.load(open(path))
+    meta["lora"] = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["linear_qkv", "linear_proj"]}
+    json.dump(meta, open(path, "w"))
+
+
 def _model_variant(src: str, dst: str, **changes) -> None:
     shutil.copytree(src, dst)
     cfg = json.load(open(os.path.join(dst, "config.json")))
@@ -121,7 +137,7 @@ def world(tmp_path_factory):
               "common": lambda d: os.remove(os.path.join(d, "common.pt")),
               "index": lambda d: os.remove(os.path.join(d, ".metadata")), "altered": _altered,
               "garbage": lambda d: os.remove(os.path.join(d, "common.pt")), "nomanifest": _drop_manifest,
-              "pickled": _pickled_common}
+              "pickled": _pickled_common, "lora": _lora_meta}
     for name, fn in damage.items():
         save = os.path.join(root, name)
         shutil.copytree(os.path.join(root, "run", "checkpoints"), save)

@@ -76,3 +76,19 @@ def test_servers_received_only_sglang_endpoints_and_load_formats(run):
     with open(os.path.join(path, "config.yaml")) as f:
         weights = yaml.safe_load(f)["weights"]
     assert (weights["tensor_format"], weights["verify_interval"], weights["pause_mode"]) == ("sglang", 0, "retract")
+
+
+def test_junk_server_args_are_refused_by_sglangs_own_parser():
+    """rollout.server_args that SGLang's parser refuses stop megarl-train at preflight (one line,
+    before any rank, server or run directory), checked by SGLang's own argparse in its venv."""
+    from megarl.common.errors import ConfigError
+    from megarl.config import load_config
+    from megarl.launch.preflight import check_server_args
+
+    require_sglang()
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_grpo.yaml"),
+                      ["rollout.engine=sglang", "rollout.server_args=[--tp-size,two]"])
+    with pytest.raises(ConfigError) as e:
+        check_server_args(cfg)
+    assert str(e.value) == ("rollout.server_args: --tp-size two: sglang.launch_server: argument "
+                            "--tp-size/--tensor-parallel-size: invalid int value: 'two'")

@@ -4,7 +4,10 @@ n2, the demo config to the end; then SLURM's preemption warning (SIGUSR1) and `s
 metrics.jsonl ends with every step exactly once, in order."""
 import os
 import re
+import stat
 import subprocess
+import urllib.error
+import urllib.request
 
 import psutil
 
@@ -36,6 +39,22 @@ def no_process_mentions(path) -> list[str]:
     return left
 
 
+def keyless_answers(url: str, key: str) -> dict:
+    """HTTP status of a few routes of the job's server asked by another process of the node
+    without the key, and of /model_info with it."""
+    def status(path, headers=None, data=None):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url + path, data=data, headers=headers or {}),
+                                        timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+    out = {path: status(path) for path in ("/health", "/model_info")}
+    out.update({path: status(path, data=b"{}") for path in ("/pause_generation", "/weights_checksum")})
+    out["/model_info with the key"] = status("/model_info", {"Authorization": f"Bearer {key}"})
+    return out
+
+
 def test_sbatch_runs_the_demo_across_a_rollout_node_and_a_trainer_node(slurm, tmp_path):
     jid, run = submit(slurm, tmp_path, steps=3)
     slurm.wait_done(jid)
@@ -65,6 +84,11 @@ def test_sbatch_runs_the_demo_across_a_rollout_node_and_a_trainer_node(slurm, tm
     assert all(re.match(r"0: ", line) for line in trainer if line.strip())  # srun --label
     rollout = (run / "logs" / "rollout-n1.log").read_text()
     assert "megarl-server ready on http://127.0.0.2:30000" in rollout
+    # the planned server is keyed by a file in the run dir (never argv), the trainer reads the same file
+    key_file = run / "servers" / "api_key"
+    assert (run / "logs" / "servers.tsv").read_text().rstrip().endswith(f"--api-key-file {key_file}")
+    assert ran.endswith(f" rollout.api_key_file={key_file}")
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and len(key_file.read_text()) >= 32
     rows = metric_rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["push/bytes"] > 0.99 * TINY_BYTES - 4096 for r in rows)  # distributed push, n2 -> n1
@@ -78,6 +102,9 @@ def test_preemption_warning_and_requeue_resume_the_same_run(slurm, tmp_path):
     # 1. SLURM's time-limit warning: SIGUSR1 to every step. The trainer saves and stops, the
     #    rollout supervisor ignores it, and the batch script requeues the job itself.
     wait_rows(run, 2, diagnose=lambda: slurm.diagnose(jid))
+    assert keyless_answers("http://127.0.0.2:30000", (run / "servers" / "api_key").read_text()) == {
+        "/health": 200, "/model_info": 401, "/pause_generation": 401, "/weights_checksum": 401,
+        "/model_info with the key": 200}
     slurm.run("scancel", "--signal=USR1", str(jid))
     slurm.wait_state(jid, ("PD",))
     k1 = metric_rows(run)[-1]["step"]

@@ -48,3 +48,34 @@ def test_architectures_given_as_a_string_is_named_as_such(tmp_path):
     with pytest.raises(ValueError, match=r"'architectures' must be a list of class names, e\.g\. \[\"LlamaForCausalLM\"\]; "
                                          r"got str 'LlamaForCausalLM'"):
         read_model_args(str(model))
+
+
+@pytest.mark.parametrize("args,line", [
+    ("[--no-such-flag]", "rollout.server_args: --no-such-flag: megarl-server: unrecognized arguments: --no-such-flag"),
+    ("[--max-running-requests,lots]",
+     "rollout.server_args: --max-running-requests lots: megarl-server: argument --max-running-requests: invalid int value: 'lots'"),
+    ("[--threads,0]", "rollout.server_args: --threads 0: megarl-server: --threads: out of range: 0"),
+])
+def test_junk_server_args_are_refused_by_the_servers_own_parser(args, line):
+    """megarl-server's parser, in-process (SGLang's runs in its venv: tests/e2e/test_sglang_train.py)."""
+    from megarl.launch.preflight import check_server_args
+
+    cfg = load_config(os.path.join(REPO, "configs", "tiny_grpo.yaml"), [f"model.hf_path={TINY}",
+                                                                       f"rollout.server_args={args}"])
+    with pytest.raises(ConfigError) as e:
+        check_server_args(cfg)
+    assert str(e.value) == line
+    check_server_args(load_config(os.path.join(REPO, "configs", "tiny_grpo.yaml"),
+                                  [f"model.hf_path={TINY}", "rollout.server_args=[--max-running-requests,1]"]))
+
+
+def test_colocated_sglang_without_cuda_is_refused_before_anything_starts(monkeypatch):
+    from megarl.launch import preflight
+    from megarl.rollout import sglang_local
+
+    monkeypatch.setattr(sglang_local, "cuda_available", lambda: False)
+    cfg = load_config(os.path.join(REPO, "configs", "tiny_grpo.yaml"),
+                      [f"model.hf_path={TINY}", "rollout.engine=sglang", "rollout.placement=colocated",
+                       "rollout.max_staleness=0"])
+    with pytest.raises(ConfigError, match=r"^rollout.placement: colocated with rollout.engine=sglang needs CUDA"):
+        preflight.check_inputs(cfg)

@@ -2,6 +2,8 @@
 import json
 import os
 import re
+import shlex
+import stat
 import subprocess
 import sys
 
@@ -9,6 +11,7 @@ import pytest
 
 from megarl.config import ConfigError, load_config
 from megarl.launch.plan import Allocation, PlanError, emit, make_plan, rank_coords, render
+from megarl.rollout.sglang_local import KEYED_LAUNCH
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "configs", "tiny_grpo.yaml")
@@ -26,6 +29,16 @@ def big(tmp_path_factory):
     return str(d)
 
 
+def key_of(overrides) -> str:
+    """The key file megarl-launch plans for a run of DEMO with ``overrides``."""
+    return os.path.abspath(os.path.join(load_config(DEMO, overrides).train.run_dir, "servers", "api_key"))
+
+
+def keyed(module: str, key: str) -> str:
+    """How a planned SGLang server or router starts: KEYED_LAUNCH reads --api-key from the key file."""
+    return f"python -c {shlex.quote(KEYED_LAUNCH)} {module} {key}"
+
+
 def plan_lines(overrides, **alloc):
     cfg = load_config(DEMO, overrides)
     return render(make_plan(cfg, "configs/tiny_grpo.yaml", overrides, Allocation(**alloc)))
@@ -40,11 +53,11 @@ def test_cpu_demo_one_rollout_node_one_trainer_node():
         "# trainer: 1 node(s) x 2 ranks = 2 ranks (tp=1 pp=2 dp=1), srun, rendezvous 127.0.0.3:20007",
         "# rollout: 1 node(s) x 1 servers = 1 megarl servers",
         f"server n1 #0 http://127.0.0.2:30000: python -m megarl.server --model {TINY} "
-        "--host 127.0.0.2 --port 30000 --dtype float32 --threads 1",
+        f"--host 127.0.0.2 --port 30000 --dtype float32 --threads 1 --api-key-file {key_of(ov)}",
         "trainer: srun --nodes=1 --ntasks=2 --ntasks-per-node=2 --nodelist=n2 --label --kill-on-bad-exit=1 "
         "--output=runs/x/logs/trainer.log --open-mode=append --export=ALL,MASTER_ADDR=127.0.0.3,"
         f"MASTER_PORT=20007 python -m megarl.train configs/tiny_grpo.yaml model.hf_path={TINY} "
-        "train.steps=3 parallel.pp=2 'rollout.servers=[http://127.0.0.2:30000]'",
+        f"train.steps=3 parallel.pp=2 'rollout.servers=[http://127.0.0.2:30000]' rollout.api_key_file={key_of(ov)}",
         "rank 0 n2 local 0 tp 0 pp 0 dp 0 [starts the rollout manager, weights source of stage 0]: SLURM_PROCID=0 "
         "SLURM_LOCALID=0 SLURM_NODEID=0 SLURM_NTASKS=2 MASTER_ADDR=127.0.0.3 MASTER_PORT=20007",
         "rank 1 n2 local 1 tp 0 pp 1 dp 0 [weights source of stage 1]: SLURM_PROCID=1 SLURM_LOCALID=1 "
@@ -63,18 +76,17 @@ def test_four_trainer_four_rollout_nodes_tp4_pp2_rollout_tp2(big):
     assert lines[0] == ("# trainer: 4 node(s) x 8 ranks = 32 ranks (tp=4 pp=2 dp=4), srun, "
                         "rendezvous gpu01:29500")
     assert lines[1] == "# rollout: 4 node(s) x 4 servers = 16 sglang servers"
-    assert servers[0] == (f"server gpu05 #0 http://gpu05:30000: CUDA_VISIBLE_DEVICES=0,1 python -m "
-                          f"sglang.launch_server --model-path {big} --host gpu05 --port 30000 --tp-size 2 "
-                          "--dtype bfloat16")
-    assert servers[15] == (f"server gpu08 #3 http://gpu08:30003: CUDA_VISIBLE_DEVICES=6,7 python -m "
-                           f"sglang.launch_server --model-path {big} --host gpu08 --port 30003 --tp-size 2 "
-                           "--dtype bfloat16")
+    sglang = keyed("sglang.launch_server", key_of(ov))
+    assert servers[0] == (f"server gpu05 #0 http://gpu05:30000: CUDA_VISIBLE_DEVICES=0,1 {sglang} "
+                          f"--model-path {big} --host gpu05 --port 30000 --tp-size 2 --dtype bfloat16")
+    assert servers[15] == (f"server gpu08 #3 http://gpu08:30003: CUDA_VISIBLE_DEVICES=6,7 {sglang} "
+                           f"--model-path {big} --host gpu08 --port 30003 --tp-size 2 --dtype bfloat16")
     urls = ",".join(f"http://gpu0{n}:3000{i}" for n in (5, 6, 7, 8) for i in range(4))
     assert lines[18] == (
         "trainer: srun --nodes=4 --ntasks=32 --ntasks-per-node=8 --nodelist=gpu01,gpu02,gpu03,gpu04 --label "
         "--kill-on-bad-exit=1 --export=ALL,MASTER_ADDR=gpu01,MASTER_PORT=29500 python -m megarl.train "
         f"configs/tiny_grpo.yaml model.hf_path={big} model.dtype=bfloat16 parallel.tp=4 parallel.pp=2 "
-        f"launch.server_tp=2 'rollout.servers=[{urls}]'")
+        f"launch.server_tp=2 'rollout.servers=[{urls}]' rollout.api_key_file={key_of(ov)}")
     env = "SLURM_NTASKS=32 MASTER_ADDR=gpu01 MASTER_PORT=29500"
     assert ranks[0] == ("rank 0 gpu01 local 0 tp 0 pp 0 dp 0 [starts the rollout manager, weights source of stage 0]: "
                         f"SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NODEID=0 {env}")
@@ -119,11 +131,11 @@ def test_sglang_router_and_dp_servers(big):
     assert [s.url for s in plan.servers] == ["http://r1:30000", "http://r1:30001", "http://r2:30000",
                                              "http://r2:30001"]
     assert plan.servers[1].command == (
-        f"CUDA_VISIBLE_DEVICES=4,5,6,7 python -m sglang.launch_server --model-path {big} --host r1 --port 30001 "
-        "--tp-size 2 --dp-size 2 --dtype float32 --mem-fraction-static 0.8")
+        f"CUDA_VISIBLE_DEVICES=4,5,6,7 {keyed('sglang.launch_server', key_of(ov))} --model-path {big} --host r1 "
+        "--port 30001 --tp-size 2 --dp-size 2 --dtype float32 --mem-fraction-static 0.8")
     assert emit(plan, "servers")[-1] == (
-        "router:r1\thttp://r1:30100\tpython -m sglang_router.launch_router --worker-urls http://r1:30000 "
-        "http://r1:30001 http://r2:30000 http://r2:30001 --host r1 --port 30100 --policy cache_aware")
+        f"router:r1\thttp://r1:30100\t{keyed('sglang_router.launch_router', key_of(ov))} --worker-urls "
+        "http://r1:30000 http://r1:30001 http://r2:30000 http://r2:30001 --host r1 --port 30100 --policy cache_aware")
     assert emit(plan, "servers")[0].split("\t")[:2] == ["r1", "http://r1:30000"]
 
 
@@ -166,19 +178,30 @@ def test_rank_coords_follow_megatron(tp, pp, dp):
 
 def test_cli_dry_run_emit_and_get(tmp_path):
     base = [sys.executable, "-m", "megarl.launch.plan"]
-    args = [DEMO, f"model.hf_path={TINY}", "train.run_dir=/r", "--trainer-nodes", "n[2-3]",
+    args = [DEMO, f"model.hf_path={TINY}", "train.run_dir=r", "--trainer-nodes", "n[2-3]",
             "--rollout-nodes", "n1", "--node-addr", "n1=127.0.0.2", "--tasks-per-node", "1"]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     run = lambda *a: subprocess.run(base + list(a), capture_output=True, text=True, env=env, cwd=str(tmp_path))
+    key = tmp_path / "r" / "servers" / "api_key"
+    assert run("--dry-run", *args).returncode == 0 and not key.exists()  # a dry run writes nothing
     out = run("--emit", "servers", *args)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         f"n1\thttp://127.0.0.2:30000\tpython -m megarl.server --model {TINY} --host 127.0.0.2 "
-        "--port 30000 --dtype float32 --threads 1"]
+        f"--port 30000 --dtype float32 --threads 1 --api-key-file {key}"]
+    # the servers' key: made by --emit servers, the user's alone, fresh at each emit (a requeued job)
+    first = key.read_text()
+    assert len(first) >= 32 and stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert stat.S_IMODE(key.parent.stat().st_mode) == 0o700
+    assert run("--emit", "servers", *args).returncode == 0 and key.read_text() != first
     out = run("--emit", "trainer", *args)
     assert out.stdout.startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=n2,n3 ")
+    assert out.stdout.rstrip().endswith(f" rollout.api_key_file={key}")
+    # rollout.api_key given: the file holds it (the trainer, reading the file, finds the same key)
+    assert run("--emit", "servers", *args, "rollout.api_key=k" + "x" * 20).returncode == 0
+    assert key.read_text() == "k" + "x" * 20
     out = run("--get", "train.run_dir,launch.health_timeout_s", *args[:3])
-    assert out.stdout.splitlines() == ["/r", "900.0"]
+    assert out.stdout.splitlines() == ["r", "900.0"]
     out = run("--dry-run", DEMO, f"model.hf_path={TINY}", "parallel.tp=2", "--trainer-nodes", "a",
               "--tasks-per-node", "3")
     assert out.returncode == 2

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from megarl.config import load_config
+from megarl.config import ConfigError, load_config
 from megarl.config.load import save_config
 from megarl.protocol import handshake
 from megarl.protocol.wire import SHM_DIR, SHM_PREFIX
@@ -153,6 +153,56 @@ def test_megarl_server_takes_its_key_from_a_file_or_a_pipe_never_a_readable_file
         parse_args(["--model", "m", "--api-key", "x", "--api-key-file", str(key)])
 
 
+
+
+def test_the_servers_key_file_is_read_at_load_and_kept_out_of_config_yaml(tmp_path):
+    demo = os.path.join(REPO, "configs", "tiny_grpo.yaml")
+    key = tmp_path / "api_key"
+    key.write_text("c" * 43 + "\n")
+    os.chmod(key, 0o644)
+    with pytest.raises(ConfigError, match=r"^rollout.api_key_file: .* is readable by others \(mode 644\)"):
+        load_config(demo, [f"rollout.api_key_file={key}"])
+    os.chmod(key, 0o600)
+    cfg = load_config(demo, [f"rollout.api_key_file={key}"])
+    assert cfg.rollout.api_key == "c" * 43
+    path = save_config(cfg, str(tmp_path / "run"))
+    assert "c" * 43 not in open(path).read()  # the key stays in its file
+    assert load_config(path).rollout.api_key == "c" * 43  # reloading the run's config reads it again
+    with pytest.raises(ConfigError, match="^rollout.api_key_file: holds another key than rollout.api_key"):
+        load_config(demo, [f"rollout.api_key_file={key}", "rollout.api_key=other-key-0123456789"])
+    with pytest.raises(ConfigError, match=r"^rollout.api_key_file: cannot read '.*absent'"):
+        load_config(demo, [f"rollout.api_key_file={tmp_path}/absent"])
+
+
+ECHO_ARGV = "import json, sys; print(json.dumps(sys.argv))"
+
+
+def test_a_planned_sglang_server_reads_its_key_file_never_argv(tmp_path):
+    """KEYED_LAUNCH (how megarl-launch starts SGLang and its router keyed) runs the module with
+    --api-key from the file, only when the file is the user's own and unreadable by others."""
+    import json
+    import subprocess
+    import sys
+
+    from megarl.rollout.sglang_local import keyed
+
+    (tmp_path / "echo_argv.py").write_text(ECHO_ARGV)
+    key = tmp_path / "api_key"
+    key.write_text("d" * 43)
+    os.chmod(key, 0o640)
+    argv = keyed(sys.executable, ["-m", "echo_argv", "--port", "1"], str(key))
+    assert "d" * 43 not in " ".join(argv)
+    run = lambda: subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    out = run()
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.strip() == f"--api-key-file: {key} must be yours and readable by nobody else (chmod 600)"
+    os.chmod(key, 0o600)
+    out = run()
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)[1:] == ["--port", "1", "--api-key", "d" * 43]
+    key.unlink()
+    os.symlink(tmp_path / "echo_argv.py", key)  # a link at the key's name is not followed
+    assert run().returncode == 1
 
 
 ATTACKER = """

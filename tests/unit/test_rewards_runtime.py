@@ -211,3 +211,28 @@ def test_reward_threads_are_reused_and_a_hung_call_keeps_only_its_own():
     first, busy = run(main())
     assert len(first) == 1
     assert busy <= 3  # the hung call's thread plus at most two for the others
+
+
+def test_more_calls_than_threads_wait_for_one_instead_of_failing():
+    """A group larger than the thread cap (megarl-eval's rollout.eval_k=100000 made 100000 calls
+    at once; the 257th failed as a "hung verifier"): the calls beyond the cap wait in order and
+    all return, never more than the cap running at once."""
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def fn(prompt, completion, meta):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        threading.Event().wait(0.01)
+        with lock:
+            running[0] -= 1
+        return float(completion)
+
+    async def main():
+        caller = RewardCaller(fn, max_threads=3)
+        out = await caller.many("p", [str(i) for i in range(40)], {})
+        return out, caller._threads.threads()
+
+    out, threads = run(main())
+    assert out == [float(i) for i in range(40)]
+    assert peak[0] == 3 and threads == 3
