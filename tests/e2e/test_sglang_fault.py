@@ -2,7 +2,10 @@
 (``rollout.engine=sglang``, two local servers, fp32 on CPU): it is dropped, restarted on its port
 (SGLang's scheduler and detokenizer, orphaned by the kill, go with the process group), given the
 current weights and re-admitted, and the run completes every step with every drawn prompt trained
-exactly once. The megarl-server counterpart is test_fault_tolerance.py.
+exactly once. Once the restarted server has the current weights and the run has gone on for
+AFTER more steps with both servers, the test stops the run with SIGTERM (the trainer finishes its
+step, saves and exits 0): what follows would only repeat those steps. The megarl-server
+counterpart is test_fault_tolerance.py.
 """
 import collections
 import json
@@ -18,8 +21,9 @@ from sglang_runs import MEGARL_ONLY_PATHS, demo_model, received, require_sglang,
 
 pytestmark = pytest.mark.sglang
 
-STEPS = 100  # ~1.2 s a step (a group per /generate): the restarted server needs 40-90 s to start
-# before it can rejoin, and the run must still be going then (60 steps ended first in 69 s)
+STEPS = 400  # a bound only: ~1.2-3 s a step (a group per /generate) while the restarted server
+# needs 40-120 s to start; the run must still be going when it rejoins (60 steps once ended first)
+AFTER = 3  # steps trained after the rejoin before the test stops the run
 
 
 def servers(run: str) -> list[dict]:
@@ -45,6 +49,9 @@ def test_killed_sglang_server_is_restarted_with_current_weights(tmp_path):
         seen.update(killed_at=killed_at, version=version, rejoin_s=time.monotonic() - killed_t,
                     rejoined_at=len(harness.rows_so_far(run)))
         assert int(version) >= killed_at
+        wait_for(lambda: len(harness.rows_so_far(run)) >= seen["rejoined_at"] + AFTER, "steps after the rejoin",
+                 proc, timeout=600)
+        proc.send_signal(signal.SIGTERM)  # finish the step, save, exit 0
 
     done = train(run, model, f"train.steps={STEPS}", "rollout.local_servers=2", "data.eval_path=",
                  "rollout.eval_at_start=false", "logging.dump_generations=true",
@@ -52,9 +59,12 @@ def test_killed_sglang_server_is_restarted_with_current_weights(tmp_path):
                  timeout=2400, during=kill_the_leader)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = done.rows
+    last = rows[-1]["step"]
     print(f"\n[sglang-fault] killed at step {seen['killed_at']}, back with weights v{seen['version']} after "
-          f"{seen['rejoin_s']:.0f} s (step {seen['rejoined_at']}); {STEPS} steps in {done.wall_s:.0f} s wall")
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step completed
+          f"{seen['rejoin_s']:.0f} s (step {seen['rejoined_at']}); stopped at step {last}, {done.wall_s:.0f} s wall")
+    assert "[megarl] stopped by SIGTERM; checkpoint saved, rerun to resume" in done.log
+    assert seen["rejoined_at"] + AFTER <= last < STEPS
+    assert [r["step"] for r in rows] == list(range(1, last + 1))  # every step completed, in order
     assert max(r["rollout/dead_servers"] for r in rows) == 1
     assert rows[-1]["rollout/live_servers"] == 2 and rows[-1]["rollout/restarts"] == 1
     assert rows[-1]["rollout/dead_servers"] == 0
@@ -62,7 +72,7 @@ def test_killed_sglang_server_is_restarted_with_current_weights(tmp_path):
     draws = collections.defaultdict(set)
     for g in done.generations:
         draws[g["draw"]].add(g["step"])
-    assert len(draws) == STEPS * 32 and all(len(s) == 1 for s in draws.values())
+    assert len(draws) == last * 32 and all(len(s) == 1 for s in draws.values())
     assert not os.path.exists(os.path.join(run, "failed_prompts.jsonl"))
     # the restarted server's log (appended to its predecessor's) shows the second start's weight group
     log = received(run)["server0.log"]
