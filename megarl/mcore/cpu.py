@@ -9,8 +9,6 @@ replaces are pinned in `megarl.mcore.pins.CPU_PINS`.
 from __future__ import annotations
 
 import contextlib
-import functools
-import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -108,57 +106,12 @@ def install_cpu_shim() -> None:
     cuda.memory_allocated = lambda *a, **k: 0
     cuda.max_memory_allocated = lambda *a, **k: 0
 
-    with _first_import_without_unused_costs():
-        from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import random as mrandom
 
     mrandom._get_cuda_rng_state = lambda *a, clone=False, **k: (
         torch.get_rng_state().clone() if clone else torch.get_rng_state())
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     _patch_moe_for_cpu()
-
-
-def _deferred_compile(fn=None, **options):
-    """``torch.compile`` that compiles on the first call instead of at decoration (what
-    ``torch.compile`` itself does), without importing torch's compiler stack until then."""
-    if fn is None:
-        return lambda f: _deferred_compile(f, **options)
-    compiled = None
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        nonlocal compiled
-        if compiled is None:
-            compiled = torch.compile(fn, **options)
-        return compiled(*args, **kwargs)
-
-    return call
-
-
-@contextlib.contextmanager
-def _first_import_without_unused_costs():
-    """megatron-core's first import in a CPU process, ~3 s lighter: two costs it pays at import
-    time that a CPU run never uses.
-
-    * ``megatron.core.jit`` binds ``jit_fuser = torch.compile`` and ~40 fused bias/activation
-      kernels are decorated at import; each decoration loads torch's compiler stack (dynamo,
-      inductor: ~2.5 s). With fusions off (always, on CPU) none of them runs, so they get
-      `_deferred_compile`: the same ``torch.compile`` on the first call, if one ever comes.
-    * its inference engine and timers import ``wandb`` when installed (~0.7 s) for hooks megarl
-      does not use; megarl's own wandb sink imports it where it is wanted.
-    """
-    if "megatron.core" in sys.modules:
-        yield
-        return
-    compile_, hide_wandb = torch.compile, "wandb" not in sys.modules
-    torch.compile = _deferred_compile
-    if hide_wandb:
-        sys.modules["wandb"] = None  # `import wandb` raises ImportError: megatron takes its no-wandb path
-    try:
-        yield
-    finally:
-        torch.compile = compile_
-        if hide_wandb:
-            del sys.modules["wandb"]
 
 
 def _patch_moe_for_cpu() -> None:

@@ -47,7 +47,7 @@ class Pin:
 
     path: str
     kind: str  # call | attr | self | source
-    user: str  # the megarl/mcore/ module that uses it
+    user: str  # the module that uses it (in megarl/mcore/ unless it names its package)
     why: str
     signature: Optional[str] = None  # kind "call": the recorded call signature
     text: Optional[str] = None  # kind "source": what the source of ``qualname`` must contain
@@ -88,11 +88,11 @@ CPU_PINS = (
         "(tensor, as_numpy=False, record_stream=False)"),
     Pin("megatron.core.transformer.moe.moe_utils:te_general_gemm", "source", "cpu.py",
         "defined only when TE imports, tested unconditionally by the router: set to None without TE"),
-    Pin("megatron.core.jit:enable_jit_fuser", "source", "cpu.py",
-        "binds jit_fuser to torch.compile at import; the first CPU import defers that compile to a "
-        "first call (fusions are off on CPU)", text="jit_fuser = torch.compile"),
-    Pin("megatron.core.inference.contexts.dynamic_context:HAVE_WANDB", "attr", "cpu.py",
-        "imports wandb when installed, for hooks megarl does not use: hidden during the first CPU import"),
+    Pin("megatron.core.jit:enable_jit_fuser", "source", "common/megatron_import.py",
+        "binds jit_fuser to torch.compile at import; megatron-core's first import defers that compile "
+        "to the fused function's first call", text="jit_fuser = torch.compile"),
+    Pin("megatron.core.inference.contexts.dynamic_context:HAVE_WANDB", "attr", "common/megatron_import.py",
+        "imports wandb when installed, for hooks megarl does not use: hidden during megatron-core's first import"),
 )
 
 ATTENTION_PINS = (

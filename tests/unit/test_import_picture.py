@@ -102,25 +102,6 @@ def test_the_rollout_manager_imports_no_torch(tmp_path):
     assert _fresh(code) == "[]"
 
 
-@pytest.mark.slow  # a fresh interpreter importing torch / megatron-core: not in-process
-def test_megatron_first_cpu_import_defers_its_compiler_and_skips_wandb():
-    """The CPU shim imports megatron-core without loading torch's compiler stack or wandb (~3 s a
-    rank): megatron's fused kernels hold the deferred torch.compile, which compiles (dynamo loads)
-    on a first call and computes what the function does; wandb still imports for megarl's sink."""
-    code = ("import sys, torch\n"
-            "from megarl.mcore.cpu import _deferred_compile, install_cpu_shim\n"
-            "install_cpu_shim()\n"
-            "import megatron.core.models.gpt\n"
-            "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu\n"
-            "print('torch._dynamo' in sys.modules, 'wandb' in sys.modules)\n"
-            "print(bias_swiglu.__code__ is _deferred_compile(lambda: 0).__code__, bias_swiglu.__name__)\n"
-            "twice = _deferred_compile(lambda x: 2 * x + 1, backend='eager')\n"
-            "print(twice(torch.ones(2)).tolist(), 'torch._dynamo' in sys.modules)\n"
-            "import wandb\n"
-            "print(wandb.__name__)\n")
-    assert _fresh(code).splitlines()[-4:] == ["False False", "True bias_swiglu", "[3.0, 3.0] True", "wandb"]
-
-
 def test_the_lazy_algo_package_exports_what_it_lists():
     """megarl.algo loads its names on first use; each listed name resolves to the object of the
     module that defines it."""
