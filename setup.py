@@ -20,7 +20,7 @@ setup(
     ],
     extras_require={
         # everything the test tiers use: the README's one install line brings it all in
-        "test": ["pytest>=7", "transformers>=4.45", "matplotlib", "tensorboard", "wandb", "pyarrow",
+        "test": ["pytest>=7", "pytest-xdist>=3.5", "transformers>=4.45", "matplotlib", "tensorboard", "wandb", "pyarrow",
                  "jinja2", "sympy", "mpi4py"],
         # Parquet prompt files, chat templates, symbolic math answers (megarl.common.compat.require)
         "data": ["pyarrow", "jinja2", "sympy"],

@@ -9,7 +9,15 @@ its directory unless the test itself says `slow`:
   gpu     tests/gpu (skips without CUDA)
 
 `python -m pytest tests` runs them all, the fast tier first; a failure there stops the run
-before the first slower test (the rest would only add minutes to a known-red run)."""
+before the first slower test (the rest would only add minutes to a known-red run).
+
+Two at a time (pytest.ini: `-n 2 --dist loadgroup`, pytest-xdist): a test runs on one of two
+worker processes, a whole group at a time, and a group is its module (module fixtures and the
+torchrun results the dist tier caches per module are made once) unless it says otherwise:
+`xdist_group("sglang")` for the SGLang tier (one real engine at a time; the first use installs its
+venv), `"launch"` for tests/launch (one SLURM cluster), and a named group for modules that read
+one `shared_train` run. The SGLang group is handed out first among the slow tests: it is the
+longest, and a worker that starts it last would leave the other idle at the end."""
 import os
 import sys
 
@@ -38,8 +46,28 @@ def _tier(item) -> str:
 def pytest_collection_modifyitems(config, items):
     """Marks each item with its tier (before `-m` selects) and runs the fast tier first."""
     for item in items:
-        item.add_marker(_tier(item))
-    items.sort(key=lambda item: item.get_closest_marker("fast") is None)  # stable
+        tier = _tier(item)
+        item.add_marker(tier)
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_group(item, tier)))
+    items.sort(key=_order)  # stable
+
+
+_FIRST_GROUPS = ("sglang", "launch")  # the longest serial groups, handed out first among the slow
+
+
+def _group(item, tier: str) -> str:
+    if item.get_closest_marker("sglang"):
+        return "sglang"
+    rel = os.path.relpath(str(item.path), HERE)
+    return "launch" if rel.split(os.sep)[0] == "launch" else rel
+
+
+def _order(item) -> tuple:
+    if item.get_closest_marker("fast") is not None:
+        return (0, 0)
+    group = item.get_closest_marker("xdist_group").args[0]
+    return (1, _FIRST_GROUPS.index(group) if group in _FIRST_GROUPS else len(_FIRST_GROUPS))
 
 
 def pytest_runtest_logreport(report):

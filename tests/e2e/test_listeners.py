@@ -9,7 +9,10 @@ it bound itself (docs/reliability.md, Security), so any wildcard bind fails the 
 from __future__ import annotations
 
 # listening and socket_inodes: tests/dist/spawn_worker.py imports them from here
+import pytest
 from demo_run import demo_run, listening, socket_inodes  # noqa: F401
+
+pytestmark = pytest.mark.xdist_group("demo_run")  # reads the shared run made by the first test to ask (conftest.py)
 
 
 def test_no_wildcard_listener_during_a_demo_run(shared_train):

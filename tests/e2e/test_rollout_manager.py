@@ -11,7 +11,10 @@ import time
 import psutil
 
 import harness
+import pytest
 from test_resume_exactly_once import OVERRIDES, PLACEMENTS, prompts, resume_and_check, until_step
+
+pytestmark = pytest.mark.xdist_group("sigusr1_run")  # reads the shared run made by the first test to ask (conftest.py)
 
 RESUMABLE = (*OVERRIDES, *PLACEMENTS["disaggregated"])
 

@@ -11,7 +11,10 @@ import time
 import psutil
 
 import harness
+import pytest
 from test_rollout_manager import sigusr1_run
+
+pytestmark = pytest.mark.xdist_group("sigusr1_run")  # reads the shared run made by the first test to ask (conftest.py)
 
 SFT = dict(recipe="tiny_sft.yaml", model=harness.TINY / "hf", data=harness.TINY / "data" / "sft.jsonl")
 

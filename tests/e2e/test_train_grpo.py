@@ -10,6 +10,8 @@ import pytest
 from demo_run import EVAL, GRPO_STEPS, demo_run
 from metric_sinks import tensorboard_scalars, wandb_history
 
+pytestmark = pytest.mark.xdist_group("demo_run")  # reads the shared run made by the first test to ask (conftest.py)
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
