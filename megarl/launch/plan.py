@@ -33,6 +33,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megarl.config.server_flags import feature_flags
+
 LAUNCHERS = ("srun", "torchrun", "mpirun")
 MAX_PER_NODE = 1024  # GPUs or ranks of one node: far above any machine, low enough to plan fast
 MAX_RANKS = 1 << 18  # trainer ranks of one job (a plan lists every rank)
@@ -147,6 +149,8 @@ def plan_servers(cfg, alloc: Allocation) -> tuple[str, list[ServerLaunch]]:
         n = L.servers_per_node or 1
     if L.server_port + n - 1 > 65535:
         raise PlanError(f"launch.server_port: {L.server_port} + {n} servers per node runs past port 65535")
+    # what the run's features need of its servers (routes, LoRA, memory saver): as the local servers get them
+    flags = feature_flags(cfg, kind, gpu=gpus > 0)
     servers = []
     for node in alloc.rollout_nodes:
         host = alloc.addr(node)
@@ -166,7 +170,7 @@ def plan_servers(cfg, alloc: Allocation) -> tuple[str, list[ServerLaunch]]:
                 argv = ["-m", "megarl.server", "--model", cfg.model.hf_path,
                         "--host", host, "--port", str(port), "--dtype", serving_dtype(cfg),
                         "--threads", str(cfg.rollout.server_threads)]
-            argv = keyed_argv(alloc.python, argv + list(L.server_args), key_file(cfg))
+            argv = keyed_argv(alloc.python, argv + flags + list(L.server_args), key_file(cfg))
             servers.append(ServerLaunch(node, i, host, port, tuple(argv), env))
     return kind, servers
 

@@ -121,16 +121,20 @@ class ManagerSpec:
     run_dir: str
     controller: "ControllerSpec"
     eval: "EvalSpec"
-    server_flags: tuple[str, ...] = ()
+    server_flags: tuple[str, ...] = ()  # what the run's features need of its servers (feature_flags)
     timeline: bool = False
     reward_model: Optional["RewardModelConfig"] = None  # reward.model when its path is set
 
     @classmethod
     def from_config(cls, cfg) -> "ManagerSpec":
-        from megarl.rollout.setup import ControllerSpec, EvalSpec, route_flags
+        from megarl.config.server_flags import feature_flags
+        from megarl.rollout.setup import ControllerSpec, EvalSpec
+        from megarl.rollout.sglang_local import cuda_available
 
+        # the manager is this process's child, on this node: its servers see the devices it sees
+        flags = feature_flags(cfg, cfg.rollout.engine, gpu=cfg.rollout.engine == "sglang" and cuda_available())
         return cls(cfg.rollout, cfg.weights, cfg.model.hf_path, cfg.train.run_dir, ControllerSpec.from_config(cfg),
-                   EvalSpec.from_config(cfg), tuple(route_flags(cfg)), cfg.logging.timeline,
+                   EvalSpec.from_config(cfg), tuple(flags), cfg.logging.timeline,
                    cfg.reward.model if cfg.reward.model.path else None)
 
 
@@ -183,10 +187,9 @@ class RolloutManager:
         launcher = None
         if r.engine == "sglang":
             from megarl.rollout.sglang_local import SGLangLauncher
-            # the route flags (--enable-return-routed-experts) are SGLang's too
+            # the feature flags (config/server_flags.feature_flags): routes, LoRA, the memory saver
             launcher = SGLangLauncher(spec.model_path, [*spec.server_flags, *r.server_args], threads=r.server_threads,
-                                      api_key=r.api_key,
-                                      colocated=r.placement == "colocated")  # sleeps need SGLang's memory saver
+                                      api_key=r.api_key)
         self.local = LocalServers(spec.model_path, r.local_servers, f"{spec.run_dir}/servers",
                                   extra=["--threads", r.server_threads, *spec.server_flags, *r.server_args],
                                   host=serving_host(),

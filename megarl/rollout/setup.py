@@ -141,20 +141,6 @@ def sglang_lora(cfg) -> bool:
     return cfg.lora.enabled and cfg.weights.tensor_format == "sglang"
 
 
-def route_flags(cfg) -> list[str]:
-    """Flags of the local servers (both engines take them): routes returned when the run replays
-    them; with LoRA on SGLang, its adapter support sized for the run's adapters."""
-    flags = ["--enable-return-routed-experts"] if cfg.moe.routing_replay == "rollout" else []
-    if cfg.lora.enabled and cfg.rollout.engine == "sglang":
-        from megarl.config.lora import hf_target_modules
-
-        # two adapters per batch: the resumed segments of one push and the next never mix, but a
-        # server may still finish a batch of the old version while the new one loads
-        flags += ["--enable-lora", "--max-lora-rank", str(cfg.lora.rank), "--max-loras-per-batch", "2",
-                  "--lora-target-modules", *hf_target_modules(cfg.lora.target_modules)]
-    return flags
-
-
 def build_controller(spec: ControllerSpec, cluster, timeline=None) -> RolloutController:
     r = spec.task.rollout
     tok, template, reward, sampling = task_parts(spec.task)

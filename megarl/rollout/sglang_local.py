@@ -11,7 +11,8 @@ On a machine without CUDA, SGLang 0.5.x runs only with what tools/sglang_cpu/ ca
 ``PYTHONPATH``, the torch-native attention and sampling backends, fp32 (its bf16 logprobs are
 0.03-0.08 off an fp32 reference), an explicit KV-cache size, and ``SGLANG_DISABLED_MODEL_ARCHS``
 naming every model module but the ones megarl converts (start-up ~4x faster on two cores). On GPU
-it is the plain command, plus ``--enable-memory-saver`` for the colocated placement (`server_args`).
+it is the plain command; what the run's features need (routes, LoRA, the colocated placement's
+``--enable-memory-saver``) comes from `megarl.config.server_flags.feature_flags`.
 Start-up takes 40-80 s on two CPU cores (the first start ~3 min).
 
 SGLang forks a scheduler and a detokenizer: each server is its own process group, killed whole.
@@ -100,19 +101,13 @@ def _model_modules(python: str) -> list[str]:
 
 
 def server_args(model: str, port: int, host: str = "127.0.0.1", *, cpu: bool = True,
-                colocated: bool = False, max_total_tokens: int = 16384, max_running_requests: int = 64,
+                max_total_tokens: int = 16384, max_running_requests: int = 64,
                 api_key: Optional[str] = None, extra: Sequence[str] = ()) -> list[str]:
     """`python -m sglang.launch_server` arguments for a server on ``host:port``; ``cpu``: the
-    settings SGLang needs without CUDA (fp32, torch-native backends, a fixed KV cache);
-    ``colocated`` (rollout.placement: colocated): on GPU ``--enable-memory-saver``, without which
-    SGLang's /release_memory_occupation frees nothing (it only warns) and the sleeping server
-    keeps its weights and KV cache on the device the trainer needs. The one place these flags
-    are decided."""
+    settings SGLang needs without CUDA (fp32, torch-native backends, a fixed KV cache); ``extra``:
+    the run's feature flags (`megarl.config.server_flags.feature_flags`: routes, LoRA, the memory
+    saver a colocated placement needs on GPU) and rollout.server_args, last."""
     args = ["-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", str(port)]
-    if colocated and not cpu:
-        # torch_memory_saver hooks CUDA allocations (its own pip package, CUDA-only): on CPU the
-        # flag would make SGLang's start-up fail importing it, and there is no device memory to give back
-        args += ["--enable-memory-saver"]
     if cpu:
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
                  "--dtype", "float32", "--max-total-tokens", str(max_total_tokens),
@@ -223,17 +218,17 @@ class SGLangLauncher:
     name = "SGLang"
 
     def __init__(self, model_dir: str, extra=(), threads: Optional[int] = None, api_key: Optional[str] = None,
-                 cpu: Optional[bool] = None, python: Optional[str] = None, colocated: bool = False):
+                 cpu: Optional[bool] = None, python: Optional[str] = None):
         check_model_dir(model_dir)
         self.python = python or sglang_python()
-        self.model_dir, self.api_key, self.threads, self.colocated = model_dir, api_key, threads, colocated
+        self.model_dir, self.api_key, self.threads = model_dir, api_key, threads
         self.extra = sglang_flags(extra)
         self.cpu = (not cuda_available()) if cpu is None else cpu
 
     def argv(self, port: int, host: str, key_fd: Optional[int] = None) -> list[str]:
         """The command of the server on ``host:port``; ``key_fd``: a pipe holding its API key
         (`KEYED_LAUNCH`: SGLang itself reads --api-key from argv only)."""
-        args = server_args(self.model_dir, port, host, cpu=self.cpu, colocated=self.colocated, extra=self.extra)
+        args = server_args(self.model_dir, port, host, cpu=self.cpu, extra=self.extra)
         return [self.python, *args] if key_fd is None else keyed(self.python, args, str(key_fd))
 
     def spawn(self, port: int, log_path: str, host: str, cpus=None) -> subprocess.Popen:

@@ -1,6 +1,6 @@
 """LoRA RL against real SGLang (0.5.23, CPU, fp32; `sglang` marker).
 
-1. SGLang's own LoRA path, as megarl-train launches it (the flags of `megarl.rollout.setup.route_flags`,
+1. SGLang's own LoRA path, as megarl-train launches it (the flags of `megarl.config.server_flags.feature_flags`,
    the stand-in's CPU fix `sgl_kernel_cpu/sgl_kernel/_lora_cpu.py`): a PEFT adapter loaded with
    /load_lora_adapter and selected per request with ``lora_path`` gives the logprobs of
    transformers on the merged weights W + (alpha/r) B A; requests without ``lora_path`` keep the
@@ -81,11 +81,11 @@ def test_sglang_lora_path_equals_merged_weights(tmp_path, model):
     from launch import SGLangServer  # tools/sglang_cpu/launch.py
 
     from megarl.config import load_config
-    from megarl.rollout.setup import route_flags
+    from megarl.config.server_flags import feature_flags
 
     cfg = load_config(os.path.join(REPO, "configs", "tiny_grpo_lora.yaml"),
                       ["rollout.engine=sglang", "lora.rank=8", "lora.alpha=16"])
-    flags = route_flags(cfg)  # what megarl-train starts its SGLang servers with
+    flags = feature_flags(cfg, "sglang", gpu=False)  # what megarl-train starts its SGLang servers with
     assert flags[:5] == ["--enable-lora", "--max-lora-rank", "8", "--max-loras-per-batch", "2"]
     adapter = tmp_path / "adapter"
     _random_adapter(str(adapter), model, rank=8, alpha=16)

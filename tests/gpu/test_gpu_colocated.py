@@ -166,6 +166,8 @@ def test_sglang_sleeps_and_loads_the_cuda_ipc_push(tmp_path, record_property):
     from safetensors.torch import load_file
 
     from megarl.common.net import free_port
+    from megarl.config import load_config
+    from megarl.config.server_flags import feature_flags
     from megarl.models.random_hf import tiny_config, write_random_hf
     from megarl.protocol.tensor_wire import tensor_update
     from megarl.rollout.sglang_local import SGLangLauncher, server_args
@@ -178,10 +180,13 @@ def test_sglang_sleeps_and_loads_the_cuda_ipc_push(tmp_path, record_property):
     name, rows = "model.layers.0.mlp.down_proj.weight", 4  # not fused in SGLang's Llama: read back as is
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = server_args(served, port, cpu=False, colocated=True,
-                       extra=["--dtype", "float32", "--skip-tokenizer-init", "--disable-cuda-graph",
+    colocated = load_config(os.path.join(REPO, "configs", "tiny_grpo.yaml"),
+                            ["rollout.engine=sglang", "rollout.placement=colocated", "rollout.max_staleness=0"])
+    flags = feature_flags(colocated, "sglang", gpu=True)  # what the manager starts them with on GPU
+    assert flags == ["--enable-memory-saver"]
+    argv = server_args(served, port, cpu=False,
+                       extra=[*flags, "--dtype", "float32", "--skip-tokenizer-init", "--disable-cuda-graph",
                               "--mem-fraction-static", "0.1", "--random-seed", "0"])
-    assert "--enable-memory-saver" in argv  # the colocated command (tests/unit/test_sglang_local.py)
     log_path = tmp_path / "sglang.log"
     proc = subprocess.Popen([sys.executable, *argv], stdout=open(log_path, "a"), stderr=subprocess.STDOUT,
                             env=child_env(), start_new_session=True)

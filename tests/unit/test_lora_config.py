@@ -111,14 +111,15 @@ def test_sglang_servers_get_lora_flags_and_requests_name_the_adapter():
     instead: no flags, no lora_path)."""
     from megarl.config.server_wire import local_extensions, resolve_wire
     from megarl.rollout.client import RolloutClient
-    from megarl.rollout.setup import ControllerSpec, route_flags, sglang_lora
+    from megarl.config.server_flags import feature_flags
+    from megarl.rollout.setup import ControllerSpec, sglang_lora
     from megarl.rollout.sglang_local import server_args
 
     cfg = load("lora.rank=4", "lora.target_modules=[linear_qkv,linear_fc2]", "rollout.engine=sglang", base=RL)
     cfg.weights = resolve_wire(cfg.weights, {"local": local_extensions("sglang")}, lora=cfg.lora.enabled)
     assert (cfg.weights.tensor_format, cfg.weights.pause_mode) == ("sglang", "abort")
     assert sglang_lora(cfg) and ControllerSpec.from_config(cfg).lora_adapters
-    flags = route_flags(cfg)
+    flags = feature_flags(cfg, "sglang", gpu=False)
     assert flags == ["--enable-lora", "--max-lora-rank", "4", "--max-loras-per-batch", "2",
                      "--lora-target-modules", "down_proj", "k_proj", "q_proj", "v_proj"]
     args = server_args("m", 1, extra=flags)
@@ -133,5 +134,5 @@ def test_sglang_servers_get_lora_flags_and_requests_name_the_adapter():
 
     megarl = load("lora.rank=4", base=RL)
     megarl.weights = resolve_wire(megarl.weights, {"local": local_extensions("megarl")}, lora=True)
-    assert not sglang_lora(megarl) and route_flags(megarl) == []
+    assert not sglang_lora(megarl) and feature_flags(megarl, "megarl", gpu=True) == []
     assert not ControllerSpec.from_config(megarl).lora_adapters

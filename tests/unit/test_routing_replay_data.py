@@ -112,7 +112,8 @@ def test_replay_needs_an_moe_model(tmp_path):
     from megarl.config import ConfigError, load_config
     from megarl.models.checks import check_against_model
     from megarl.models.random_hf import tiny_config, write_random_hf
-    from megarl.rollout.setup import route_flags, routed_experts
+    from megarl.config.server_flags import feature_flags
+    from megarl.rollout.setup import routed_experts
 
     dense = write_random_hf(str(tmp_path / "dense"), tiny_config())
     with pytest.raises(ConfigError, match="moe.routing_replay: rollout needs an MoE model"):
@@ -122,6 +123,8 @@ def test_replay_needs_an_moe_model(tmp_path):
     cfg = load_config(None, [f"model.hf_path={moe}", "data.train_path=x", "moe.routing_replay=rollout",
                              "train.algorithm=rl"])
     check_against_model(cfg)  # the local CPU server serves MoE: no refusal
-    assert route_flags(cfg) == ["--enable-return-routed-experts"] and routed_experts(cfg) == (4, 2)
+    assert routed_experts(cfg) == (4, 2)
+    for engine in ("megarl", "sglang"):  # both engines take the route flag
+        assert feature_flags(cfg, engine, gpu=False) == ["--enable-return-routed-experts"]
     off = load_config(None, [f"model.hf_path={moe}", "data.train_path=x"])
-    assert route_flags(off) == [] and routed_experts(off) is None
+    assert feature_flags(off, "sglang", gpu=True) == [] and routed_experts(off) is None

@@ -62,12 +62,9 @@ def test_cpu_command_carries_the_cpu_settings_and_gpu_the_plain_one(tmp_path):
                         ("--max-total-tokens", "16384")):
         assert cpu[cpu.index(flag) + 1] == value
     assert cpu[-2:] == ["--log-level-http", "info"]  # the user's flags last: they win
-    # GPU, disaggregated: the plain command; colocated: SGLang's memory saver, without which its
-    # /release_memory_occupation frees nothing while the trainer trains on the same GPU
+    # GPU: the plain command, then the feature flags (tests/unit/test_feature_flags.py)
     assert S.server_args("/m", 5, cpu=False) == cpu[:8]
-    assert S.server_args("/m", 5, cpu=False, colocated=True) == cpu[:8] + ["--enable-memory-saver"]
-    # CPU: torch_memory_saver is CUDA-only (SGLang would fail importing it at start-up)
-    assert "--enable-memory-saver" not in S.server_args("/m", 5, colocated=True)
+    assert S.server_args("/m", 5, cpu=False, extra=["--enable-memory-saver"]) == cpu[:8] + ["--enable-memory-saver"]
     env = S.server_env(base={"PYTHONPATH": "/x"}, threads=2)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["OMP_NUM_THREADS"] == "2"
     assert env["PYTHONPATH"] == S.STANDIN_KERNEL + os.pathsep + "/x"
@@ -100,6 +97,7 @@ def test_the_manager_starts_sglang_with_the_memory_saver_when_colocated(monkeypa
             return False
 
     monkeypatch.setattr(S, "SGLangLauncher", GPULauncher)
+    monkeypatch.setattr(S, "cuda_available", lambda: True)  # the trainer sees the node's GPUs
     monkeypatch.setattr(local, "LocalServers", NoServers)
     manager = RolloutManager(ManagerSpec.from_config(cfg))
     try:
