@@ -116,7 +116,7 @@ def server_args(model: str, port: int, host: str = "127.0.0.1", *, cpu: bool = T
         if "--enable-lora" in extra:  # its default LoRA backend (csgmv) runs Triton kernels
             args += ["--lora-backend", "torch_native"]
     if api_key:
-        args += ["--api-key", api_key]
+        args += [f"--api-key={api_key}"]  # one token: a key may start with "-" (token_urlsafe)
     return args + list(extra)  # last: a repeated option takes its last value
 
 
@@ -201,7 +201,7 @@ KEYED_LAUNCH = (
     "src.isdigit() or (st.st_uid == os.geteuid() and not st.st_mode & 0o077) "
     "or sys.exit(f'--api-key-file: {src} must be yours and readable by nobody else (chmod 600)'); "
     "key or sys.exit(f'--api-key-file: {src} is empty'); "
-    "sys.argv = [mod, *sys.argv[3:], '--api-key', key]; runpy.run_module(mod, run_name='__main__', alter_sys=True)")
+    "sys.argv = [mod, *sys.argv[3:], '--api-key=' + key]; runpy.run_module(mod, run_name='__main__', alter_sys=True)")
 
 
 def keyed(python: str, module_args: Sequence[str], source: str) -> list[str]:
