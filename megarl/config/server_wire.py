@@ -47,25 +47,6 @@ def local_extensions(engine: str) -> frozenset:
     return frozenset(MEGARL_EXTENSIONS) if engine == "megarl" else frozenset()
 
 
-def check_replay(cfg, servers: Mapping[str, frozenset]) -> None:
-    """MoE routing replay (``moe.routing_replay: rollout``) against SGLang servers runs on-policy
-    only: asynchronously (rollout.max_staleness or staleness_threshold > 0) the replayed routes of
-    on-policy tokens are not the ones SGLang used and the run stops on train.mismatch_gate
-    (measured: 0.894 nats mean at step 3; docs/models.md, "Against real SGLang"; the same run
-    passes at max_staleness 0, and asynchronously without replay or with megarl-server). Refused
-    before any rank starts, naming the fields; ``servers`` as for `resolve_wire` (SGLang
-    advertises no extension)."""
-    r = cfg.rollout
-    plain = [url for url, got in servers.items() if not got]
-    if cfg.moe.routing_replay != "rollout" or not r.staleness or not plain:
-        return
-    async_field = (f"rollout.max_staleness={r.max_staleness}" if r.max_staleness
-                   else f"rollout.staleness_threshold={r.staleness_threshold:g}")
-    raise ConfigError(f"moe.routing_replay: rollout with {async_field} (asynchronous) against SGLang "
-                      f"({plain[0]}) fails the mismatch gate (docs/models.md, \"Against real SGLang\"); "
-                      "set rollout.max_staleness=0 or moe.routing_replay=none")
-
-
 def required_extensions(weights) -> frozenset:
     """What a server must advertise to take the resolved ``weights`` wire: a server that comes
     back (restarted, or replaced at its address) is re-admitted only if it still does."""

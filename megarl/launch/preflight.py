@@ -31,8 +31,6 @@ torchrun job:
     weights.*            RL: the weight wire resolved against what the servers advertise
                          (`check_wire`, `megarl.config.server_wire`): auto chosen, a setting a
                          server cannot take refused naming the field and the server
-    moe.routing_replay   RL: rollout with staleness > 0 against SGLang refused (fails the
-                         mismatch gate, docs/models.md; `server_wire.check_replay`)
 
 Nothing here imports Megatron or starts torch.distributed; torch only where a check reads tensors
 (model.init=hf safetensors headers, an existing checkpoint), so most bad inputs exit in ~0.2 s.

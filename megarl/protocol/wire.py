@@ -109,13 +109,21 @@ class RoutedExperts:
         return cls(ids, weights)
 
     def extend(self, seg: "RoutedExperts") -> "RoutedExperts":
-        """This sample's routing followed by the rows of ``seg`` beyond ``self.rows`` (``seg``
-        covers the same positions from 0: a resubmitted segment's prompt is the sample so far)."""
-        new = slice(self.rows, None)
+        """The sample's routing after a resubmitted segment ``seg`` (its prompt is the sample so
+        far, so it covers the same positions from 0): ``seg``'s rows wherever it has them. They
+        are the routes the server held for those positions when it generated the segment's
+        tokens - recomputed under the new weights when it prefilled the prefix again (megarl-server
+        keeps no prefix cache; SGLang after a flush), the old ones when it reused cached KV - so
+        the latest tokens, the ones a trainer at the new version gates, replay exactly what
+        produced them. Keeping the earlier segment's rows for the prefix replayed the old
+        version's routes under tokens computed on the new version's."""
+        if seg.rows >= self.rows:
+            return seg
+        tail = slice(seg.rows, None)  # never seen: a segment shorter than the sample so far
         weights = None
         if self.weights is not None and seg.weights is not None:
-            weights = np.concatenate([self.weights, seg.weights[new]])
-        return RoutedExperts(np.concatenate([self.ids, seg.ids[new]]), weights)
+            weights = np.concatenate([seg.weights, self.weights[tail]])
+        return RoutedExperts(np.concatenate([seg.ids, self.ids[tail]]), weights)
 
 
 def _b64_rows(text, dtype, num_layers: int, top_k: int, what: str) -> np.ndarray:

@@ -18,17 +18,15 @@ from megarl.common.errors import ConfigError
 def check_wire(cfg) -> None:
     """The servers say what they are (``rollout.servers``: their /model_info; the servers the job
     starts: by ``rollout.engine``), and ``cfg.weights`` becomes the wire they can all take
-    (`megarl.config.server_wire.resolve_wire`: auto resolved, an impossible setting refused;
-    `check_replay`: asynchronous routing replay against SGLang refused).
+    (`megarl.config.server_wire.resolve_wire`: auto resolved, an impossible setting refused).
     Rank 0 saves the resolved config, which the rollout manager reads."""
-    from megarl.config.server_wire import check_replay, local_extensions, resolve_wire
+    from megarl.config.server_wire import local_extensions, resolve_wire
 
     if cfg.rollout.servers:
         servers = check_servers(cfg.rollout.servers, cfg.rollout.api_key or None,
                                 cfg.rollout.health_timeout_s)
     else:
         servers = {f"(local {cfg.rollout.engine} server)": local_extensions(cfg.rollout.engine)}
-    check_replay(cfg, servers)  # what the servers are decides whether async routing replay works
     cfg.weights = resolve_wire(cfg.weights, servers, cfg.rollout.partial_rollout, cfg.lora.enabled)
 
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from megarl.config import ConfigError, check_world_size, load_config
+from megarl.config import check_world_size, load_config
 from megarl.models import builder, stages
 from megarl.models.layouts import hf_shapes, pad_vocab
 from megarl.protocol.hf_model import read_model_args
@@ -122,11 +122,11 @@ QWEN3_30B_A3B = {
 def test_moe_recipe_loads_with_expert_parallelism(tmp_path):
     """configs/qwen3-30b-a3b-gsm8k.yaml: 30.5B parameters, EP=8 over DP=16 (16 experts of each
     layer per rank, 2 replicas), grouped-GEMM experts on the TE spec, top-8 renormalised routing;
-    asynchronous against SGLang servers without routing replay - the combination documented to
-    pass the mismatch gate (docs/models.md, "Against real SGLang"): preflight lets it through,
-    and refuses it with replay on, which fails the gate asynchronously against SGLang."""
+    asynchronous against SGLang servers with routing replay (the tiny twin of that combination
+    passes the mismatch gate every step: tests/e2e/test_sglang_moe.py), and megarl-launch starts
+    its SGLang servers with the routes flag."""
     from megarl.config.moe import MoEConfig
-    from megarl.config.server_wire import check_replay
+    from megarl.config.server_flags import feature_flags
 
     model_dir = tmp_path / "Qwen3-30B-A3B"
     model_dir.mkdir()
@@ -134,15 +134,9 @@ def test_moe_recipe_loads_with_expert_parallelism(tmp_path):
     cfg = load_config(os.path.join(REPO, "configs", "qwen3-30b-a3b-gsm8k.yaml"), [f"model.hf_path={model_dir}"])
     assert (cfg.model.spec, cfg.model.dtype, cfg.parallel.backend) == ("te", "bfloat16", "nccl")
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.world_size) == (1, 1, 8, 16)
-    assert cfg.moe == MoEConfig(routing_replay="none", aux_loss_coeff=0.0)  # R3 off until it passes async
+    assert cfg.moe == MoEConfig(routing_replay="rollout", aux_loss_coeff=0.0)  # R3
     assert cfg.rollout.max_staleness == 1 and cfg.rollout.partial_rollout  # asynchronous
-    sglang = {s: frozenset() for s in cfg.rollout.servers}  # SGLang's /model_info advertises no extension
-    check_replay(cfg, sglang)  # preflight's routing-replay check, as it sees the recipe's servers
-    r3 = load_config(os.path.join(REPO, "configs", "qwen3-30b-a3b-gsm8k.yaml"),
-                     [f"model.hf_path={model_dir}", "moe.routing_replay=rollout"])
-    with pytest.raises(ConfigError, match=r"^moe.routing_replay: rollout with rollout.max_staleness=1 "
-                                          r"\(asynchronous\) against SGLang \(http://rollout0:30000\)"):
-        check_replay(r3, sglang)
+    assert feature_flags(cfg, "sglang", gpu=True) == ["--enable-return-routed-experts"]
     dp = check_world_size(cfg, cfg.parallel.world_size)
     assert dp == 16 and cfg.train.global_batch_size % (cfg.rollout.group_size * dp) == 0
     assert len(cfg.rollout.servers) == 2 and load_reward_fn(cfg.rollout.reward_fn) is math_reward

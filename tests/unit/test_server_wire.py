@@ -9,7 +9,7 @@ import os
 import pytest
 
 from megarl.config import ConfigError, WeightSyncConfig, load_config
-from megarl.config.server_wire import AUTO_VERIFY_EVERY, check_replay, local_extensions, resolve_wire
+from megarl.config.server_wire import AUTO_VERIFY_EVERY, local_extensions, resolve_wire
 from megarl.protocol.wire import MEGARL_EXTENSIONS, server_extensions
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,43 +90,17 @@ RECIPES = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 def test_every_recipe_runs_on_both_server_kinds(path):
     """Each shipped recipe, unchanged: it names no wire setting (GPU recipes serve with SGLang,
     the tiny ones with megarl-server; the servers choose), it resolves against an SGLang
-    server to SGLang's wire alone and against a megarl-server to megarl's, and preflight's
-    routing-replay check lets it run on either."""
+    server to SGLang's wire alone and against a megarl-server to megarl's."""
     cfg = load_config(path, ["model.hf_path=unused"], validate=False)
     w = cfg.weights
     assert (w.tensor_format, w.verify_interval, w.pause_mode) == ("auto", None, "auto"), path
     if cfg.train.algorithm == "sft":
         return
-    check_replay(cfg, SGLANG)
-    check_replay(cfg, MEGARL)
     w = resolve_wire(cfg.weights, SGLANG)
     assert (w.tensor_format, w.verify_interval) == ("sglang", 0)
     assert (w.transport, w.tensor_format) not in MEGARL_ONLY and w.refit == "gather" and w.disk_delta == "off"
     w = resolve_wire(cfg.weights, MEGARL)
     assert (w.tensor_format, w.verify_interval) == ("megarl", AUTO_VERIFY_EVERY)
-
-
-def test_async_routing_replay_against_sglang_is_refused_naming_the_fields():
-    """docs/models.md, "Against real SGLang": R3 with staleness > 0 against SGLang stops on the
-    mismatch gate; at staleness 0, without replay, or against megarl-server it passes."""
-    moe = os.path.join(REPO, "configs", "tiny_moe_grpo.yaml")
-
-    def cfg(*overrides):
-        return load_config(moe, ["model.hf_path=unused", *overrides], validate=False)
-
-    for overrides, field in ((["rollout.max_staleness=1"], "rollout.max_staleness=1"),
-                             (["rollout.max_staleness=0", "rollout.staleness_threshold=0.5"],
-                              "rollout.staleness_threshold=0.5")):
-        for servers, named in ((SGLANG, "http://s:1"), (MIXED, "http://s:1"),
-                               ({"(local sglang server)": local_extensions("sglang")}, "(local sglang server)")):
-            with pytest.raises(ConfigError) as e:
-                check_replay(cfg("moe.routing_replay=rollout", *overrides), servers)
-            assert str(e.value) == (f"moe.routing_replay: rollout with {field} (asynchronous) against SGLang "
-                                    f"({named}) fails the mismatch gate (docs/models.md, \"Against real "
-                                    "SGLang\"); set rollout.max_staleness=0 or moe.routing_replay=none")
-    check_replay(cfg("moe.routing_replay=rollout", "rollout.max_staleness=0"), SGLANG)  # on-policy R3
-    check_replay(cfg("moe.routing_replay=none", "rollout.max_staleness=1"), SGLANG)  # async, no replay
-    check_replay(cfg("moe.routing_replay=rollout", "rollout.max_staleness=1"), MEGARL)  # ids and weights
 
 
 def test_sglang_flattened_layout_keeps_every_tensor_aligned():
