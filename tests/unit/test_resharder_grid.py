@@ -234,3 +234,111 @@ def test_moe_grid(tmp_path_factory, ranks, experts, ep, tp, tied):
     assert args.num_experts == experts and args.tie_word_embeddings == tied
     check_both(pad_vocab(args, DIVISIBLE_BY, tp), sd, ranks, tp, ep)
 
+
+
+# ----------------------------------------------------------------------------- megatron-core's reading
+
+ANCHOR = [(h, kv, tp) for h in (4, 8) for kv in (1, 2, 4, 8) if kv <= h and h % kv == 0
+          for tp in (1, 2, 4, 8) if h % tp == 0 and (kv % tp == 0 or tp % kv == 0)]
+
+
+@pytest.mark.parametrize("heads, kv, tp", ANCHOR, ids=[f"h{h}-kv{kv}-tp{tp}" for h, kv, tp in ANCHOR])
+def test_megatron_core_reads_the_shards_as_hf_heads(tmp_path_factory, monkeypatch, heads, kv, tp):
+    """The cut used above is megatron-core's: its own ``get_query_key_value_tensors`` (kv < TP
+    branch included: all-gather, then each rank's slice) on every rank's QKV shard gives HF's
+    q/k/v heads of that rank, and its ``swiglu`` on each rank's fc1 shard HF's MLP activations."""
+    import megatron.core.transformer.attention as mattn
+    from megatron.core.fusions.fused_bias_swiglu import swiglu
+
+    args, sd = reference(tmp_path_factory, "Qwen3ForCausalLM", heads, kv, VOCABS[heads])
+    table = dict(param_table(args))
+    rows = {pmap.names(0)[0].split(".", 3)[-1]: pmap for layer, pmap in param_table(args) if layer == 0}
+    hd, x = args.head_dim, torch.randn(3, 1, args.hidden_size, generator=torch.Generator().manual_seed(0))
+    names = rows["self_attention.linear_qkv.weight"].names(0)[1]
+    qkv = tp_shards(rows["self_attention.linear_qkv.weight"], [sd[n] for n in names], args, tp)
+    outs = [x @ s.T for s in qkv]
+
+    class Linear(torch.nn.Module):
+        def __init__(self, rank):
+            super().__init__()
+            self.rank = rank
+
+        def forward(self, h):
+            return outs[self.rank], None
+
+    monkeypatch.setattr(mattn, "all_gather_last_dim_from_tensor_parallel_region", lambda t: torch.cat(outs, -1))
+    q_ref, k_ref, v_ref = (x @ sd[n].T for n in names)
+    for r in range(tp):
+        monkeypatch.setattr(mattn, "get_tensor_model_parallel_rank", lambda: r)
+        few = kv < tp  # SelfAttention.__init__'s per-partition counts
+        rank = SimpleNamespace(linear_qkv=Linear(r), world_size=tp, hidden_size_per_attention_head=hd,
+                               num_query_groups_per_partition=1 if few else kv // tp,
+                               num_attention_heads_per_partition=heads // kv if few else heads // tp,
+                               config=SimpleNamespace(num_query_groups=kv, test_mode=False),
+                               q_layernorm=None, k_layernorm=None)
+        q, k, v = mattn.SelfAttention.get_query_key_value_tensors(rank, x)
+        qh = heads // tp
+        groups = [r // (tp // kv)] if few else range(r * kv // tp, (r + 1) * kv // tp)
+        rows_of = lambda t, hs: torch.cat([t[..., h * hd:(h + 1) * hd] for h in hs], -1)  # noqa: E731
+        assert torch.equal(q.reshape(3, 1, -1), q_ref[..., r * qh * hd:(r + 1) * qh * hd])
+        assert torch.equal(k.reshape(3, 1, -1), rows_of(k_ref, groups))
+        assert torch.equal(v.reshape(3, 1, -1), rows_of(v_ref, groups))
+    fc1 = rows["mlp.linear_fc1.weight"]
+    gate, up = (sd[n] for n in fc1.names(0)[1])
+    act = torch.nn.functional.silu(x @ gate.T) * (x @ up.T)
+    ffn = args.ffn_hidden_size // tp
+    for r, s in enumerate(tp_shards(fc1, [gate, up], args, tp)):
+        assert torch.allclose(swiglu(x @ s.T), act[..., r * ffn:(r + 1) * ffn], atol=1e-6)
+    assert table  # the table read from transformers' config has the rows used
+
+
+# ----------------------------------------------------------------------------- what megarl refuses
+
+REFUSALS = [(h, kv, tp) for h in (4, 8, 12) for kv in (1, 2, 3, 4, 6, 8) if kv <= h and h % kv == 0
+            for tp in (2, 3, 4, 8)]
+
+
+def megatron_accepts(heads: int, kv: int, tp: int) -> bool:
+    from megatron.core.transformer import TransformerConfig
+
+    try:
+        TransformerConfig(num_layers=1, hidden_size=8 * heads, num_attention_heads=heads, num_query_groups=kv,
+                          tensor_model_parallel_size=tp)
+    except ValueError:
+        return False
+    return True
+
+
+def test_tp_refusals_against_megatron_core(tmp_path):
+    """Preflight (`check_against_model`, run by megarl-train and megarl-launch) refuses, in one line naming ``parallel.tp`` and
+    the config.json field, every (heads, kv_heads, TP) megatron-core refuses, and further exactly
+    kv_heads < TP (megatron-core takes TP a multiple of kv_heads; megarl's LoRA and shard-refit
+    paths hold whole query groups per rank). megarl-convert's ``--tp`` check agrees."""
+    from megarl.config import ConfigError, load_config
+    from megarl.models.checks import check_against_model, check_layout
+    from megarl.common.errors import ToolError
+    from megarl.models.random_hf import tiny_config, write_random_hf
+
+    beyond = []
+    for heads, kv, tp in REFUSALS:
+        hf = write_random_hf(str(tmp_path / f"h{heads}kv{kv}"), tiny_config(
+            num_attention_heads=heads, num_key_value_heads=kv, hidden_size=8 * heads, intermediate_size=48,
+            vocab_size=64, num_hidden_layers=1))
+        over = [f"model.hf_path={hf}", "data.train_path=x", f"parallel.tp={tp}", f"parallel.world_size={tp}"]
+        mcore = megatron_accepts(heads, kv, tp)
+        if not refused(heads, kv, tp):
+            assert mcore, (heads, kv, tp)
+            check_against_model(load_config(None, over))
+            continue
+        field = "num_attention_heads" if heads % tp else "num_key_value_heads"
+        with pytest.raises(ConfigError) as e:
+            check_against_model(load_config(None, over))
+        assert str(e.value) == f"parallel.tp: {tp} does not divide {field}={heads if heads % tp else kv}"
+        with pytest.raises(ToolError, match=rf"^--tp {tp} does not divide {field}="):
+            check_layout(model_args_from_config(tiny_config(num_attention_heads=heads, num_key_value_heads=kv,
+                                                            hidden_size=8 * heads)), tp, 1)
+        if mcore:
+            beyond.append((heads, kv, tp))
+    assert beyond and all(kv < tp and tp % kv == 0 for _, kv, tp in beyond)
+    assert len(beyond) == sum(1 for h, kv, tp in REFUSALS if kv < tp and tp % kv == 0 and h % tp == 0)
+
