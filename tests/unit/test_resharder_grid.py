@@ -342,3 +342,22 @@ def test_tp_refusals_against_megatron_core(tmp_path):
     assert beyond and all(kv < tp and tp % kv == 0 for _, kv, tp in beyond)
     assert len(beyond) == sum(1 for h, kv, tp in REFUSALS if kv < tp and tp % kv == 0 and h % tp == 0)
 
+
+def test_tp_must_divide_the_mlp(tmp_path):
+    """A dense MLP TP does not divide: megatron-core's fc1/fc2 would stop at model build with a
+    bare ``divide`` assertion; preflight names the field instead. MoE experts are never TP-split."""
+    from megatron.core.utils import divide
+
+    from megarl.config import ConfigError, load_config
+    from megarl.models.checks import check_against_model
+    from megarl.models.random_hf import tiny_config, write_random_hf
+
+    with pytest.raises(AssertionError):
+        divide(100, 8)  # what ColumnParallelLinear / RowParallelLinear compute per rank
+    hf = write_random_hf(str(tmp_path / "m"), tiny_config(num_attention_heads=8, num_key_value_heads=8,
+                                                          intermediate_size=100, num_hidden_layers=1))
+    over = [f"model.hf_path={hf}", "data.train_path=x"]
+    with pytest.raises(ConfigError) as e:
+        check_against_model(load_config(None, over + ["parallel.tp=8", "parallel.world_size=8"]))
+    assert str(e.value) == "parallel.tp: 8 does not divide intermediate_size=100"
+    check_against_model(load_config(None, over + ["parallel.tp=4", "parallel.world_size=4"]))
