@@ -236,6 +236,68 @@ def test_moe_grid(tmp_path_factory, ranks, experts, ep, tp, tied):
 
 
 
+
+# ----------------------------------------------------------------------------- both wire formats
+
+class Wire:
+    """One trainer source and one server joined by a queue: the real `DistributedTransport.send`
+    packs (per its wire format) and broadcasts into it, the real server `receive_broadcast`
+    unpacks from it, in a thread, as the announce reaches the server."""
+
+    def __init__(self, monkeypatch):
+        import torch.distributed as dist
+        from megarl.server.weights import WeightGroup, receive_broadcast
+
+        self.sent, self.got = queue.Queue(), {}
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        real = dist.broadcast
+
+        def broadcast(t, src=None, group=None, async_op=False, group_src=None):
+            if group == "trainer":
+                self.sent.put(t.clone())
+            elif group == "server":
+                t.copy_(self.sent.get(timeout=30))
+            else:
+                return real(t, src=src, group=group, async_op=async_op, group_src=group_src)
+            return SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
+
+        monkeypatch.setattr(dist, "broadcast", broadcast)
+
+        def receive(meta):
+            out, _ = receive_broadcast(WeightGroup("server"), meta.names, meta.dtypes, meta.shapes, meta.load_format)
+            self.got.update({n: t.clone() for n, t in out.items()})  # views of the group buffer otherwise
+        client = SimpleNamespace(update_weights_from_distributed=lambda meta: pool.submit(receive, meta))
+        self.admin = SimpleNamespace(submit=lambda call: call(client), addresses=["http://server"])
+
+
+WIRES = [("LlamaForCausalLM", 8, 2, 4), ("Qwen2ForCausalLM", 12, 4, 2), ("Qwen3ForCausalLM", 4, 1, 1)]
+
+
+@pytest.mark.parametrize("wire", ["megarl", "sglang"])
+@pytest.mark.parametrize("arch, heads, kv, tp", WIRES, ids=[f"{a[:5]}-h{h}-kv{kv}-tp{tp}" for a, h, kv, tp in WIRES])
+def test_both_wire_formats_deliver_the_grid(tmp_path_factory, ranks, monkeypatch, wire, arch, heads, kv, tp):
+    """The pushed buckets as a server receives them: megarl's "direct_bucket" (large tensors
+    alone, small ones packed at 64-byte offsets) and SGLang's "flattened_bucket" (widest dtype
+    first, back to back) carry the same names and values, bf16 buckets too. "Large" is lowered
+    to 2 kB so the small grid models send both kinds, several of each per 64 kB bucket."""
+    from megarl.protocol import wire as wire_protocol
+    from megarl.weights.transports import DistributedTransport
+
+    monkeypatch.setattr(wire_protocol, "DIRECT_MIN_BYTES", 2048)
+    args, sd = reference(tmp_path_factory, arch, heads, kv, VOCABS[heads])
+    args = pad_vocab(args, DIVISIBLE_BY, tp)
+    link = Wire(monkeypatch)
+    send = DistributedTransport(link.admin, "127.0.0.1", 30, "gloo", wire=wire)
+    send.group, send.group_name = "trainer", "grid"
+    r = ranks(args, sd, tp)
+    for dtype in (torch.float32, torch.bfloat16):
+        link.got.clear()
+        for bucket in resharder.Resharder(engine(args, r.ps), bucket_bytes=1 << 16, dtype=dtype).iter_buckets():
+            send.send(bucket, "v1")
+        assert {t.dtype for t in link.got.values()} == {dtype}
+        assert_matches(link.got, {n: t.to(dtype) for n, t in sd.items()}, args, f"{wire} wire, {dtype}")
+
+
 # ----------------------------------------------------------------------------- megatron-core's reading
 
 ANCHOR = [(h, kv, tp) for h in (4, 8) for kv in (1, 2, 4, 8) if kv <= h and h % kv == 0
