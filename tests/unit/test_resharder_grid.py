@@ -17,8 +17,8 @@ receiver packing. Megarl refuses kv_heads < TP (megatron-core would take TP a mu
 `test_tp_refusals_against_megatron_core` pins which layouts preflight refuses and how.
 """
 import concurrent.futures
+import json
 import queue
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -73,7 +73,6 @@ def reference(tmp_path_factory, *key):
         out = str(tmp_path_factory.mktemp("hf"))
         cfg = hf_config(*key)
         save_random(transformers, cfg, out, seed=len(_MODELS))
-        import json
         with open(f"{out}/config.json") as f:
             _MODELS[key] = model_args_from_config(json.load(f)), load_safetensors(out)
     return _MODELS[key]
@@ -181,7 +180,8 @@ def engine(args, ps):
 def assert_matches(got: dict, ref: dict, args, what: str) -> float:
     """Exact key set and shapes, values within 1e-6; returns the largest difference."""
     want = set(ref) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
-    assert set(got) == want, f"{what}: missing {sorted(want - set(got))[:4]}, extra {sorted(set(got) - want)[:4]}"
+    missing, extra = sorted(want - set(got)), sorted(set(got) - want)
+    assert not missing and not extra, f"{what}: missing {missing[:4]}, extra {extra[:4]}"
     worst = 0.0
     for name in sorted(want):
         assert tuple(got[name].shape) == tuple(ref[name].shape), f"{what}: {name} {tuple(got[name].shape)}"
@@ -200,8 +200,7 @@ def pushed(args, ps) -> tuple[dict, list]:
 
 
 def exported(args, ps) -> dict:
-    out = dict(hf_io.iter_hf_tensors(engine(args, ps).chunks, args, ps))
-    return out
+    return dict(hf_io.iter_hf_tensors(engine(args, ps).chunks, args, ps))
 
 
 def check_both(args, sd, ranks, tp, ep=1) -> list:
@@ -264,7 +263,8 @@ class Wire:
         monkeypatch.setattr(dist, "broadcast", broadcast)
 
         def receive(meta):
-            out, _ = receive_broadcast(WeightGroup("server"), meta.names, meta.dtypes, meta.shapes, meta.load_format)
+            out, _ = receive_broadcast(WeightGroup("server"), meta.names, meta.dtypes, meta.shapes,
+                                       meta.load_format)
             self.got.update({n: t.clone() for n, t in out.items()})  # views of the group buffer otherwise
         client = SimpleNamespace(update_weights_from_distributed=lambda meta: pool.submit(receive, meta))
         self.admin = SimpleNamespace(submit=lambda call: call(client), addresses=["http://server"])
@@ -274,7 +274,8 @@ WIRES = [("LlamaForCausalLM", 8, 2, 4), ("Qwen2ForCausalLM", 12, 4, 2), ("Qwen3F
 
 
 @pytest.mark.parametrize("wire", ["megarl", "sglang"])
-@pytest.mark.parametrize("arch, heads, kv, tp", WIRES, ids=[f"{a[:5]}-h{h}-kv{kv}-tp{tp}" for a, h, kv, tp in WIRES])
+@pytest.mark.parametrize("arch, heads, kv, tp", WIRES,
+                         ids=[f"{a[:5]}-h{h}-kv{kv}-tp{tp}" for a, h, kv, tp in WIRES])
 def test_both_wire_formats_deliver_the_grid(tmp_path_factory, ranks, monkeypatch, wire, arch, heads, kv, tp):
     """The pushed buckets as a server receives them: megarl's "direct_bucket" (large tensors
     alone, small ones packed at 64-byte offsets) and SGLang's "flattened_bucket" (widest dtype
@@ -313,7 +314,6 @@ def test_megatron_core_reads_the_shards_as_hf_heads(tmp_path_factory, monkeypatc
     from megatron.core.fusions.fused_bias_swiglu import swiglu
 
     args, sd = reference(tmp_path_factory, "Qwen3ForCausalLM", heads, kv, VOCABS[heads])
-    table = dict(param_table(args))
     rows = {pmap.names(0)[0].split(".", 3)[-1]: pmap for layer, pmap in param_table(args) if layer == 0}
     hd, x = args.head_dim, torch.randn(3, 1, args.hidden_size, generator=torch.Generator().manual_seed(0))
     names = rows["self_attention.linear_qkv.weight"].names(0)[1]
@@ -351,7 +351,6 @@ def test_megatron_core_reads_the_shards_as_hf_heads(tmp_path_factory, monkeypatc
     ffn = args.ffn_hidden_size // tp
     for r, s in enumerate(tp_shards(fc1, [gate, up], args, tp)):
         assert torch.allclose(swiglu(x @ s.T), act[..., r * ffn:(r + 1) * ffn], atol=1e-6)
-    assert table  # the table read from transformers' config has the rows used
 
 
 # ----------------------------------------------------------------------------- what megarl refuses
@@ -372,10 +371,11 @@ def megatron_accepts(heads: int, kv: int, tp: int) -> bool:
 
 
 def test_tp_refusals_against_megatron_core(tmp_path):
-    """Preflight (`check_against_model`, run by megarl-train and megarl-launch) refuses, in one line naming ``parallel.tp`` and
-    the config.json field, every (heads, kv_heads, TP) megatron-core refuses, and further exactly
-    kv_heads < TP (megatron-core takes TP a multiple of kv_heads; megarl's LoRA and shard-refit
-    paths hold whole query groups per rank). megarl-convert's ``--tp`` check agrees."""
+    """Preflight (`check_against_model`, run by megarl-train and megarl-launch) refuses, in one
+    line naming ``parallel.tp`` and the config.json field, every (heads, kv_heads, TP)
+    megatron-core refuses, and further exactly kv_heads < TP (megatron-core takes TP a multiple of
+    kv_heads; megarl's shard-refit plan holds whole query groups per trainer rank, and no training
+    test runs it). megarl-convert's ``--tp`` check agrees."""
     from megarl.config import ConfigError, load_config
     from megarl.models.checks import check_against_model, check_layout
     from megarl.common.errors import ToolError
