@@ -28,10 +28,10 @@ _IGNORED_HF = ("rotary_emb.inv_freq",)
 # ----------------------------------------------------------------------------- a config vs config.json
 
 def check_against_model(cfg) -> None:
-    """Checks of a loaded `Config` that need the HF config.json of ``model.hf_path``: TP vs heads
-    and query groups, the pipeline split of the layers (uneven first/last stages included), EP vs
-    the experts. Run by `megarl.launch.preflight.check_inputs` (megarl-train) and megarl-launch; every
-    error is one `ConfigError` line naming the field."""
+    """Checks of a loaded `Config` that need the HF config.json of ``model.hf_path``: TP vs heads,
+    query groups and the dense MLP, the pipeline split of the layers (uneven first/last stages
+    included), EP vs the experts. Run by `megarl.launch.preflight.check_inputs` (megarl-train) and
+    megarl-launch; every error is one `ConfigError` line naming the field."""
     from megarl.models import stages
     from megarl.protocol.hf_model import read_model_args
 
@@ -52,6 +52,8 @@ def check_against_model(cfg) -> None:
         raise ConfigError(f"parallel.tp: {tp} does not divide num_attention_heads={args.num_heads}")
     if args.num_kv_heads % tp:
         raise ConfigError(f"parallel.tp: {tp} does not divide num_key_value_heads={args.num_kv_heads}")
+    if not args.num_experts and args.ffn_hidden_size % tp:  # experts are whole on every rank
+        raise ConfigError(f"parallel.tp: {tp} does not divide intermediate_size={args.ffn_hidden_size}")
     try:
         stages.resolve(args.num_layers, pp, vpp, cfg.parallel.first_stage_layers,
                        cfg.parallel.last_stage_layers)
