@@ -79,6 +79,7 @@ class PolicyLossKind(str, Enum):
 
     PPO = "ppo"
     DECOUPLED_PPO = "decoupled_ppo"
+    GSPO = "gspo"
 
 
 class OldLogp(str, Enum):
@@ -100,9 +101,10 @@ class PolicyLossConfig:
     """The policy-loss variant, chosen once (built by `AlgoConfig.build()`)."""
 
     kind: PolicyLossKind = PolicyLossKind.DECOUPLED_PPO
-    """ppo: ratio against one old logprob; decoupled_ppo: trust region at pi_prox, times pi_prox/pi_behave."""
+    """ppo: ratio against one old logprob; decoupled_ppo: trust region at pi_prox, times pi_prox/pi_behave;
+    gspo: the length-normalised sequence ratio against one old logprob, clipped per sequence."""
     old_logp: OldLogp = OldLogp.PROX
-    """Standard PPO only: pi_old = pi_prox (recomputed) or pi_behave (rollout engine)."""
+    """ppo and gspo: pi_old = pi_prox (recomputed) or pi_behave (rollout engine)."""
     eps_clip_low: float = 0.2
     """Lower clip: the ratio is clipped at 1 - eps_clip_low."""
     eps_clip_high: float = 0.2

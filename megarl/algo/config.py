@@ -22,9 +22,11 @@ class AlgoConfig:
     """RL algorithm options (`algo.*`)."""
 
     policy_loss: str = "decoupled_ppo"
-    """ppo | decoupled_ppo. decoupled_ppo: trust region at pi_prox, times pi_prox / pi_behave."""
+    """ppo | decoupled_ppo | gspo. decoupled_ppo: trust region at pi_prox, times pi_prox / pi_behave;
+    gspo: sequence-level ratio (pi_theta / pi_old)^(1/|y|), clipped per sequence (Qwen3's GSPO);
+    use loss_agg seq_mean_token_mean, and small clips (e.g. 3e-4 / 4e-4)."""
     old_logp: str = "prox"
-    """prox | behave. pi_old of standard PPO (ignored by decoupled_ppo, which always uses prox)."""
+    """prox | behave. pi_old of ppo and gspo (ignored by decoupled_ppo, which always uses prox)."""
     eps_clip_low: float = bounded(0.2, ge=0.0, lt=1.0)
     """Ratio clipped below at 1 - eps_clip_low; in [0, 1)."""
     eps_clip_high: float = bounded(0.2, ge=0.0)
@@ -82,6 +84,13 @@ class AlgoConfig:
                 _fail(name, f"expected true/false, got {getattr(self, name)!r}")
         check_bounds(self, "algo")
         uses_prox = self.policy_loss == "decoupled_ppo" or self.old_logp == "prox"
+        if self.policy_loss == "gspo":
+            if self.loss_agg != "seq_mean_token_mean":
+                _fail("loss_agg", f"{self.loss_agg} with policy_loss=gspo weights sequences by their length; "
+                      "GSPO averages over sequences: set algo.loss_agg=seq_mean_token_mean")
+            if self.rollout_correction in ("tis_token", "mis_token", "icepop"):
+                _fail("rollout_correction", f"{self.rollout_correction} is per token; policy_loss=gspo's ratio "
+                      "is per sequence: use tis_seq or mis_seq")
         if self.rollout_correction != "none" and not uses_prox:
             _fail("rollout_correction", "needs old_logp=prox (with pi_old = pi_behave the "
                   "correction ratio pi_old / pi_behave is 1)")

@@ -24,6 +24,16 @@ Decoupled PPO (`algo.policy_loss=decoupled_ppo`, AReaL):
     L_t  = w_t * S_t,  S_t as above with r_t replaced by u_t (dual clip included)
     w_t > cap: the token is dropped (`mask`) or w_t = cap (`clamp`)
 
+GSPO (`algo.policy_loss=gspo`, Qwen3's Group Sequence Policy Optimization), pi_old as in PPO:
+
+    s_i  = (pi_theta(y_i) / pi_old(y_i))^(1 / |y_i|) = exp(mean_t log r_t)    (one ratio per sequence)
+    L_it = w_it * max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high)), the same for every t of i
+    as GSPO-token: s_it = sg(s_i) * pi_theta(y_t) / sg(pi_theta(y_t)), whose value is s_i and
+    whose gradient is s_i grad log pi_theta(y_t), so with loss_agg seq_mean_token_mean the step's
+    gradient is GSPO's (1/G) sum_i s_i A_i (1/|y_i|) sum_t grad log pi_theta(y_t) (unclipped i).
+    w_it: a sequence-level rollout correction (tis_seq, mis_seq), 1 without; a per-token one is
+    refused by the config (no meaning on one ratio per sequence).
+
 A rollout correction that produces a weight (tis_*, icepop) replaces w_t = pi_prox / pi_behave in
 decoupled PPO (both are importance weights for the same ratio, multiplying them would count it
 twice); the cap then applies to that weight. A masking correction (mis_*) keeps w_t and drops
@@ -79,10 +89,19 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, loss_mask: 
     return pg, stats
 
 
+def gspo_ratio(log_ratio: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO-token's per-token ratio s_it (value s_i = exp(mean_t log r_t) of its sequence,
+    gradient s_i grad log r_t) and the detached per-sequence log s_i [B, 1]; ``log_ratio`` is 0
+    off the mask."""
+    m = loss_mask.to(log_ratio.dtype)
+    seq = ((log_ratio * m).sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1)).detach()
+    return torch.exp(seq + log_ratio - log_ratio.detach()), seq
+
+
 def _importance_weight(cfg: PolicyLossConfig, corr_weight: torch.Tensor | None, rho: torch.Tensor,
                        keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Stat]]:
     """The detached per-token weight w_t and the updated keep mask (see module docstring)."""
-    if cfg.kind == PolicyLossKind.PPO:
+    if cfg.kind in (PolicyLossKind.PPO, PolicyLossKind.GSPO):
         w = corr_weight if corr_weight is not None else torch.ones_like(rho)
         return w, keep, {}
     w = corr_weight if corr_weight is not None else rho
@@ -117,9 +136,18 @@ def policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor | None, behave_logp:
     old = (prox_logp if use_prox else behave_logp).detach()
     # Zero the log-ratio off the mask before exp(): padding must never produce inf (inf * 0 = nan).
     log_ratio = torch.where(m, logp - old, torch.zeros_like(logp))
-    ratio = torch.exp(log_ratio)
+    if cfg.kind == PolicyLossKind.GSPO:
+        ratio, seq_log = gspo_ratio(log_ratio, loss_mask)
+    else:
+        ratio = torch.exp(log_ratio)
     pg, stats = clipped_surrogate(ratio, advantages, loss_mask, cfg.eps_clip_low,
                                   cfg.eps_clip_high, cfg.dual_clip_c)
+    if cfg.kind == PolicyLossKind.GSPO:  # the clip fractions above count tokens; these, sequences
+        rows = m.any(dim=-1, keepdim=True)
+        s = torch.exp(seq_log)
+        stats["gspo/seq_ratio_mean"] = Stat.masked_mean(s, rows)
+        stats["gspo/seq_clip_frac"] = Stat.masked_mean(((s < 1.0 - cfg.eps_clip_low)
+                                                        | (s > 1.0 + cfg.eps_clip_high)).float(), rows)
     lr = log_ratio.detach()
     stats["approx_kl_k1"] = Stat.masked_mean(-lr, m)
     stats["approx_kl_k3"] = Stat.masked_mean(torch.exp(lr) - 1.0 - lr, m)

@@ -73,3 +73,21 @@ def test_tis_rollout_correction_truncates_stale_tokens(tmp_path):
     assert max(r["rollout_corr_rho"] - r["rollout_corr_weight"] for r in stale) > 1e-2, stale
     assert all(r["rollout_corr_truncated_frac"] > 0 for r in stale)
     assert all(r["rollout_corr_weight"] <= 1.0 + 1e-9 for r in rows)
+
+
+def test_gspo_trains_with_one_ratio_per_sequence(tmp_path):
+    """algo.policy_loss=gspo in the real loop (formulas checked in tests/unit/test_gspo.py): on-policy,
+    two mini-batches a step; the first mini-batch starts at pi_old = pi_prox, so every sequence
+    ratio is 1 there and nothing is clipped; the step's mean ratio moves off 1 with the second."""
+    run = harness.train(tmp_path / "run", *COMMON, "train.steps=3", "train.ppo_mini_batch_size=16",
+                        "rollout.max_staleness=0", "algo.policy_loss=gspo", "algo.loss_agg=seq_mean_token_mean",
+                        "algo.eps_clip_low=3e-4", "algo.eps_clip_high=4e-4").check()
+    rows = run.rows
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    print("\n[gspo] " + "; ".join(f"{r['step']}: ratio {r['gspo/seq_ratio_mean']:.4f} clipped "
+                                  f"{r['gspo/seq_clip_frac']:.3f}" for r in rows))
+    for r in rows:
+        assert r["optimizer_steps"] == 2 and r["grad_norm"] > 0
+        # half the sequences (the first mini-batch) at ratio exactly 1, unclipped; the other half
+        # after an lr 1e-3 step, far outside a 3e-4 / 4e-4 band: clipped
+        assert 0 < r["gspo/seq_clip_frac"] <= 0.5 and r["gspo/seq_ratio_mean"] != 1.0
