@@ -72,7 +72,8 @@ CFGS = [
                      behave_weight_cap=cap, behave_weight_cap_mode=cm, rollout_correction=rc,
                      rollout_correction_low=0.6, rollout_correction_high=1.8)
     for k, o, c, cap, cm, rc in itertools.product(
-        PolicyLossKind, OldLogp, [None, 2.0], [None, 1.5], CapMode, RolloutCorrection)
+        (PolicyLossKind.PPO, PolicyLossKind.DECOUPLED_PPO), OldLogp, [None, 2.0], [None, 1.5], CapMode,
+        RolloutCorrection)  # gspo's ratio is per sequence: its reference is tests/unit/test_gspo.py
     if not (k == PolicyLossKind.PPO and (cap is not None or cm == CapMode.CLAMP))
 ]
 
