@@ -84,4 +84,5 @@ def test_async_moe_replay_passes_the_gate_every_step(tmp_path, pause):
     # many depends on the machine's speed, so only "some" is asserted)
     gated = [r for r in rows[1:] if r["mismatch/onpolicy_frac"] > 0 and r["partial_frac"] > 0]
     assert gated, [(r["mismatch/onpolicy_frac"], r["partial_frac"]) for r in rows]
-    assert max(r["staleness_max"] for r in rows) == 1 and max(r["moe/route_flip_frac"] for r in rows) > 0.1
+    # asynchronous: tokens a version (or, for an interrupted long group, two: docs/async.md) old
+    assert max(r["staleness_max"] for r in rows) >= 1 and max(r["moe/route_flip_frac"] for r in rows) > 0.1
