@@ -18,15 +18,17 @@ pytestmark = pytest.mark.sglang
 
 STEPS = 3
 GAP = 1e-5  # mean |logp_trainer - logp_sglang| nats on on-policy tokens, fp32 (measured ~3e-7)
+# both runs: SGLang's routes replayed, the prox recompute also done without them, the gate at GAP
+REPLAY = ("rollout.eval_at_start=false", "data.eval_path=", "checkpoint.save_interval=0",
+          "algo.prox_logp_mode=recompute", "moe.routing_replay=rollout", "moe.replay_check=true",
+          f"train.mismatch_threshold={GAP}")
 
 
 def test_moe_replays_sglang_routes(tmp_path):
     require_sglang()
     model, run = demo_model(str(tmp_path / "model"), MOE), str(tmp_path / "run")
     done = train(run, model, f"train.steps={STEPS}", "train.global_batch_size=32", "train.ppo_mini_batch_size=32",
-                 "rollout.max_staleness=0", "rollout.eval_at_start=false", "data.eval_path=",
-                 "checkpoint.save_interval=0", "algo.prox_logp_mode=recompute", "moe.routing_replay=rollout",
-                 "moe.replay_check=true", f"train.mismatch_threshold={GAP}", recipe="tiny_moe_grpo.yaml")
+                 "rollout.max_staleness=0", *REPLAY, recipe="tiny_moe_grpo.yaml")
     wall = done.wall_s
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     rows = done.rows
@@ -67,10 +69,8 @@ def test_async_moe_replay_passes_the_gate_every_step(tmp_path, pause):
     model, run = demo_model(str(tmp_path / "model"), MOE), str(tmp_path / "run")
     done = train(run, model, f"train.steps={ASYNC_STEPS}", "train.global_batch_size=128",
                  "train.ppo_mini_batch_size=128", "rollout.max_concurrent=16", "rollout.max_staleness=1",
-                 "rollout.eval_at_start=false", "data.eval_path=", "checkpoint.save_interval=0",
-                 "algo.prox_logp_mode=recompute", "moe.routing_replay=rollout", "moe.replay_check=true",
-                 f"train.mismatch_threshold={GAP}", "optim.lr=0.02", "optim.lr_warmup_steps=0",
-                 f"weights.pause_mode={pause}", recipe="tiny_moe_grpo.yaml")
+                 *REPLAY, "optim.lr=0.02", "optim.lr_warmup_steps=0", f"weights.pause_mode={pause}",
+                 recipe="tiny_moe_grpo.yaml")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]  # the gate stops a failing run
     rows = done.rows
     print(f"\n[sglang-moe async {pause}] " + "; ".join(
