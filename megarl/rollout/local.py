@@ -99,7 +99,9 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: str, ready_timeout_s:
             # dead before /health: its last line says why (bad model dir, port taken), no point waiting out the deadline
             raise RuntimeError(f"{name} exited early (log {log_path}): {last_line_since(log_path, since)}")
         try:
-            urllib.request.urlopen(url + "/health", timeout=1)
+            # a loaded node answers slowly (SGLang's /health asks its scheduler): a probe may take
+            # seconds, and a 1 s limit once never saw a server that answered every probe in ~2 s
+            urllib.request.urlopen(url + "/health", timeout=max(1.0, min(10.0, deadline - time.time())))
             return
         except OSError:
             # 0.2 s between probes: readiness is seen at once without a busy loop that takes its CPU

@@ -52,6 +52,11 @@ def test_moe_replays_sglang_routes(tmp_path):
 
 
 ASYNC_STEPS = 20
+# At lr 0.02 the logits sharpen within ten steps and a few isolated tokens differ by more between
+# the two fp32 engines: an on-policy run (max_staleness 0, no interruption, the same 20 steps)
+# measured a worst token of 1.5e-3 while every step's mean stayed under GAP. A replayed route of
+# the wrong version moves the mean (lr 0.02 flips >10% of the routes between versions).
+LARGE_LR_MAX = 5e-3
 
 
 @pytest.mark.parametrize("pause", ["retract", "abort"])
@@ -62,13 +67,15 @@ def test_async_moe_replay_passes_the_gate_every_step(tmp_path, pause):
     flip routes between versions, so a replayed route of the wrong version shows. ``retract``
     (what pause_mode auto picks for SGLang) keeps interrupted requests inside SGLang; ``abort``
     resubmits them, and each sample's routes are stitched across its segments (the latest
-    segment's rows: `RoutedExperts.extend`). 16 concurrent requests of 128 per step keep the
-    generation slower than the trainer, so some steps train tokens of the trainer's own version,
-    many of them in interrupted samples."""
+    segment's rows: `RoutedExperts.extend`). 4 concurrent requests of 128 per step keep the
+    generation slower than the trainer (abort: it waited 20-55% of every step with a busy process
+    on the other core; at 16 a loaded CI machine made the trainer the slower side and no step after
+    the first had tokens of its own version), so some steps train tokens of the trainer's own
+    version beside interrupted samples."""
     require_sglang()
     model, run = demo_model(str(tmp_path / "model"), MOE), str(tmp_path / "run")
     done = train(run, model, f"train.steps={ASYNC_STEPS}", "train.global_batch_size=128",
-                 "train.ppo_mini_batch_size=128", "rollout.max_concurrent=16", "rollout.max_staleness=1",
+                 "train.ppo_mini_batch_size=128", "rollout.max_concurrent=4", "rollout.max_staleness=1",
                  *REPLAY, "optim.lr=0.02", "optim.lr_warmup_steps=0", f"weights.pause_mode={pause}",
                  recipe="tiny_moe_grpo.yaml")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]  # the gate stops a failing run
@@ -78,10 +85,10 @@ def test_async_moe_replay_passes_the_gate_every_step(tmp_path, pause):
         f"mean {r['mismatch/mean']:.2g} max {r['mismatch/max']:.2g}" for r in rows))
     assert [r["step"] for r in rows] == list(range(1, ASYNC_STEPS + 1))
     for r in rows:
-        assert r["moe/routes_frac"] == 1.0 and r["mismatch/mean"] <= GAP and r["mismatch/max"] < 1e-4
+        assert r["moe/routes_frac"] == 1.0 and r["mismatch/mean"] <= GAP and r["mismatch/max"] < LARGE_LR_MAX
     # the gate had tokens of the trainer's own version to check after step 1, in steps that also
-    # trained interrupted samples (measured: 4 such steps of 20 with retract, 11 with abort; how
-    # many depends on the machine's speed, so only "some" is asserted)
+    # trained interrupted samples (measured with a busy process on the other core: 4 such steps of
+    # 19 with retract, 15 with abort; how many depends on the machine's speed, so "some" is asserted)
     gated = [r for r in rows[1:] if r["mismatch/onpolicy_frac"] > 0 and r["partial_frac"] > 0]
     assert gated, [(r["mismatch/onpolicy_frac"], r["partial_frac"]) for r in rows]
     # asynchronous: tokens a version (or, for an interrupted long group, two: docs/async.md) old
