@@ -7,9 +7,11 @@
     result   <- the run's own evaluation (megarl.rollout.evaluation, built by build_eval): the
                 configured rollout.workflow and rollout.reward_fn on data.eval_path (the first
                 rollout.eval_size prompts), greedy pass@1 and, with rollout.eval_k = k > 0, pass@k
-                from eval.n >= k sampled episodes per prompt (unbiased estimator)
-    output   <- <eval.out_dir>/samples.jsonl (every episode), <eval.out_dir>/results.json, and one
-                summary line on stdout
+                from eval.n >= k sampled episodes per prompt (unbiased estimator); with
+                data.eval_sets every set, each with its own size, k, reward and workflow
+    output   <- <eval.out_dir>/samples.jsonl (every episode, named by its eval_set),
+                <eval.out_dir>/results.json (several sets: under sets.<name>), and one summary
+                line on stdout
 
 The same contract as megarl-train: the config and what it points at are checked before anything
 starts (one line ``megarl-eval: <field>: <problem>``, exit status 2); a later error is one line,
@@ -46,9 +48,10 @@ def run(path: str, overrides: list[str]) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="megarl-eval-") as tmp:
         model_dir = export_hf(ckpt, os.path.join(tmp, "hf")) if ckpt else cfg.model.hf_path
-        res = evaluate_model(cfg, model_dir, os.path.join(out_dir, "servers"))
-    results = summarize(cfg, res, ckpt, time.perf_counter() - t0)
-    write_outputs(out_dir, results, res.rows)
+        scored = evaluate_model(cfg, model_dir, os.path.join(out_dir, "servers"))
+    results = summarize(cfg, scored, ckpt, time.perf_counter() - t0)
+    write_outputs(out_dir, results, [{**({"eval_set": name} if name else {}), **row}
+                                     for name, _, res in scored for row in res.rows])
     print(summary_line(results, out_dir), flush=True)
     return 0
 
@@ -67,8 +70,8 @@ def check_inputs(cfg) -> str:
     if not cfg.train.is_rl:
         raise ConfigError("train.algorithm: megarl-eval scores an RL task (rollout.workflow, rollout.reward_fn); "
                           f"got {cfg.train.algorithm}")
-    if not cfg.data.eval_path:
-        raise ConfigError("data.eval_path: megarl-eval needs a held-out file (JSONL or Parquet)")
+    if not cfg.data.eval_path and not cfg.data.eval_sets:
+        raise ConfigError("data.eval_path: megarl-eval needs a held-out file (JSONL or Parquet; several: data.eval_sets)")
     if cfg.rollout.servers:
         raise ConfigError("rollout.servers: megarl-eval starts its own servers on the model it scores; "
                           f"leave it empty (got {cfg.rollout.servers[0]})")
@@ -82,7 +85,9 @@ def check_inputs(cfg) -> str:
             raise ConfigError("model.hf_path: the HF model to evaluate (or set eval.checkpoint)")
         ckpt, args = "", preflight.check_model(cfg)
     tok = preflight.check_tokenizer(cfg, args.vocab_size)
-    preflight.check_dataset("data.eval_path", cfg.data.eval_path, cfg, tok, args.max_position_embeddings)
+    if cfg.data.eval_path:
+        preflight.check_dataset("data.eval_path", cfg.data.eval_path, cfg, tok, args.max_position_embeddings)
+    preflight.check_eval_sets(cfg, tok, args.max_position_embeddings)
     preflight.check_plugins(cfg)
     preflight.check_writable("eval.out_dir", output_dir(cfg))
     if not cfg.rollout.servers and cfg.rollout.engine == "sglang":
@@ -148,14 +153,17 @@ def local_servers(cfg, model_dir: str, log_dir: str):
                         cpus=cpus, launcher=launcher, ready_timeout_s=r.health_timeout_s, api_key=r.api_key)
 
 
-def evaluate_model(cfg, model_dir: str, log_dir: str):
-    """The run's evaluation (build_eval: workflow, reward, prompts) against servers on ``model_dir``."""
+def evaluate_model(cfg, model_dir: str, log_dir: str) -> list:
+    """The run's evaluation (build_eval: workflow, reward, prompts) against servers on ``model_dir``:
+    [(set name, its TaskSpec, EvalResult)], one per held-out set (data.eval_sets, in order), or
+    one with name "" for data.eval_path."""
     import asyncio
 
     from megarl.rollout.client import RolloutClient
     from megarl.rollout.evaluation import evaluate
     from megarl.common.net import LOOPBACK
     from megarl.rollout.setup import EvalSpec, TaskSpec, build_eval, eval_reward, task_parts
+    from megarl.rollout.sources import eval_set_tasks
 
     if not cfg.rollout.api_key:  # the servers started here answer only this command (megarl.rollout.local)
         cfg.rollout.api_key = secrets.token_urlsafe(32)
@@ -170,48 +178,72 @@ def evaluate_model(cfg, model_dir: str, log_dir: str):
             task = task_with_reward_urls(task, stack.enter_context(rm), rm.api_key)
         # rollout.eval_reward_fn: the evaluation scores with it and training's reward is not built
         reward = eval_reward(task, None if cfg.rollout.eval_reward_fn else task_parts(task)[2])
-        periodic = build_eval(EvalSpec(task, n=cfg.eval.n), reward)
+        built = build_eval(EvalSpec(task, n=cfg.eval.n), reward)
+        if cfg.data.eval_sets:
+            tasks = list(eval_set_tasks(task).values())
+            sets = [(name, sub, ev) for (name, ev, _), sub in zip(built.sets, tasks)]
+        else:
+            sets = [("", task, built)]
+        owned = [getattr(getattr(ev.workflows.greedy, "ctx", None), "reward", None) for _, _, ev in sets]
+        callers = {id(c): c for c in [reward, *owned] if c is not None}  # each closed once
 
         async def score(urls):
             try:
                 async with RolloutClient(urls, cfg.rollout.api_key) as client:
-                    return await evaluate(client, periodic.samples, periodic.workflows)
+                    return [(name, sub, await evaluate(client, ev.samples, ev.workflows)) for name, sub, ev in sets]
             finally:
-                await reward.aclose()  # the reward's threads / worker processes / HTTP session
+                for caller in callers.values():
+                    await caller.aclose()  # the rewards' threads / worker processes / HTTP sessions
 
         urls = stack.enter_context(local_servers(cfg, model_dir, log_dir))
-        print(f"[{PROG}] {len(urls)} server(s) on {model_dir}; {len(periodic.samples)} prompts", flush=True)
+        prompts = ", ".join(f"{name + ': ' if name else ''}{len(ev.samples)} prompts" for name, _, ev in sets)
+        print(f"[{PROG}] {len(urls)} server(s) on {model_dir}; {prompts}", flush=True)
         return asyncio.run(score(urls))
 
 
 # ----------------------------------------------------------------------------- results
 
-def summarize(cfg, res, ckpt: str, wall_s: float) -> dict:
+def summarize(cfg, scored: list, ckpt: str, wall_s: float) -> dict:
     """results.json: what was scored, on what, and the numbers (the eval/* names of training's
-    metrics.jsonl too, so a run's evaluation and this one compare key by key)."""
+    metrics.jsonl too, so a run's evaluation and this one compare key by key). One held-out set
+    (data.eval_path): its numbers at the top level; several (data.eval_sets): each under
+    sets.<name>, and the metrics under eval/<name>/..."""
     from megarl.rollout.evaluation import PeriodicEval
 
-    metrics = PeriodicEval.metrics(res, step=0, version=0)
-    for key in ("eval/version", "eval/step"):  # no training step or policy version here
-        metrics.pop(key)
-    out = {"model": ckpt or os.path.abspath(cfg.model.hf_path), "source": "checkpoint" if ckpt else "hf",
-           "eval_path": os.path.abspath(cfg.data.eval_path), "reward_fn": cfg.rollout.reward_fn,
-           "workflow": cfg.rollout.workflow, "prompts": res.n, "greedy_accuracy": res.accuracy,
-           "mean_reward": res.mean_reward}
-    if res.pass_at_k is not None:
-        n = max(cfg.eval.n, res.k)
-        out.update({"k": res.k, "n": n, f"pass@{res.k}": res.pass_at_k, "pass@1": res.pass_at_1,
-                    "mean_reward_sampled": res.mean_reward_at_k, "temperature": cfg.rollout.temperature})
-    return {**out, "wall_s": round(wall_s, 3), "metrics": metrics}
+    head = {"model": ckpt or os.path.abspath(cfg.model.hf_path), "source": "checkpoint" if ckpt else "hf"}
+    per_set, metrics = {}, {}
+    for name, task, res in scored:
+        m = PeriodicEval.metrics(res, step=0, version=0)
+        for key in ("eval/version", "eval/step"):  # no training step or policy version here
+            m.pop(key)
+        r = task.rollout
+        one = {"eval_path": os.path.abspath(task.data.eval_path), "reward_fn": r.eval_reward_fn or r.reward_fn,
+               "workflow": r.workflow, "prompts": res.n, "greedy_accuracy": res.accuracy,
+               "mean_reward": res.mean_reward}
+        if res.pass_at_k is not None:
+            n = max(cfg.eval.n, res.k)
+            one.update({"k": res.k, "n": n, f"pass@{res.k}": res.pass_at_k, "pass@1": res.pass_at_1,
+                        "mean_reward_sampled": res.mean_reward_at_k, "temperature": r.temperature})
+        if not name:
+            return {**head, **one, "wall_s": round(wall_s, 3), "metrics": m}
+        per_set[name] = one
+        metrics.update({f"eval/{name}/{'accuracy' if k == 'eval_accuracy' else k.removeprefix('eval/')}": v
+                        for k, v in m.items() if k != "eval/greedy_pass@1"})
+    return {**head, "sets": per_set, "wall_s": round(wall_s, 3), "metrics": metrics}
 
 
 def summary_line(results: dict, out_dir: str) -> str:
-    k = results.get("k")
-    sampled = (f", pass@1 {results['pass@1']:.4f}, pass@{k} {results[f'pass@{k}']:.4f} (n={results['n']})"
-               if k else "")
-    return (f"{PROG}: {results['source']} {results['model']} on {results['eval_path']} ({results['prompts']} "
-            f"prompts): greedy accuracy {results['greedy_accuracy']:.4f}, mean reward "
-            f"{results['mean_reward']:.4f}{sampled}; {results['wall_s']:.1f} s -> {out_dir}/results.json")
+    def one(r: dict) -> str:
+        k = r.get("k")
+        sampled = f", pass@1 {r['pass@1']:.4f}, pass@{k} {r[f'pass@{k}']:.4f} (n={r['n']})" if k else ""
+        return (f"{r['eval_path']} ({r['prompts']} prompts): greedy accuracy {r['greedy_accuracy']:.4f}, "
+                f"mean reward {r['mean_reward']:.4f}{sampled}")
+
+    if "sets" in results:
+        body = "; ".join(f"{name} on {one(r)}" for name, r in results["sets"].items())
+    else:
+        body = f"on {one(results)}"
+    return f"{PROG}: {results['source']} {results['model']} {body}; {results['wall_s']:.1f} s -> {out_dir}/results.json"
 
 
 def _write_atomic(path: str, text: str) -> None:

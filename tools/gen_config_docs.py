@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import os
 import sys
+import typing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -85,7 +86,17 @@ def rows(prefix: str, default) -> list[str]:
             out += rows(f"{prefix}.{f.name}", val)
             continue
         out.append(f"| `{prefix}.{f.name}` | {tp} | `{val!r}` | {range_text(f)} | {doc} |")
+        item = list_item_class(cls, f.name)
+        if item is not None:  # a list of entries (data.sources): each entry's fields
+            out += rows(f"{prefix}.{f.name}[]", item())
     return out
+
+
+def list_item_class(cls, name: str):
+    """The dataclass of a ``list[SomeDataclass]`` field's items, else None."""
+    tp = typing.get_type_hints(cls).get(name)
+    args = typing.get_args(tp) if typing.get_origin(tp) is list else ()
+    return args[0] if args and dataclasses.is_dataclass(args[0]) else None
 
 
 def main() -> int:

@@ -33,8 +33,19 @@ def elapsed(rows: list[dict]) -> list[Optional[float]]:
     return [r["time"] - t0 if isinstance(r.get("time"), (int, float)) else None for r in rows]
 
 
+def eval_set_names(rows: list[dict]) -> list[str]:
+    """The held-out sets a run reported (eval/<name>/accuracy keys), in their first appearance's order."""
+    names: dict[str, None] = {}
+    for r in rows:
+        for k in r:
+            if k.startswith("eval/") and k.endswith("/accuracy") and k.count("/") == 2:
+                names[k.split("/")[1]] = None
+    return list(names)
+
+
 def plot_learning_curves(runs: dict[str, list[dict]], out: str, title: str = "") -> None:
-    """2x2 grid: (accuracy, reward) x (vs step, vs wall seconds); one line per run."""
+    """2x2 grid: (accuracy, reward) x (vs step, vs wall seconds); one line per run (and per
+    held-out set of a run with data.eval_sets)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,20 +55,29 @@ def plot_learning_curves(runs: dict[str, list[dict]], out: str, title: str = "")
     for row, (key, name) in enumerate(CURVE_KEYS):
         for col, xlabel in enumerate(("step", "wall time (s)")):
             ax = axes[row][col]
+            lines = 0
             for label, rows in runs.items():
                 xs = [r["step"] for r in rows] if col == 0 else elapsed(rows)
-                pts = [(x, r[key]) for x, r in zip(xs, rows)
-                       if x is not None and isinstance(r.get(key), (int, float))]
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label,
-                            marker="o" if key == "eval_accuracy" else None,
-                            linewidth=1.5 if key == "eval_accuracy" else 0.8)
+                # several held-out sets (data.eval_sets): one line per set, eval/<name>/accuracy
+                sets = eval_set_names(rows) if key == "eval_accuracy" else []
+                for line_key, line_label in ([(f"eval/{n}/accuracy", f"{label}: {n}" if len(runs) > 1 else n)
+                                              for n in sets] or [(key, label)]):
+                    # vs step: an evaluation is drawn at the step it measured (eval/<name>/step), not
+                    # the later step whose row reported it (evaluations run beside training)
+                    at = line_key.rsplit("/", 1)[0] + "/step" if line_key != "eval_accuracy" else "eval/step"
+                    pts = [(r.get(at, x) if col == 0 and key == "eval_accuracy" else x, r[line_key])
+                           for x, r in zip(xs, rows) if x is not None and isinstance(r.get(line_key), (int, float))]
+                    if pts:
+                        lines += 1
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=line_label,
+                                marker="o" if key == "eval_accuracy" else None,
+                                linewidth=1.5 if key == "eval_accuracy" else 0.8)
             ax.set_title(f"{name} vs {'step' if col == 0 else 'wall time'}")
             ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
             if key == "eval_accuracy":
                 ax.set_ylim(0.0, 1.0)
-            if len(runs) > 1:
+            if lines > 1:
                 ax.legend(fontsize="small")
     if title:
         fig.suptitle(title)

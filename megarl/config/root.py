@@ -77,6 +77,9 @@ class Config:
         if self.eval.n and not self.eval.n >= self.rollout.eval_k > 0:
             raise ConfigError(f"eval.n: {self.eval.n} samples per prompt need rollout.eval_k = k with "
                               f"1 <= k <= n (pass@k from n samples); got rollout.eval_k={self.rollout.eval_k}")
+        for name in ("sources", "eval_sets"):
+            if getattr(self.data, name) and not self.train.is_rl:
+                raise ConfigError(f"data.{name}: RL prompt files (a mixture, held-out sets); SFT reads data.train_path")
         if self.train.is_rl:
             validate_learning_signal(self)
             if self.algo.overlong_buffer_len > self.rollout.max_new_tokens:

@@ -1,8 +1,10 @@
 """The training-loop sections: `train.*`, `data.*`, `checkpoint.*`, `logging.*`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from megarl.config.common import _check, _choice
 from megarl.common.errors import ConfigError
@@ -84,12 +86,95 @@ class TrainConfig:
 
 
 @dataclass
+class DataSource:
+    """One RL prompt source of a mixture (data.sources): its file, its share of the draws, and
+    the workflow, reward and prompt fields its prompts are generated and scored with. A field
+    left unset takes the run's own (rollout.workflow, rollout.reward_fn, data.prompt_key, ...)."""
+
+    name: str = ""
+    """Required, unique: the key of its metrics (source/<name>/...) and of its prompts' infos."""
+    path: str = ""
+    """Required: JSONL or Parquet RL records, as data.train_path."""
+    weight: float = 1.0
+    """Share of the prompt draws: weight / the sum of all sources' weights (> 0)."""
+    workflow: str = ""
+    """Workflow import path; empty = rollout.workflow."""
+    workflow_args: Optional[dict[str, Any]] = None
+    """The workflow's options; unset = rollout.workflow_args."""
+    reward_fn: str = ""
+    """Reward import path (a function, megarl.rewards:HttpReward, the reward model's
+    megarl.rewards.model:RewardModel, ...); empty = rollout.reward_fn."""
+    reward_args: Optional[dict[str, Any]] = None
+    """Keyword arguments of a reward class; unset = reward.args."""
+    prompt_key: str = ""
+    """Empty = data.prompt_key."""
+    answer_key: Optional[str] = None
+    """Unset = data.answer_key; empty = no answer required."""
+    chat_template: str = ""
+    """Empty = data.chat_template."""
+    max_prompt_length: Optional[int] = None
+    """Unset = data.max_prompt_length."""
+    truncation: str = ""
+    """Empty = data.truncation."""
+
+
+@dataclass
+class EvalSet:
+    """One held-out set of several (data.eval_sets), scored and reported on its own
+    (eval/<name>/...). A field left unset takes the run's own evaluation setting."""
+
+    name: str = ""
+    """Required, unique: the key of its metrics (eval/<name>/accuracy, ...) and of its line in
+    the learning-curve PNG."""
+    path: str = ""
+    """Required: JSONL or Parquet held-out records, as data.eval_path."""
+    size: Optional[int] = None
+    """Prompts per evaluation (the file's first ones); unset = rollout.eval_size."""
+    interval: Optional[int] = None
+    """Evaluate every N steps (and at the last step, and at step 0 with rollout.eval_at_start);
+    unset = rollout.eval_interval; 0 = only at the end."""
+    k: Optional[int] = None
+    """Also report pass@k over k sampled episodes per prompt; unset = rollout.eval_k; 0 = greedy only."""
+    workflow: str = ""
+    """Workflow import path; empty = rollout.workflow."""
+    workflow_args: Optional[dict[str, Any]] = None
+    """The workflow's options; unset = rollout.workflow_args."""
+    reward_fn: str = ""
+    """Reward import path; empty = rollout.eval_reward_fn, else rollout.reward_fn."""
+    reward_args: Optional[dict[str, Any]] = None
+    """Keyword arguments of a reward class; unset = reward.args."""
+    prompt_key: str = ""
+    """Empty = data.prompt_key."""
+    answer_key: Optional[str] = None
+    """Unset = data.answer_key; empty = no answer required."""
+    chat_template: str = ""
+    """Empty = data.chat_template."""
+    max_prompt_length: Optional[int] = None
+    """Unset = data.max_prompt_length."""
+    truncation: str = ""
+    """Empty = data.truncation."""
+
+
+TRUNCATION = ("filter", "error", "left", "right", "middle")
+SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclass
 class DataConfig:
     train_path: str = ""
     """JSONL or Parquet (.parquet): SFT records {prompt, response}; RL records {prompt, answer, ...},
-    where an RL prompt may be a chat [{role, content}, ...]."""
+    where an RL prompt may be a chat [{role, content}, ...]. RL with several files: data.sources."""
+    sources: list[DataSource] = field(default_factory=list)
+    """RL: a mixture instead of data.train_path: [{name, path, weight, workflow, reward_fn, ...}]
+    (`DataSource`; docs/tasks.md). Each draw takes the source furthest below its weight's share,
+    then that source's next prompt in its own shuffled order, so the draw shares stay within one
+    prompt of the weights; the ledger, resume and staleness work per draw as with one file."""
     eval_path: str = ""
-    """Optional held-out JSONL, same format."""
+    """Optional held-out JSONL, same format. Several held-out sets: data.eval_sets."""
+    eval_sets: list[EvalSet] = field(default_factory=list)
+    """RL: several held-out sets instead of data.eval_path: [{name, path, size, interval, k,
+    reward_fn, ...}] (`EvalSet`; docs/tasks.md), each reported as eval/<name>/...; the first is
+    the run's eval_accuracy (train.stop_at_eval_accuracy, the learning curve's headline)."""
     prompt_key: str = "prompt"
     """Key of the prompt (text, or chat messages for RL) in each record; dotted for nested fields."""
     response_key: str = "response"
@@ -112,9 +197,57 @@ class DataConfig:
 
     def validate(self) -> None:
         _check(self, "data")
-        if not self.train_path:
-            raise ConfigError("data.train_path: required")
-        _choice("data.truncation", self.truncation, ("filter", "error", "left", "right", "middle"))
+        if not self.train_path and not self.sources:
+            raise ConfigError("data.train_path: required (or data.sources, a list of RL prompt sources)")
+        if self.train_path and self.sources:
+            raise ConfigError("data.sources: set either data.train_path (one file) or data.sources (a mixture), "
+                              f"not both (data.train_path={self.train_path})")
+        _choice("data.truncation", self.truncation, TRUNCATION)
+        if self.eval_path and self.eval_sets:
+            raise ConfigError("data.eval_sets: set either data.eval_path (one file) or data.eval_sets, "
+                              f"not both (data.eval_path={self.eval_path})")
+        _check_entries("data.sources", self.sources, "sources")
+        _check_entries("data.eval_sets", self.eval_sets, "eval sets")
+        for i, src in enumerate(self.sources):
+            if not src.weight > 0:
+                raise ConfigError(f"data.sources[{i}].weight: must be > 0, got {src.weight}")
+        for i, es in enumerate(self.eval_sets):
+            for key, low in (("size", 1), ("interval", 0), ("k", 0)):
+                value = getattr(es, key)
+                if value is not None and value < low:
+                    raise ConfigError(f"data.eval_sets[{i}].{key}: must be >= {low}, got {value}")
+
+    def of_source(self, src) -> "DataConfig":
+        """This section as one source (a `DataSource` or an `EvalSet`) reads it: its file as
+        train_path and eval_path, its prompt fields where set, the run's otherwise."""
+        return dataclasses.replace(
+            self, train_path=src.path, sources=[], eval_path=src.path, eval_sets=[], prompt_key=src.prompt_key or self.prompt_key,
+            answer_key=self.answer_key if src.answer_key is None else src.answer_key,
+            chat_template=src.chat_template or self.chat_template,
+            max_prompt_length=self.max_prompt_length if src.max_prompt_length is None else src.max_prompt_length,
+            truncation=src.truncation or self.truncation)
+
+
+def _check_entries(field_name: str, entries: list, what: str) -> None:
+    """What data.sources and data.eval_sets entries share: a unique name fit for a metrics key,
+    a path, the prompt-field overrides in range, mappings where mappings go."""
+    seen = set()
+    for i, e in enumerate(entries):
+        where = f"{field_name}[{i}]"
+        if not SOURCE_NAME.fullmatch(e.name or ""):
+            raise ConfigError(f"{where}.name: required, letters, digits and _ . - (a metrics key); got {e.name!r}")
+        if e.name in seen:
+            raise ConfigError(f"{where}.name: {e.name!r} names two {what}")
+        seen.add(e.name)
+        if not e.path:
+            raise ConfigError(f"{where}.path: required (a JSONL or Parquet file)")
+        if e.max_prompt_length is not None and e.max_prompt_length < 0:
+            raise ConfigError(f"{where}.max_prompt_length: must be >= 0, got {e.max_prompt_length}")
+        if e.truncation:
+            _choice(f"{where}.truncation", e.truncation, TRUNCATION)
+        for key in ("workflow_args", "reward_args"):
+            if getattr(e, key) is not None and not isinstance(getattr(e, key), dict):
+                raise ConfigError(f"{where}.{key}: expected a mapping, got {getattr(e, key)!r}")
 
 
 @dataclass

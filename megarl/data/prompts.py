@@ -40,6 +40,7 @@ class PromptSample:
     prompt_ids: list[int] | None = None
     messages: list[dict] | None = None
     seed: int | None = None  # this draw's sampling seed (rollout.seed set; the controller fills it)
+    source: str = ""  # the data.sources entry it came from (`megarl.data.mixture`); "" with one file
 
     @property
     def answer(self) -> Any:

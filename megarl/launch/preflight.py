@@ -37,6 +37,7 @@ Nothing here imports Megatron or starts torch.distributed; torch only where a ch
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 
@@ -53,9 +54,16 @@ def check_inputs(cfg: Config, *, cleanup_run_dir: bool = True) -> None:
     args = check_model(cfg)
     tok = check_tokenizer(cfg, args.vocab_size)
     rl = cfg.train.algorithm != "sft"
-    check_dataset("data.train_path", cfg.data.train_path, cfg, tok, args.max_position_embeddings)
+    if cfg.data.sources:  # each source's file read with its own prompt fields
+        for i, src in enumerate(cfg.data.sources):
+            view = dataclasses.replace(cfg, data=cfg.data.of_source(src))
+            check_dataset(f"data.sources[{i}].path", src.path, view, tok, args.max_position_embeddings)
+    else:
+        check_dataset("data.train_path", cfg.data.train_path, cfg, tok, args.max_position_embeddings)
     if rl and cfg.data.eval_path:  # only RL evaluates
         check_dataset("data.eval_path", cfg.data.eval_path, cfg, tok, args.max_position_embeddings)
+    if rl:
+        check_eval_sets(cfg, tok, args.max_position_embeddings)
     if rl:
         check_plugins(cfg)
     check_writable("train.run_dir", cfg.train.run_dir, cleanup=cleanup_run_dir)
@@ -236,6 +244,13 @@ def check_dataset(field: str, path: str, cfg: Config, tok, max_positions: int) -
     return n
 
 
+def check_eval_sets(cfg: Config, tok, max_positions: int) -> None:
+    """Each held-out set's file (data.eval_sets), read with its own prompt fields."""
+    for i, es in enumerate(cfg.data.eval_sets):
+        view = dataclasses.replace(cfg, data=cfg.data.of_source(es))
+        check_dataset(f"data.eval_sets[{i}].path", es.path, view, tok, max_positions)
+
+
 def check_record(where: str, row: dict, cfg: Config) -> None:
     """What the datasets will read from one record, checked the way they check it: SFT a string
     prompt and a non-empty response (``datasets.check_sft_record``); RL a non-empty string or
@@ -267,9 +282,15 @@ def check_plugins(cfg: Config) -> None:
     args = dict(cfg.reward.args)
     if cfg.reward.model.path:  # the job's reward-model servers: their URLs are known once they start
         args["urls"] = ["http://reward-model-servers:0"]
-    for field, load, path in (("rollout.reward_fn", lambda p: check_reward_path(p, args), cfg.rollout.reward_fn),
-                              ("rollout.eval_reward_fn", check_reward_path, cfg.rollout.eval_reward_fn),
-                              ("rollout.workflow", load_workflow_class, cfg.rollout.workflow)):
+    checks = [("rollout.reward_fn", lambda p: check_reward_path(p, args), cfg.rollout.reward_fn),
+              ("rollout.eval_reward_fn", check_reward_path, cfg.rollout.eval_reward_fn),
+              ("rollout.workflow", load_workflow_class, cfg.rollout.workflow)]
+    for field, entries in (("data.sources", cfg.data.sources), ("data.eval_sets", cfg.data.eval_sets)):
+        for i, e in enumerate(entries):
+            own = args if e.reward_args is None else dict(e.reward_args)
+            checks += [(f"{field}[{i}].reward_fn", lambda p, a=own: check_reward_path(p, a), e.reward_fn),
+                       (f"{field}[{i}].workflow", load_workflow_class, e.workflow)]
+    for field, load, path in checks:
         if not path:
             continue
         try:

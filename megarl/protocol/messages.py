@@ -221,8 +221,17 @@ CLUSTER_MESSAGES = (PauseForUpdate, Resume, FinishPush, Unhealthy, RemoveServer,
 
 @dataclass
 class EvalSubmit:
+    """Driver -> manager: evaluate the version the servers hold after ``step``; the manager runs
+    the held-out sets `eval_due` at that step (the driver sends it when any set is)."""
     step: int
     version: int
+
+
+def eval_due(interval: int, step: int, last_step: int) -> bool:
+    """Whether a held-out set evaluates after ``step`` (the trainer's and the manager's rule):
+    every ``interval`` steps (0: never in between), at the last step, and at step 0 (sent only
+    with rollout.eval_at_start)."""
+    return step == 0 or step >= last_step or bool(interval and step % interval == 0)
 
 
 @dataclass

@@ -137,8 +137,16 @@ class RolloutController:
 
     @property
     def reward(self):
-        """The workflow's `RewardCaller` (None for a workflow without one)."""
+        """The workflow's `RewardCaller` (None for a workflow without one, and for a mixture of
+        sources: each has its own, `rewards`)."""
         return getattr(getattr(self.workflow, "ctx", None), "reward", None)
+
+    @property
+    def rewards(self) -> list:
+        """Every `RewardCaller` the rollouts call: the workflow's, or each source's."""
+        if hasattr(self.workflow, "rewards"):
+            return list(self.workflow.rewards)
+        return [self.reward] if self.reward is not None else []
 
     def stop(self) -> None:
         self._stopping = True
@@ -150,8 +158,8 @@ class RolloutController:
             self._task.cancel()
             for t in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
                 t.cancel()
-            if self.reward is not None:
-                await self.reward.aclose()  # an HTTP reward's session, threads, worker processes
+            for reward in self.rewards:
+                await reward.aclose()  # an HTTP reward's session, threads, worker processes
             await self.client.close()
 
         try:
@@ -195,10 +203,14 @@ class RolloutController:
             # shaped, then equal rewards -> all-zero group-relative advantages: it would teach nothing
             elif not self.shaping(group):
                 self.counters["filtered/dynamic_sampling"] += 1
+                self._count_source("source_filtered", index)
             else:
+                source = getattr(self.dataset[index], "source", "")
                 for t in group:
                     t.group_id = episode_id
                     t.info["prompt_index"], t.info["draw"] = index, draw
+                    if source:  # a mixture: the per-source metrics of the step (rollout_stats)
+                        t.info["source"] = source
                 state = EpisodeState.ACCEPTED
                 with self._ready:
                     self._buffer.append(Group(draw, index, group))
@@ -234,10 +246,17 @@ class RolloutController:
                 self._record_failure(index, error, attempt + 1, error_key(e))
                 return None
             self._failing = ("", 0)  # a prompt got through: the failures are not systematic
+            self._count_source("source_done", index)
             if group is None:  # the workflow's own filter
                 self.counters["filtered/workflow"] += 1
+                self._count_source("source_filtered", index)
             return group
         return None
+
+    def _count_source(self, what: str, index: int) -> None:
+        source = getattr(self.dataset[index], "source", "")
+        if source:
+            self.counters[f"{what}/{source}"] += 1
 
     def _record_failure(self, index: int, error: str, attempts: int, key: str) -> None:
         self.counters["failed"] += 1
@@ -295,7 +314,8 @@ class RolloutController:
         c = self.client
         per_server = {s.address: s.inflight for s in c.servers if s.inflight} if c is not None else {}
         held = c is not None and c.held
-        rewards, oldest = self.reward.in_flight() if self.reward is not None else (0, 0.0)
+        flights = [r.in_flight() for r in self.rewards]
+        rewards, oldest = sum(n for n, _ in flights), max((t for _, t in flights), default=0.0)
         running = len(self._running)
         if held:
             phase = "held for a weight push (generation paused)"
@@ -417,8 +437,16 @@ class RolloutController:
         if self.client is not None:
             out["rollout/busy_s"] = self.client.busy_seconds()
         out.update({f"data/{k}": v for k, v in getattr(self.dataset, "stats", {}).items()})
-        if self.reward is not None:  # a user workflow need not carry the system's context
-            out.update(self.reward.stats())
+        for reward in self.rewards:  # a user workflow need not carry the system's context
+            for k, v in reward.stats().items():  # counts: one sum over the sources' callers
+                out[k] = out.get(k, 0) + v
+        draws = getattr(self.sampler, "draws", None)
+        if draws is not None:  # a mixture (data.sources): each source's share of the fresh draws
+            for name, n in zip(self.sampler.names, draws):  # (the sampler's count: kept across a resume)
+                out[f"source/{name}/draws"], out[f"source/{name}/draw_share"] = n, n / max(sum(draws), 1)
+                # its groups that finished, and the share of them dropped (workflow or dynamic sampling)
+                done = self.counters[f"source_done/{name}"]
+                out[f"source/{name}/filtered_frac"] = self.counters[f"source_filtered/{name}"] / done if done else 0.0
         return out
 
     # ------------------------------------------------------------------ checkpoint state

@@ -32,6 +32,7 @@ from typing import Callable, Optional, Sequence
 from megarl.data.datasets import PromptSample
 from megarl.rewards import RewardFn
 from megarl.rewards.base import RewardCaller
+from megarl.protocol.messages import eval_due
 from megarl.protocol.types import SamplingParams, Trajectory
 from megarl.rollout.workflows.base import WorkflowContext
 from megarl.rollout.workflows.single_turn import SingleTurnWorkflow
@@ -171,8 +172,10 @@ class PeriodicEval:
     metrics of those that finished, tagged with the version they measured, and appends their
     episodes to ``dump_path`` (logging.dump_eval_generations)."""
 
-    def __init__(self, samples: Sequence[PromptSample], workflows: EvalWorkflows, dump_path: Optional[str] = None):
+    def __init__(self, samples: Sequence[PromptSample], workflows: EvalWorkflows, dump_path: Optional[str] = None,
+                 name: str = ""):
         self.samples, self.workflows, self.dump_path = list(samples), workflows, dump_path
+        self.name = name  # the held-out set's (data.eval_sets), written into each dumped episode
         self._running: list[tuple[int, int, object]] = []  # (step, version, future)
 
     def submit(self, controller, step: int, version: int) -> None:
@@ -225,5 +228,45 @@ class PeriodicEval:
         if not self.dump_path:
             return
         with open(self.dump_path, "a") as f:
+            named = {"eval_set": self.name} if self.name else {}
             for row in res.rows:
-                f.write(json.dumps({"step": step, "eval_version": version, **row}) + "\n")
+                f.write(json.dumps({"step": step, "eval_version": version, **named, **row}) + "\n")
+
+
+class EvalSuite:
+    """Several held-out sets (data.eval_sets), each a `PeriodicEval` with its own interval; the
+    interface of one (submit, poll, running). Each set's metrics are reported under its name,
+    eval/<name>/accuracy (greedy pass@1), eval/<name>/mean_reward, eval/<name>/pass@k, ...; the
+    first set's also as the run's eval_accuracy, eval/step and eval/version (what
+    train.stop_at_eval_accuracy and the learning curve's headline read)."""
+
+    def __init__(self, sets: Sequence[tuple[str, PeriodicEval, int]], last_step: int):
+        self.sets, self.last_step = list(sets), last_step
+        for name, ev, _ in self.sets:
+            ev.name = name
+
+    def submit(self, controller, step: int, version: int) -> None:
+        for _, ev, interval in self.sets:
+            if eval_due(interval, step, self.last_step):
+                ev.submit(controller, step, version)
+
+    @property
+    def running(self) -> int:
+        return sum(ev.running for _, ev, _ in self.sets)
+
+    def poll(self, wait: bool = False, timeout_s: float = 600.0,
+             diagnose: Optional[Callable[[], str]] = None) -> dict:
+        out: dict = {}
+        deadline = time.monotonic() + timeout_s  # one deadline for every set, as for one
+        for i, (name, ev, _) in enumerate(self.sets):
+            got = ev.poll(wait=wait, timeout_s=max(0.0, deadline - time.monotonic()), diagnose=diagnose)
+            if not got:
+                continue
+            for key, value in got.items():
+                if key == "eval_accuracy":
+                    out[f"eval/{name}/accuracy"] = value
+                elif key != "eval/greedy_pass@1":  # the same number as accuracy
+                    out[f"eval/{name}/{key.removeprefix('eval/')}"] = value
+            if i == 0:
+                out.update({k: got[k] for k in ("eval_accuracy", "eval/step", "eval/version")})
+        return out

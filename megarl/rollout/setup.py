@@ -18,12 +18,14 @@ from typing import Optional
 from megarl.config import DataConfig, RewardConfig, RolloutConfig
 from megarl.data.chat import load_chat_template
 from megarl.data.datasets import PromptDataset
+from megarl.data.mixture import SourceMixture
 from megarl.common.tokenizer import load_tokenizer
 from megarl.protocol.packing import groups_per_step
 from megarl.rewards import RewardCaller, load_reward_fn
 from megarl.rollout.controller import RolloutController
-from megarl.rollout.evaluation import EvalWorkflows, PeriodicEval
+from megarl.rollout.evaluation import EvalSuite, EvalWorkflows, PeriodicEval
 from megarl.rollout.shaping import GroupShaping
+from megarl.rollout.sources import SourceWorkflows, eval_set_tasks, source_tasks
 from megarl.protocol.types import SamplingParams
 from megarl.rollout.workflows import WorkflowContext, load_workflow
 
@@ -85,11 +87,12 @@ class EvalSpec:
     task: TaskSpec
     dump_path: Optional[str] = None
     n: int = 0  # sampled episodes per prompt behind pass@k (eval.n); 0 = rollout.eval_k
+    last_step: int = 0  # train.steps: every held-out set (data.eval_sets) is evaluated there
 
     @classmethod
     def from_config(cls, cfg) -> "EvalSpec":
         dump = cfg.logging.dump_eval_generations and os.path.join(cfg.train.run_dir, "eval_generations.jsonl")
-        return cls(TaskSpec.from_config(cfg), dump or None)
+        return cls(TaskSpec.from_config(cfg), dump or None, last_step=cfg.train.steps)
 
 
 def task_parts(task: TaskSpec, with_reward: bool = True):
@@ -141,13 +144,24 @@ def sglang_lora(cfg) -> bool:
     return cfg.lora.enabled and cfg.weights.tensor_format == "sglang"
 
 
+def training_task(task: TaskSpec, group_size: int):
+    """(workflow, prompt dataset) of the training rollouts: data.train_path's with the run's
+    workflow, or with data.sources a `SourceMixture` and each source's own workflow and reward."""
+    if task.data.sources:
+        workflows, datasets = {}, {}
+        for name, sub in source_tasks(task).items():
+            workflows[name], datasets[name] = training_task(sub, group_size)
+        return SourceWorkflows(workflows), SourceMixture(datasets, [s.weight for s in task.data.sources])
+    tok, template, reward, sampling = task_parts(task)
+    workflow = make_workflow(task, tok, template, reward, sampling, group_size)
+    # built after the workflow: a tool-calling workflow's schemas go into every rendered prompt
+    return workflow, prompt_dataset(task.data, task.data.train_path, tok, template,
+                                    getattr(workflow, "tool_schemas", None))
+
+
 def build_controller(spec: ControllerSpec, cluster, timeline=None) -> RolloutController:
     r = spec.task.rollout
-    tok, template, reward, sampling = task_parts(spec.task)
-    workflow = make_workflow(spec.task, tok, template, reward, sampling, r.group_size)
-    # built after the workflow: a tool-calling workflow's schemas go into every rendered prompt
-    dataset = prompt_dataset(spec.task.data, spec.task.data.train_path, tok, template,
-                             getattr(workflow, "tool_schemas", None))
+    workflow, dataset = training_task(spec.task, r.group_size)
     return RolloutController(
         dataset, workflow, cluster.addresses, cluster, batch_groups=spec.batch_groups,
         max_staleness=r.staleness, max_concurrent=r.max_concurrent, seed=spec.seed,
@@ -165,11 +179,28 @@ def eval_reward(task: TaskSpec, training: Optional[RewardCaller]) -> RewardCalle
     training from a reward model), else the training rollouts' ``training``."""
     path = task.rollout.eval_reward_fn
     if not path:
-        return training
+        # with data.sources each source has its own caller: the evaluation builds rollout.reward_fn's
+        return training if training is not None else RewardCaller.from_config(task.rollout.reward_fn, task.reward)
     return RewardCaller(load_reward_fn(path), task.reward.timeout_s, task.reward.on_error_value)
 
 
-def build_eval(spec: EvalSpec, reward: RewardCaller) -> Optional[PeriodicEval]:
+def build_eval(spec: EvalSpec, reward: Optional[RewardCaller]):
+    """The run's held-out evaluation: data.eval_path's (`build_one_eval`), or with data.eval_sets
+    an `EvalSuite` of one evaluation per set, each scored by its own reward (the set's reward_fn,
+    built here with its reward_args; else ``reward``), run at its own interval; None without
+    either. ``last_step``: train.steps (every set evaluates there)."""
+    task = spec.task
+    if not task.data.eval_sets:
+        return build_one_eval(spec, reward)
+    sets = []
+    for es, (name, sub) in zip(task.data.eval_sets, eval_set_tasks(task).items()):
+        # ``reward`` is already the run's evaluation reward (`eval_reward`); a set's own is built here
+        caller = RewardCaller.from_config(es.reward_fn, sub.reward) if es.reward_fn else reward
+        sets.append((name, build_one_eval(dataclasses.replace(spec, task=sub), caller), sub.rollout.eval_interval))
+    return EvalSuite(sets, spec.last_step)
+
+
+def build_one_eval(spec: EvalSpec, reward: RewardCaller) -> Optional[PeriodicEval]:
     """Held-out evaluation through the configured workflow (greedy, and k sampled episodes with
     rollout.eval_k), its prompts rendered with the workflow's tool schemas as training's are;
     ``reward``: `eval_reward` of the training rollouts' caller (one set of reward threads / worker

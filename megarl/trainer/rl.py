@@ -49,6 +49,7 @@ from megarl.algo.choices import AdvantageEstimator
 from megarl.checkpoint import maybe_export_hf
 from megarl.trainer.metrics import print0, progress
 from megarl.protocol.channel import ManagerStalled
+from megarl.protocol.messages import eval_due
 from megarl.protocol.packing import groups_per_step
 from megarl.common.timeline import Timeline
 from megarl.trainer.actor import Actor
@@ -140,7 +141,7 @@ class StepRunner:
             self._push(metrics)
             self.updates_since_push = 0
         metrics["policy_version"] = self.cluster.version
-        if self.cfg.data.eval_path:
+        if eval_intervals(self.cfg):
             self._evaluate(step, last, metrics)
         reached = self._reached(metrics, last)
         self._report(metrics, received)
@@ -204,9 +205,9 @@ class StepRunner:
                 metrics["push/verify_mismatches"] = verify_push(self.pusher, self.cfg.weights.verify_mode)
 
     def _evaluate(self, step: int, last: bool, metrics: dict) -> None:
-        interval = self.cfg.rollout.eval_interval
-        # run() calls this after the step's push (if any): it evaluates the version the servers hold now
-        due = interval and step % interval == 0 or last
+        # run() calls this after the step's push (if any): it evaluates the version the servers hold
+        # now; the manager evaluates the sets due at this step (data.eval_sets: each its interval)
+        due = any(eval_due(interval, step, self.cfg.train.steps) for interval in eval_intervals(self.cfg))
         if due:
             self.side.submit_eval(step, self.cluster.version)  # runs beside training, in the manager
         # only the last step waits for its evaluation - and, colocated, every evaluating step: the
@@ -228,6 +229,15 @@ class StepRunner:
         metrics.update(stats)
         metrics.update(self.timer.finish(
             metrics, stats.get("rollout/busy_s"), stats.get("rollout/tokens"), trained_tokens=received.tokens))
+
+
+def eval_intervals(cfg) -> list[int]:
+    """The evaluation interval of each held-out set (data.eval_sets, else data.eval_path's);
+    empty: the run does not evaluate."""
+    r = cfg.rollout
+    if cfg.data.eval_sets:
+        return [r.eval_interval if s.interval is None else s.interval for s in cfg.data.eval_sets]
+    return [r.eval_interval] if cfg.data.eval_path else []
 
 
 def connect_rollout_side(cfg, ps, ckpt, side: RolloutSide) -> tuple[int, ManagerCluster]:
@@ -267,7 +277,7 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None, side: Optional[RolloutSide]
         if pusher.verify_due(cluster.version):  # a server that cannot hold them fails here, before work
             verify_push(pusher, cfg.weights.verify_mode)
         side.start_rollouts()  # after the first push: nothing to pause before
-        if cfg.data.eval_path and r.eval_at_start and start == 0:  # the learning curve's step 0
+        if eval_intervals(cfg) and r.eval_at_start and start == 0:  # the learning curve's step 0
             side.submit_eval(0, cluster.version)
             first = side.poll_eval(wait=True, timeout_s=t.stall_timeout_s)
             logger.log({**first, "policy_version": cluster.version}, 0)

@@ -52,6 +52,28 @@ def batch_metrics(step, version: int) -> dict:
            "stale_samples": int((stale > 0).sum()), "trained_samples": n}
     for k, c in zip(*np.unique(stale, return_counts=True)):
         out[f"staleness_hist/{int(k)}"] = int(c)
+    out.update(source_metrics(step, response))
+    return out
+
+
+def source_metrics(step, response: np.ndarray, correct_at: float = 1.0) -> dict:
+    """With data.sources (rank 0: the infos name each sample's source), per source of the step:
+    its share of the trained samples, mean reward, mean response length and accuracy (the share
+    of samples whose reward is >= ``correct_at``, the evaluation's rule)."""
+    infos = step.infos
+    if len(infos) != len(response) or not any("source" in i for i in infos):
+        return {}
+    rewards = step.arrays["rewards"].tolist()
+    by: dict[str, list[int]] = {}
+    for j, info in enumerate(infos):
+        by.setdefault(info.get("source", ""), []).append(j)
+    out = {}
+    for name, rows in sorted(by.items()):
+        r = [rewards[j] for j in rows]
+        out[f"source/{name}/trained_share"] = len(rows) / len(infos)
+        out[f"source/{name}/reward"] = statistics.fmean(r)
+        out[f"source/{name}/response_len"] = int(sum(int(response[j]) for j in rows)) / len(rows)
+        out[f"source/{name}/accuracy"] = sum(x >= correct_at for x in r) / len(rows)
     return out
 
 
@@ -121,7 +143,7 @@ def dump_generations(path: str, step: int, version: int, received) -> None:
             start = ends[i]
             f.write(json.dumps({
                 "step": step, "version": version, "prompt_index": info.get("prompt_index"),
-                "draw": info.get("draw"),
+                "draw": info.get("draw"), **({"source": info["source"]} if "source" in info else {}),
                 "group_id": int(a["group_ids"][i]), "completion": info.get("completion"),
                 "reward": float(a["rewards"][i]),
                 "response_ids": [ids[j] for j in g], "versions": [vers[j] for j in g],

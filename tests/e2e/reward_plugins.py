@@ -71,3 +71,11 @@ def stop_server_at_first_reward(prompt: str, completion: str, meta: dict) -> flo
     pid = int(os.environ["MEGARL_TEST_STOP_PID"])
     os.kill(pid, signal.SIGSTOP)
     return 0.0
+
+
+def half_credit(prompt: str, completion: str, meta: dict) -> float:
+    """0.5 for the demo's exact match: a second source's reward whose values (0, 0.5) tell its
+    samples from the exact-match source's (0, 1) in a mixture (data.sources)."""
+    from megarl.rewards import arith_exact_match
+
+    return 0.5 * arith_exact_match(prompt, completion, meta)

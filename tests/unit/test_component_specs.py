@@ -154,7 +154,7 @@ def test_rollout_specs_from_config_read_their_sections(tmp_path):
     # the staleness clock ticks once per push: 4 groups a step x 3 steps a push
     assert (c.batch_groups, c.seed, c.dynamic_sampling, c.hold_timeout_s) == (12, 9, True, 77.0)
     assert (c.failed_log, c.routes, c.task) == ("/run/failed_prompts.jsonl", None, task)
-    assert EvalSpec.from_config(cfg) == EvalSpec(task, "/run/eval_generations.jsonl")
+    assert EvalSpec.from_config(cfg) == EvalSpec(task, "/run/eval_generations.jsonl", last_step=cfg.train.steps)
     assert EvalSpec.from_config(_cfg("model.hf_path=/m")).dump_path is None
     m = ManagerSpec.from_config(cfg)
     assert (m.model_path, m.run_dir, m.timeline, m.server_flags, m.weights.disk_dir) == ("/m", "/run", True, (), "/d")
