@@ -51,6 +51,25 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
+    def encode_with_specials(self, text: str, specials: dict[str, int]) -> list[int]:
+        """``text`` with each occurrence of a ``specials`` string (a chat template's BOS / EOS
+        text) as that id and the text between encoded as usual: what an HF tokenizer does with
+        its special tokens, here for every backend (sentencepiece reads "</s>" as characters)."""
+        marks = sorted((s for s in specials if s), key=len, reverse=True)
+        ids, rest = [], text
+        while rest:
+            hits = [(rest.find(m), m) for m in marks if m in rest]
+            if not hits:
+                return ids + self.encode(rest)
+            at, mark = min(hits, key=lambda h: (h[0], -len(h[1])))
+            ids += (self.encode(rest[:at]) if at else []) + [specials[mark]]
+            rest = rest[at + len(mark):]
+        return ids
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary's text of one id (e.g. "</s>" for EOS)."""
+        raise NotImplementedError
+
     def _encode(self, text: str) -> Sequence[int]:
         raise NotImplementedError
 
@@ -77,6 +96,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _encode(self, text: str) -> Sequence[int]:
         return self.processor.encode(text)
+
+    def token_text(self, token_id: int) -> str:
+        return self.processor.id_to_piece(token_id)
 
     def _decode(self, ids: list[int]) -> str:
         return self.processor.decode(ids)
@@ -116,6 +138,9 @@ class HFJsonTokenizer(Tokenizer):
 
     def _encode(self, text: str) -> Sequence[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def token_text(self, token_id: int) -> str:
+        return self.backend.id_to_token(token_id) or ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=True)

@@ -77,6 +77,8 @@ class Config:
         if self.eval.n and not self.eval.n >= self.rollout.eval_k > 0:
             raise ConfigError(f"eval.n: {self.eval.n} samples per prompt need rollout.eval_k = k with "
                               f"1 <= k <= n (pass@k from n samples); got rollout.eval_k={self.rollout.eval_k}")
+        if self.data.messages_key and self.train.is_rl:
+            raise ConfigError("data.messages_key: conversations for SFT; RL reads chat prompts from data.prompt_key")
         for name in ("sources", "eval_sets"):
             if getattr(self.data, name) and not self.train.is_rl:
                 raise ConfigError(f"data.{name}: RL prompt files (a mixture, held-out sets); SFT reads data.train_path")

@@ -179,14 +179,20 @@ class DataConfig:
     """Key of the prompt (text, or chat messages for RL) in each record; dotted for nested fields."""
     response_key: str = "response"
     """Key of the response text (SFT)."""
+    messages_key: str = ""
+    """SFT on conversations: key of each record's chat [{role, content}, ...] (e.g. messages),
+    rendered with the chat template (data.chat_template, else the model's), the loss on the
+    assistant turns only (their content and the template's end-of-turn marker); empty = prompt
+    and response pairs (data.prompt_key, data.response_key)."""
     answer_key: str = "answer"
     """RL: key of the reference answer, copied to meta["answer"] for the reward; dotted for nested
     fields (e.g. reward_model.ground_truth); empty = no answer required."""
     tokenizer_path: str = ""
     """Tokenizer directory or file; empty = model.hf_path."""
     chat_template: str = ""
-    """RL chat prompts: Jinja chat template as a file path or inline text; empty = the model's own
-    (chat_template in tokenizer_config.json or chat_template.jinja)."""
+    """Chat prompts (RL) and conversations (SFT with data.messages_key): Jinja chat template as a
+    file path or inline text; empty = the model's own (chat_template in tokenizer_config.json or
+    chat_template.jinja)."""
     max_prompt_length: int = bounded(0, ge=0)
     """RL: longest prompt in tokens (after the chat template); 0 = no limit. See data.truncation."""
     truncation: str = "filter"

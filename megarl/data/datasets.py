@@ -2,6 +2,8 @@
 
 - `SFTDataset`: JSONL/Parquet {"prompt", "response"} -> {"input_ids", "loss_mask"} (loss on the
   response and its EOS only).
+- `ChatSFTDataset`: JSONL/Parquet multi-turn chats -> the same, through the chat template, loss on
+  the assistant turns only.
 - `PromptDataset` / `PromptSample` (re-exported from `prompts`): RL prompts for the workflows.
 - `ResumableSampler` (re-exported from `sampler`): an endless, epoch-shuffled index stream whose
   `state_dict()` (seed, epoch, position) resumes exactly where a checkpoint left it.
@@ -20,6 +22,7 @@ from megarl.common.tokenizer import Tokenizer
 __all__ = [
     "read_jsonl",
     "SFTDataset",
+    "ChatSFTDataset",
     "PromptSample",
     "PromptDataset",
     "ResumableSampler",
@@ -64,6 +67,59 @@ class SFTDataset:
             ids = (prompt + response)[:max_seq_len]
             mask = ([0] * len(prompt) + [1] * len(response))[:max_seq_len]
             self.samples.append({"input_ids": ids, "loss_mask": mask})
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return self.samples[i]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(s["input_ids"]) for s in self.samples]
+
+
+def chat_messages(where: str, row: dict, messages_key: str) -> list[dict]:
+    """A chat SFT record's conversation: a list of {role: str, content: str} with at least one
+    assistant message; errors name where and the key."""
+    value = get_field(row, messages_key)
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{where}: {messages_key!r} must be a non-empty list of {{'role', 'content'}} messages")
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: {messages_key!r} message {j} must be {{'role': str, 'content': str}}")
+    if not any(m["role"] == "assistant" for m in value):
+        raise ValueError(f"{where}: {messages_key!r} has no assistant message (nothing to train)")
+    return [dict(m) for m in value]
+
+
+class ChatSFTDataset:
+    """Multi-turn chat SFT (JSONL or Parquet): each record's conversation (``messages_key``)
+    rendered with the chat template, tokenized span by span (`ChatTemplate.assistant_spans`;
+    the template's BOS / EOS text as those ids), loss on the assistant turns only: their content
+    and the end-of-turn marker the template writes after it, so the model learns to stop.
+    Samples are `{"input_ids", "loss_mask"}` as `SFTDataset`'s, cut at ``max_seq_len``; the
+    template writes its own BOS (no id is prepended)."""
+
+    def __init__(self, path: str, tokenizer: Tokenizer, max_seq_len: int, messages_key: str, template):
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        self.path = path
+        specials = {text: tid for text, tid in ((template.bos_token, tokenizer.bos_id),
+                                                (template.eos_token, tokenizer.eos_id)) if text and tid is not None}
+        self.samples: list[dict[str, list[int]]] = []
+        for where, row in read_records(path, (messages_key,)):
+            messages = chat_messages(where, row, messages_key)
+            try:
+                spans = template.assistant_spans(messages)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            ids, mask = [], []
+            for text, trained in spans:
+                piece = tokenizer.encode_with_specials(text, specials)
+                ids += piece
+                mask += [int(trained)] * len(piece)
+            self.samples.append({"input_ids": ids[:max_seq_len], "loss_mask": mask[:max_seq_len]})
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -60,6 +60,8 @@ def check_inputs(cfg: Config, *, cleanup_run_dir: bool = True) -> None:
             check_dataset(f"data.sources[{i}].path", src.path, view, tok, args.max_position_embeddings)
     else:
         check_dataset("data.train_path", cfg.data.train_path, cfg, tok, args.max_position_embeddings)
+        if not rl and cfg.data.messages_key:
+            check_sft_chat_template(cfg, tok)
     if rl and cfg.data.eval_path:  # only RL evaluates
         check_dataset("data.eval_path", cfg.data.eval_path, cfg, tok, args.max_position_embeddings)
     if rl:
@@ -223,6 +225,8 @@ def check_dataset(field: str, path: str, cfg: Config, tok, max_positions: int) -
         for where, row in iter_records(path):  # where = "file:line" or "file:row N"
             n += 1
             check_record(where, row, cfg)
+            if sft and cfg.data.messages_key:
+                continue  # a conversation: its length is the rendered template's (cut at max_seq_len)
             prompt = get_field(row, cfg.data.prompt_key)
             if not isinstance(prompt, str) or not count_tokens:
                 continue  # chat messages: rendered by the template
@@ -244,6 +248,17 @@ def check_dataset(field: str, path: str, cfg: Config, tok, max_positions: int) -
     return n
 
 
+def check_sft_chat_template(cfg: Config, tok) -> None:
+    """Chat SFT (data.messages_key) has a chat template to render its conversations with."""
+    from megarl.trainer.sft import sft_chat_template
+
+    try:
+        sft_chat_template(cfg.data.chat_template, cfg.data.tokenizer_path or cfg.model.hf_path, tok)
+    except (ValueError, OSError) as e:
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith("data.") else f"data.chat_template: {msg}") from None
+
+
 def check_eval_sets(cfg: Config, tok, max_positions: int) -> None:
     """Each held-out set's file (data.eval_sets), read with its own prompt fields."""
     for i, es in enumerate(cfg.data.eval_sets):
@@ -259,6 +274,11 @@ def check_record(where: str, row: dict, cfg: Config) -> None:
     from megarl.data.readers import get_field, has_field, text_field_problem
 
     d = cfg.data
+    if not cfg.train.is_rl and d.messages_key:  # chat SFT: the conversation alone
+        from megarl.data.datasets import chat_messages
+
+        chat_messages(where, row, d.messages_key)
+        return
     for key in (d.prompt_key,) + ((d.response_key,) if not cfg.train.is_rl else ()):
         if not has_field(row, key):
             raise KeyError(f"{where}: missing key(s) [{key!r}]; has {sorted(row)}")

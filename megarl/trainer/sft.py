@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from megarl.algo.stats import Stat
-from megarl.data.datasets import ResumableSampler, SFTDataset, balance_across_ranks
+from megarl.data.chat import ChatTemplate, load_chat_template
+from megarl.data.datasets import ChatSFTDataset, ResumableSampler, SFTDataset, balance_across_ranks
 from megarl.common.tokenizer import load_tokenizer
 from megarl.trainer.batch import MicroBatch, TensorBatch
 
@@ -16,14 +17,33 @@ def sft_loss(logp: torch.Tensor, entropy, mb: MicroBatch):
     return nll / mb.step_tokens, {"nll": Stat(nll.detach(), mask.sum().detach())}
 
 
+def sft_chat_template(setting: str, tokenizer_path: str, tok) -> ChatTemplate:
+    """data.chat_template (else the model's) for chat SFT; its BOS / EOS text from
+    tokenizer_config.json, else the tokenizer's own pieces (a sentencepiece model has no config)."""
+    template = load_chat_template(setting, tokenizer_path)
+    if template is None:
+        raise ValueError("data.messages_key: chat SFT needs a chat template (none in the model's "
+                         "tokenizer_config.json or chat_template.jinja; set data.chat_template)")
+    if not template.bos_token and tok.bos_id is not None:
+        template.bos_token = tok.token_text(tok.bos_id)
+    if not template.eos_token:
+        template.eos_token = tok.token_text(tok.eos_id)
+    return template
+
+
 class SFTData:
     """The step's samples for this DP rank: every rank draws the same global batch from a
     resumable sampler and keeps its token-balanced share."""
 
     def __init__(self, cfg, ps):
-        tok = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
-        self.dataset = SFTDataset(cfg.data.train_path, tok, cfg.train.max_seq_len,
-                                  cfg.data.prompt_key, cfg.data.response_key)
+        path = cfg.data.tokenizer_path or cfg.model.hf_path
+        tok = load_tokenizer(path)
+        if cfg.data.messages_key:  # conversations through the chat template, loss on assistant turns
+            self.dataset = ChatSFTDataset(cfg.data.train_path, tok, cfg.train.max_seq_len, cfg.data.messages_key,
+                                          sft_chat_template(cfg.data.chat_template, path, tok))
+        else:
+            self.dataset = SFTDataset(cfg.data.train_path, tok, cfg.train.max_seq_len,
+                                      cfg.data.prompt_key, cfg.data.response_key)
         self.sampler = ResumableSampler(len(self.dataset), seed=cfg.train.seed)
         self.batch_size, self.ps = cfg.train.global_batch_size, ps
 
