@@ -47,10 +47,14 @@ RULES = """## Loading rules
 
 
 def field_docs(cls) -> dict[str, str]:
-    """The string literal right under each annotated field of a dataclass's source."""
+    """The string literal right under each annotated field of a dataclass's source (and of its
+    dataclass bases', for the fields it inherits)."""
+    docs = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            docs.update(field_docs(base))
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
-    docs = {}
     for node, nxt in zip(body, body[1:] + [None]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):

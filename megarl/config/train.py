@@ -86,24 +86,24 @@ class TrainConfig:
 
 
 @dataclass
-class DataSource:
-    """One RL prompt source of a mixture (data.sources): its file, its share of the draws, and
-    the workflow, reward and prompt fields its prompts are generated and scored with. A field
-    left unset takes the run's own (rollout.workflow, rollout.reward_fn, data.prompt_key, ...)."""
+class PromptFile:
+    """What an entry of data.sources and of data.eval_sets has: a named file of RL prompts, and
+    the workflow, reward and prompt fields it is generated and scored with. A field left unset
+    takes the run's own (rollout.workflow, rollout.reward_fn, data.prompt_key, ...)."""
 
     name: str = ""
-    """Required, unique: the key of its metrics (source/<name>/...) and of its prompts' infos."""
+    """Required, unique in its list: the key of its metrics (source/<name>/... or
+    eval/<name>/...), of its samples in the dumps and of its line in the learning-curve PNG."""
     path: str = ""
-    """Required: JSONL or Parquet RL records, as data.train_path."""
-    weight: float = 1.0
-    """Share of the prompt draws: weight / the sum of all sources' weights (> 0)."""
+    """Required: JSONL or Parquet RL records, as data.train_path / data.eval_path."""
     workflow: str = ""
     """Workflow import path; empty = rollout.workflow."""
     workflow_args: Optional[dict[str, Any]] = None
     """The workflow's options; unset = rollout.workflow_args."""
     reward_fn: str = ""
     """Reward import path (a function, megarl.rewards:HttpReward, the reward model's
-    megarl.rewards.model:RewardModel, ...); empty = rollout.reward_fn."""
+    megarl.rewards.model:RewardModel, ...); empty = the run's: rollout.reward_fn for a source,
+    rollout.eval_reward_fn (else rollout.reward_fn) for a held-out set."""
     reward_args: Optional[dict[str, Any]] = None
     """Keyword arguments of a reward class; unset = reward.args."""
     prompt_key: str = ""
@@ -119,15 +119,18 @@ class DataSource:
 
 
 @dataclass
-class EvalSet:
-    """One held-out set of several (data.eval_sets), scored and reported on its own
-    (eval/<name>/...). A field left unset takes the run's own evaluation setting."""
+class DataSource(PromptFile):
+    """One RL prompt source of a mixture (data.sources): a `PromptFile` and its share of the draws."""
 
-    name: str = ""
-    """Required, unique: the key of its metrics (eval/<name>/accuracy, ...) and of its line in
-    the learning-curve PNG."""
-    path: str = ""
-    """Required: JSONL or Parquet held-out records, as data.eval_path."""
+    weight: float = 1.0
+    """Share of the prompt draws: weight / the sum of all sources' weights (> 0)."""
+
+
+@dataclass
+class EvalSet(PromptFile):
+    """One held-out set of several (data.eval_sets), scored and reported on its own
+    (eval/<name>/...): a `PromptFile` and when and how much of it is evaluated."""
+
     size: Optional[int] = None
     """Prompts per evaluation (the file's first ones); unset = rollout.eval_size."""
     interval: Optional[int] = None
@@ -135,24 +138,6 @@ class EvalSet:
     unset = rollout.eval_interval; 0 = only at the end."""
     k: Optional[int] = None
     """Also report pass@k over k sampled episodes per prompt; unset = rollout.eval_k; 0 = greedy only."""
-    workflow: str = ""
-    """Workflow import path; empty = rollout.workflow."""
-    workflow_args: Optional[dict[str, Any]] = None
-    """The workflow's options; unset = rollout.workflow_args."""
-    reward_fn: str = ""
-    """Reward import path; empty = rollout.eval_reward_fn, else rollout.reward_fn."""
-    reward_args: Optional[dict[str, Any]] = None
-    """Keyword arguments of a reward class; unset = reward.args."""
-    prompt_key: str = ""
-    """Empty = data.prompt_key."""
-    answer_key: Optional[str] = None
-    """Unset = data.answer_key; empty = no answer required."""
-    chat_template: str = ""
-    """Empty = data.chat_template."""
-    max_prompt_length: Optional[int] = None
-    """Unset = data.max_prompt_length."""
-    truncation: str = ""
-    """Empty = data.truncation."""
 
 
 TRUNCATION = ("filter", "error", "left", "right", "middle")
@@ -223,7 +208,7 @@ class DataConfig:
                 if value is not None and value < low:
                     raise ConfigError(f"data.eval_sets[{i}].{key}: must be >= {low}, got {value}")
 
-    def of_source(self, src) -> "DataConfig":
+    def of_source(self, src: PromptFile) -> "DataConfig":
         """This section as one source (a `DataSource` or an `EvalSet`) reads it: its file as
         train_path and eval_path, its prompt fields where set, the run's otherwise."""
         return dataclasses.replace(

@@ -39,7 +39,23 @@ def check_sft_record(where: str, row: dict, prompt_key: str, response_key: str) 
             raise ValueError(f"{where}: {key!r} {problem}")
 
 
-class SFTDataset:
+class _TokenSamples:
+    """SFT samples `{"input_ids", "loss_mask"}` in ``self.samples``, indexed."""
+
+    samples: list[dict[str, list[int]]]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return self.samples[i]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(s["input_ids"]) for s in self.samples]
+
+
+class SFTDataset(_TokenSamples):
     """Supervised pairs (JSONL or Parquet), tokenized eagerly (the whole file is validated before training starts).
 
     Sample i is `{"input_ids": [bos?] + prompt + response + [eos], "loss_mask": 0 on bos/prompt,
@@ -68,16 +84,6 @@ class SFTDataset:
             mask = ([0] * len(prompt) + [1] * len(response))[:max_seq_len]
             self.samples.append({"input_ids": ids, "loss_mask": mask})
 
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int) -> dict[str, list[int]]:
-        return self.samples[i]
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(s["input_ids"]) for s in self.samples]
-
 
 def chat_messages(where: str, row: dict, messages_key: str) -> list[dict]:
     """A chat SFT record's conversation: a list of {role: str, content: str} with at least one
@@ -93,7 +99,7 @@ def chat_messages(where: str, row: dict, messages_key: str) -> list[dict]:
     return [dict(m) for m in value]
 
 
-class ChatSFTDataset:
+class ChatSFTDataset(_TokenSamples):
     """Multi-turn chat SFT (JSONL or Parquet): each record's conversation (``messages_key``)
     rendered with the chat template, tokenized span by span (`ChatTemplate.assistant_spans`;
     the template's BOS / EOS text as those ids), loss on the assistant turns only: their content
@@ -120,16 +126,6 @@ class ChatSFTDataset:
                 ids += piece
                 mask += [int(trained)] * len(piece)
             self.samples.append({"input_ids": ids[:max_seq_len], "loss_mask": mask[:max_seq_len]})
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int) -> dict[str, list[int]]:
-        return self.samples[i]
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(s["input_ids"]) for s in self.samples]
 
 
 def _cost(bin_lengths: list[int], padded: bool) -> int:
