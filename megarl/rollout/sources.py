@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from megarl.config.rollout import REWARD_MODEL_FN
+
 __all__ = ["SourceWorkflows", "eval_set_tasks", "source_tasks"]
 
 
@@ -26,8 +28,8 @@ def source_tasks(task) -> dict[str, Any]:
             r, workflow=src.workflow or r.workflow, reward_fn=src.reward_fn or r.reward_fn,
             workflow_args=dict(r.workflow_args if src.workflow_args is None else src.workflow_args))
         data = d.of_source(src)
-        reward = task.reward if src.reward_args is None else dataclasses.replace(task.reward, args=dict(src.reward_args))
-        out[src.name] = dataclasses.replace(task, rollout=rollout, data=data, reward=reward)
+        out[src.name] = dataclasses.replace(task, rollout=rollout, data=data,
+                                            reward=_own_reward(task.reward, rollout.reward_fn, src.reward_args))
     return out
 
 
@@ -43,9 +45,21 @@ def eval_set_tasks(task) -> dict[str, Any]:
             eval_size=r.eval_size if es.size is None else es.size,
             eval_interval=r.eval_interval if es.interval is None else es.interval,
             eval_k=r.eval_k if es.k is None else es.k)
-        reward = task.reward if es.reward_args is None else dataclasses.replace(task.reward, args=dict(es.reward_args))
+        reward = _own_reward(task.reward, rollout.eval_reward_fn or rollout.reward_fn, es.reward_args)
         out[es.name] = dataclasses.replace(task, rollout=rollout, data=d.of_source(es), reward=reward)
     return out
+
+
+def _own_reward(run_reward, reward_fn: str, args):
+    """The reward section an entry scores with: the run's, or with ``args`` (its reward_args) in
+    place of reward.args - keeping the addresses and key of the reward-model servers the job
+    serves (reward.model.path) for an entry whose reward is that model."""
+    if args is None:
+        return run_reward
+    args = dict(args)
+    if reward_fn == REWARD_MODEL_FN and "urls" in run_reward.args and "urls" not in args:
+        args.update({k: run_reward.args[k] for k in ("urls", "api_key") if k in run_reward.args})
+    return dataclasses.replace(run_reward, args=args)
 
 
 class SourceWorkflows:

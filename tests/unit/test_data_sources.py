@@ -231,3 +231,19 @@ def test_each_eval_set_runs_at_its_own_steps_and_reports_under_its_name():
     assert last["eval/code/step"] == 10 and last["eval/code/accuracy"] == 0.5 and last["eval_accuracy"] == 0.25
     assert all(w and t <= 5.0 for w, t in first.waited + second.waited)  # one deadline for every set
     assert eval_set_names([{"step": 0, **got}, {"step": 10, **last}]) == ["math", "code"]
+
+
+def test_an_entry_with_its_own_reward_args_keeps_the_jobs_reward_model_servers():
+    from megarl.rollout.reward_servers import task_with_reward_urls
+    from megarl.rollout.sources import eval_set_tasks
+
+    rm = "megarl.rewards.model:RewardModel"
+    cfg = load_config(RECIPE, ["data.eval_path=", *sources(
+        f"{{name: rm, path: {PROMPTS}, reward_fn: '{rm}', reward_args: {{batch_size: 4}}}}",
+        f"{{name: fn, path: {PROMPTS}, reward_fn: 'megarl.rewards:math_reward', reward_args: {{k: 1}}}}"),
+        f"data.eval_sets=[{{name: e, path: {EVAL}, reward_fn: '{rm}', reward_args: {{batch_size: 2}}}}]"])
+    task = task_with_reward_urls(TaskSpec.from_config(cfg), ["http://127.0.0.1:9"], "KEY")  # what the manager does
+    srcs = source_tasks(task)
+    assert srcs["rm"].reward.args == {"batch_size": 4, "urls": ["http://127.0.0.1:9"], "api_key": "KEY"}
+    assert srcs["fn"].reward.args == {"k": 1}  # not the reward model's: its own arguments only
+    assert eval_set_tasks(task)["e"].reward.args == {"batch_size": 2, "urls": ["http://127.0.0.1:9"], "api_key": "KEY"}
