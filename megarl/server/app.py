@@ -75,8 +75,8 @@ async def generate(request: web.Request) -> web.Response:
     for spec in samples:
         fut = loop.create_future()
         seq = Sequence(spec.rid, spec.input_ids, spec.params, functools.partial(_resolve, loop, fut), group=spec.group,
-                       want_routes=spec.return_routed_experts)
-        if spec.params.max_new_tokens == 0:
+                       want_routes=spec.return_routed_experts, input_logprob_start=spec.logprob_start)
+        if spec.params.max_new_tokens == 0 and spec.logprob_start is None:  # nothing to compute
             seq.finish = {"type": "length", "length": 0}
             fut.set_result(seq)
         else:

@@ -67,6 +67,8 @@ class Sequence:
     route_ids: list[torch.Tensor] = field(default_factory=list)  # int32 [rows, layers, k] pieces
     route_weights: list[torch.Tensor] = field(default_factory=list)  # float32, same layout
     route_rows: int = 0
+    input_logprob_start: Optional[int] = None  # score the prompt from here (logprob_start_len)
+    in_logprobs: Optional[list] = None  # prompt tokens' logprobs from input_logprob_start (first: None)
 
     def tokens(self) -> list[int]:
         return self.prompt + self.out_ids
@@ -88,6 +90,17 @@ class Sequence:
         if not self.route_ids:
             return torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.float32)
         return torch.cat(self.route_ids)[:n], torch.cat(self.route_weights)[:n]
+
+
+def prompt_logprobs(logits: torch.Tensor, tokens: list[int], start: int) -> list:
+    """logprob of tokens[j] under the logits of position j - 1 (fp32 log_softmax, temperature 1),
+    for j = start .. len(tokens) - 1; None for j = 0 (nothing precedes it)."""
+    out: list = [None] if start == 0 else []
+    lo = max(start, 1)
+    if lo < len(tokens):
+        rows = torch.log_softmax(logits[lo - 1:len(tokens) - 1].float(), dim=-1)
+        out += rows.gather(1, torch.tensor(tokens[lo:], device=rows.device).unsqueeze(1)).squeeze(1).tolist()
+    return out
 
 
 class GenerationEngine:
@@ -259,7 +272,15 @@ class GenerationEngine:
         first = len(self.running)
         seqs = [s.tokens() for s in batch]
         routes = self._routes_for(batch, (len(batch), longest))
-        logits = self.model.prefill(seqs, first, self.cache, routes=routes)
+        # prompt logprobs (once: a retracted sequence prefilled again already has them) need every position's logits
+        score = [s.input_logprob_start is not None and s.in_logprobs is None for s in batch]
+        logits = self.model.prefill(seqs, first, self.cache, all_logits=any(score), routes=routes)
+        if any(score):
+            every, lens = logits, torch.tensor([len(t) for t in seqs])
+            logits = every[torch.arange(len(seqs)), lens - 1]
+            for i, s in enumerate(batch):
+                if score[i]:
+                    s.in_logprobs = prompt_logprobs(every[i, :len(s.prompt)], s.prompt, s.input_logprob_start)
         for i, s in enumerate(batch):
             s.slot, s.kv_len = first + i, len(seqs[i])
         if routes is not None:
@@ -269,7 +290,18 @@ class GenerationEngine:
                     s.add_routes(ids[i, :len(seqs[i])], weights[i, :len(seqs[i])], 0)
         self.running.extend(batch)
         self.stats["prefill_tokens"] += sum(map(len, seqs))
-        self._sample_and_finish(batch, logits, [len(t) for t in seqs])
+        for s in batch:
+            if s.params.max_new_tokens <= 0:  # scoring only (prompt logprobs): nothing is sampled
+                s.finish = {"type": "length", "length": 0}
+        keep = [i for i, s in enumerate(batch) if s.finish is None]
+        if keep:
+            self._sample_and_finish([batch[i] for i in keep], logits[torch.tensor(keep)],
+                                    [len(seqs[i]) for i in keep])
+        if any(s.finish is not None for s in self.running):  # scored-only ones not yet delivered
+            for s in self.running:
+                if s.finish is not None:
+                    self._deliver(s)
+            self._compact([s for s in self.running if s.finish is None])
 
     def _decode(self) -> None:
         run = self.running

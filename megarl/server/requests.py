@@ -12,8 +12,12 @@ object, a batch returns a list.
 
 Response object: ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
 "completion_tokens", "cached_tokens", "e2e_latency", "weight_version", "weight_versions",
-"output_token_logprobs"?}}``. ``output_token_logprobs`` is ``[[logprob, token_id, null], ...]``
-with logprob = log_softmax of the raw fp32 logits (temperature 1, before top-k/top-p/min-p).
+"output_token_logprobs"?, "input_token_logprobs"?}}``. ``output_token_logprobs`` is
+``[[logprob, token_id, null], ...]`` with logprob = log_softmax of the raw fp32 logits
+(temperature 1, before top-k/top-p/min-p). With ``"logprob_start_len": k`` (>= 0, and
+return_logprob) ``input_token_logprobs`` scores the prompt the same way from position k on, the
+first prompt token's entry null (nothing precedes it), as SGLang does; with ``max_new_tokens`` 0
+that is all the request does (a teacher scoring a student's tokens).
 ``weight_versions`` (megarl extension) lists, per output token, the weight version that produced
 it; ``weight_version`` is the server's version when the response was built. Tokens that stopped
 generation (EOS, stop_token_ids, the token completing a stop string) stay in output_ids; ``text``
@@ -47,10 +51,11 @@ _KNOWN_SAMPLING = {
 }
 
 
-_KNOWN_TOP = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream", "return_routed_experts"}
+_KNOWN_TOP = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream", "return_routed_experts",
+              "logprob_start_len"}
 # SGLang GenerateReqInput fields the CPU server does not implement, accepted at these values only
 _NOOP_TOP = {
-    "logprob_start_len": (-1, None), "top_logprobs_num": (0, None), "return_text_in_logprobs": (False, None),
+    "top_logprobs_num": (0, None), "return_text_in_logprobs": (False, None),
     "log_metrics": (True, False, None), "return_hidden_states": (False, None), "lora_path": (None,),
     "image_data": (None,), "custom_logit_processor": (None,), "data_parallel_rank": (None,),
 }
@@ -67,6 +72,7 @@ class SampleRequest:
     input_ids: list[int]
     params: SamplingConfig
     return_routed_experts: bool = False
+    logprob_start: Optional[int] = None  # logprob_start_len >= 0 with return_logprob: the prompt's logprobs from there
 
 
 def _num(d: dict, key: str, kind, default, lo=None, hi=None, where="sampling_params"):
@@ -194,6 +200,7 @@ def parse_generate(body: Any, vocab: int, tokenizer, context_length: int,
     if not isinstance(return_logprob, bool):
         raise BadRequest("return_logprob must be a bool")
     want_routes = _routes_flag(body, routes_enabled)
+    start = _logprob_start(body, return_logprob)
     samples = []
     for rid, prompt, (cfg, n) in zip(rids, prompts, parsed):
         if len(prompt) >= context_length:
@@ -203,8 +210,22 @@ def parse_generate(body: Any, vocab: int, tokenizer, context_length: int,
             if n > 1 and seed is not None:
                 seed = seed * 1_000_003 + j  # distinct, reproducible streams per sample
             c = cfg if seed == cfg.seed else SamplingConfig(**{**cfg.__dict__, "seed": seed})
-            samples.append(SampleRequest(rid if n == 1 else f"{rid}-{j}", rid, list(prompt), c, want_routes))
+            samples.append(SampleRequest(rid if n == 1 else f"{rid}-{j}", rid, list(prompt), c, want_routes,
+                                         None if start is None else min(start, len(prompt))))
     return samples, return_logprob, is_batch or any(n > 1 for _, n in parsed)
+
+
+def _logprob_start(body: dict, return_logprob: bool) -> Optional[int]:
+    """``logprob_start_len``: -1 / absent = no prompt logprobs; k >= 0 with return_logprob = the
+    logprob of every prompt token from position k on (SGLang's input_token_logprobs)."""
+    start = body.get("logprob_start_len", -1)
+    if start is None or start == -1:
+        return None
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise BadRequest(f"logprob_start_len must be -1 or an int >= 0, got {start!r}")
+    if not return_logprob:
+        raise BadRequest("logprob_start_len: prompt logprobs need return_logprob: true")
+    return start
 
 
 def _routes_flag(body: dict, routes_enabled: bool) -> bool:
@@ -251,6 +272,9 @@ def build_response(seq, return_logprob: bool, tokenizer, weight_version: str, no
     }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.out_logprobs, seq.out_ids)]
+        if seq.input_logprob_start is not None:  # the prompt's from logprob_start_len (the first token: None)
+            start = seq.input_logprob_start
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.in_logprobs, seq.prompt[start:])]
     if seq.want_routes:
         ids, weights = seq.routes()
         meta["routed_experts"] = b64_array(ids, "int32")

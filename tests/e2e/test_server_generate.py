@@ -46,6 +46,27 @@ def test_logprobs_match_independent_forward(srv, tiny_model):
             assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, sp
 
 
+def test_a_sample_scored_by_prompt_logprobs_gets_its_own_logprobs(srv):
+    """What a teacher does with a student's sample (SGLang's request shape): prompt + completion
+    sent back with max_new_tokens 0 and logprob_start_len = the prompt's length scores the
+    completion; with the same weights, the logprobs it was sampled with."""
+    prompts = [[1, 5, 9, 14], [1, 30, 31, 32, 33, 34, 35, 36, 37]]
+    outs = gen(srv, {"input_ids": prompts, "return_logprob": True,
+                     "sampling_params": {"temperature": 1.0, "seed": 5, "max_new_tokens": 12, "ignore_eos": True}})
+    scored = gen(srv, {"input_ids": [p + o["output_ids"] for p, o in zip(prompts, outs)], "return_logprob": True,
+                       "logprob_start_len": len(prompts[0]),  # one start for the batch, as in SGLang
+                       "sampling_params": {"max_new_tokens": 0}})
+    for prompt, out, score in zip(prompts, outs, scored):
+        meta = score["meta_info"]
+        assert score["output_ids"] == [] and meta["completion_tokens"] == 0
+        entries = meta["input_token_logprobs"]
+        full = prompt + out["output_ids"]
+        assert [e[1] for e in entries] == full[len(prompts[0]):]
+        mine = [e[0] for e in entries][len(prompt) - len(prompts[0]):]  # the completion's entries
+        sampled = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+        assert len(mine) == 12 and max(abs(a - b) for a, b in zip(mine, sampled)) <= 1e-5
+
+
 def test_n_samples_and_seed_determinism(srv):
     body = {"input_ids": [1, 5, 6], "sampling_params": {"n": 4, "seed": 11, "max_new_tokens": 16,
                                                         "ignore_eos": True}}

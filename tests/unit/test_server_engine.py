@@ -116,3 +116,58 @@ def test_a_failing_step_aborts_the_batch_and_the_engine_lives_on(engine):
     w2 = Waiter()
     engine.submit(_seq("y", [1, 2], w2, max_new_tokens=10))
     assert len(w2.wait(1)[0].out_ids) == 10
+
+
+def test_prompt_logprobs_score_the_prompt_against_the_reference_forward(engine, model_dir):
+    """logprob_start_len (SGLang's input_token_logprobs): every prompt token from the start index
+    scored by the model (what a teacher does with a student's sample), with max_new_tokens 0 only
+    the scoring, batched beside ordinary requests; the first prompt token has no logprob (None)."""
+    path, sd = model_dir
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (9, 5, 14, 1)]
+    w = Waiter()
+    engine.submit(_seq("gen", prompts[0], w, max_new_tokens=6))  # an ordinary request alongside
+    for i, (prompt, start) in enumerate(zip(prompts, (0, 2, 13, 0))):
+        s = _seq(f"s{i}", prompt, w, max_new_tokens=0)
+        s.input_logprob_start = start
+        engine.submit(s)
+    tail = _seq("both", prompts[2], w, max_new_tokens=4)
+    tail.input_logprob_start = 5
+    engine.submit(tail)
+    done = {s.rid: s for s in w.wait(6)}
+    for i, (prompt, start) in enumerate(zip(prompts, (0, 2, 13, 0))):
+        s = done[f"s{i}"]
+        ref = reference_logprobs(path, sd, prompt)
+        assert s.out_ids == [] and s.finish == {"type": "length", "length": 0}
+        assert len(s.in_logprobs) == len(prompt) - start and (start > 0 or s.in_logprobs[0] is None)
+        got = [x for x in s.in_logprobs if x is not None]
+        want = ref[max(start, 1):]
+        assert len(got) == len(want) and all(abs(a - b) < 1e-5 for a, b in zip(got, want)), (got, want)
+    both = done["both"]
+    assert len(both.out_ids) == 4 and len(both.in_logprobs) == len(prompts[2]) - 5
+    assert all(abs(a - b) < 1e-5 for a, b in zip(both.in_logprobs, reference_logprobs(path, sd, prompts[2])[5:]))
+    # the generated tokens' own logprobs are those of the sequence the model saw
+    ref = reference_logprobs(path, sd, prompts[2] + both.out_ids)
+    assert all(abs(a - b) < 1e-5 for a, b in zip(both.out_logprobs, ref[len(prompts[2]):]))
+    assert done["gen"].in_logprobs is None and len(done["gen"].out_ids) == 6
+
+
+def test_prompt_logprob_requests_are_parsed_as_sglang_does():
+    from megarl.server.requests import BadRequest, build_response, parse_generate
+
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": 1}
+    (one,), logprob, _ = parse_generate(body, 128, None, 64)
+    assert logprob and one.logprob_start == 1 and one.params.max_new_tokens == 0
+    assert parse_generate({**body, "logprob_start_len": 9}, 128, None, 64)[0][0].logprob_start == 4  # capped
+    assert parse_generate({**body, "logprob_start_len": -1}, 128, None, 64)[0][0].logprob_start is None
+    for bad, message in (({"logprob_start_len": -2}, "logprob_start_len must be -1 or an int >= 0"),
+                         ({"logprob_start_len": 1.5}, "logprob_start_len must be -1 or an int >= 0"),
+                         ({"return_logprob": False}, "logprob_start_len: prompt logprobs need return_logprob")):
+        with pytest.raises(BadRequest, match=message):
+            parse_generate({**body, **bad}, 128, None, 64)
+    seq = Sequence("r", [5, 6, 7, 8], SamplingConfig(max_new_tokens=0), lambda s: None, input_logprob_start=1)
+    seq.in_logprobs, seq.finish = [-1.5, -0.25, -3.0], {"type": "length", "length": 0}
+    meta = build_response(seq, True, None, "3", 0.0)["meta_info"]
+    assert meta["input_token_logprobs"] == [[-1.5, 6, None], [-0.25, 7, None], [-3.0, 8, None]]
+    assert meta["output_token_logprobs"] == [] and meta["completion_tokens"] == 0
