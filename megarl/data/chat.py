@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from megarl.common.compat import require
 
-__all__ = ["ChatTemplate", "load_chat_template"]
+__all__ = ["ChatTemplate", "load_chat_template", "sft_chat_template"]
 
 # Stand-in content for the fixed conversation `turn_suffix` / `continuation` render around.
 _SENTINEL = "MEGARL-ASSISTANT-CONTENT-7f3a"
@@ -152,3 +152,17 @@ def load_chat_template(setting: str, model_dir: str) -> Optional[ChatTemplate]:
     if "{{" in setting or "{%" in setting:
         return ChatTemplate(setting, bos, eos, "data.chat_template (inline)")
     raise ValueError(f"data.chat_template: {setting!r} is neither a file nor a Jinja template")
+
+
+def sft_chat_template(setting: str, tokenizer_path: str, tok) -> ChatTemplate:
+    """data.chat_template (else the model's) for chat SFT; its BOS / EOS text from
+    tokenizer_config.json, else the tokenizer's own pieces (a sentencepiece model has no config)."""
+    template = load_chat_template(setting, tokenizer_path)
+    if template is None:
+        raise ValueError("data.messages_key: chat SFT needs a chat template (none in the model's "
+                         "tokenizer_config.json or chat_template.jinja; set data.chat_template)")
+    if not template.bos_token and tok.bos_id is not None:
+        template.bos_token = tok.token_text(tok.bos_id)
+    if not template.eos_token:
+        template.eos_token = tok.token_text(tok.eos_id)
+    return template

@@ -250,7 +250,7 @@ def check_dataset(field: str, path: str, cfg: Config, tok, max_positions: int) -
 
 def check_sft_chat_template(cfg: Config, tok) -> None:
     """Chat SFT (data.messages_key) has a chat template to render its conversations with."""
-    from megarl.trainer.sft import sft_chat_template
+    from megarl.data.chat import sft_chat_template
 
     try:
         sft_chat_template(cfg.data.chat_template, cfg.data.tokenizer_path or cfg.model.hf_path, tok)

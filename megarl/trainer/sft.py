@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from megarl.algo.stats import Stat
-from megarl.data.chat import ChatTemplate, load_chat_template
+from megarl.data.chat import sft_chat_template
 from megarl.data.datasets import ChatSFTDataset, ResumableSampler, SFTDataset, balance_across_ranks
 from megarl.common.tokenizer import load_tokenizer
 from megarl.trainer.batch import MicroBatch, TensorBatch
@@ -15,20 +15,6 @@ def sft_loss(logp: torch.Tensor, entropy, mb: MicroBatch):
     mask = mb["loss_mask"]
     nll = -(logp * mask).sum()
     return nll / mb.step_tokens, {"nll": Stat(nll.detach(), mask.sum().detach())}
-
-
-def sft_chat_template(setting: str, tokenizer_path: str, tok) -> ChatTemplate:
-    """data.chat_template (else the model's) for chat SFT; its BOS / EOS text from
-    tokenizer_config.json, else the tokenizer's own pieces (a sentencepiece model has no config)."""
-    template = load_chat_template(setting, tokenizer_path)
-    if template is None:
-        raise ValueError("data.messages_key: chat SFT needs a chat template (none in the model's "
-                         "tokenizer_config.json or chat_template.jinja; set data.chat_template)")
-    if not template.bos_token and tok.bos_id is not None:
-        template.bos_token = tok.token_text(tok.bos_id)
-    if not template.eos_token:
-        template.eos_token = tok.token_text(tok.eos_id)
-    return template
 
 
 class SFTData:

@@ -11,9 +11,8 @@ import pytest
 from megarl.common.errors import ConfigError
 from megarl.common.tokenizer import load_tokenizer, train_sentencepiece
 from megarl.config.load import load_config
-from megarl.data.chat import ChatTemplate
+from megarl.data.chat import ChatTemplate, sft_chat_template
 from megarl.data.datasets import ChatSFTDataset, SFTDataset
-from megarl.trainer.sft import sft_chat_template
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(REPO, "examples", "tiny")
