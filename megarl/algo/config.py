@@ -74,6 +74,13 @@ class AlgoConfig:
     before dynamic sampling; 0 = off."""
     overlong_penalty_factor: float = bounded(1.0, ge=0.0)
     """Penalty at (and beyond) the max length; >= 0."""
+    distill_coef: float = bounded(0.0, ge=0.0)
+    """On-policy distillation (needs teacher.path): each generated token's advantage gains
+    distill_coef x (log pi_teacher(y_t) - log pi_behave(y_t)), the negative per-token reverse KL
+    of the sampling policy from the teacher, which the served teacher scores; 0 = off."""
+    distill_reward_coef: float = bounded(1.0, ge=0.0)
+    """With distillation: the weight of the task reward's advantage (algo.advantage) beside the
+    teacher's signal; 0 = the teacher's signal alone."""
 
     def validate(self) -> None:
         """Raise ValueError("algo.<field>: <problem>") on the first bad value."""
@@ -118,7 +125,8 @@ class AlgoConfig:
             kl_estimator=KLEstimator(self.kl_estimator), kl_coef=float(self.kl_coef),
             kl_in_reward=self.kl_in_reward, entropy_coef=float(self.entropy_coef),
             dynamic_sampling=self.dynamic_sampling, overlong_buffer_len=self.overlong_buffer_len,
-            overlong_penalty_factor=float(self.overlong_penalty_factor))
+            overlong_penalty_factor=float(self.overlong_penalty_factor),
+            distill_coef=float(self.distill_coef), distill_reward_coef=float(self.distill_reward_coef))
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,8 @@ class AlgoSpec:
     dynamic_sampling: bool = False
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
+    distill_coef: float = 0.0  # the teacher's per-token signal in the advantage (0 = no teacher)
+    distill_reward_coef: float = 1.0  # the task advantage's weight beside it
 
     @property
     def uses_ref_model(self) -> bool:

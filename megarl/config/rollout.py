@@ -228,6 +228,30 @@ class RewardModelConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation's teacher (algo.distill_coef): megarl-server on an HF causal LM that
+    shares the policy's tokenizer, started by the job beside the policy servers with the same
+    health checks and restarts; it scores every generated token (its logprob under the teacher)."""
+
+    path: str = ""
+    """HF causal-LM directory (config.json, safetensors, tokenizer) with the policy's vocabulary;
+    empty = no teacher. Needs algo.distill_coef > 0."""
+    servers: int = bounded(1, ge=1)
+    """Teacher servers started (loopback, or the address ranks reach rank 0 by)."""
+    threads: int = bounded(1, ge=1)
+    """torch threads of each teacher server."""
+    health_interval_s: float = bounded(5.0, gt=0)
+    """Seconds between /health probes of the teacher servers; one whose process died, or that fails
+    two probes in a row, is restarted on its own port (an episode whose scoring failed meanwhile is
+    retried, rollout.max_retries)."""
+    timeout_s: float = bounded(60.0, gt=0)
+    """Deadline of one scoring request (a group's samples)."""
+
+    def validate(self) -> None:
+        _check(self, "teacher")
+
+
+@dataclass
 class RewardConfig:
     executor: str = "thread"
     """Where sync reward functions run: thread (a daemon thread per call) or process (a pool of

@@ -9,7 +9,7 @@ from megarl.config.eval import EvalConfig
 from megarl.config.launch import LaunchConfig
 from megarl.config.lora import LoRAConfig
 from megarl.config.model import CriticConfig, ModelConfig, OptimConfig, ParallelConfig
-from megarl.config.rollout import REWARD_MODEL_FN, RewardConfig, RolloutConfig, WeightSyncConfig
+from megarl.config.rollout import REWARD_MODEL_FN, RewardConfig, RolloutConfig, TeacherConfig, WeightSyncConfig
 from megarl.config.train import CheckpointConfig, DataConfig, LoggingConfig, TrainConfig
 from megarl.common.errors import ConfigError
 from megarl.config.moe import MoEConfig
@@ -29,6 +29,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -77,6 +78,15 @@ class Config:
         if self.eval.n and not self.eval.n >= self.rollout.eval_k > 0:
             raise ConfigError(f"eval.n: {self.eval.n} samples per prompt need rollout.eval_k = k with "
                               f"1 <= k <= n (pass@k from n samples); got rollout.eval_k={self.rollout.eval_k}")
+        if bool(self.teacher.path) != (self.algo.distill_coef > 0):
+            raise ConfigError("algo.distill_coef: on-policy distillation needs both a teacher (teacher.path) and "
+                              f"a weight for its signal (> 0); got teacher.path={self.teacher.path!r}, "
+                              f"algo.distill_coef={self.algo.distill_coef}")
+        if self.teacher.path and not self.train.is_rl:
+            raise ConfigError("teacher.path: on-policy distillation is RL (the teacher scores sampled tokens)")
+        if self.teacher.path and self.rollout.servers:
+            raise ConfigError("teacher.path: the teacher servers are started by the job beside its own policy "
+                              f"servers; with rollout.servers ({self.rollout.servers[0]}, ...) none are")
         if self.data.messages_key and self.train.is_rl:
             raise ConfigError("data.messages_key: conversations for SFT; RL reads chat prompts from data.prompt_key")
         for name in ("sources", "eval_sets"):

@@ -158,6 +158,12 @@ def check_model(cfg: Config):
     for field, path in (("model.ref_hf_path", cfg.model.ref_hf_path), ("critic.hf_path", cfg.critic.hf_path)):
         if path:
             _check_weights(field, path, _model_args(field, path))
+    if cfg.teacher.path:  # it scores the policy's token ids: the same vocabulary, or every score is wrong
+        teacher = _model_args("teacher.path", cfg.teacher.path)
+        _check_weights("teacher.path", cfg.teacher.path, teacher)
+        if teacher.vocab_size != args.vocab_size:
+            raise ConfigError(f"teacher.path: a vocabulary of {teacher.vocab_size} tokens, the policy's has "
+                              f"{args.vocab_size}: the teacher must share the policy's tokenizer")
     check_features(cfg, args)
     return args
 

@@ -9,6 +9,7 @@ building a Python object per sample.
     per sample   lengths int64, rewards float64, group_ids int64  [N]        (SAMPLE_FIELDS)
     layout       dp_rank int32 [N], non-decreasing: rank r's share = the samples with dp_rank r
     routes       route_ids int32 / route_weights float32 [T, layers, k]   (MoE routing replay)
+    teacher      teacher_logp float64 [T]   (on-policy distillation: OPTIONAL_TOKEN_FIELDS)
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from megarl.protocol.messages import Batch
 
 TOKEN_FIELDS = ("loss_mask", "behave_logp", "versions")  # token-aligned with input_ids
 SAMPLE_FIELDS = ("rewards", "group_ids")  # one value per sample (the trainer's sample fields)
+OPTIONAL_TOKEN_FIELDS = ("teacher_logp",)  # token-aligned, present when every sample has them
 
 
 def groups_per_step(cfg) -> int:
@@ -58,6 +60,9 @@ def pack_batch(trajs, dp: int, stats: dict, rejoin: list[str]) -> Batch:
               "lengths": np.array([len(t.input_ids) for t in trajs], dtype=np.int64),
               "rewards": np.array([t.reward for t in trajs], dtype=np.float64),
               "group_ids": np.array([t.group_id for t in trajs], dtype=np.int64), "dp_rank": dp_rank[order]}
+    for name in OPTIONAL_TOKEN_FIELDS:
+        if trajs and all(getattr(t, name) is not None for t in trajs):
+            arrays[name] = cat(name, np.float64)
     if trajs and all(t.routes is not None for t in trajs):  # MoE routing replay: [tokens, layers, k]
         arrays["route_ids"] = np.concatenate([t.routes.ids for t in trajs]).astype(np.int32)
         arrays["route_weights"] = np.concatenate([t.routes.weights for t in trajs]).astype(np.float32)

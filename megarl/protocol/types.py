@@ -33,11 +33,16 @@ class Trajectory:
     # route, e.g. the last position, which feeds no sampled token, or a dense layer) and weights
     # float32 (NaN: the server sent ids only; the trainer's router gives the weights)
     routes: Optional[RoutedExperts] = None
+    # on-policy distillation (algo.distill_coef): the teacher's logprob of each generated token
+    # (0.0 elsewhere), set by the rollout manager's `megarl.rollout.teacher.TeacherClient`
+    teacher_logp: Optional[list[float]] = None
 
     def __post_init__(self):
         n = len(self.input_ids)
         if not (len(self.loss_mask) == len(self.behave_logp) == len(self.versions) == n):
             raise ValueError(f"trajectory fields must be token-aligned ({n} tokens)")
+        if self.teacher_logp is not None and len(self.teacher_logp) != n:
+            raise ValueError(f"trajectory teacher_logp must be token-aligned ({n} tokens)")
         if self.routes is not None and (self.routes.rows != n or self.routes.weights is None
                                         or self.routes.weights.shape != self.routes.ids.shape):
             raise ValueError(f"trajectory routes must have ids and weights for each of its {n} tokens")

@@ -88,7 +88,7 @@ class RolloutController:
                  partial_rollout: bool = True, max_retries: int = 2, failed_log: Optional[str] = None,
                  timeline=None, sampling_seed: Optional[int] = None, client_kwargs: Optional[dict] = None,
                  max_consecutive_failures: int = 8, hold_timeout_s: float = 600.0,
-                 stale_cap: Optional[int] = None):
+                 stale_cap: Optional[int] = None, teacher: Optional[dict] = None):
         self.dataset, self.workflow, self.versions = dataset, workflow, versions
         self.sampler = (dataset.make_sampler(seed) if hasattr(dataset, "make_sampler")  # honours data.shuffle
                         else ResumableSampler(len(dataset), seed=seed))
@@ -117,6 +117,8 @@ class RolloutController:
         self._wake: Optional[asyncio.Event] = None
         self._stopping = False
         self.client: Optional[RolloutClient] = None
+        # on-policy distillation: TeacherClient(**teacher) scores each group (made on the loop)
+        self._teacher_args, self.teacher = teacher, None
         self.counters = collections.Counter()  # trained, filtered/<name>, failed, retries
         self.trained_groups = 0
 
@@ -132,6 +134,10 @@ class RolloutController:
     async def _start(self) -> None:
         self.client = RolloutClient(self._servers, self._api_key, version_fn=self.versions.get_version,
                                     timeline=self.timeline, **self._client_kwargs)
+        if self._teacher_args:
+            from megarl.rollout.teacher import TeacherClient
+
+            self.teacher = TeacherClient(**self._teacher_args)
         self._wake = asyncio.Event()
         self._task = asyncio.ensure_future(self._executor())
 
@@ -160,6 +166,8 @@ class RolloutController:
                 t.cancel()
             for reward in self.rewards:
                 await reward.aclose()  # an HTTP reward's session, threads, worker processes
+            if self.teacher is not None:
+                await self.teacher.close()
             await self.client.close()
 
         try:
@@ -233,6 +241,8 @@ class RolloutController:
         for attempt in range(self.max_retries + 1):
             try:
                 group = await self.workflow.arun_episode(self.client, sample)
+                if group and self.teacher is not None:  # distillation: the teacher scores every generated token
+                    await self.teacher.score(group)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - one bad episode must not stop the executor
@@ -436,6 +446,8 @@ class RolloutController:
                     if k.startswith(("filtered/", "regenerated/"))})
         if self.client is not None:
             out["rollout/busy_s"] = self.client.busy_seconds()
+        if self.teacher is not None:
+            out.update(self.teacher.stats)
         out.update({f"data/{k}": v for k, v in getattr(self.dataset, "stats", {}).items()})
         for reward in self.rewards:  # a user workflow need not carry the system's context
             for k, v in reward.stats().items():  # counts: one sum over the sources' callers

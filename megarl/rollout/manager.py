@@ -63,7 +63,7 @@ from megarl.protocol.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, DIRECT_R
 from megarl.protocol.packing import balance_groups, pack_batch  # noqa: F401 - the step's layout
 
 if TYPE_CHECKING:
-    from megarl.config import RewardModelConfig, RolloutConfig, WeightSyncConfig
+    from megarl.config import RewardModelConfig, RolloutConfig, TeacherConfig, WeightSyncConfig
     from megarl.rollout.setup import ControllerSpec, EvalSpec
 
 log = logging.getLogger("megarl.manager")
@@ -124,6 +124,7 @@ class ManagerSpec:
     server_flags: tuple[str, ...] = ()  # what the run's features need of its servers (feature_flags)
     timeline: bool = False
     reward_model: Optional["RewardModelConfig"] = None  # reward.model when its path is set
+    teacher: Optional["TeacherConfig"] = None  # teacher when its path is set (on-policy distillation)
 
     @classmethod
     def from_config(cls, cfg) -> "ManagerSpec":
@@ -135,7 +136,7 @@ class ManagerSpec:
         flags = feature_flags(cfg, cfg.rollout.engine, gpu=cfg.rollout.engine == "sglang" and cuda_available())
         return cls(cfg.rollout, cfg.weights, cfg.model.hf_path, cfg.train.run_dir, ControllerSpec.from_config(cfg),
                    EvalSpec.from_config(cfg), tuple(flags), cfg.logging.timeline,
-                   cfg.reward.model if cfg.reward.model.path else None)
+                   cfg.reward.model if cfg.reward.model.path else None, cfg.teacher if cfg.teacher.path else None)
 
 
 class RolloutManager:
@@ -146,6 +147,7 @@ class RolloutManager:
         self.spec = spec
         self.stack = contextlib.ExitStack()
         self.cluster = self.controller = self.evaluator = self.local = self.reward_servers = None
+        self.teacher_servers = None
         self.dp = 1
         self.stopped = threading.Event()
         self._updates = threading.Condition()
@@ -182,6 +184,8 @@ class RolloutManager:
         server_cpus = set(r.server_cpus) & os.sched_getaffinity(0) if r.server_cpus else None
         if spec.reward_model is not None:
             self.start_reward_servers(server_cpus)
+        if spec.teacher is not None:
+            self.start_teacher_servers(server_cpus)
         if r.servers:
             return list(r.servers)
         launcher = None
@@ -210,6 +214,25 @@ class RolloutManager:
         key = self.reward_servers.api_key
         self.spec = dataclasses.replace(spec, controller=with_reward_urls(spec.controller, urls, key),
                                         eval=with_reward_urls(spec.eval, urls, key))
+
+    def start_teacher_servers(self, cpus) -> None:
+        """teacher's servers (megarl-server on teacher.path), watched and restarted like the
+        reward model's; the controller scores each group with them (`megarl.rollout.teacher`)."""
+        from megarl.common.net import serving_host
+        from megarl.rollout.reward_servers import RewardServers
+
+        from megarl.config import RewardModelConfig
+
+        spec, t = self.spec, self.spec.teacher
+        # the serving fields in the shape RewardServers takes (the same servers, another model)
+        served = RewardModelConfig(path=t.path, servers=t.servers, threads=t.threads,
+                                   health_interval_s=t.health_interval_s)
+        self.teacher_servers = RewardServers(served, f"{spec.run_dir}/teacher_servers", serving_host(),
+                                             cpus, ready_timeout_s=spec.rollout.health_timeout_s, field="teacher.path")
+        urls = self.stack.enter_context(self.teacher_servers)
+        teacher = {"addresses": list(urls), "api_key": self.teacher_servers.api_key,
+                   "timeout_s": spec.teacher.timeout_s}
+        self.spec = dataclasses.replace(spec, controller=dataclasses.replace(spec.controller, teacher=teacher))
 
     def init(self, msg: Init) -> list[str]:
         from megarl.rollout.cluster import RolloutCluster
@@ -260,6 +283,8 @@ class RolloutManager:
             stats["rollout/restarts"] = self.local.restarts
         if self.reward_servers is not None:
             stats["reward/server_restarts"] = self.reward_servers.restarts
+        if self.teacher_servers is not None:
+            stats["teacher/server_restarts"] = self.teacher_servers.restarts
         return pack_batch(trajs, self.dp, stats, self.cluster.ready_to_rejoin())
 
     def admin(self, msg):

@@ -12,6 +12,10 @@ The policy servers are dropped from the server set while they are down and re-ad
 hold the current weights; a reward-model server holds no weights of the run, so it is never
 dropped: RewardModel sends each batch round-robin and retries a failed one on the next server
 (reward.args.retries), which covers the seconds a restart takes.
+
+On-policy distillation's teacher (``teacher``: megarl-server on an HF causal LM) is served the same
+way, `RewardServers(teacher, ..., field="teacher.path")`; `megarl.rollout.teacher.TeacherClient`
+retries its scoring calls on the next server likewise.
 """
 from __future__ import annotations
 
@@ -79,8 +83,9 @@ class RewardServers:
     """``with RewardServers(reward.model, log_dir, ...) as urls:`` the started servers (each has
     answered /health), watched and restarted until the context ends."""
 
-    def __init__(self, model_cfg, log_dir: str, host: str, cpus=None, ready_timeout_s: float = 120.0):
-        self.cfg, self.ready_timeout_s = model_cfg, ready_timeout_s
+    def __init__(self, model_cfg, log_dir: str, host: str, cpus=None, ready_timeout_s: float = 120.0,
+                 field: str = "reward.model.path"):
+        self.cfg, self.ready_timeout_s, self.field = model_cfg, ready_timeout_s, field  # field: named in errors
         self.api_key = secrets.token_urlsafe(32)  # like the policy servers: only this run's requests
         self.local = LocalServers(model_cfg.path, model_cfg.servers, log_dir, extra=["--threads", model_cfg.threads],
                                   host=host, cpus=cpus, ready_timeout_s=ready_timeout_s, api_key=self.api_key)
@@ -95,7 +100,7 @@ class RewardServers:
         try:
             urls = self.local.__enter__()
         except RuntimeError as e:  # e.g. "megarl-server exited early (log ...): <why>"
-            raise ConfigError(f"reward.model.path: {self.cfg.path}: {e}") from None
+            raise ConfigError(f"{self.field}: {self.cfg.path}: {e}") from None
         self._thread = threading.Thread(target=self._watch, name="megarl-rm-health", daemon=True)
         self._thread.start()
         return list(urls)

@@ -65,6 +65,9 @@ class ControllerSpec:
     overlong_buffer_len: int = 0  # algo.overlong_*: shaped here, before dynamic sampling (DAPO)
     overlong_penalty_factor: float = 1.0
     lora_adapters: bool = False  # LoRA on SGLang: requests select the pushed adapter (lora_path)
+    # on-policy distillation: TeacherClient's arguments (addresses, api_key, timeout_s), set by the
+    # manager once it started the teacher servers (teacher.path); None = no teacher
+    teacher: Optional[dict] = None
 
     @classmethod
     def from_config(cls, cfg) -> "ControllerSpec":
@@ -169,7 +172,7 @@ def build_controller(spec: ControllerSpec, cluster, timeline=None) -> RolloutCon
         partial_rollout=r.partial_rollout, max_retries=r.max_retries,
         failed_log=spec.failed_log, timeline=timeline,
         sampling_seed=r.seed, max_consecutive_failures=r.max_consecutive_failures,
-        hold_timeout_s=spec.hold_timeout_s, stale_cap=r.stale_cap,
+        hold_timeout_s=spec.hold_timeout_s, stale_cap=r.stale_cap, teacher=spec.teacher,
         # with routing replay every /generate asks for the routes of each token (R3)
         client_kwargs={"routed_experts": spec.routes, "lora_adapters": spec.lora_adapters})
 

@@ -97,6 +97,28 @@ def shuffle_seed(seed: int, update: int, epoch: int) -> int:
     return (seed * 1_000_003 + update * 1_009 + epoch) % (2 ** 63)
 
 
+def distill_advantages(task_adv: torch.Tensor, batch: TensorBatch, coef: float, reward_coef: float,
+                       acc: Optional[StatsTracker] = None) -> torch.Tensor:
+    """On-policy distillation's advantages [B, S]: with r_t = log pi_T(y_t) - log pi_behave(y_t)
+    (the negative per-token reverse KL of the sampling policy from the teacher, estimated on the
+    sampled token),
+
+        A_t = reward_coef * A_task_t + coef * r_t      on generated tokens (0 elsewhere)
+
+    r_t is not discounted or summed over later tokens (each token's own term, as in on-policy
+    distillation). ``acc`` gets distill/reverse_kl (the mean of -r_t over generated tokens) and
+    distill/teacher_logp."""
+    if "teacher_logp" not in batch:
+        raise ValueError("algo.distill_coef > 0 but the batch has no teacher_logp (no teacher scored it)")
+    dt = task_adv.dtype
+    mask, teacher = batch["loss_mask"].to(dt), batch["teacher_logp"].to(dt)
+    r = (teacher - batch["behave_logp"].to(dt)) * mask
+    if acc is not None:
+        acc.add_stats({"distill/reverse_kl": Stat.masked_mean(-r, mask.bool()),
+                       "distill/teacher_logp": Stat.masked_mean(teacher, mask.bool())})
+    return (reward_coef * task_adv + coef * r) * mask
+
+
 def step_advantages(cfg: AdvantageConfig, batch: TensorBatch, values: Optional[torch.Tensor] = None,
                     kl: Optional[torch.Tensor] = None, reduce: Reduce = None) -> AdvantageOutput:
     """`megarl.algo.compute_advantages` on a batch of whole groups (a DP rank's share, or a whole
@@ -227,7 +249,10 @@ class Actor:
         kl = kl_penalty(batch["behave_logp"], ref, batch["loss_mask"], spec.kl_estimator) if kl_reward else None
         out = step_advantages(spec.advantage, batch, values if values is not None else batch.fields.get("values"),
                               kl, dp_sum(self.ps))
-        return batch.with_fields(**new, advantages=out.advantages, returns=out.returns), acc
+        advantages = out.advantages
+        if spec.distill_coef > 0:  # on-policy distillation: the teacher's per-token signal
+            advantages = distill_advantages(advantages, batch, spec.distill_coef, spec.distill_reward_coef, acc)
+        return batch.with_fields(**new, advantages=advantages, returns=out.returns), acc
 
     # ------------------------------------------------------------------ the update
     def ppo_update(self, batch: TensorBatch, version: int,

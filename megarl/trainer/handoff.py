@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.protocol.packing import SAMPLE_FIELDS, TOKEN_FIELDS, share_slices
+from megarl.protocol.packing import OPTIONAL_TOKEN_FIELDS, SAMPLE_FIELDS, TOKEN_FIELDS, share_slices
 from megarl.trainer.batch import TensorBatch
 
 _ALIGN = 16  # each array starts at a multiple of this in the broadcast buffer (aligned numpy views)
@@ -44,12 +44,13 @@ class ReceivedStep:
 
     def share(self, dp_rank: int) -> TensorBatch:
         """DP rank ``dp_rank``'s samples as one padded batch: token fields loss_mask, behave_logp,
-        versions; sample fields rewards, group_ids; the MoE routes when the step has them."""
+        versions (and teacher_logp with distillation); sample fields rewards, group_ids; the MoE
+        routes when the step has them."""
         a = self.arrays
         rows, toks = share_slices(a, dp_rank)
         routes = (a["route_ids"][toks], a["route_weights"][toks]) if "route_ids" in a else None
         return TensorBatch.from_flat(a["input_ids"][toks], a["lengths"][rows],
-                                     {k: a[k][toks] for k in TOKEN_FIELDS},
+                                     {k: a[k][toks] for k in (*TOKEN_FIELDS, *OPTIONAL_TOKEN_FIELDS) if k in a},
                                      {k: a[k][rows] for k in SAMPLE_FIELDS}, routes)
 
 
