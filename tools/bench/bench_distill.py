@@ -33,7 +33,7 @@ def teacher_accuracy(teacher: str, out: str) -> float:
     """megarl-eval of the teacher: greedy accuracy on the held-out prompts."""
     cmd = [sys.executable, "-m", "megarl.eval", os.path.join(REPO, "configs", "tiny_grpo.yaml"),
            f"model.hf_path={teacher}", f"data.eval_path={DATA}/eval_prompts.jsonl",
-           f"train.run_dir={out}/teacher_eval", f"eval.out_dir={out}/teacher_eval"]
+           f"train.run_dir={out}/teacher_eval_run", f"eval.out_dir={out}/teacher_eval"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode:
         raise RuntimeError(f"megarl-eval of {teacher} failed: {proc.stderr.strip().splitlines()[-1:]}")
