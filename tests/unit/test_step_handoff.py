@@ -90,7 +90,7 @@ def _worker(rank, port, q):
            "arrays": {k: v.copy() for k, v in step.arrays.items()}, "rows": len(share)}
     for est in ("grpo", "reinforce_pp", "gae"):
         spec = SimpleNamespace(advantage=AdvantageConfig(AdvantageEstimator(est), gamma=0.9, lam=0.8),
-                               kl_in_reward=False, kl_coef=0.0)
+                               kl_in_reward=False, kl_coef=0.0, distill_coef=0.0)
         values = torch.linspace(-1, 1, share.tokens.numel()).reshape(share.tokens.shape) if est == "gae" else None
         b, _ = Actor(None, ps, engine=None, spec=spec).step_fields(share, version=3, values=values, update=False)
         out[est] = [None if x is None else x.numpy() for x in (b["advantages"], b["returns"], values)]
