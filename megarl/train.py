@@ -69,7 +69,7 @@ def launch(path: str, overrides: list[str], debug: bool = False) -> int:
     check_inputs(cfg, cleanup_run_dir=not launched)
     from megarl.trainer import parallel  # torch and megatron-core's shim: only once the inputs are known good
 
-    nproc = cfg.parallel.world_size or cfg.parallel.tp * cfg.parallel.pp
+    nproc = cfg.parallel.world_size or cfg.parallel.model_parallel
     if nproc > 1 and not launched:
         return parallel.relaunch(nproc, "megarl.train", [path, *overrides] + ([DEBUG_FLAG] if debug else []))
     with StopRequest() as stop:  # before the slow setup, so an early signal is not lost
@@ -103,7 +103,7 @@ def train(cfg, stop: StopRequest) -> int:
         where = f"rendezvous {info.master_addr}:{info.master_port}" if info.master_port else "no rendezvous"
         print(f"[megarl] {info.world_size} rank(s) from {info.source}, {where}", flush=True)
     ps = parallel.init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.model.seed,
-                                      ep=cfg.parallel.ep)
+                                      ep=cfg.parallel.ep, cp=cfg.parallel.cp)
     if side is not None:
         side.start(ps)
     engine = Engine.build(EngineSpec.from_config(cfg), ps)

@@ -288,6 +288,8 @@ class CheckpointManager:
         layout = {"tp": ps.tp, "pp": ps.pp, "dp": ps.dp, "vpp": ps.vpp, "world_size": ps.world_size}
         if ps.ep > 1:  # only MoE runs have it: dense layouts compare equal to older checkpoints'
             layout["ep"] = ps.ep
+        if ps.cp > 1:  # likewise
+            layout["cp"] = ps.cp
         return layout
 
     def _meta_json(self, step: int):

@@ -58,6 +58,13 @@ class ParallelConfig:
     ep: int = bounded(1, ge=1)
     """Expert-parallel size for MoE models (experts split over this many ranks of the DP
     dimension; must divide the experts and the DP size). 1 for dense models."""
+    cp: int = bounded(1, ge=1)
+    """Context-parallel size: each sequence split over this many ranks (2 x cp chunks, rank r
+    holding chunks r and 2cp-1-r), attention exchanging keys and values between them
+    (docs/long_context.md). Data-parallel size = world / (tp * pp * cp)."""
+    cp_comm_type: str = "p2p"
+    """How Transformer Engine's attention exchanges K/V over the CP group (GPU, TE spec): p2p (ring),
+    all_gather, a2a or a2a+p2p. megarl's CPU attention always all-gathers K/V."""
     vpp: Optional[int] = bounded(None, ge=1)
     """Virtual pipeline stages per rank (interleaved 1F1B): not supported yet, must stay null."""
     sequence_parallel: bool = False
@@ -67,7 +74,12 @@ class ParallelConfig:
     backend: str = "auto"
     """torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo."""
     world_size: Optional[int] = bounded(None, ge=1)
-    """Ranks to start when run directly (not under torchrun/srun/mpirun); default tp*pp."""
+    """Ranks to start when run directly (not under torchrun/srun/mpirun); default tp*pp*cp."""
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one replica of the model: tp * pp * cp."""
+        return self.tp * self.pp * self.cp
 
     def validate(self) -> None:
         _check(self, "parallel")
@@ -78,10 +90,11 @@ class ParallelConfig:
             raise ConfigError("parallel.vpp: the interleaved (virtual) pipeline schedule is not "
                               "supported yet; use parallel.pp without vpp")
         _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
+        _choice("parallel.cp_comm_type", self.cp_comm_type, ("p2p", "all_gather", "a2a", "a2a+p2p"))
         if self.world_size is not None:
-            if self.world_size % (self.tp * self.pp):
+            if self.world_size % self.model_parallel:
                 raise ConfigError(f"parallel.world_size: {self.world_size} is not divisible by "
-                                  f"tp*pp={self.tp * self.pp}")
+                                  f"tp*pp*cp={self.model_parallel}")
 
 
 @dataclass

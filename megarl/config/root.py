@@ -68,6 +68,14 @@ class Config:
         if self.train.pack_sequences and self.model.attention == "unfused" and self.model.spec != "te":
             raise ConfigError("train.pack_sequences: megatron-core's unfused attention takes no packed "
                               "sequences; use model.attention=sdpa")
+        if self.parallel.cp > 1:
+            if self.train.micro_batch_tokens % 2:
+                raise ConfigError(f"train.micro_batch_tokens: {self.train.micro_batch_tokens} is odd; with "
+                                  f"parallel.cp={self.parallel.cp} a micro-batch of micro_batch_tokens x cp tokens "
+                                  f"splits in 2 x cp equal chunks, so it must be even")
+            if self.model.attention == "unfused" and self.model.spec != "te":
+                raise ConfigError("parallel.cp: megatron-core's unfused attention has no context parallelism; "
+                                  "use model.attention=sdpa (CPU) or the TE spec (GPU)")
         if self.moe.replay_check and self.algo.prox_logp_mode == "loglinear":
             raise ConfigError("moe.replay_check: needs algo.prox_logp_mode recompute or metrics (loglinear "
                               "runs no prox recompute to check)")
@@ -148,13 +156,14 @@ def validate_lora(cfg: Config) -> None:
 
 
 def check_world_size(cfg: Config, world_size: int) -> int:
-    """Returns the data-parallel size; the world must be a multiple of TP*PP."""
-    mp = cfg.parallel.tp * cfg.parallel.pp
+    """Returns the data-parallel size; the world must be a multiple of TP*PP*CP."""
+    par = cfg.parallel
+    mp = par.model_parallel
     if world_size % mp:
         raise ConfigError(
-            f"parallel.tp: world size {world_size} is not divisible by tp*pp={mp} "
-            f"(tp={cfg.parallel.tp}, pp={cfg.parallel.pp})")
-    if (world_size // mp) % cfg.parallel.ep:
-        raise ConfigError(f"parallel.ep: {cfg.parallel.ep} does not divide the data-parallel size "
+            f"parallel.tp: world size {world_size} is not divisible by tp*pp*cp={mp} "
+            f"(tp={par.tp}, pp={par.pp}, cp={par.cp})")
+    if (world_size // mp) % par.ep:
+        raise ConfigError(f"parallel.ep: {par.ep} does not divide the data-parallel size "
                           f"{world_size // mp} (world size {world_size})")
     return world_size // mp

@@ -21,8 +21,9 @@ class TrainConfig:
     global_batch_size: int = bounded(32, ge=1)
     """Sequences per optimizer step, across all DP ranks."""
     micro_batch_tokens: int = bounded(4096, ge=1)
-    """Token budget of one micro-batch: padded length x sequences, or the real tokens with
-    train.pack_sequences."""
+    """Token budget of one micro-batch on one rank: padded length x sequences, or the real tokens
+    with train.pack_sequences. With parallel.cp > 1 a rank holds 1/cp of every sequence, so a
+    micro-batch holds up to micro_batch_tokens x cp tokens of sequences."""
     pack_sequences: bool = False
     """Feed each micro-batch's sequences to the model packed end to end (THD, positions restarting
     per sequence) instead of padded to its longest: linear layers, norms and the head run on real

@@ -93,11 +93,12 @@ class RankLaunch:
     tp: int
     pp: int
     dp: int
+    cp: int = 0
 
     @property
     def roles(self) -> list[str]:
         out = ["starts the rollout manager"] if self.rank == 0 else []
-        if self.tp == 0 and self.dp == 0:
+        if self.tp == 0 and self.dp == 0 and self.cp == 0:
             out.append(f"weights source of stage {self.pp}")
         return out
 
@@ -116,16 +117,18 @@ class Plan:
     ranks: list[RankLaunch]
     launches: list[tuple[Optional[str], tuple[str, ...]]] = field(default_factory=list)
     """(node or None for "from the batch host", argv) per trainer launch command."""
+    cp: int = 1
 
     @property
     def world(self) -> int:
         return len(self.ranks)
 
 
-def rank_coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
-    """(tp_rank, pp_rank, dp_rank) of a global rank in Megatron's default order tp-cp-ep-dp-pp."""
-    assert 0 <= rank < tp * pp * dp, (rank, tp, pp, dp)
-    return rank % tp, rank // (tp * dp), rank // tp % dp
+def rank_coords(rank: int, tp: int, pp: int, dp: int, cp: int = 1) -> tuple[int, int, int, int]:
+    """(tp_rank, pp_rank, dp_rank, cp_rank) of a global rank in Megatron's default order
+    tp-cp-ep-dp-pp (tp fastest)."""
+    assert 0 <= rank < tp * pp * dp * cp, (rank, tp, pp, dp, cp)
+    return rank % tp, rank // (tp * cp * dp), rank // (tp * cp) % dp, rank // tp % cp
 
 
 # ----------------------------------------------------------------------------- planning
@@ -219,28 +222,29 @@ def plan_router(cfg, alloc: Allocation, servers: list[ServerLaunch]) -> Optional
 
 def plan_ranks(cfg, alloc: Allocation) -> tuple[int, list[RankLaunch]]:
     """(ranks per node, ranks) with their Megatron coordinates."""
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    tp, pp, cp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp
+    mp = cfg.parallel.model_parallel
     nodes = alloc.trainer_nodes
     if not nodes:
         raise PlanError("allocation: no trainer nodes")
     per_node = alloc.tasks_per_node or alloc.gpus_per_node
     if not per_node:  # CPU nodes, nothing said: the smallest world that fits TP*PP
-        per_node = max(1, -(-(cfg.parallel.world_size or tp * pp) // len(nodes)))
+        per_node = max(1, -(-(cfg.parallel.world_size or mp) // len(nodes)))
     world = per_node * len(nodes)
     if world > MAX_RANKS:
         raise PlanError(f"allocation: {len(nodes)} trainer nodes x {per_node} ranks = {world} ranks, more than "
                         f"{MAX_RANKS}")
-    if world % (tp * pp):
+    if world % mp:
         raise PlanError(f"allocation: {len(nodes)} trainer nodes x {per_node} ranks = {world} ranks is "
-                        f"not divisible by parallel.tp * parallel.pp = {tp * pp}")
+                        f"not divisible by parallel.tp * parallel.pp * parallel.cp = {mp}")
     if cfg.parallel.world_size and cfg.parallel.world_size != world:
         raise PlanError(f"parallel.world_size: {cfg.parallel.world_size}, but the allocation gives "
                         f"{world} trainer ranks")
-    dp = world // (tp * pp)
+    dp = world // mp
     ranks = []
     for r in range(world):
-        t, p, d = rank_coords(r, tp, pp, dp)
-        ranks.append(RankLaunch(r, nodes[r // per_node], r // per_node, r % per_node, t, p, d))
+        t, p, d, c = rank_coords(r, tp, pp, dp, cp)
+        ranks.append(RankLaunch(r, nodes[r // per_node], r // per_node, r % per_node, t, p, d, c))
     return per_node, ranks
 
 
@@ -327,8 +331,8 @@ def make_plan(cfg, config_path: str, overrides: list[str], alloc: Allocation) ->
     check_ports(cfg, servers)
     per_node, ranks = plan_ranks(cfg, alloc)
     master = alloc.addr(alloc.trainer_nodes[0])
-    plan = Plan(alloc, cfg.parallel.tp, cfg.parallel.pp, len(ranks) // (cfg.parallel.tp * cfg.parallel.pp),
-                per_node, master, kind, servers, plan_router(cfg, alloc, servers), ranks)
+    plan = Plan(alloc, cfg.parallel.tp, cfg.parallel.pp, len(ranks) // cfg.parallel.model_parallel,
+                per_node, master, kind, servers, plan_router(cfg, alloc, servers), ranks, cp=cfg.parallel.cp)
     plan.launches = plan_launches(alloc, per_node, master, trainer_argv(cfg, alloc, config_path, overrides, servers))
     return plan
 
@@ -353,7 +357,8 @@ def render(plan: Plan) -> list[str]:
     """The dry run: a summary, every server, every trainer launch, every rank."""
     a = plan.alloc
     lines = [f"# trainer: {len(a.trainer_nodes)} node(s) x {plan.ranks_per_node} ranks = {plan.world} ranks "
-             f"(tp={plan.tp} pp={plan.pp} dp={plan.dp}), {a.launcher}, rendezvous "
+             f"(tp={plan.tp} pp={plan.pp}{f' cp={plan.cp}' if plan.cp > 1 else ''} dp={plan.dp}), "
+             f"{a.launcher}, rendezvous "
              f"{plan.master_addr}:{a.master_port}"]
     if plan.servers:
         per = len(plan.servers) // len(a.rollout_nodes)
@@ -370,7 +375,8 @@ def render(plan: Plan) -> list[str]:
         lines.append(f"trainer{' ' + node if node else ''}: {shlex.join(argv)}")
     for r in plan.ranks:
         roles = f" [{', '.join(r.roles)}]" if r.roles else ""
-        lines.append(f"rank {r.rank} {r.node} local {r.local_rank} tp {r.tp} pp {r.pp} dp {r.dp}{roles}: "
+        cp = f" cp {r.cp}" if plan.cp > 1 else ""
+        lines.append(f"rank {r.rank} {r.node} local {r.local_rank} tp {r.tp} pp {r.pp}{cp} dp {r.dp}{roles}: "
                      f"{rank_env(plan, r)}")
     return lines
 

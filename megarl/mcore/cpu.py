@@ -29,8 +29,10 @@ def _is_cuda_device(device) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites ``device=cuda``/integer devices to CPU, makes ``Tensor.cuda()`` a no-op and
-    reports float CPU tensors under their CUDA type name (megatron's grad clipping asserts it)."""
+    """Rewrites ``device=cuda``/integer devices to CPU, makes ``Tensor.cuda()`` a no-op, drops
+    ``pin_memory=True`` (no pinned allocator without CUDA; context parallelism's RoPE slicing asks
+    for it) and reports float CPU tensors under their CUDA type name (megatron's grad clipping
+    asserts it)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -41,6 +43,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if (func is torch.Tensor.to and len(args) > 1
                 and not isinstance(args[1], (torch.dtype, torch.Tensor)) and _is_cuda_device(args[1])):
             args = (args[0], "cpu") + tuple(args[2:])

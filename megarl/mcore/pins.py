@@ -128,6 +128,15 @@ ATTENTION_PINS = (
     Pin("megatron.core.models.common.embeddings.rope_utils:_apply_rotary_pos_emb_thd", "source", "sdpa.py",
         "RoPE positions restart in every packed sequence (split by cu_seqlens)",
         text="sequence_splits = torch.split(t, seqlens)"),
+    Pin(f"{_DOT}:DotProductAttention.__init__", "source", "sdpa.py",
+        "refuses CP > 1: SDPAttention builds it from a copy of the config at CP=1",
+        text="self.config.context_parallel_size == 1"),
+    Pin("megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank", "source",
+        "context_parallel.py", "padded rows under CP: RoPE of chunks r and 2cp-1-r, the layout CPLayout follows",
+        text="[cp_rank, (2 * cp_size - cp_rank - 1)]"),
+    Pin("megatron.core.models.common.embeddings.rope_utils:_get_thd_freqs_on_this_cp_rank", "source",
+        "context_parallel.py", "packed rows under CP: each sequence's two chunks back to back",
+        text="freqs[offset + cp_rank * cp_seg : offset + (cp_rank + 1) * cp_seg]"),
 )
 
 OPTIMIZER_PINS = (

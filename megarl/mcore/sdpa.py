@@ -21,6 +21,11 @@ causally in one fused call, and gathered back (one ``index_select``). A sequence
 after its real keys, so the causal mask alone keeps it out. Attention is the one place that pays
 for the longest sequence; every linear layer, norm and the head run on the T real tokens.
 
+Context parallelism (``parallel.cp > 1``): the local rows are this rank's two chunks of each
+sequence; K and V are gathered over the CP group and each chunk attends piecewise
+(`megarl.mcore.context_parallel`). Megatron's own module refuses CP (only TE's attention has it),
+so the constructor builds it from a copy of the config at CP=1 and keeps the real one.
+
 It lives in `megarl.mcore` because it depends on `DotProductAttention`'s instance attributes and the
 layout of the local layer spec (pinned in `megarl.mcore.pins.ATTENTION_PINS`).
 """
@@ -28,9 +33,14 @@ from __future__ import annotations
 
 from typing import Optional
 
+import copy
+
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from megarl.mcore import context_parallel as cpar
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
@@ -46,12 +56,22 @@ def window_mask(s: int, left: int, device) -> torch.Tensor:
 
 class SDPAttention(DotProductAttention):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, *args, **kwargs):
-        super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
+        self.cp = config.context_parallel_size
+        if self.cp > 1:  # DotProductAttention asserts CP == 1: build it at 1, keep the real config
+            at_one = copy.copy(config)
+            at_one.context_parallel_size = 1
+            super().__init__(at_one, layer_number, attn_mask_type, *args, **kwargs)
+            self.config = config
+            self.cp_group = parallel_state.get_context_parallel_group()
+        else:
+            super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
         windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
                                              self.layer_number)
         self.window = config.window_size if windowed else None
         if self.window is not None and self.window[1] != 0:
             self.window = "unsupported"  # a right context: Megatron's own forward handles it
+        if self.cp > 1 and self.window is not None:
+            raise ValueError("parallel.cp: context parallelism with sliding-window attention is not supported")
 
     def _fused_ok(self, query, key, attention_mask, attention_bias, packed_seq_params, mask_type) -> bool:
         packed = packed_seq_params is not None
@@ -67,7 +87,13 @@ class SDPAttention(DotProductAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias=None, packed_seq_params=None):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        if not self._fused_ok(query, key, attention_mask, attention_bias, packed_seq_params, mask_type):
+        ok = self._fused_ok(query, key, attention_mask, attention_bias, packed_seq_params, mask_type)
+        if self.cp > 1:
+            if not ok or mask_type != AttnMaskType.causal:
+                raise ValueError("parallel.cp: the CPU attention splits causal self-attention without masks, "
+                                 "biases or dropout only")
+            return self._context_parallel(query, key, value, packed_seq_params)
+        if not ok:
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         if packed_seq_params is not None:
@@ -76,6 +102,21 @@ class SDPAttention(DotProductAttention):
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         return self._attend(q, k, v, mask_type).permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+    def _context_parallel(self, query, key, value, params):
+        """This rank's rows [s/cp, b, n, hn] (THD: [T/cp, n, hn]) against the whole sequences' K/V
+        gathered over the CP group -> [s/cp, b, n * hn] ([T/cp, n * hn])."""
+        if params is None:
+            layout = cpar.padded_layout(query.shape[0], self.cp, self.cp_group.rank(), query.device)
+        else:
+            layout = cpar.thd_layout(params, self.cp, self.cp_group.rank())
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # THD as b = 1
+        key, value = (cpar.gather_kv(t, layout, self.cp_group, self.cp) for t in (key, value))
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, hn] -> [b, n, s, hn]
+        out = cpar.cp_attention(q, k, v, layout, self.softmax_scale)
+        sq, b, heads, hn = query.shape
+        out = out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+        return out if params is None else out.squeeze(1)
 
     def _packed(self, query, key, value, params, mask_type):
         """THD: [T, n, hn] each, sequences back to back (``params.cu_seqlens_q``) -> [T, n * hn]."""

@@ -22,11 +22,12 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
                        first_stage_layers: Optional[int] = None,
                        last_stage_layers: Optional[int] = None, dtype: str = "float32",
                        sequence_parallel: bool = False, recompute: bool = False, use_te: bool = False,
-                       ep: int = 1, moe=None):
+                       ep: int = 1, moe=None, cp: int = 1, cp_comm_type: str = "p2p"):
     """The ``TransformerConfig`` for an HF architecture and a parallel layout. ``args`` carries the
     padded vocabulary (:func:`megarl.models.layouts.pad_vocab`); the pipeline split is resolved
     by :func:`megarl.models.stages.resolve` (uneven splits become explicit first/last counts);
-    ``moe`` is the `megarl.config.moe.MoEConfig` (None: its defaults)."""
+    ``moe`` is the `megarl.config.moe.MoEConfig` (None: its defaults); ``cp`` the context-parallel
+    size (``cp_comm_type``: how TE's attention exchanges K/V; the CPU attention all-gathers)."""
     from megatron.core.transformer import TransformerConfig
 
     if args.mcore_vocab_size % tp:
@@ -53,6 +54,14 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
         extra.update(moe_kwargs(args, tp, ep, moe, use_te=use_te, sequence_parallel=sequence_parallel))
     elif ep > 1:
         raise ValueError(f"parallel.ep: {ep} > 1 needs an MoE model ({args.architecture} is dense)")
+    if cp > 1:
+        if args.num_experts:
+            raise ValueError(f"parallel.cp: context parallelism is not supported for MoE models "
+                             f"({args.architecture} has {args.num_experts} experts); use parallel.cp=1")
+        if args.sliding_window:
+            raise ValueError(f"parallel.cp: context parallelism is not supported with sliding-window "
+                             f"attention ({args.architecture}, window {args.sliding_window}); use parallel.cp=1")
+        extra.update(context_parallel_size=cp, cp_comm_type=cp_comm_type)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

@@ -154,7 +154,7 @@ def gather_tp(param: torch.Tensor, tp_dim: Optional[int], tp: int, tp_group) -> 
 def serves_weights(ps) -> bool:
     """Ranks that take part in gathering full tensors: the TP group of DP rank 0, plus (MoE) the
     other ranks of its expert-parallel group, which own the remaining experts."""
-    return ps.dp_rank == 0 or (ps.ep > 1 and ps.expert_dp_rank == 0)
+    return ps.first_replica or (ps.ep > 1 and ps.expert_dp_rank == 0)
 
 
 def gather_expert(lp: Optional[LocalParam], pmap: ParamMap, args: ModelArgs, ps,
@@ -198,10 +198,10 @@ def iter_hf_tensors(chunks, args: ModelArgs, ps, use_te: bool = False,
     ref_dtype = next(iter(local.values())).param.dtype
     split = stages.of_config(_unwrap(chunks[0]).config)
     for layer, pmap in stage_rows(args, split, ps.pp_rank):
-        if ps.dp_rank != 0 and pmap.expert is None:
+        if not ps.first_replica and pmap.expert is None:
             continue
         shards = gather_row(local.get(pmap.names(layer)[0]), pmap, args, ps, ref_dtype)
-        if ps.dp_rank != 0:
+        if not ps.first_replica:
             continue
         for name, tensor in zip(pmap.names(layer)[1], shards_to_hf(pmap, shards, args)):
             yield name, tensor.to(dtype) if dtype is not None else tensor
@@ -237,7 +237,7 @@ def export_hf(chunks, args: ModelArgs, ps, out_dir: str, *, src_hf_dir: str = ""
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    writer = ps.dp_rank == 0 and ps.tp_rank == 0
+    writer = ps.first_replica and ps.tp_rank == 0
     # Every rank computes the same file layout from (stage, name, nbytes) metadata.
     meta = []
     if writer:  # from the table: HF sizes (no vocabulary padding), experts of every EP rank

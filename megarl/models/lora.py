@@ -233,7 +233,7 @@ def export_peft(chunks, args: ModelArgs, ps, lora, out_dir: str, base_model: str
     from safetensors.torch import save_file
 
     tensors = {}
-    if ps.dp_rank == 0:
+    if ps.first_replica:
         for name, t in adapter_hf_tensors(chunks, args, lora.target_modules, ps.tp, ps.tp_group,
                                           stage_layers(chunks), dtype):
             if ps.tp_rank == 0:

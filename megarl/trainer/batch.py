@@ -255,6 +255,7 @@ class MicroBatch:
     step_tokens: float = 1.0  # loss_mask tokens in the whole step (all micro-batches, all DP)
     routes: Optional[Routes] = None  # [b, s, layers, k] MoE routing to replay, on `tokens`' device
     pack: Optional[Any] = None  # `megarl.trainer.packing.Pack` when the model runs it packed (THD)
+    cp: Optional[Any] = None  # `megarl.trainer.context.CPLocal`: this rank's share under context parallelism
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.fields[name]

@@ -100,10 +100,10 @@ class CriticEngine(Engine):
         attach_value_head(chunks, args.hidden_size, args.initializer_range, tconfig.params_dtype,
                           spec.model.seed)
 
-    def _per_token(self, values, mb: MicroBatch, with_entropy: bool):
-        """V_t [b, s] aligned like logprobs (module docstring); the critic has no entropy."""
-        v = values[..., 0].float()  # [b, s]: value of the state after token s
-        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1), None
+    def _next_token(self, values, targets, with_entropy: bool):
+        """The value of the state after each position's token [b, n] (`_per_token` aligns it like
+        logprobs, module docstring); the critic has no entropy."""
+        return values[..., 0].float(), None
 
     def compute_logp(self, batch, with_entropy=False):
         raise TypeError("the critic's per-token output is values, not logprobs: use forward_per_token")

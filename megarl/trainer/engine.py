@@ -4,9 +4,12 @@
     logp = engine.compute_logp(batch).logp          # forward-only, per-token logprobs [B, S]
     metrics = engine.train_batch(batch, loss_fn)    # forward+backward over micro-batches + step
 
-What "per token" means is the engine's one hook, ``_per_token(output, mb, with_entropy)``: the
-policy engine turns the LM head's logits into log p(y_t) (and entropies); the critic's engine
-(`megarl.trainer.critic.CriticEngine`) turns its value head's output into V_t.
+What "per token" means is the engine's one hook, ``_next_token(output, targets, with_entropy)``:
+the model's output at position p turned into the quantity about token p + 1 - the policy engine
+takes log p(targets) (and entropies) from the LM head's logits; the critic's engine
+(`megarl.trainer.critic.CriticEngine`) reads its value head. `_per_token` shifts it by one (entry
+t = computed at t - 1, entry 0 = 0); with context parallelism each rank computes its own
+positions and the CP group gathers them first (`megarl.trainer.context`).
 ``forward_per_token`` returns that quantity for a batch; ``compute_logp`` is its name for the
 policy, and ``loss_fn`` receives it as its first argument.
 
@@ -47,7 +50,8 @@ from megarl.protocol.hf_model import ModelArgs, read_model_args
 from megarl.trainer.parallel import ParallelState
 from megarl.trainer import moe_losses
 from megarl.trainer.batch import MicroBatch, TensorBatch, make_microbatches
-from megarl.trainer.logits import shift_logprobs
+from megarl.trainer import context
+from megarl.trainer.logits import vocab_parallel_logprobs
 from megarl.trainer.packing import pack, packed_length, unpack
 
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], MicroBatch],
@@ -125,7 +129,7 @@ class Engine:
             args, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, first_stage_layers=spec.parallel.first_stage_layers,
             last_stage_layers=spec.parallel.last_stage_layers, dtype=spec.model.dtype, ep=ps.ep,
             sequence_parallel=spec.parallel.sequence_parallel, recompute=spec.model.recompute,
-            use_te=use_te, moe=spec.moe)
+            use_te=use_te, moe=spec.moe, cp=ps.cp, cp_comm_type=spec.parallel.cp_comm_type)
         chunks = builder.build_model_chunks(args, tconfig, use_te, spec.model.attention)
         if spec.model.init == "hf":
             hf_io.load_hf_weights(chunks, args, spec.model.hf_path, ps.tp, ps.tp_rank, use_te)
@@ -187,16 +191,16 @@ class Engine:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            feed = mb.cp if mb.cp is not None else mb.pack if mb.pack is not None else mb
             if mb.pack is not None:  # one row of the sequences end to end (megarl.trainer.packing)
-                pk = mb.pack
-                out = model(input_ids=pk.tokens, position_ids=pk.position_ids, attention_mask=None,
-                            packed_seq_params=pk.params)
+                out = model(input_ids=feed.tokens, position_ids=feed.position_ids, attention_mask=None,
+                            packed_seq_params=mb.pack.params)
                 return out, partial(loss_func, mb)
             if self.replay is not None:  # the routers of this stage replay this micro-batch's routes
                 self.replay.set(mb.routes)
             # MoE: the router's losses leave padding out (True = padding, megatron-core's sense)
             pad = {"padding_mask": mb.valid == 0} if self.args.num_experts else {}
-            out = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, **pad)
+            out = model(input_ids=feed.tokens, position_ids=feed.position_ids, attention_mask=None, **pad)
             return out, partial(loss_func, mb)
 
         # Interleaved schedules pull from one iterator per model chunk; all see the same list.
@@ -205,6 +209,11 @@ class Engine:
             seq_length, mb_size = self._pack(mbs), 1
         else:
             seq_length, mb_size = max(m.tokens.shape[1] for m in mbs), mbs[0].tokens.shape[0]
+        if self.ps.cp > 1:  # each rank runs its two chunks of every sequence
+            for m in mbs:
+                m.cp = (context.split_packed(m.pack, self.ps.cp, self.ps.cp_rank) if m.pack is not None
+                        else context.split_padded(m.tokens, self.ps.cp, self.ps.cp_rank))
+            seq_length = max(m.cp.tokens.shape[1] for m in mbs)
         try:
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=its,
@@ -218,24 +227,41 @@ class Engine:
     def _pack(self, mbs: list[MicroBatch]) -> int:
         """Packs every micro-batch (`megarl.trainer.packing`); returns the pack length the schedule
         announces. Between pipeline stages every micro-batch must have one shape: the packs are
-        padded to the longest (a filler sequence); sequence parallelism splits a pack over TP."""
-        multiple = self.ps.tp if self.spec.parallel.sequence_parallel else 1
-        total = max(packed_length(m.lengths, multiple) for m in mbs)
+        padded to the longest (a filler sequence); sequence parallelism splits a pack over TP;
+        context parallelism pads every sequence to a multiple of 2 x CP."""
+        seq_multiple = 2 * self.ps.cp if self.ps.cp > 1 else 1
+        multiple = (self.ps.tp if self.spec.parallel.sequence_parallel else 1) * seq_multiple
+        total = max(packed_length(m.lengths, multiple, seq_multiple) for m in mbs)
         for m in mbs:
-            m.pack = pack(m.tokens, m.lengths, total if self.ps.pp > 1 else packed_length(m.lengths, multiple))
+            own = total if self.ps.pp > 1 else packed_length(m.lengths, multiple, seq_multiple)
+            m.pack = pack(m.tokens, m.lengths, own, seq_multiple)
         return total
 
     def _token_outputs(self, out, mb: MicroBatch, with_entropy: bool):
-        """`_per_token` in the micro-batch's [b, s] layout, whether the model ran padded or packed."""
+        """`_per_token` in the micro-batch's [b, s] layout, whether the model ran padded or packed,
+        whole or split over the CP group."""
+        if mb.cp is not None:
+            values = self._next_token(out, mb.cp.targets, with_entropy)
+            a, e = (context.gather_shifted(v, mb.cp, self.ps.cp_group, self.ps.cp) for v in values)
+            if mb.pack is not None:
+                return unpack(a, mb.pack), unpack(e, mb.pack)
+            s = mb.tokens.shape[1]
+            return a[:, :s], None if e is None else e[:, :s]
         if mb.pack is None:
-            return self._per_token(out, mb, with_entropy)
-        per_token, entropy = self._per_token(out, mb.pack, with_entropy)
+            return self._per_token(out, mb.tokens, with_entropy)
+        per_token, entropy = self._per_token(out, mb.pack.tokens, with_entropy)
         return unpack(per_token, mb.pack), unpack(entropy, mb.pack)
 
-    def _per_token(self, logits, mb: MicroBatch, with_entropy: bool):
-        """The per-token output of the head: (log p(y_t) [b, s], entropy or None)."""
-        return shift_logprobs(logits, mb.tokens, self.ps.tp_group, self.ps.tp, self.ps.tp_rank,
-                              with_entropy, vocab_size=self.args.vocab_size)
+    def _per_token(self, out, tokens: torch.Tensor, with_entropy: bool):
+        """Token-aligned [b, s]: entry t = `_next_token` at t - 1 (about token t), entry 0 = 0."""
+        values = self._next_token(out[:, :-1], tokens[:, 1:], with_entropy)
+        return tuple(None if v is None else torch.cat([torch.zeros_like(v[:, :1]), v], dim=1) for v in values)
+
+    def _next_token(self, logits, targets: torch.Tensor, with_entropy: bool):
+        """The head's output at each position about the token after it: (log p(targets) [b, n],
+        the entropy there or None)."""
+        return vocab_parallel_logprobs(logits, targets, self.ps.tp_group, self.ps.tp, self.ps.tp_rank,
+                                       with_entropy, vocab_size=self.args.vocab_size)
 
     def _microbatches(self, batch: TensorBatch) -> list[MicroBatch]:
         """Token-budget micro-batches of ``batch``. With expert parallelism every MoE layer's
@@ -243,7 +269,8 @@ class Engine:
         the EP rank with the most: the others add filler micro-batches (one token, loss mask 0,
         no row of the batch)."""
         # packed, a micro-batch costs its real tokens, not its rows times the longest
-        mbs = make_microbatches(batch, self.spec.micro_batch_tokens, self.ps.device,
+        # the budget is per rank: with context parallelism a rank holds 1/cp of every sequence
+        mbs = make_microbatches(batch, self.spec.micro_batch_tokens * self.ps.cp, self.ps.device,
                                 padded=not self.spec.pack_sequences)
         if self.ps.ep > 1:
             n = torch.tensor([len(mbs)], dtype=torch.int64, device=self.ps.device)
@@ -326,7 +353,9 @@ class Engine:
             share = num.detach().to(torch.float64) / mb.step_tokens
             tracker.add_stats({**stats, "loss": Stat(loss.detach().float(), share)})
             # Megatron divides the summed gradient by the summed `num` (= step_tokens): undo it.
-            return loss * mb.step_tokens, num.to(torch.int), {}
+            # Its sum runs over DP x CP ranks; the CP ranks of a DP rank share one micro-batch, so
+            # one of them counts its tokens (each rank's gradient holds its own positions' share).
+            return loss * mb.step_tokens, (num if self.ps.cp_rank == 0 else num * 0).to(torch.int), {}
 
         self._run(mbs, loss_func, forward_only=False)
         ok, grad_norm = self._optimizer_step()

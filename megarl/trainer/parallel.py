@@ -60,6 +60,9 @@ class ParallelState:
     ep_group: Any = None
     ep_global_ranks: list = field(default_factory=list)
     expert_dp_rank: int = 0  # rank among the replicas of this rank's experts
+    cp: int = 1  # context-parallel size: each sequence split over the CP group
+    cp_rank: int = 0
+    cp_group: Any = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -70,9 +73,15 @@ class ParallelState:
         return self.pp_rank == self.pp - 1
 
     @property
+    def first_replica(self) -> bool:
+        """In the first copy of the model: DP rank 0 and CP rank 0 (the CP ranks of a DP rank
+        hold the same weights, like DP replicas). Weight gathers, pushes and exports run here."""
+        return self.dp_rank == 0 and self.cp_rank == 0
+
+    @property
     def is_pp_source(self) -> bool:
-        """The rank that serves this pipeline stage's weights (DP=0, TP=0)."""
-        return self.dp_rank == 0 and self.tp_rank == 0
+        """The rank that serves this pipeline stage's weights (first replica, TP=0)."""
+        return self.first_replica and self.tp_rank == 0
 
     @property
     def last_stage_rank(self) -> int:
@@ -134,24 +143,28 @@ def rendezvous_store(info: RankInfo, timeout_s: float):
 
 
 def init_model_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int = 1234,
-                        ep: int = 1) -> ParallelState:
-    """Megatron ``initialize_model_parallel`` (DP derived; ``ep`` expert-parallel ranks out of
-    the DP dimension, experts never split over TP) and the model-parallel RNG seeds."""
+                        ep: int = 1, cp: int = 1) -> ParallelState:
+    """Megatron ``initialize_model_parallel`` (DP derived: world / (tp * pp * cp); ``ep``
+    expert-parallel ranks out of the DP dimension, experts never split over TP; ``cp`` ranks
+    splitting each sequence) and the model-parallel RNG seeds."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"parallel.tp: world size {world} is not divisible by tp*pp={tp * pp}")
+    if world % (tp * pp * cp):
+        raise ValueError(f"parallel.tp: world size {world} is not divisible by tp*pp*cp={tp * pp * cp}")
+    if ep > 1 and cp > 1:
+        raise ValueError("parallel.cp: context parallelism with expert parallelism (parallel.ep > 1) is not "
+                         "supported; use parallel.cp=1 or parallel.ep=1")
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=1 if ep > 1 else None)
+            expert_tensor_parallel_size=1 if ep > 1 else None, context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     device = torch.device("cuda", torch.cuda.current_device()) if compat.HAVE_CUDA else torch.device("cpu")
     return ParallelState(
-        rank=dist.get_rank(), world_size=world, tp=tp, pp=pp, dp=world // (tp * pp),
+        rank=dist.get_rank(), world_size=world, tp=tp, pp=pp, dp=world // (tp * pp * cp),
         tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
         dp_rank=mpu.get_data_parallel_rank(), vpp=vpp, device=device,
         tp_group=mpu.get_tensor_model_parallel_group(), pp_group=mpu.get_pipeline_model_parallel_group(),
@@ -161,7 +174,8 @@ def init_model_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int =
         ep=ep, ep_rank=mpu.get_expert_model_parallel_rank(),
         ep_group=mpu.get_expert_model_parallel_group(),
         ep_global_ranks=_group_ranks(mpu.get_expert_model_parallel_group()),
-        expert_dp_rank=mpu.get_expert_data_parallel_rank())
+        expert_dp_rank=mpu.get_expert_data_parallel_rank(),
+        cp=cp, cp_rank=mpu.get_context_parallel_rank(), cp_group=mpu.get_context_parallel_group())
 
 
 def _group_ranks(group) -> list[int]:

@@ -34,7 +34,7 @@ class DiskDeltaTransport(DiskTransport):
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         dist.barrier()
-        writer = ps.dp_rank == 0 and ps.tp_rank == 0
+        writer = ps.first_replica and ps.tp_rank == 0
         part = None
         if serves_weights(ps):
             tensors = iter_hf_tensors(engine.chunks, engine.args, ps, engine.use_te, self.dtype)

@@ -383,7 +383,7 @@ class WeightPusher:
             except Exception as e:  # noqa: BLE001
                 err = e
             self.resharder.times = ReshardTimes(bytes=self.transport.bytes, buckets=int(self.ps.tp_rank == 0
-                                                                                      and self.ps.dp_rank == 0))
+                                                                                      and self.ps.first_replica))
             self._agree(err)
             return send_s
         for stage in range(self.ps.pp):

@@ -111,7 +111,7 @@ class Resharder:
         for bucket_specs in self.stage_plan(ps.pp_rank, skip):
             names, tensors = [], []
             for spec in bucket_specs:
-                if ps.dp_rank != 0 and rows[spec.mcore_name][1].expert is None:
+                if not ps.first_replica and rows[spec.mcore_name][1].expert is None:
                     continue  # an expert-parallel helper: only expert rows need it
                 if spec.hf_name not in converted:  # the plan lists a row's tensors together
                     converted = self._convert(local.get(spec.mcore_name), *rows[spec.mcore_name])
@@ -127,7 +127,7 @@ class Resharder:
                 self.times.buckets += 1
                 self.times.bytes += bucket.nbytes
                 yield bucket
-        if self.adapters and getattr(e.spec, "lora", None) is not None and ps.dp_rank == 0:
+        if self.adapters and getattr(e.spec, "lora", None) is not None and ps.first_replica:
             yield from self._adapter_buckets()
 
     def _adapter_buckets(self) -> Iterator[Bucket]:

@@ -67,7 +67,7 @@ class ShardRefitTransport:
 
     @property
     def active(self) -> bool:
-        return self.ps.dp_rank == 0
+        return self.ps.first_replica
 
     def setup(self) -> None:
         """Collective over DP rank 0's TP group: TP rank 0 learns each server's TP size, asks the

@@ -5,7 +5,9 @@
                                  killed (os._exit) while saving step 6, after the tensors are written
     ckpt_worker.py WORK resume   A: resume WORK/crash (must pick step 3) and run to 6; B: TP=2 from
                                  the reference's TP=1 step-3 checkpoint; C: PP=2 without the
-                                 distributed optimizer, save + reload in-process. Writes WORK/resume.json.
+                                 distributed optimizer, save + reload in-process; D: CP=2 (DP=1) from
+                                 the reference's CP=1 x DP=2 step-3 checkpoint, saving step 6; E: CP=1
+                                 x DP=2 loads D's CP=2 step 6 and exports at once. Writes WORK/resume.json.
 Each phase exports the final model as HF safetensors (WORK/<phase>_hf) for bitwise comparison.
 """
 import json
@@ -25,10 +27,10 @@ from megarl.trainer.sft import SFTData, sft_loss
 STEPS = 6
 
 
-def make_cfg(work, save_dir, tp, dist_opt, keep_last=2, pp=1):
+def make_cfg(work, save_dir, tp, dist_opt, keep_last=2, pp=1, cp=1):
     return load_config(None, [
         f"model.hf_path={work}/hf", "model.init=random", f"data.train_path={work}/sft.jsonl",
-        f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.distributed_optimizer={str(dist_opt).lower()}",
+        f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}", f"parallel.distributed_optimizer={str(dist_opt).lower()}",
         f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_tokens=64",
         "train.max_seq_len=32", f"train.run_dir={work}/run", "optim.lr=3e-3", "optim.min_lr=3e-4",
         "optim.lr_warmup_steps=2", "optim.lr_decay_style=cosine",
@@ -37,7 +39,7 @@ def make_cfg(work, save_dir, tp, dist_opt, keep_last=2, pp=1):
 
 
 def setup(cfg):
-    ps = parallel.init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.model.seed)
+    ps = parallel.init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.model.seed, cp=cfg.parallel.cp)
     engine = Engine.build(EngineSpec.from_config(cfg), ps)
     data = SFTData(cfg, ps)
     ckpt = CheckpointManager(cfg, ps, engine)
@@ -110,6 +112,14 @@ def run_resume(work):
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, same)
     results["C"] = {"start": start, "ref": ref, "got": got, "params_equal": all(flags)}
+    parallel.destroy_model_parallel_only()
+    # D: CP=2 from the CP=1 reference's step 3; E: CP=1 x DP=2 loads D's CP=2 step 6
+    _, engine, data, ckpt = setup(make_cfg(work, f"{work}/D", tp=1, dist_opt=True, cp=2))
+    start = ckpt.load(f"{work}/ref/step_00000003")
+    results["D"] = {"start": start, "losses": train(engine, data, ckpt, start, f"{work}/D_hf")}
+    _, engine, data, ckpt = setup(make_cfg(work, f"{work}/E", tp=1, dist_opt=True))
+    results["E"] = {"start": ckpt.load(f"{work}/D/step_00000006")}
+    engine.export_hf(f"{work}/E_hf")
     parallel.destroy_model_parallel_only()
     write(f"{work}/resume.json", results)
 

@@ -90,6 +90,20 @@ def test_resume_with_tp2_from_tp1_checkpoint(work):
     assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-5
 
 
+def test_context_parallel_resumes_across_cp_sizes(work):
+    """D: a CP=2 run resumed from the CP=1 x DP=2 reference's step 3 trains steps 4-6 like the
+    reference; E: its CP=2 step-6 checkpoint loaded at CP=1 x DP=2 holds exactly its weights."""
+    d, _ = work
+    ref = json.loads((d / "ref.json").read_text())["losses"]
+    res = json.loads((d / "resume.json").read_text())
+    assert res["D"]["start"] == 3 and res["E"]["start"] == 6
+    for k in ("4", "5", "6"):
+        assert abs(res["D"]["losses"][k] - ref[k]) <= 1e-5
+    want, cp2, cp1 = hf_tensors(d / "ref_hf"), hf_tensors(d / "D_hf"), hf_tensors(d / "E_hf")
+    assert max((want[k] - cp2[k]).abs().max().item() for k in want) <= 1e-5
+    assert set(cp1) == set(cp2) and all(torch.equal(cp2[k], cp1[k]) for k in cp2)
+
+
 def test_plain_optimizer_pp2_resume_is_bitwise(work):
     c = json.loads((work[0] / "resume.json").read_text())["C"]
     assert c["start"] == 2 and c["ref"] == c["got"] and c["params_equal"]

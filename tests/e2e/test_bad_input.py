@@ -53,7 +53,7 @@ TRAIN = [
     T("tp_not_dividing_heads", ["parallel.tp=3"], "parallel.tp", "num_attention_heads=4"),
     T("pp_above_layers", ["parallel.pp=5"], "parallel.pp", "num_hidden_layers=4"),
     T("tp_zero", ["parallel.tp=0"], "parallel.tp: must be >= 1"),
-    T("world_not_multiple_of_tp", ["parallel.tp=2", "parallel.world_size=3"], "parallel.world_size", "tp*pp=2"),
+    T("world_not_multiple_of_tp", ["parallel.tp=2", "parallel.world_size=3"], "parallel.world_size", "tp*pp*cp=2"),
     T("vpp_unsupported", ["parallel.vpp=2"], "parallel.vpp", "not supported"),
     T("model_dir_missing", ["model.hf_path={root}/nope"], "model.hf_path", "no config.json"),
     T("config_json_corrupt", ["model.hf_path={bad_json}"], "model.hf_path", "config.json"),

@@ -60,7 +60,9 @@ def test_yaml_and_overrides(tmp_path, hf):
     ("parallel.tp=0", "parallel.tp: must be >= 1"),
     ("train.algorithm=dpo", "train.algorithm: must be one of"),
     ("algo.eps_clip_low=-0.1", "algo.eps_clip_low"),
-    ("parallel.world_size=3", "parallel.world_size: 3 is not divisible by tp*pp=2"),
+    ("parallel.world_size=3", "parallel.world_size: 3 is not divisible by tp*pp*cp=2"),
+    ("parallel.cp=0", "parallel.cp: must be >= 1"),
+    ("parallel.cp_comm_type=ring", "parallel.cp_comm_type: must be one of p2p, all_gather, a2a, a2a+p2p"),
     ("parallel.vpp=2", "parallel.vpp: the interleaved (virtual) pipeline schedule is not supported"),
     ("reward.model.path=rm", "reward.model.path: the job's reward-model servers are scored through "
                              "rollout.reward_fn=megarl.rewards.model:RewardModel"),
@@ -79,8 +81,21 @@ def test_bad_values_name_the_field(hf, override, field):
 def test_world_size_not_divisible(hf):
     cfg = load(hf, "parallel.tp=2", "parallel.pp=2")
     assert check_world_size(cfg, 8) == 2
-    with pytest.raises(ConfigError, match=r"^parallel.tp: world size 6 is not divisible by tp\*pp=4"):
+    with pytest.raises(ConfigError, match=r"^parallel.tp: world size 6 is not divisible by tp\*pp\*cp=4"):
         check_world_size(cfg, 6)
+    cfg = load(hf, "parallel.tp=2", "parallel.cp=2")  # CP ranks count in the world: DP = 8 / (2 * 2)
+    assert check_world_size(cfg, 8) == 2 and cfg.parallel.model_parallel == 4
+    with pytest.raises(ConfigError, match=r"^parallel.tp: world size 6 is not divisible by tp\*pp\*cp=4 "
+                                          r"\(tp=2, pp=1, cp=2\)$"):
+        check_world_size(cfg, 6)
+
+
+def test_context_parallel_refusals(hf):
+    with pytest.raises(ConfigError, match=r"^train.micro_batch_tokens: 101 is odd; with parallel.cp=2 .* must be even$"):
+        load(hf, "parallel.cp=2", "train.micro_batch_tokens=101")
+    with pytest.raises(ConfigError, match="^parallel.cp: megatron-core's unfused attention has no context parallelism"):
+        load(hf, "parallel.cp=2", "model.attention=unfused")
+    assert load(hf, "parallel.cp=3", "train.micro_batch_tokens=100").parallel.cp == 3
 
 
 def test_missing_model_dir(tmp_path):

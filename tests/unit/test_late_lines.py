@@ -19,6 +19,8 @@ TINY, MOE = f"{REPO}/examples/tiny/model", f"{REPO}/examples/tiny_moe/model"
     (["lora.rank=1000000000"], "lora.rank: 1000000000 is above the model's hidden size 128 "),
     (["lora.rank=9223372036854775808"], "lora.rank: 9223372036854775808 is above the model's hidden size 128 "),
     ([f"model.hf_path={MOE}", "train.pack_sequences=true"], "train.pack_sequences: not supported for MoE models "),
+    ([f"model.hf_path={MOE}", "parallel.cp=2"], "parallel.cp: context parallelism is not supported for MoE models "
+                                                "(Qwen3MoeForCausalLM has "),
     ([f"model.hf_path={MOE}", "lora.rank=8"],
      "lora.target_modules: MoE expert layers (linear_fc1/linear_fc2 of Qwen3MoeForCausalLM) are not supported"),
 ])

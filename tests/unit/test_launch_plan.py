@@ -141,7 +141,7 @@ def test_sglang_router_and_dp_servers(big):
 
 @pytest.mark.parametrize("overrides, alloc, message", [
     (["parallel.tp=4", "parallel.pp=2"], dict(trainer_nodes=("a",), tasks_per_node=4),
-     "allocation: 1 trainer nodes x 4 ranks = 4 ranks is not divisible by parallel.tp * parallel.pp = 8"),
+     "allocation: 1 trainer nodes x 4 ranks = 4 ranks is not divisible by parallel.tp * parallel.pp * parallel.cp = 8"),
     (["launch.server_tp=4", "launch.servers_per_node=3"], dict(trainer_nodes=("a",), rollout_nodes=("r",),
                                                                 gpus_per_node=8),
      "launch.servers_per_node: 3 servers x 4 GPUs (server_tp * server_dp) do not fit a rollout node's 8 GPUs"),
@@ -165,15 +165,31 @@ def test_launch_config_validation():
     assert cfg.weights.master_address == "auto" and cfg.checkpoint.save_interval == 10
 
 
-@pytest.mark.parametrize("tp, pp, dp", [(1, 1, 4), (2, 2, 2), (4, 2, 4), (2, 4, 1), (8, 1, 2)])
-def test_rank_coords_follow_megatron(tp, pp, dp):
+@pytest.mark.parametrize("tp, pp, dp, cp", [(1, 1, 4, 1), (2, 2, 2, 1), (4, 2, 4, 1), (2, 4, 1, 1), (8, 1, 2, 1),
+                                            (1, 1, 2, 2), (2, 2, 2, 2), (2, 1, 1, 4)])
+def test_rank_coords_follow_megatron(tp, pp, dp, cp):
     from megatron.core.parallel_state import RankGenerator
 
-    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
-    for dim, index in (("tp", 0), ("pp", 1), ("dp", 2)):
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    for dim, index in (("tp", 0), ("pp", 1), ("dp", 2), ("cp", 3)):
         for group in gen.get_ranks(dim):
             for position, rank in enumerate(group):
-                assert rank_coords(rank, tp, pp, dp)[index] == position, (dim, group, rank)
+                assert rank_coords(rank, tp, pp, dp, cp)[index] == position, (dim, group, rank)
+
+
+def test_dry_run_counts_context_parallel_ranks(big):
+    cfg = load_config(DEMO, [f"model.hf_path={big}", "parallel.tp=2", "parallel.cp=2"])
+    plan = make_plan(cfg, "c.yaml", [], Allocation(trainer_nodes=("a", "b"), tasks_per_node=4))
+    lines = render(plan)
+    assert "= 8 ranks (tp=2 pp=1 cp=2 dp=2)" in lines[0]
+    ranks = [line for line in lines if line.startswith("rank ")]
+    assert ranks[0].startswith("rank 0 a local 0 tp 0 pp 0 cp 0 dp 0 [starts the rollout manager, weights "
+                               "source of stage 0]:")
+    assert ranks[2].startswith("rank 2 a local 2 tp 0 pp 0 cp 1 dp 0:")  # the same replica's other half
+    assert ranks[4].startswith("rank 4 b local 0 tp 0 pp 0 cp 0 dp 1:")
+    with pytest.raises(PlanError, match=re.escape("= 6 ranks is not divisible by parallel.tp * parallel.pp * "
+                                                  "parallel.cp = 4")):
+        make_plan(cfg, "c.yaml", [], Allocation(trainer_nodes=("a", "b"), tasks_per_node=3))
 
 
 def test_cli_dry_run_emit_and_get(tmp_path):
@@ -206,7 +222,7 @@ def test_cli_dry_run_emit_and_get(tmp_path):
               "--tasks-per-node", "3")
     assert out.returncode == 2
     assert out.stderr.strip() == ("megarl-launch: allocation: 1 trainer nodes x 3 ranks = 3 ranks is not "
-                                  "divisible by parallel.tp * parallel.pp = 2")
+                                  "divisible by parallel.tp * parallel.pp * parallel.cp = 2")
 
 
 def test_cli_get_reads_the_recipe_only_and_the_plan_checks_the_model(tmp_path):

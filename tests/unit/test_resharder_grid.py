@@ -129,7 +129,7 @@ class Ranks:
             self.shards[shards[0].data_ptr()] = shards
             self.rank0.append(hf_io.LocalParam(0, mcore, layer, pmap, shards[0]))
         self.ps = SimpleNamespace(tp=tp, tp_rank=0, tp_group=None, ep=ep, ep_rank=0, ep_group=None,
-                                  ep_global_ranks=[r * tp for r in range(ep)], dp_rank=0, expert_dp_rank=0,
+                                  ep_global_ranks=[r * tp for r in range(ep)], dp_rank=0, first_replica=True, expert_dp_rank=0,
                                   pp=1, pp_rank=0, is_pp_source=True, device=torch.device("cpu"))
 
     def gather_row(self, real):
