@@ -201,8 +201,6 @@ class _PiecewiseAttention(torch.autograd.Function):
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, scale: float
                  ) -> torch.Tensor:
     """q [B, H, local, D] (this rank's rows), k/v [B, G, S, D] (the gathered, globally ordered
-    sequences; G query groups, H a multiple of G) -> [B, H, local, D], causal."""
-    heads, groups = q.shape[1], k.shape[1]
-    if heads != groups:  # GQA: query head h reads group h // (H / G); the expansion's backward sums
-        k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))
+    sequences; G query groups, H a multiple of G: the kernel reads group h // (H / G) for query
+    head h itself, so K/V are kept and saved unexpanded) -> [B, H, local, D], causal."""
     return _PiecewiseAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), layout.pieces, scale)
