@@ -65,8 +65,10 @@ class ParallelConfig:
     cp_comm_type: str = "p2p"
     """How Transformer Engine's attention exchanges K/V over the CP group (GPU, TE spec): p2p (ring),
     all_gather, a2a or a2a+p2p. megarl's CPU attention always all-gathers K/V."""
-    vpp: Optional[int] = bounded(None, ge=1)
-    """Virtual pipeline stages per rank (interleaved 1F1B): not supported yet, must stay null."""
+    vpp: Optional[int] = bounded(None, ge=2)
+    """Virtual pipeline stages per rank (interleaved 1F1B): each rank holds vpp model chunks of
+    layers/(pp*vpp) layers; needs parallel.pp >= 2 and train.pack_sequences (docs/models.md,
+    "Interleaved pipeline"). null = plain 1F1B."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs the TE spec and TP > 1)."""
     distributed_optimizer: bool = False
@@ -83,12 +85,6 @@ class ParallelConfig:
 
     def validate(self) -> None:
         _check(self, "parallel")
-        if self.vpp is not None:
-            # Checked on CPU with megatron-core 0.16.1: the interleaved schedule with token-budget
-            # micro-batches gave wrong gradients (and hung with fewer micro-batches than stages),
-            # so it is refused rather than trained on silently.
-            raise ConfigError("parallel.vpp: the interleaved (virtual) pipeline schedule is not "
-                              "supported yet; use parallel.pp without vpp")
         _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
         _choice("parallel.cp_comm_type", self.cp_comm_type, ("p2p", "all_gather", "a2a", "a2a+p2p"))
         if self.world_size is not None:

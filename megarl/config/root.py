@@ -68,6 +68,15 @@ class Config:
         if self.train.pack_sequences and self.model.attention == "unfused" and self.model.spec != "te":
             raise ConfigError("train.pack_sequences: megatron-core's unfused attention takes no packed "
                               "sequences; use model.attention=sdpa")
+        if self.parallel.vpp is not None:
+            if self.parallel.pp < 2:
+                raise ConfigError(f"parallel.vpp: the interleaved schedule splits pipeline stages; needs "
+                                  f"parallel.pp >= 2, got pp={self.parallel.pp}")
+            if not self.train.pack_sequences:
+                # megarl.models.builder.transformer_config: why one activation shape per step
+                raise ConfigError("parallel.vpp: the interleaved schedule needs micro-batches of one shape per "
+                                  "step (megatron-core 0.16.1 mixes up messages of different shapes at PP=2); "
+                                  "set train.pack_sequences=true")
         if self.parallel.cp > 1:
             if self.train.micro_batch_tokens % 2:
                 raise ConfigError(f"train.micro_batch_tokens: {self.train.micro_batch_tokens} is odd; with "

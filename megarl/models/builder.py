@@ -94,8 +94,15 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        # Token-budget micro-batches have different lengths: shapes are sent before tensors.
-        variable_seq_lengths=True,
+        # Token-budget micro-batches have different lengths: shapes are sent before tensors. Not
+        # with the interleaved schedule: megatron-core 0.16.1 batches a stage's sends and receives
+        # in the order send-prev, recv-prev, send-next, recv-next, so at PP=2 (previous and next
+        # stage the same rank) a forward and a backward message to one peer are received into each
+        # other's buffers - the shapes exchanged first as well. Interleaved steps feed packed
+        # micro-batches of one shape (the engine pads every pack to the step's longest), and the
+        # unbatched p2p path, which sends the two directions over two process groups at PP=2.
+        variable_seq_lengths=not vpp,
+        batch_p2p_comm=not vpp,
         moe_token_dispatcher_type="alltoall",  # 0.16.1 requires it with variable_seq_lengths
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=False,

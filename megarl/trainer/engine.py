@@ -213,7 +213,7 @@ class Engine:
             for m in mbs:
                 m.cp = (context.split_packed(m.pack, self.ps.cp, self.ps.cp_rank) if m.pack is not None
                         else context.split_padded(m.tokens, self.ps.cp, self.ps.cp_rank))
-            seq_length = max(m.cp.tokens.shape[1] for m in mbs)
+            seq_length = max(m.cp.width for m in mbs)  # the whole rows': the schedule divides by CP
         try:
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=its,
@@ -267,17 +267,24 @@ class Engine:
         """Token-budget micro-batches of ``batch``. With expert parallelism every MoE layer's
         all-to-all pairs the EP ranks micro-batch by micro-batch, so each rank runs as many as
         the EP rank with the most: the others add filler micro-batches (one token, loss mask 0,
-        no row of the batch)."""
+        no row of the batch). The interleaved pipeline adds fillers up to a multiple of PP."""
         # packed, a micro-batch costs its real tokens, not its rows times the longest
         # the budget is per rank: with context parallelism a rank holds 1/cp of every sequence
         mbs = make_microbatches(batch, self.spec.micro_batch_tokens * self.ps.cp, self.ps.device,
                                 padded=not self.spec.pack_sequences)
+        want = len(mbs)
         if self.ps.ep > 1:
             n = torch.tensor([len(mbs)], dtype=torch.int64, device=self.ps.device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.ps.ep_group)
+            want = int(n)
+        if self.ps.vpp:
+            # megatron-core's interleaved schedule runs micro-batches in groups of PP per virtual
+            # stage and refuses a last group smaller than PP: round the count up to a multiple
+            want = -(-max(want, 1) // self.ps.pp) * self.ps.pp
+        if want > len(mbs):
             one = TensorBatch(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
                               {k: torch.zeros(1, 1, dtype=v.dtype) for k, v in batch.fields.items()})
-            while len(mbs) < int(n):
+            while len(mbs) < want:
                 filler = make_microbatches(one, 1, self.ps.device)[0]
                 filler.indices = torch.zeros(0, dtype=torch.long)
                 mbs.append(filler)

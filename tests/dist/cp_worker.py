@@ -1,10 +1,10 @@
 """torchrun worker for tests/dist/test_context_parallel.py: one tiny model under several layouts
-(TP, PP, CP, padded or packed micro-batches) on real megatron-core over gloo; rank 0 writes, per
+(TP, PP, CP, the interleaved pipeline, padded or packed micro-batches) on real megatron-core over gloo; rank 0 writes, per
 layout, every sample's per-token logprobs and entropies, the step's loss and grad norm, the
 logprobs after one optimizer step and the full HF tensors after it (the export and the push read
 them), as JSON.
 
-    cp_worker.py HF_DIR OUT.json TP,PP,CP,PACKED[,MICRO_BATCH_TOKENS] ...
+    cp_worker.py HF_DIR OUT.json TP,PP,CP,PACKED[,MICRO_BATCH_TOKENS[,VPP]] ...
 
 Each DP rank takes samples i with i % dp == dp_rank, so every layout trains the same step."""
 import json
@@ -34,15 +34,16 @@ def make_batch(n=8, vocab=128, seed=0):
     return TensorBatch.from_lists(ids, {"loss_mask": mask})
 
 
-def run_layout(hf_dir, tp, pp, cp, packed, mbt, batch):
+def run_layout(hf_dir, tp, pp, cp, packed, mbt, batch, vpp=0):
     cfg = load_config(None, [f"model.hf_path={hf_dir}", "data.train_path=x", f"parallel.tp={tp}",
-                             f"parallel.pp={pp}", f"parallel.cp={cp}", f"train.micro_batch_tokens={mbt}",
+                             f"parallel.pp={pp}", f"parallel.cp={cp}", *([f"parallel.vpp={vpp}"] if vpp else []),
+                             f"train.micro_batch_tokens={mbt}",
                              f"train.pack_sequences={str(packed).lower()}", "optim.lr=0.01",
                              # a first Adam step maps g to ~lr * sign(g): near g = 0 it turns float
                              # rounding of the gradient into 1e-5 parameter differences (DP=2 vs DP=1
                              # show them too); eps 1e-3 keeps the map smooth, so parameters compare
                              "optim.adam_eps=1e-3"])
-    ps = parallel.init_model_parallel(tp, pp, seed=1234, cp=cp)
+    ps = parallel.init_model_parallel(tp, pp, vpp or None, seed=1234, cp=cp)
     engine = Engine.build(EngineSpec.from_config(cfg), ps)
     mine = [i for i in range(len(batch)) if i % ps.dp == ps.dp_rank]
     local = batch.select(mine)
@@ -77,7 +78,7 @@ def main():
     results = {}
     for spec in layouts:
         tp, pp, cp, packed, *rest = (int(x) for x in spec.split(","))
-        results[spec] = run_layout(hf_dir, tp, pp, cp, bool(packed), rest[0] if rest else 4096, batch)
+        results[spec] = run_layout(hf_dir, tp, pp, cp, bool(packed), rest[0] if rest else 4096, batch, rest[1] if len(rest) > 1 else 0)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)

@@ -63,7 +63,8 @@ def test_yaml_and_overrides(tmp_path, hf):
     ("parallel.world_size=3", "parallel.world_size: 3 is not divisible by tp*pp*cp=2"),
     ("parallel.cp=0", "parallel.cp: must be >= 1"),
     ("parallel.cp_comm_type=ring", "parallel.cp_comm_type: must be one of p2p, all_gather, a2a, a2a+p2p"),
-    ("parallel.vpp=2", "parallel.vpp: the interleaved (virtual) pipeline schedule is not supported"),
+    ("parallel.vpp=2", "parallel.vpp: the interleaved schedule splits pipeline stages; needs parallel.pp >= 2"),
+    ("parallel.vpp=1", "parallel.vpp: must be >= 2"),
     ("reward.model.path=rm", "reward.model.path: the job's reward-model servers are scored through "
                              "rollout.reward_fn=megarl.rewards.model:RewardModel"),
     ("reward.model.servers=0", "reward.model.servers: must be >= 1"),
