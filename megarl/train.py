@@ -117,6 +117,7 @@ def train(cfg, stop: StopRequest) -> int:
         run_rl(cfg, ps, engine, logger, ckpt, stop=stop, side=side)
     else:
         run_sft(cfg, ps, engine, logger, ckpt, stop)
+    ckpt.close()  # a checkpoint still being written in the background (checkpoint.async_save) is committed
     logger.close()
     if cfg.train.is_rl and ps.rank == 0:
         from megarl.common.plotting import write_learning_curve

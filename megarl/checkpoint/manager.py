@@ -7,8 +7,13 @@ previous checkpoints intact and at most a ``.tmp-*`` directory that resume never
 directory layout and the completion rule are in ``layout.py``; what makes loading safe in
 ``safe.py``; everything that knows Megatron's sharded formats in ``megarl/mcore/checkpoint.py``.
 
-Tensors are written synchronously by torch.distributed.checkpoint's own writer (no worker
-processes: Megatron's async writer forks, needs psutil and re-imports ``__main__``).
+Tensors are written by torch.distributed.checkpoint's own writer (no worker processes: Megatron's
+async writer forks, needs psutil and re-imports ``__main__``) - synchronously, or with
+``checkpoint.async_save`` from a writer thread: the save copies this rank's shards to host memory
+(the only part on the step's critical path), and the thread writes them, agrees with the other
+ranks over a process group of its own (collectives of two threads never share a group) and
+commits, while training goes on. One save is in flight at most: the next save waits for it, and
+so do the last step's save and ``close()``; an error of the thread is raised there.
 
 The manager owns resumable state only. The HF export is the run's deliverable, not state it
 resumes from, so its schedule lives with the loops (``export.maybe_export_hf``).
@@ -60,6 +65,11 @@ class CheckpointManager:
         self.policy_version = 0
         self.loaded_from: Optional[str] = None
         self.fault_hook: Optional[Callable[[str, int], None]] = None
+        self.async_save = bool(getattr(cfg.checkpoint, "async_save", False))
+        self._writer = None  # the background save in flight: (thread, step, error box)
+        # the writer thread's own group: DCP's planning collectives run beside the trainer's
+        self._group = dist.new_group(backend="gloo") if self.async_save else None
+        self.last_save_s = 0.0  # the save's time on the step's critical path (async: the copy)
 
     def register(self, name: str, obj) -> None:
         if name in self.state:
@@ -171,13 +181,31 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def maybe_save(self, step: int, last: bool = False, policy_version: Optional[int] = None) -> None:
-        """Saves every ``checkpoint.save_interval`` steps when set, and always at the last step."""
+        """Saves every ``checkpoint.save_interval`` steps when set, and always at the last step
+        (which, saved in the background, is waited for)."""
         c = self.cfg.checkpoint
         if last or (c.save_interval and step % c.save_interval == 0):
             self.save(step, policy_version)
+            if last:
+                self.wait()
+
+    def wait(self) -> None:
+        """Waits for a background save to be committed (collective); raises its error."""
+        if self._writer is None:
+            return
+        thread, step, box = self._writer
+        thread.join()
+        self._writer = None
+        if box:
+            raise box[0]
+
+    close = wait
 
     def save(self, step: int, policy_version: Optional[int] = None) -> str:
-        """Writes checkpoint ``step_<step>`` atomically (collective); returns its path."""
+        """Writes checkpoint ``step_<step>`` atomically (collective); returns its path. With
+        ``checkpoint.async_save`` it returns once the shards are copied; the directory appears
+        when the writer thread has committed it."""
+        self.wait()  # one background save at a time
         if policy_version is not None:
             self.policy_version = int(policy_version)
         t0 = time.perf_counter()
@@ -195,42 +223,77 @@ class CheckpointManager:
         dist.barrier()  # the temp dir exists (and is empty) before any rank writes into it
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-        error = None
+        error, staged = None, [] if self.async_save else None
         try:
-            self._write(tmp)
+            self._write(tmp, staged)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - decided together below: all raise, none hangs
             error = e
-        self._agree_written(error, tmp, final)
-        self._stage("written", step)
-        dist.barrier()  # every rank's tensors are on disk before rank 0 marks the checkpoint complete
-        if self.ps.rank == 0:
-            self._commit(tmp, final, meta[0], step)
-            print(f"[checkpoint] saved {final} in {time.perf_counter() - t0:.2f}s", flush=True)
-        dist.barrier()  # no rank goes on (or exits) before the checkpoint is committed
+        if staged is None:
+            self._finish(error, tmp, final, meta[0], step, t0)
+            self.last_save_s = time.perf_counter() - t0
+            return final
+        # the logs' sizes now: a resume from this checkpoint rolls back to them, not to the commit's
+        sizes = runlogs.sizes(os.path.abspath(self.cfg.train.run_dir)) if self.ps.rank == 0 else None
+        self._agree_written(error, tmp, final, group=None)  # a failed copy: raised here, on every rank
+        self.last_save_s = time.perf_counter() - t0
+        box: list = []
+
+        def write():
+            err = None
+            try:
+                for job in staged:
+                    mcore.write_staged(job, self._group)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed in _finish
+                err = e
+            try:
+                self._finish(err, tmp, final, meta[0], step, t0, background=True, sizes=sizes)
+            except BaseException as e:  # noqa: BLE001 - raised on the trainer's thread by wait()
+                box.append(e)
+
+        import threading
+
+        thread = threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True)
+        thread.start()
+        self._writer = (thread, step, box)
         return final
 
-    def _write(self, tmp: str) -> None:
-        """This rank's shards of every engine, and its RNG states, into ``tmp``."""
+    def _finish(self, error, tmp: str, final: str, meta_text: str, step: int, t0: float,
+                background: bool = False, sizes: Optional[dict] = None) -> None:
+        """After the writes: agree, then rank 0 commits (on the writer's group when in the background;
+        ``sizes``: rank 0's per-step log sizes at the save)."""
+        group = self._group if background else None
+        self._agree_written(error, tmp, final, group=group)
+        self._stage("written", step)
+        dist.barrier(group=group)  # every rank's tensors are on disk before rank 0 marks the checkpoint complete
+        if self.ps.rank == 0:
+            self._commit(tmp, final, meta_text, step, sizes)
+            how = " in the background" if background else ""
+            print(f"[checkpoint] saved {final}{how} in {time.perf_counter() - t0:.2f}s", flush=True)
+        dist.barrier(group=group)  # no rank goes on (or exits) before the checkpoint is committed
+
+    def _write(self, tmp: str, staged: Optional[list] = None) -> None:
+        """This rank's shards of every engine, and its RNG states, into ``tmp`` (``staged``: the
+        shards copied and appended there instead, `megarl.mcore.checkpoint.save_sharded`)."""
         for directory, engine in [(tmp, self.engine)] + [
                 (os.path.join(tmp, n), e) for n, e in self.extra_engines.items()]:
             mcore.save_sharded(mcore.training_sharded_state_dict(
-                engine.chunks, engine.optimizer, is_loading=False), directory)
+                engine.chunks, engine.optimizer, is_loading=False), directory, stage_into=staged)
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         save_rng(os.path.join(tmp, "rng", f"rank_{self.ps.rank:05d}.safetensors"))
 
-    def _agree_written(self, error: Optional[BaseException], tmp: str, final: str) -> None:
+    def _agree_written(self, error: Optional[BaseException], tmp: str, final: str, group=None) -> None:
         """Every rank learns whether any rank failed to write; then all raise one line (the
         partial directory removed, ``latest`` still naming the previous checkpoint) or go on."""
         import torch
 
         free = shutil.disk_usage(self.save_dir).free  # read before the partial directory is removed
         failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
         if not failed.item():
             return
         if self.ps.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
+        dist.barrier(group=group)
         raise save_error(error, final, self.save_dir, free, self._bytes_needed())
 
     def _bytes_needed(self) -> int:
@@ -243,7 +306,7 @@ class CheckpointManager:
         engines = [self.engine, *self.extra_engines.values()]
         return sum(16 * p.numel() for e in engines for c in e.chunks for p in c.parameters())
 
-    def _commit(self, tmp: str, final: str, meta_text: str, step: int) -> None:
+    def _commit(self, tmp: str, final: str, meta_text: str, step: int, sizes: Optional[dict] = None) -> None:
         """Rank 0: side files, megarl.json (last file in), rename, ``latest``, retention."""
         copy_hf_side_files(self.cfg.model.hf_path, tmp)
         tok = self.cfg.data.tokenizer_path
@@ -254,7 +317,7 @@ class CheckpointManager:
         # and how far the per-step logs had got (what a resume from here rolls them back to)
         meta[MANIFEST] = file_manifest(tmp)
         run_dir = os.path.abspath(self.cfg.train.run_dir)
-        meta["run_logs"] = {"run_dir": run_dir, "sizes": runlogs.sizes(run_dir)}
+        meta["run_logs"] = {"run_dir": run_dir, "sizes": runlogs.sizes(run_dir) if sizes is None else sizes}
         write_synced(os.path.join(tmp, META), json.dumps(meta, indent=1))
         self._stage("committing", step)
         commit_dir(tmp, final)

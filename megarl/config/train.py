@@ -253,6 +253,11 @@ class CheckpointConfig:
     """Keep the newest N complete checkpoints."""
     resume: bool = True
     """Resume from the latest complete checkpoint in save_dir if there is one."""
+    async_save: bool = False
+    """Write checkpoints in the background: at the save the step's shards are copied to host
+    memory (one copy of the model and optimizer state per rank) and a writer thread writes and
+    commits them while training goes on; the next save, the last step and the end of the run wait
+    for it. A crash during a background write leaves the previous checkpoint as the latest."""
     hf_export_dir: str = ""
     """Where to write the HF-format model (safetensors + config + tokenizer); empty = off. A
     relative path is under train.run_dir (so a run with another run_dir never overwrites this

@@ -14,7 +14,7 @@ state, 'step' included, which the fully_reshardable format keeps per group (``lo
 replaces it per instance for the load); the default distributed-optimizer format fails with
 "flattened_range is not supported", so ``fully_reshardable`` is used; Megatron's async writer forks a
 Manager that re-imports ``__main__`` and needs psutil (``sync_save_strategy`` writes synchronously
-instead).
+instead, or stages a copy that a thread of megarl's writes: ``checkpoint.async_save``).
 
 Megatron is imported inside functions so that ``import megarl.checkpoint`` stays cheap for tools
 that only look at files; so are megarl.checkpoint's own modules (that package imports this one).
@@ -33,18 +33,21 @@ _DISTOPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 # ----------------------------------------------------------------------------- format: save
 
-def sync_save_strategy(resolve: Optional[Callable] = None):
+def sync_save_strategy(resolve: Optional[Callable] = None, stage_into: Optional[list] = None):
     """Megatron's ``torch_dist`` format written synchronously by torch DCP's FileSystemWriter (one
     file per rank, one tensor in memory at a time, no worker processes).
 
     ``resolve(key, offsets, sizes) -> tensor`` makes the data lazy: the sharded state dict then only
     needs shapes (meta tensors) and each chunk is produced when it is written.
+
+    ``stage_into`` (a list): nothing is written; a `StagedWrite` holding a copy of this rank's
+    shards (tensors copied to CPU memory, objects serialised) is appended, for `write_staged` to
+    write later, from another thread, while training changes the originals.
     """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.planner import WriteItemType
 
     class Planner(MCoreSavePlanner):
@@ -66,14 +69,42 @@ def sync_save_strategy(resolve: Optional[Callable] = None):
             # keep_only_main_replica: each replicated shard (e.g. over DP) is written by one rank
             flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
                 sharded_state_dict, keep_only_main_replica=True)
+            if stage_into is not None:
+                for shards in flat.values():  # the copy the background write reads
+                    for sh in shards:
+                        if isinstance(sh, ShardedTensor):
+                            sh.data = sh.data.detach().to("cpu", copy=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # torch ShardedTensor deprecation
-                dcp_save(mcore_to_pyt_state_dict(flat, False),
-                         storage_writer=FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True,
-                                                         sync_files=True, thread_count=1),
-                         planner=Planner(flatten_state_dict=False))
+                # objects are serialised here, tensors wrapped (the copies, when staged)
+                staged = StagedWrite(mcore_to_pyt_state_dict(flat, False), str(checkpoint_dir), Planner)
+            if stage_into is not None:
+                stage_into.append(staged)
+            else:
+                write_staged(staged)
 
     return SyncTorchDist()
+
+
+class StagedWrite:
+    """One rank's shards of one dist-checkpoint, ready for torch DCP's writer."""
+
+    def __init__(self, state_dict: dict, checkpoint_dir: str, planner_cls):
+        self.state_dict, self.checkpoint_dir, self.planner_cls = state_dict, checkpoint_dir, planner_cls
+
+
+def write_staged(staged: StagedWrite, group=None) -> None:
+    """Writes a `StagedWrite` (collective over ``group``, default: the world): DCP plans over the
+    group, then each rank writes its file."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dcp_save(staged.state_dict,
+                 storage_writer=FileSystemWriter(staged.checkpoint_dir, single_file_per_rank=True,
+                                                 sync_files=True, thread_count=1),
+                 planner=staged.planner_cls(flatten_state_dict=False), process_group=group)
 
 
 def _unwrap(m):
@@ -117,11 +148,13 @@ def stacked_piece(key: str, shape: tuple, dtype: torch.dtype, layer: Optional[in
     return ShardedTensor.from_rank_offsets(key, torch.empty(piece, dtype=dtype), *offsets)
 
 
-def save_sharded(sharded: dict, ckpt_dir: str) -> None:
-    """Writes a sharded state dict into ``ckpt_dir`` (collective; the directory must exist)."""
+def save_sharded(sharded: dict, ckpt_dir: str, stage_into: Optional[list] = None) -> None:
+    """Writes a sharded state dict into ``ckpt_dir`` (collective; the directory must exist). With
+    ``stage_into`` only Megatron's small files are written; the shards are copied and staged there
+    (`sync_save_strategy`)."""
     from megatron.core import dist_checkpointing
 
-    dist_checkpointing.save(sharded, ckpt_dir, sharded_strategy=sync_save_strategy())
+    dist_checkpointing.save(sharded, ckpt_dir, sharded_strategy=sync_save_strategy(stage_into=stage_into))
 
 
 # ----------------------------------------------------------------------------- format: load

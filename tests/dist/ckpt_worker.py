@@ -3,11 +3,15 @@
     ckpt_worker.py WORK train    reference run (TP=1 x DP=2, distributed optimizer, 6 steps, saves
                                  at 3 and 6, writes WORK/ref.json), then a second run in WORK/crash
                                  killed (os._exit) while saving step 6, after the tensors are written
+    ckpt_worker.py WORK async_kill  an async-save run (checkpoint.async_save) killed (os._exit) in its
+                                 writer thread while saving step 6, after the tensors are written
     ckpt_worker.py WORK resume   A: resume WORK/crash (must pick step 3) and run to 6; B: TP=2 from
                                  the reference's TP=1 step-3 checkpoint; C: PP=2 without the
                                  distributed optimizer, save + reload in-process; D: CP=2 (DP=1) from
                                  the reference's CP=1 x DP=2 step-3 checkpoint, saving step 6; E: CP=1
-                                 x DP=2 loads D's CP=2 step 6 and exports at once. Writes WORK/resume.json.
+                                 x DP=2 loads D's CP=2 step 6 and exports at once; G: resume the async
+                                 crash (must pick step 3) and run to 6. Writes WORK/resume.json.
+In ``train`` an async-save run (saves at 3 and 6 in the background) also runs after the reference.
 Each phase exports the final model as HF safetensors (WORK/<phase>_hf) for bitwise comparison.
 """
 import json
@@ -27,7 +31,7 @@ from megarl.trainer.sft import SFTData, sft_loss
 STEPS = 6
 
 
-def make_cfg(work, save_dir, tp, dist_opt, keep_last=2, pp=1, cp=1):
+def make_cfg(work, save_dir, tp, dist_opt, keep_last=2, pp=1, cp=1, async_save=False):
     return load_config(None, [
         f"model.hf_path={work}/hf", "model.init=random", f"data.train_path={work}/sft.jsonl",
         f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}", f"parallel.distributed_optimizer={str(dist_opt).lower()}",
@@ -35,7 +39,7 @@ def make_cfg(work, save_dir, tp, dist_opt, keep_last=2, pp=1, cp=1):
         "train.max_seq_len=32", f"train.run_dir={work}/run", "optim.lr=3e-3", "optim.min_lr=3e-4",
         "optim.lr_warmup_steps=2", "optim.lr_decay_style=cosine",
         f"checkpoint.save_dir={save_dir}", "checkpoint.save_interval=3",
-        f"checkpoint.keep_last={keep_last}"])
+        f"checkpoint.keep_last={keep_last}", f"checkpoint.async_save={str(async_save).lower()}"])
 
 
 def setup(cfg):
@@ -68,12 +72,31 @@ def write(path, obj):
 def run_train(work):
     _, engine, data, ckpt = setup(make_cfg(work, f"{work}/ref", tp=1, dist_opt=True))
     write(f"{work}/ref.json", {"losses": train(engine, data, ckpt, 0, f"{work}/ref_hf")})
+    # the same run saving in the background
+    _, engine, data, ckpt = setup(make_cfg(work, f"{work}/async", tp=1, dist_opt=True, async_save=True))
+    write(f"{work}/async.json", {"losses": train(engine, data, ckpt, 0, f"{work}/async_hf"),
+                                 "last_save_s": ckpt.last_save_s})
 
     _, engine, data, ckpt = setup(make_cfg(work, f"{work}/crash", tp=1, dist_opt=True, keep_last=1))
 
     def kill(stage, step):
         if stage == "written" and step == 6:
             open(f"{work}/killed_rank{dist.get_rank()}", "w").close()
+            os._exit(17)
+
+    ckpt.fault_hook = kill
+    train(engine, data, ckpt, 0)
+
+
+def run_async_kill(work):
+    _, engine, data, ckpt = setup(make_cfg(work, f"{work}/async_crash", tp=1, dist_opt=True, keep_last=1,
+                                           async_save=True))
+    import threading
+
+    def kill(stage, step):
+        if stage == "written" and step == 6:
+            assert threading.current_thread() is not threading.main_thread()  # in the writer
+            open(f"{work}/async_killed_rank{dist.get_rank()}", "w").close()
             os._exit(17)
 
     ckpt.fault_hook = kill
@@ -121,6 +144,12 @@ def run_resume(work):
     results["E"] = {"start": ckpt.load(f"{work}/D/step_00000006")}
     engine.export_hf(f"{work}/E_hf")
     parallel.destroy_model_parallel_only()
+    # G: the async-save run killed while writing step 6 in the background resumes from step 3
+    _, engine, data, ckpt = setup(make_cfg(work, f"{work}/async_crash", tp=1, dist_opt=True, keep_last=1,
+                                           async_save=True))
+    start = ckpt.resume()
+    results["G"] = {"start": start, "from": ckpt.loaded_from}
+    results["G"]["losses"] = train(engine, data, ckpt, start, f"{work}/G_hf")
     write(f"{work}/resume.json", results)
 
 
@@ -129,7 +158,7 @@ def main():
     compat.quiet_megatron_warnings()
     torch.set_num_threads(1)
     parallel.init_distributed()
-    {"train": run_train, "resume": run_resume}[mode](work)
+    {"train": run_train, "async_kill": run_async_kill, "resume": run_resume}[mode](work)
     dist.barrier()
     dist.destroy_process_group()
 

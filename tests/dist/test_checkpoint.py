@@ -49,7 +49,12 @@ def work(tmp_path_factory):
     assert proc.returncode != 0
     snapshot = {"crash": sorted(os.listdir(d / "crash")),
                 "tmp": sorted(os.listdir(d / "crash" / ".tmp-step_00000006"))}
-    torchrun("ckpt_worker.py", 2, d, "resume")  # launch 2
+    # launch 2: an async-save run killed in its writer thread while saving step 6
+    proc = subprocess.run(cmd[:-1] + ["async_kill"], capture_output=True, text=True, timeout=600, env=env)
+    if not (d / "async_killed_rank0").exists():
+        pytest.fail(f"async_kill launch failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+    snapshot["async_crash"] = sorted(os.listdir(d / "async_crash"))
+    torchrun("ckpt_worker.py", 2, d, "resume")  # launch 3
     return d, snapshot
 
 
@@ -102,6 +107,32 @@ def test_context_parallel_resumes_across_cp_sizes(work):
     want, cp2, cp1 = hf_tensors(d / "ref_hf"), hf_tensors(d / "D_hf"), hf_tensors(d / "E_hf")
     assert max((want[k] - cp2[k]).abs().max().item() for k in want) <= 1e-5
     assert set(cp1) == set(cp2) and all(torch.equal(cp2[k], cp1[k]) for k in cp2)
+
+
+def test_async_save_writes_what_the_synchronous_save_writes(work):
+    """checkpoint.async_save: the same run, its checkpoints written by the writer thread while it
+    trains on, gives the same losses and final weights, and the checkpoints it committed hold
+    the same tensors as the synchronous run's."""
+    d, _ = work
+    ref = json.loads((d / "ref.json").read_text())["losses"]
+    got = json.loads((d / "async.json").read_text())
+    assert got["losses"] == ref and got["last_save_s"] > 0
+    want, have = hf_tensors(d / "ref_hf"), hf_tensors(d / "async_hf")
+    assert all(torch.equal(want[k], have[k]) for k in want)
+    for step in ("step_00000003", "step_00000006"):  # each rank's shard file, byte for byte
+        shards = sorted(p.name for p in (d / "ref" / step).glob("*.distcp"))
+        assert shards == sorted(p.name for p in (d / "async" / step).glob("*.distcp")) and len(shards) == 2
+        for name in shards:
+            assert (d / "ref" / step / name).read_bytes() == (d / "async" / step / name).read_bytes(), (step, name)
+
+
+def test_a_kill_during_a_background_save_resumes_from_the_previous_checkpoint(work):
+    d, snapshot = work
+    assert snapshot["async_crash"] == [".tmp-step_00000006", LATEST, "step_00000003"]
+    ref = json.loads((d / "ref.json").read_text())["losses"]
+    g = json.loads((d / "resume.json").read_text())["G"]
+    assert g["start"] == 3 and g["from"].endswith("async_crash/step_00000003")
+    assert g["losses"] == {k: ref[k] for k in ("4", "5", "6")}
 
 
 def test_plain_optimizer_pp2_resume_is_bitwise(work):
