@@ -52,7 +52,22 @@ def batch_metrics(step, version: int) -> dict:
            "stale_samples": int((stale > 0).sum()), "trained_samples": n}
     for k, c in zip(*np.unique(stale, return_counts=True)):
         out[f"staleness_hist/{int(k)}"] = int(c)
+    out.update(length_metrics(response))
     out.update(source_metrics(step, response))
+    return out
+
+
+def length_metrics(response: np.ndarray) -> dict:
+    """The trained response lengths' distribution: min, median, p90, max and a histogram over
+    power-of-two buckets (``response_len_hist/<upper>``: lengths in (upper/2, upper], upper >= 64)."""
+    if not len(response):
+        return {}
+    r = np.sort(response.astype(np.int64))
+    out = {"response_len/min": int(r[0]), "response_len/p50": float(np.percentile(r, 50)),
+           "response_len/p90": float(np.percentile(r, 90)), "response_len/max": int(r[-1])}
+    uppers = np.maximum(64, 2 ** np.ceil(np.log2(np.maximum(r, 1))).astype(np.int64))
+    for upper, count in zip(*np.unique(uppers, return_counts=True)):
+        out[f"response_len_hist/{int(upper)}"] = int(count)
     return out
 
 

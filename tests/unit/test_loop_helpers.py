@@ -96,3 +96,17 @@ def test_plot_timeline_draws_the_gantt_and_advises(tmp_path, capsys):
     assert "trainer idle 80.0%, rollout idle 0.0%" in out
     assert "the trainer waits for rollouts" in out
     assert (tmp_path / "run" / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_batch_metrics_trained_length_distribution():
+    lengths = [3, 64, 65, 100, 1000, 1025, 8192, 9000]
+    trajs = [traj(n, 0.0, [5] * n) for n in lengths]
+    m = batch_metrics(received(trajs), version=5)
+    assert (m["response_len/min"], m["response_len/max"]) == (3, 9000)
+    assert m["response_len/p50"] == pytest.approx((100 + 1000) / 2)  # numpy's linear interpolation
+    assert m["response_len/p90"] == pytest.approx(8192 + 0.3 * (9000 - 8192))
+    # buckets (upper/2, upper], the first one (0, 64]
+    assert {k: v for k, v in m.items() if k.startswith("response_len_hist/")} == {
+        "response_len_hist/64": 2, "response_len_hist/128": 2, "response_len_hist/1024": 1,
+        "response_len_hist/2048": 1, "response_len_hist/8192": 1, "response_len_hist/16384": 1}
+    assert m["response_len"] == pytest.approx(sum(lengths) / len(lengths))
