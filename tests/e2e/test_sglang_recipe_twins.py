@@ -38,7 +38,7 @@ def sglang_recipes() -> list[str]:
 def twin_overrides(recipe: str) -> list[str]:
     """What the tiny twin changes: only what a 2-core CPU machine cannot run or hold."""
     cfg = load_config(os.path.join(REPO, "configs", recipe), ["model.hf_path=unused"], validate=False)
-    ranks = cfg.parallel.tp * cfg.parallel.pp  # data parallelism dropped: one replica
+    ranks = cfg.parallel.model_parallel  # data parallelism dropped: one replica (tp x pp x cp ranks)
     per_mini = max(1, cfg.train.global_batch_size // cfg.train.ppo_mini_batch_size)
     return ["model.dtype=float32", "model.spec=local", "parallel.backend=gloo", f"parallel.world_size={ranks}",
             "weights.dtype=float32", "weights.master_address=127.0.0.1", "weights.bucket_mb=16",
@@ -51,7 +51,8 @@ def twin_overrides(recipe: str) -> list[str]:
 
 def test_every_sglang_recipe_has_a_twin():
     """The list the twins come from: the GPU recipes, the MoE one covered by its own test."""
-    assert sglang_recipes() == ["qwen2.5-1.5b-gsm8k.yaml", "qwen2.5-7b-gsm8k.yaml", "qwen3-30b-a3b-gsm8k.yaml"]
+    assert sglang_recipes() == ["qwen2.5-1.5b-gsm8k.yaml", "qwen2.5-7b-gsm8k.yaml", "qwen2.5-7b-long-reasoning.yaml",
+                                "qwen3-30b-a3b-gsm8k.yaml"]
 
 
 @pytest.mark.parametrize("recipe", [r for r in sglang_recipes() if "a3b" not in r])  # MoE: MOE_TWIN
@@ -70,5 +71,6 @@ def test_recipe_twin_runs_against_sglang_with_the_gate(tmp_path, recipe):
     assert all(r["mismatch/mean"] <= GAP for r in rows)
     used = load_config(os.path.join(run, "config.yaml"), validate=False)  # what the run resolved and saved
     assert used.parallel.tp == shipped.parallel.tp and used.rollout.max_staleness == shipped.rollout.max_staleness
+    assert used.parallel.cp == shipped.parallel.cp and used.checkpoint.async_save == shipped.checkpoint.async_save
     assert used.algo == shipped.algo and used.weights.transport == shipped.weights.transport
     assert used.weights.tensor_format == "sglang"  # the wire preflight chose against SGLang

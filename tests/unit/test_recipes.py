@@ -151,3 +151,36 @@ def test_moe_recipe_loads_with_expert_parallelism(tmp_path):
     assert (tconfig.num_moe_experts // tconfig.expert_model_parallel_size, tconfig.moe_router_topk) == (16, 8)
     assert tconfig.moe_grouped_gemm and not tconfig.moe_router_pre_softmax
     assert tconfig.moe_router_load_balancing_type == "none"
+
+
+# deepseek-ai/DeepSeek-R1-Distill-Qwen-7B config.json (the fields megarl and transformers read)
+R1_DISTILL_7B = dict(_COMMON, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                     num_key_value_heads=4, max_window_layers=28, sliding_window=4096,
+                     max_position_embeddings=131072, rope_theta=10000.0, tie_word_embeddings=False,
+                     vocab_size=152064, bos_token_id=151646, eos_token_id=151643)
+
+
+def test_long_reasoning_recipe_splits_each_sequence_over_cp(tmp_path):
+    """configs/qwen2.5-7b-long-reasoning.yaml: 16k-token answers, TP=2 x CP=2 x DP=2 on 8 GPUs, a
+    17k-token sequence per micro-batch split over the CP pair (8.7k tokens per rank), packed,
+    background checkpoints; Megatron builds the layout with context_parallel_size 2."""
+    model_dir = tmp_path / "R1-Distill-Qwen-7B"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(R1_DISTILL_7B))
+    cfg = load_config(os.path.join(REPO, "configs", "qwen2.5-7b-long-reasoning.yaml"), [f"model.hf_path={model_dir}"])
+    p = cfg.parallel
+    assert (p.tp, p.cp, p.pp, p.world_size, p.cp_comm_type) == (2, 2, 1, 8, "p2p")
+    assert check_world_size(cfg, p.world_size) == 2 and p.model_parallel == 4
+    assert (cfg.model.spec, cfg.model.dtype) == ("te", "bfloat16")
+    assert cfg.rollout.max_new_tokens == 16384 and cfg.rollout.partial_rollout
+    assert cfg.train.pack_sequences and cfg.checkpoint.async_save
+    # one whole sequence (a prompt of up to 1k tokens + the longest answer) per micro-batch
+    assert cfg.train.micro_batch_tokens * p.cp >= 1024 + cfg.rollout.max_new_tokens
+    assert cfg.train.max_seq_len >= 1024 + cfg.rollout.max_new_tokens
+    assert cfg.train.global_batch_size % (cfg.rollout.group_size * 2) == 0
+    args = read_model_args(str(model_dir))
+    assert args.sliding_window is None and args.max_position_embeddings >= cfg.train.max_seq_len
+    padded = pad_vocab(args, cfg.model.make_vocab_size_divisible_by, p.tp)
+    tconfig = builder.transformer_config(padded, tp=p.tp, pp=p.pp, cp=p.cp, cp_comm_type=p.cp_comm_type,
+                                         recompute=cfg.model.recompute)
+    assert (tconfig.context_parallel_size, tconfig.cp_comm_type) == (2, "p2p")
