@@ -175,13 +175,12 @@ def check_features(cfg: Config, args) -> None:
         raise ConfigError(f"train.pack_sequences: not supported for MoE models ({cfg.model.hf_path} has "
                           f"{args.num_experts} experts: the routers' padding mask and routing replay are "
                           "per padded row); set it to false")
-    if cfg.parallel.cp > 1:  # the same lines as megarl.models.builder.transformer_config
-        if args.num_experts:
-            raise ConfigError(f"parallel.cp: context parallelism is not supported for MoE models "
-                              f"({args.architecture} has {args.num_experts} experts); use parallel.cp=1")
-        if args.sliding_window:
-            raise ConfigError(f"parallel.cp: context parallelism is not supported with sliding-window "
-                              f"attention ({args.architecture}, window {args.sliding_window}); use parallel.cp=1")
+    if cfg.parallel.cp > 1:  # the builder's own refusal, before any rank starts
+        from megarl.models.builder import cp_refusal
+
+        refusal = cp_refusal(args)
+        if refusal:
+            raise ConfigError(refusal)
     if cfg.lora.enabled:
         if args.num_experts and {"linear_fc1", "linear_fc2"} & set(cfg.lora.target_modules):
             raise ConfigError("lora.target_modules: MoE expert layers (linear_fc1/linear_fc2 of "

@@ -18,6 +18,17 @@ from megarl.models import stages
 from megarl.protocol.hf_model import ModelArgs
 
 
+def cp_refusal(args: ModelArgs) -> Optional[str]:
+    """Why this model cannot run with context parallelism (one line naming parallel.cp), or None."""
+    if args.num_experts:
+        return (f"parallel.cp: context parallelism is not supported for MoE models "
+                f"({args.architecture} has {args.num_experts} experts); use parallel.cp=1")
+    if args.sliding_window:
+        return (f"parallel.cp: context parallelism is not supported with sliding-window "
+                f"attention ({args.architecture}, window {args.sliding_window}); use parallel.cp=1")
+    return None
+
+
 def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] = None,
                        first_stage_layers: Optional[int] = None,
                        last_stage_layers: Optional[int] = None, dtype: str = "float32",
@@ -55,12 +66,9 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
     elif ep > 1:
         raise ValueError(f"parallel.ep: {ep} > 1 needs an MoE model ({args.architecture} is dense)")
     if cp > 1:
-        if args.num_experts:
-            raise ValueError(f"parallel.cp: context parallelism is not supported for MoE models "
-                             f"({args.architecture} has {args.num_experts} experts); use parallel.cp=1")
-        if args.sliding_window:
-            raise ValueError(f"parallel.cp: context parallelism is not supported with sliding-window "
-                             f"attention ({args.architecture}, window {args.sliding_window}); use parallel.cp=1")
+        refusal = cp_refusal(args)
+        if refusal:
+            raise ValueError(refusal)
         extra.update(context_parallel_size=cp, cp_comm_type=cp_comm_type)
     return TransformerConfig(
         num_layers=args.num_layers,
