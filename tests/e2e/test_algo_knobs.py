@@ -86,8 +86,17 @@ def test_gspo_trains_with_one_ratio_per_sequence(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     print("\n[gspo] " + "; ".join(f"{r['step']}: ratio {r['gspo/seq_ratio_mean']:.4f} clipped "
                                   f"{r['gspo/seq_clip_frac']:.3f}" for r in rows))
+    groups = collections.defaultdict(set)  # (step, group) -> the group's rewards
+    for g in run.generations:
+        groups[g["step"], g["group_id"]].add(g["reward"])
     for r in rows:
-        assert r["optimizer_steps"] == 2 and r["grad_norm"] > 0
+        assert r["optimizer_steps"] == 2
+        # a step whose groups all have equal rewards has no advantage to follow: its gradient is 0
+        # (seen once in CI); any other may be 0 too when its unequal groups all fell in the clipped
+        # second mini-batch, so only the run as a whole is required to have trained
+        if all(len(v) == 1 for (step, _), v in groups.items() if step == r["step"]):
+            assert r["grad_norm"] == 0.0, r
         # half the sequences (the first mini-batch) at ratio exactly 1, unclipped; the other half
         # after an lr 1e-3 step, far outside a 3e-4 / 4e-4 band: clipped
         assert 0 < r["gspo/seq_clip_frac"] <= 0.5 and r["gspo/seq_ratio_mean"] != 1.0
+    assert any(r["grad_norm"] > 0 for r in rows), rows
