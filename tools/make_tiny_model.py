@@ -18,6 +18,10 @@ measures greedy accuracy through the CPU rollout server (every 4th export until 
 target, then every export around it), and keeps the one closest to `--target-accuracy`. `--target-accuracy 0` keeps the last step instead.
 `--skip-sft` stops after the config; `--skip-eval` skips the accuracy runs (keeps the last step).
 
+    python tools/make_tiny_model.py --out DIR --task count --max-pos 1088 [--n-sft 4000 ...]
+writes the counting task instead ("a+b=" -> "a+(a+1)+...+b", answers of 1,003-1,063 tokens;
+megarl.data.tasks.CountingTask), the start model of configs/tiny_grpo_long.yaml.
+
     python tools/make_tiny_model.py --out DIR --reward-model [--rm-steps 2000]
 writes DIR/reward_model/ instead: a tiny LlamaForSequenceClassification trained to score correct
 sums above wrong ones (tools/tiny_reward_model.py; held-out accuracy and AUC in its rm_eval.json),
@@ -39,7 +43,7 @@ if REPO not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, REPO)
 
 from megarl.data.datasets import PromptDataset, read_jsonl  # noqa: E402
-from megarl.data.tasks import write_addition_corpus  # noqa: E402
+from megarl.data.tasks import CountingTask, write_addition_corpus, write_counting_corpus  # noqa: E402
 from megarl.common.tokenizer import SentencePieceTokenizer, load_tokenizer, train_sentencepiece  # noqa: E402
 from megarl.rollout.client import RolloutClient  # noqa: E402
 from megarl.rollout.evaluation import EvalResult, evaluate_samples  # noqa: E402
@@ -180,7 +184,7 @@ def choose_checkpoint(args: argparse.Namespace, exports: dict[int, str], eval_pa
 
     def acc(step: int) -> float:
         if step not in accs:
-            accs[step] = evaluate_model(exports[step], eval_path, args.n_eval, args.digits + 3, log_dir).accuracy
+            accs[step] = evaluate_model(exports[step], eval_path, args.n_eval, answer_tokens(args), log_dir).accuracy
             print(f"[make_tiny_model] SFT step {step}: greedy held-out accuracy {accs[step]:.3f}", flush=True)
         return accs[step]
 
@@ -194,6 +198,13 @@ def choose_checkpoint(args: argparse.Namespace, exports: dict[int, str], eval_pa
             acc(st)
     best = min(sorted(accs), key=lambda st: abs(accs[st] - args.target_accuracy))
     return best, accs
+
+
+def answer_tokens(args: argparse.Namespace) -> int:
+    """The longest answer plus EOS (the eval's max_new_tokens)."""
+    if args.task == "count":
+        return 4 * CountingTask().max_count + 1  # the longest count, EOS and one to spare
+    return args.digits + 3  # the sum (at most digits + 1), EOS and one to spare
 
 
 def make_reward_model(args: argparse.Namespace, out: str, hf_dir: str) -> int:
@@ -212,7 +223,9 @@ def make_reward_model(args: argparse.Namespace, out: str, hf_dir: str) -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--digits", type=int, default=2, help="digits per operand")
+    ap.add_argument("--task", choices=("add", "count"), default="add",
+                    help="add: a+b= -> the sum; count: a+b= -> a+(a+1)+...+b (1,000+ token answers)")
+    ap.add_argument("--digits", type=int, default=2, help="digits per operand (--task add)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-sft", type=int, default=5000, help="SFT examples")
     ap.add_argument("--n-rl", type=int, default=5000, help="RL prompts")
@@ -252,13 +265,19 @@ def main(argv: list[str] | None = None) -> int:
     hf_dir = os.path.join(out, "hf")
     t0 = time.monotonic()
 
-    longest = 1 + args.digits * 2 + 2 + (args.digits + 1) + 1  # bos a + b = sum eos
+    prompt_len = 1 + 3 * 2 + 2 if args.task == "count" else 1 + args.digits * 2 + 2  # bos a + b =
+    longest = prompt_len + answer_tokens(args)
     if longest > args.max_pos:
         raise SystemExit(f"--max-pos {args.max_pos} < longest sample ({longest} tokens)")
+    if args.reward_model and args.task != "add":
+        raise SystemExit("--reward-model is for --task add")
     if args.reward_model and os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
         return make_reward_model(args, out, hf_dir)
-    paths = write_addition_corpus(os.path.join(out, "data"), args.digits, args.n_sft, args.n_rl,
-                                  args.n_eval, args.seed)
+    if args.task == "count":
+        paths = write_counting_corpus(os.path.join(out, "data"), args.n_sft, args.n_rl, args.n_eval, args.seed)
+    else:
+        paths = write_addition_corpus(os.path.join(out, "data"), args.digits, args.n_sft, args.n_rl,
+                                      args.n_eval, args.seed)
     tok = make_tokenizer(paths["sft"], hf_dir)
     config = llama_config(args, tok)
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
@@ -280,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                                            os.path.join(out, "eval_server"))
         else:
             accs = {step: evaluate_model(exports[step], paths["eval_prompts"], args.n_eval,
-                                         args.digits + 3, os.path.join(out, "eval_server")).accuracy}
+                                         answer_tokens(args), os.path.join(out, "eval_server")).accuracy}
     shutil.rmtree(model_dir, ignore_errors=True)
     shutil.copytree(exports[step], model_dir)
     print(f"[make_tiny_model] model in {model_dir}: SFT step {step}, greedy held-out accuracy "

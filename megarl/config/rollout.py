@@ -64,7 +64,8 @@ class RolloutConfig:
     max_new_tokens: int = bounded(64, ge=1)
     """Generation budget per sample."""
     temperature: float = bounded(1.0, gt=0, why=_COLD)
-    """Sampling temperature (1.0: behave_logp is the policy's own logprob)."""
+    """Sampling temperature T. The servers report log softmax(logits / T) as behave_logp and the
+    trainer scores, and trains, the same softmax(logits / T) (as SGLang, slime and verl do)."""
     top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling; < 1 makes behave_logp differ from the sampling distribution."""
     seed: Optional[int] = bounded(None, ge=0)

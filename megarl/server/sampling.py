@@ -1,8 +1,9 @@
 """Batched token sampling for the rollout engine: one set of tensor ops for the whole batch.
 
-Reported logprob (what the trainer recomputes as `behave_logp`): ``log_softmax(raw_logits)[token]``
-over the fp32 logits at temperature 1, before any temperature / top-k / top-p / min-p
-transformation. The *choice* of token uses the transformed distribution:
+Reported logprob (`behave_logp`, what the trainer recomputes): ``log_softmax(logits / T)[token]``
+over the fp32 logits at the request's temperature T (1 for a greedy row), before any top-k / top-p
+/ min-p transformation - what SGLang reports by default, and the distribution the trainer scores
+(`megarl.trainer.engine.EngineSpec.temperature`). The *choice* of token uses the transformed one:
 
     z = logits / temperature;  top-k keeps the k largest z;  p = softmax(z);
     min-p drops p_i < min_p * max(p);  top-p keeps the smallest prefix (by p, descending) whose
@@ -63,29 +64,30 @@ class BatchSampler:
         self, logits: torch.Tensor, params: list[SamplingConfig], positions: list[int]
     ) -> tuple[list[int], list[float]]:
         """logits fp32 [B, V]; positions[b] = absolute index the sampled token will occupy."""
-        lse = torch.logsumexp(logits, dim=-1)
         greedy = [p.greedy for p in params]
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample_stochastic(logits, params, positions, greedy)
-        logp = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
-        return tokens.tolist(), logp.tolist()
-
-    def _sample_stochastic(self, logits, params, positions, greedy):
-        B, V = logits.shape
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         if all(t == 1.0 for t in temps):
             z = logits
         else:
             z = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample_stochastic(z, params, positions, greedy)
+        logp = z.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(z, dim=-1)
+        return tokens.tolist(), logp.tolist()
+
+    def _sample_stochastic(self, z, params, positions, greedy):
+        """z = logits / temperature (greedy rows: the logits themselves, argmax taken)."""
+        B, V = z.shape
+        dev, argmax = z.device, z.argmax(dim=-1) if any(greedy) else None
         ks = [p.top_k if (p.top_k > 0 and not g) else 0 for p, g in zip(params, greedy)]
         if any(ks):
             kmax = min(max(ks), V)
             top = torch.topk(z, kmax, dim=-1).values
-            kidx = torch.tensor([min(k, kmax) - 1 if k > 0 else kmax - 1 for k in ks], device=logits.device)
+            kidx = torch.tensor([min(k, kmax) - 1 if k > 0 else kmax - 1 for k in ks], device=dev)
             thresh = top.gather(1, kidx.unsqueeze(1))
-            off = torch.tensor([k == 0 for k in ks], device=logits.device).unsqueeze(1)
+            off = torch.tensor([k == 0 for k in ks], device=dev).unsqueeze(1)
             z = z.masked_fill((z < thresh) & ~off, float("-inf"))
         probs = torch.softmax(z, dim=-1)
         min_ps = [p.min_p for p in params]
@@ -100,7 +102,7 @@ class BatchSampler:
         target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=V - 1)
         if any(greedy):
-            tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), tokens)
+            tokens = torch.where(torch.tensor(greedy, device=dev), argmax, tokens)
         return tokens
 
     def _uniforms(self, params, positions) -> torch.Tensor:

@@ -71,11 +71,15 @@ class EngineSpec:
     tokenizer_path: str = ""  # data.tokenizer_path: copied next to an HF export (else model.hf_path's)
     lora: Optional[LoRAConfig] = None  # lora section: adapters on a frozen base (trainable engines)
     pack_sequences: bool = False  # train.pack_sequences: micro-batches fed packed (THD), not padded
+    # rollout.temperature in RL (1 in SFT): every logprob, entropy and loss is of softmax(logits / T),
+    # the distribution the samples were drawn from and the one SGLang and megarl-server report
+    temperature: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: Config) -> "EngineSpec":
         return cls(cfg.model, cfg.parallel, cfg.optim, cfg.moe, cfg.train.steps, cfg.train.micro_batch_tokens,
-                   cfg.data.tokenizer_path, cfg.lora if cfg.lora.enabled else None, cfg.train.pack_sequences)
+                   cfg.data.tokenizer_path, cfg.lora if cfg.lora.enabled else None, cfg.train.pack_sequences,
+                   cfg.rollout.temperature if cfg.train.is_rl else 1.0)
 
 
 @dataclass
@@ -259,7 +263,9 @@ class Engine:
 
     def _next_token(self, logits, targets: torch.Tensor, with_entropy: bool):
         """The head's output at each position about the token after it: (log p(targets) [b, n],
-        the entropy there or None)."""
+        the entropy there or None), p = softmax(logits / spec.temperature)."""
+        if self.spec.temperature != 1.0:
+            logits = logits / self.spec.temperature
         return vocab_parallel_logprobs(logits, targets, self.ps.tp_group, self.ps.tp, self.ps.tp_rank,
                                        with_entropy, vocab_size=self.args.vocab_size)
 

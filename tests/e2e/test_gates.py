@@ -107,3 +107,34 @@ def test_checksum_verify_detects_a_tampered_server_tensor(tmp_path, mode):
     assert [r["push/verify_mismatches"] for r in rows] == [1, 0, 0]
     assert "WARNING weights.verify_interval" in run.stdout
     assert proxy.calls == 4 and all(r["push/digest_s"] > 0 for r in rows)
+
+
+def test_a_tempered_run_trains_the_distribution_it_sampled(tmp_path):
+    """rollout.temperature=0.6: the server reports log softmax(logits / 0.6) of each sampled token
+    (SGLang's default) and the trainer scores the same distribution, so the gate passes every step
+    at fp32 noise; the logprobs are those of the HF model at 0.6 (recomputed here with
+    transformers), not at temperature 1."""
+    transformers = pytest.importorskip("transformers")
+    from megarl.common.tokenizer import load_tokenizer
+    from megarl.data.prompts import PromptDataset
+
+    run = train(tmp_path, "rollout.temperature=0.6", "logging.dump_generations=true").check()
+    rows = run.rows
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # measured ~1e-7 mean; at temperature 1 scoring, 0.6-sampled tokens read ~0.1
+        assert r["mismatch/mean"] <= 1e-5 and r["mismatch/max"] <= 1e-4, r
+    model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    prompts = PromptDataset(f"{REPO}/examples/tiny/data/rl_prompts.jsonl", load_tokenizer(MODEL)).samples
+    first = [g for g in run.generations if g["step"] == 1][:16]  # version 0: the model in MODEL
+    gap_to_t1 = 0.0
+    for g in first:
+        ids = prompts[g["prompt_index"]].prompt_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + g["response_ids"]])).logits[0, len(ids) - 1:-1].double()
+        tok = torch.tensor(g["response_ids"])[:, None]
+        want = torch.log_softmax(logits / 0.6, -1).gather(1, tok)[:, 0]
+        at_one = torch.log_softmax(logits, -1).gather(1, tok)[:, 0]
+        got = torch.tensor(g["behave_logp"], dtype=torch.float64)
+        assert (got - want).abs().max() < 1e-4, (g, want)
+        gap_to_t1 = max(gap_to_t1, (got - at_one).abs().max().item())
+    assert gap_to_t1 > 1e-2, gap_to_t1

@@ -34,7 +34,7 @@ def test_model_cache_and_sampler_stay_on_the_model_device(tmp_path):
         assert logits.device.type == "meta" and cache.k[0].device.type == "meta"
         cache.move([1], [0], 3)
         params = [SamplingConfig(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05), SamplingConfig(temperature=0)]
-        tokens = BatchSampler()._sample_stochastic(logits, params, [3, 4], [p.greedy for p in params])
+        tokens = BatchSampler()._sample_stochastic(logits / 0.7, params, [3, 4], [p.greedy for p in params])
         assert tokens.shape == (2,) and tokens.device.type == "meta"
 
 

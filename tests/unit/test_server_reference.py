@@ -128,9 +128,10 @@ def reference_logits(model_dir: str, sd: dict, ids: list[int]) -> torch.Tensor:
     return x @ head.T
 
 
-def reference_logprobs(model_dir: str, sd: dict, ids: list[int]) -> list[float]:
-    """Entry i = log p(ids[i] | ids[:i]); entry 0 = 0.0 (the megarl-logprobs convention)."""
-    lp = torch.log_softmax(reference_logits(model_dir, sd, ids).to(DT), -1)
+def reference_logprobs(model_dir: str, sd: dict, ids: list[int], temperature: float = 1.0) -> list[float]:
+    """Entry i = log p(ids[i] | ids[:i]) with p = softmax(logits / temperature); entry 0 = 0.0 (the
+    megarl-logprobs convention)."""
+    lp = torch.log_softmax(reference_logits(model_dir, sd, ids).to(DT) / temperature, -1)
     return [0.0] + [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
 
 

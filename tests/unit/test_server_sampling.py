@@ -1,4 +1,5 @@
-"""BatchSampler: reported logprobs are raw log-softmax; filters and seeds behave per row."""
+"""BatchSampler: reported logprobs are log-softmax at the row's temperature (SGLang's default),
+before top-k / top-p / min-p; filters and seeds behave per row."""
 
 from __future__ import annotations
 
@@ -11,16 +12,20 @@ def _logits(B=6, V=50, seed=0):
     return torch.randn(B, V, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def test_logprob_is_raw_log_softmax_whatever_the_filters():
+def test_logprob_is_log_softmax_at_the_temperature_whatever_the_filters():
     logits = _logits()
     params = [SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.5, seed=1),
               SamplingConfig(top_p=0.3, seed=2), SamplingConfig(top_k=3, seed=3),
               SamplingConfig(min_p=0.2, seed=4), SamplingConfig(temperature=2.0, top_k=10, top_p=0.9, seed=5)]
     toks, lps = BatchSampler().sample(logits, params, [7] * 6)
-    ref = torch.log_softmax(logits.double(), -1)
+    temps = torch.tensor([1.0, 0.5, 1.0, 1.0, 1.0, 2.0], dtype=torch.float64)  # greedy: temperature 1
+    ref = torch.log_softmax(logits.double() / temps[:, None], -1)
+    raw = torch.log_softmax(logits.double(), -1)
     for b, (t, lp) in enumerate(zip(toks, lps)):
         assert abs(lp - ref[b, t].item()) < 1e-5
     assert toks[0] == int(logits[0].argmax())
+    # the tempered rows differ from the raw logprob by far more than the tolerance
+    assert abs(lps[1] - raw[1, toks[1]].item()) > 1e-3 and abs(lps[5] - raw[5, toks[5]].item()) > 1e-3
 
 
 def test_greedy_top_k_1_and_tiny_top_p_pick_the_argmax():
