@@ -1,5 +1,5 @@
 """Reward functions: the plugin contract and loader (`base`), the awaitable `RewardCaller`
-workflows use, and the built-in verifiers - exact match (`text`), math answers (`math_answer`),
+workflows use, and the built-in verifiers - exact match and prefix credit (`text`), math answers (`math_answer`),
 Countdown (`countdown`) and a reward served over HTTP (`http`). Import paths such as
 ``megarl.rewards:math_reward`` resolve here.
 """
@@ -8,7 +8,7 @@ from megarl.rewards.countdown import check_countdown, countdown_reward, extract_
 from megarl.rewards.http import HttpReward, HttpRewardError
 from megarl.rewards.math_answer import (answers_match, extract_answer, extract_boxed, last_number,
                                                 math_reward, parse_number)
-from megarl.rewards.text import arith_exact_match, first_word
+from megarl.rewards.text import arith_exact_match, first_word, prefix_match
 
 __all__ = [
     "HttpReward",
@@ -28,5 +28,6 @@ __all__ = [
     "last_number",
     "load_reward_fn",
     "math_reward",
+    "prefix_match",
     "parse_number",
 ]

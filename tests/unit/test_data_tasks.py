@@ -1,4 +1,4 @@
-"""Addition task: seeded generation, held-out disjointness, make_tiny_model steps (i)-(iii).
+"""Addition and counting tasks: seeded generation, held-out disjointness, make_tiny_model steps (i)-(iii).
 (Greedy held-out accuracy: tests/unit/test_rollout_evaluation.py.)"""
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megarl.data.datasets import read_jsonl
-from megarl.data.tasks import AdditionTask, write_addition_corpus
+from megarl.data.tasks import AdditionTask, CountingTask, write_addition_corpus, write_counting_corpus
 from megarl.common.tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,6 +39,25 @@ def test_seeded_and_held_out_disjoint():
     assert all(10 <= a <= 99 and 10 <= b <= 99 for a, b in train)
     small = AdditionTask(digits=1, seed=0)
     assert not set(small.training_pairs(500, 99)) & set(small.held_out(99))
+
+
+def test_counting_task_answers_are_1000_tokens_and_held_out(tmp_path):
+    t = CountingTask()
+    assert (t.num_pairs, t.pair(0), t.pair(t.num_pairs - 1)) == (635 * 16, (100, 251), (734, 266))
+    assert (t.prompt(100, 3), t.answer(100, 3)) == ("100+102=", "100+101+102")
+    lengths = {len(t.answer(*t.pair(k))) for k in range(t.num_pairs)}
+    assert (min(lengths), max(lengths)) == (4 * 251 - 1, 4 * 266 - 1) == (1003, 1063)
+    assert max(a + n - 1 for a, n in map(t.pair, range(t.num_pairs))) == 999  # every number has 3 digits
+    paths = write_counting_corpus(str(tmp_path), n_sft=50, n_rl=40, n_eval=30)
+    rows = {k: [r for _, r in read_jsonl(v)] for k, v in paths.items()}
+    assert [len(v) for v in rows.values()] == [50, 40, 30]
+    held = {r["prompt"] for r in rows["eval_prompts"]}
+    assert not held & {r["prompt"] for r in rows["sft"] + rows["rl_prompts"]}
+    for r in rows["rl_prompts"]:  # the answer counts from the prompt's first number to its second
+        a, b = map(int, r["prompt"].rstrip("=").split("+"))
+        assert r["answer"].split("+") == [str(x) for x in range(a, b + 1)]
+    with pytest.raises(ValueError, match="min_count"):
+        CountingTask(300, 200)
 
 
 def test_make_tiny_model_data_tokenizer_config(tmp_path):

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from megarl.rewards import arith_exact_match, first_word, load_reward_fn
+from megarl.rewards import arith_exact_match, first_word, load_reward_fn, prefix_match
 
 PLUGIN = '''
 def good(prompt, completion, meta):
@@ -85,3 +85,14 @@ def test_arith_exact_match(completion, reward):
 def test_arith_answer_may_be_an_int():
     assert arith_exact_match("99+1=", "100", {"answer": 100}) == 1.0
     assert first_word("  7 8") == "7"
+
+
+def test_prefix_match_credits_the_right_characters_before_the_first_wrong_one():
+    meta = {"answer": "100+101+102"}  # 11 characters
+    assert prefix_match("", "100+101+102</s>", meta) == 1.0
+    assert prefix_match("", "100+101+103", meta) == 10 / 11  # wrong at the last character
+    assert prefix_match("", "100+101", meta) == 7 / 11  # stopped early
+    assert prefix_match("", "100+101+102+103", meta) == 11 / 15  # ran on past the answer
+    assert prefix_match("", "200+101+102", meta) == 0.0
+    assert prefix_match("", "", meta) == 0.0 and prefix_match("", "", {"answer": ""}) == 1.0
+    assert load_reward_fn("megarl.rewards:prefix_match") is prefix_match
