@@ -18,9 +18,9 @@ measures greedy accuracy through the CPU rollout server (every 4th export until 
 target, then every export around it), and keeps the one closest to `--target-accuracy`. `--target-accuracy 0` keeps the last step instead.
 `--skip-sft` stops after the config; `--skip-eval` skips the accuracy runs (keeps the last step).
 
-    python tools/make_tiny_model.py --out DIR --task count --max-pos 1088 [--n-sft 4000 ...]
+    python tools/make_tiny_model.py --out DIR --task count --max-pos 1088 [--count-end 999 ...]
 writes the counting task instead ("a+b=" -> "a+(a+1)+...+b", answers of 1,003-1,063 tokens;
-megarl.data.tasks.CountingTask), the start model of configs/tiny_grpo_long.yaml.
+megarl.data.tasks.CountingTask; docs/long_context.md says what it measured).
 
     python tools/make_tiny_model.py --out DIR --reward-model [--rm-steps 2000]
 writes DIR/reward_model/ instead: a tiny LlamaForSequenceClassification trained to score correct
@@ -203,7 +203,7 @@ def choose_checkpoint(args: argparse.Namespace, exports: dict[int, str], eval_pa
 def answer_tokens(args: argparse.Namespace) -> int:
     """The longest answer plus EOS (the eval's max_new_tokens)."""
     if args.task == "count":
-        return 4 * CountingTask().max_count + 1  # the longest count, EOS and one to spare
+        return 4 * args.count_max + 1  # the longest count, EOS and one to spare
     return args.digits + 3  # the sum (at most digits + 1), EOS and one to spare
 
 
@@ -226,6 +226,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--task", choices=("add", "count"), default="add",
                     help="add: a+b= -> the sum; count: a+b= -> a+(a+1)+...+b (1,000+ token answers)")
     ap.add_argument("--digits", type=int, default=2, help="digits per operand (--task add)")
+    ap.add_argument("--count-min", type=int, default=CountingTask.min_count, help="--task count: fewest numbers")
+    ap.add_argument("--count-max", type=int, default=CountingTask.max_count, help="--task count: most numbers")
+    ap.add_argument("--count-end", type=int, default=0,
+                    help="--task count: every count ends at this number (0: the prompt's second number, any)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-sft", type=int, default=5000, help="SFT examples")
     ap.add_argument("--n-rl", type=int, default=5000, help="RL prompts")
@@ -274,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.reward_model and os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
         return make_reward_model(args, out, hf_dir)
     if args.task == "count":
-        paths = write_counting_corpus(os.path.join(out, "data"), args.n_sft, args.n_rl, args.n_eval, args.seed)
+        paths = write_counting_corpus(os.path.join(out, "data"), args.n_sft, args.n_rl, args.n_eval, args.seed,
+                                      args.count_min, args.count_max, args.count_end)
     else:
         paths = write_addition_corpus(os.path.join(out, "data"), args.digits, args.n_sft, args.n_rl,
                                       args.n_eval, args.seed)

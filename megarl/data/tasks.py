@@ -107,23 +107,30 @@ class CountingTask(_PairTask):
     """Count from a to b, both 3-digit: prompt "a+b=", answer "a+(a+1)+...+b", so an answer of n
     numbers is 4n - 1 characters. n is drawn from [min_count, max_count]; the defaults make every
     answer 1,003-1,063 characters (one token each with the char tokenizer), plus EOS. A pair is
-    (a, n); held-out pairs never appear among the training ones."""
+    (a, n); held-out pairs never appear among the training ones. With ``end`` every count ends at
+    that number (a = end - n + 1): the stop is read from the last number written, not compared
+    with the prompt, and there are max_count - min_count + 1 pairs."""
 
     min_count: int = 251
     max_count: int = 266
     seed: int = 0
+    end: int = 0  # 0: any b (a from 100 up); else every count ends at this 3-digit number
 
     def __post_init__(self):
         if not 1 <= self.min_count <= self.max_count <= 900:
             raise ValueError(f"need 1 <= min_count <= max_count <= 900, got {self.min_count}, {self.max_count}")
+        if self.end and not 100 + self.max_count - 1 <= self.end <= 999:
+            raise ValueError(f"end must be a 3-digit number >= 99 + max_count, got {self.end}")
 
     @property
     def num_pairs(self) -> int:
-        return (900 - self.max_count + 1) * (self.max_count - self.min_count + 1)
+        counts = self.max_count - self.min_count + 1
+        return counts if self.end else (900 - self.max_count + 1) * counts
 
     def pair(self, k: int) -> tuple[int, int]:
         a, n = divmod(k, self.max_count - self.min_count + 1)
-        return 100 + a, self.min_count + n
+        n += self.min_count
+        return (self.end - n + 1, n) if self.end else (100 + a, n)
 
     @staticmethod
     def prompt(a: int, n: int) -> str:
@@ -158,9 +165,9 @@ def write_addition_corpus(
 
 
 def write_counting_corpus(out_dir: str, n_sft: int = 4000, n_rl: int = 2000, n_eval: int = 64, seed: int = 0,
-                          min_count: int = 251, max_count: int = 266) -> dict[str, str]:
+                          min_count: int = 251, max_count: int = 266, end: int = 0) -> dict[str, str]:
     """The counting task's sft.jsonl, rl_prompts.jsonl and eval_prompts.jsonl (as the addition corpus)."""
-    task = CountingTask(min_count, max_count, seed)
+    task = CountingTask(min_count, max_count, seed, end)
     paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("sft", "rl_prompts", "eval_prompts")}
     write_jsonl(paths["sft"], task.sft_rows(task.training_pairs(n_sft, n_eval, _SFT_STREAM)))
     write_jsonl(paths["rl_prompts"], task.rl_rows(task.training_pairs(n_rl, n_eval, _RL_STREAM)))

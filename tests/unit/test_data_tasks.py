@@ -58,6 +58,11 @@ def test_counting_task_answers_are_1000_tokens_and_held_out(tmp_path):
         assert r["answer"].split("+") == [str(x) for x in range(a, b + 1)]
     with pytest.raises(ValueError, match="min_count"):
         CountingTask(300, 200)
+    to_999 = CountingTask(251, 300, end=999)  # every count ends at 999: 50 pairs, 1,003-1,199 characters
+    assert (to_999.num_pairs, to_999.pair(0), to_999.pair(49)) == (50, (749, 251), (700, 300))
+    assert all(to_999.answer(*to_999.pair(k)).endswith("+998+999") for k in range(50))
+    with pytest.raises(ValueError, match="end must be"):
+        CountingTask(251, 300, end=300)
 
 
 def test_make_tiny_model_data_tokenizer_config(tmp_path):
