@@ -15,10 +15,14 @@ an empty temporary working directory, its own session) with these limits:
     network      no sockets (audit hook refuses socket creation and imports of socket/ssl/...)
     output       `max_output_chars` (default 2000) of stdout, and of the result, are kept
 
-The child-side details are in `sandbox_runner.py`. This is a guard against accidents and
-casual misuse by generated code, not a security boundary against a determined attacker (it
-shares the kernel, the user and the file system with the trainer): run untrusted workloads in a
-container or VM without network.
+The child-side details are in `sandbox_runner.py`: an audit hook and rlimits, a guard against
+accidents and casual misuse, not a boundary. The boundary is `isolation` (default ``bwrap``): the
+runner runs inside `megarl.tools.sandbox` (bubblewrap: its own user, PID, network and mount
+namespaces, a read-only root with /usr only, a private /tmp, process / CPU / memory limits), the
+distribution's Python (``python``, default /usr/bin/python3), so a snippet that gets past the
+guard still sees no file, process, socket or user of the machine's. Where bubblewrap or user
+namespaces are missing, building the tool fails in one line (`SandboxUnavailable`); ``isolation:
+guard`` runs the guard alone (same user and file system as the trainer) and must be asked for.
 """
 from __future__ import annotations
 
@@ -28,10 +32,25 @@ import os
 import signal
 import sys
 import tempfile
+from typing import Optional
+
+from megarl.tools.sandbox import Limits, Sandbox, SandboxUnavailable, default_python, probe
 
 __all__ = ["PythonTool", "RUNNER"]
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runner.py")
+
+
+def _runner_source() -> str:
+    """sandbox_runner.py's text, run with ``python -c``: inside the sandbox no megarl file exists."""
+    global _RUNNER_SOURCE
+    if _RUNNER_SOURCE is None:
+        with open(RUNNER, encoding="utf-8") as f:
+            _RUNNER_SOURCE = f.read()
+    return _RUNNER_SOURCE
+
+
+_RUNNER_SOURCE: Optional[str] = None
 
 
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
@@ -62,11 +81,28 @@ class PythonTool:
     parameters = {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}
 
     def __init__(self, timeout_s: float = 5.0, cpu_s: int = 2, memory_mb: int = 256,
-                 max_output_chars: int = 2000, python: str = sys.executable):
+                 max_output_chars: int = 2000, python: Optional[str] = None, isolation: str = "bwrap"):
         if timeout_s <= 0 or cpu_s < 1 or memory_mb < 32 or max_output_chars < 1:
             raise ValueError("python tool: need timeout_s > 0, cpu_s >= 1, memory_mb >= 32, max_output_chars >= 1")
+        if isolation not in ("bwrap", "guard"):
+            raise ValueError(f"python tool: isolation must be 'bwrap' (a sandbox) or 'guard' (in-process guard "
+                             f"only, not a boundary), got {isolation!r}")
         self.timeout_s, self.cpu_s, self.memory_mb = timeout_s, cpu_s, memory_mb
-        self.max_output_chars, self.python = max_output_chars, python
+        self.max_output_chars, self.isolation = max_output_chars, isolation
+        self.sandbox: Optional[Sandbox] = None
+        if isolation == "bwrap":
+            self.python = python or default_python()
+            try:
+                probe(python=self.python)
+            except SandboxUnavailable as e:
+                raise ValueError(f"python tool: isolation 'bwrap': {e}") from None
+            # the runner sets its own CPU/memory rlimits too; the sandbox's cover bubblewrap and the
+            # interpreter's start (address space: the runner's limit plus the interpreter's own)
+            self.sandbox = Sandbox(Limits(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb + 256, max_procs=8,
+                                          tmp_mb=1, max_output_bytes=8 * max_output_chars + 65536),
+                                   python=self.python)
+        else:
+            self.python = python or sys.executable
 
     async def __call__(self, code: str) -> str:
         report = await self.run(str(code))
@@ -79,6 +115,15 @@ class PythonTool:
         """The runner's report {"ok", "stdout", "result", "error"} (limits turned into errors)."""
         payload = json.dumps({"code": code, "cpu_s": self.cpu_s, "memory_mb": self.memory_mb,
                               "max_output_chars": self.max_output_chars}).encode()
+        if self.sandbox is not None:
+            r = await self.sandbox.run([self.python, "-I", "-S", "-X", "utf8", "-c", _runner_source()], payload)
+            if r.timed_out:
+                return self._error(f"timed out after {self.timeout_s} s (wall clock)")
+            if r.flooded:
+                return self._error("output limit exceeded")
+            # bubblewrap's init reports a program killed by signal s as 128 + s
+            code = -(r.returncode - 128) if r.returncode > 128 else r.returncode
+            return self._report(r.stdout, code)
         with tempfile.TemporaryDirectory(prefix="megarl-sandbox-") as cwd:
             proc = await asyncio.create_subprocess_exec(
                 self.python, "-I", "-S", "-X", "utf8", RUNNER, stdin=asyncio.subprocess.PIPE,

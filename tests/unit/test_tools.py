@@ -1,6 +1,7 @@
 """Tools: the calculator (whitelisted AST) and the sandboxed python tool - each documented limit
 is exercised in a real child process - plus run_tool_call's error text and timeouts."""
 import asyncio
+import os
 
 import pytest
 
@@ -49,16 +50,32 @@ SANDBOX = [
 ]
 
 
+# the guard answers alike with or without the bubblewrap boundary around it
+@pytest.mark.parametrize("isolation", ["bwrap", "guard"])
 @pytest.mark.parametrize("code,out", SANDBOX)
-def test_python_sandbox(code, out):
-    assert run(PythonTool(max_output_chars=100)(code=code)) == out
+def test_python_sandbox(code, out, isolation):
+    assert run(PythonTool(max_output_chars=100, isolation=isolation)(code=code)) == out
 
 
-def test_python_sandbox_cpu_and_wall_limits():
-    assert run(PythonTool(cpu_s=1, timeout_s=30)(code="while True: pass")) == \
+@pytest.mark.parametrize("isolation", ["bwrap", "guard"])
+def test_python_sandbox_cpu_and_wall_limits(isolation):
+    assert run(PythonTool(cpu_s=1, timeout_s=30, isolation=isolation)(code="while True: pass")) == \
         "error: killed: CPU time limit (1 s) or memory limit exceeded"
-    assert run(PythonTool(cpu_s=5, timeout_s=0.5)(code="import time\ntime.sleep(30)")) == \
+    assert run(PythonTool(cpu_s=5, timeout_s=0.5, isolation=isolation)(code="import time\ntime.sleep(30)")) == \
         "error: timed out after 0.5 s (wall clock)"
+
+
+def test_python_tool_runs_behind_the_boundary_by_default():
+    """By default the snippet is another user in its own PID namespace (megarl.tools.sandbox;
+    its hostile corpus: tests/unit/test_sandbox_boundary.py); the guard alone runs as the trainer."""
+    code = "import os\n(os.getuid(), os.getpid())"
+    uid, pid = eval(run(PythonTool()(code=code)))
+    assert uid == 65534 and pid <= 3
+    assert eval(run(PythonTool(isolation="guard")(code=code)))[0] == os.getuid()
+    with pytest.raises(ValueError, match="isolation must be 'bwrap'"):
+        PythonTool(isolation="none")
+    with pytest.raises(ValueError, match=r"^python tool: isolation 'bwrap': sandbox: the interpreter 'no-such-python' is not"):
+        PythonTool(python="no-such-python")
 
 
 def test_run_tool_call_maps_failures_to_text():
