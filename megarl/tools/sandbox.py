@@ -109,11 +109,15 @@ def _probe(bwrap: str, python: str) -> Optional[str]:
     if not os.path.isabs(python) or not os.access(python, os.X_OK):
         return f"sandbox: the interpreter {python!r} is not an executable file given by its absolute path"
     sb = Sandbox(Limits(timeout_s=20), python=python, bwrap=exe)
-    argv, kw = sb._spawn_args([python, "-I", "-S", "-c", "pass"], slot=0)
+    slot = _SLOTS.take(sb.slots)
     try:
+        argv, kw = sb._spawn_args([python, "-I", "-S", "-c", "pass"], slot=slot or 0)
         r = subprocess.run(argv, capture_output=True, timeout=30, **kw)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"sandbox: {exe} could not be started: {e}"
+    finally:
+        if slot is not None:
+            _SLOTS.give(slot)
     if r.returncode != 0:
         err = r.stderr.decode("utf-8", "replace").strip().splitlines()
         why = err[-1] if err else f"exit code {r.returncode}"
@@ -131,7 +135,7 @@ class _Slots:
 
     def take(self, n: int) -> Optional[int]:
         """The next free slot after the last one taken (round robin: a uid is used again only after
-        the others, when the exited sandbox's last processes are surely reaped)."""
+        the others, by when the exited sandbox's zombies have been reaped)."""
         with self.lock:
             for i in range(n):
                 s = (self.next + i) % n
