@@ -17,8 +17,8 @@ program sees:
     network       a network namespace with a loopback that is down: no route anywhere, the
                   run's own servers on 127.0.0.1 included
     user          not the caller: run as root, megarl starts it as an unused uid/gid of its own
-                  (`uid_base` + a slot, no supplementary groups, as IOI's isolate does), so its
-                  process count is its own; run as a user, it is that user, and `max_procs`
+                  (`uid_base` + k, locked machine-wide for the run, no supplementary groups, as
+                  IOI's isolate does), so its process count is its own; run as a user, it is that user, and `max_procs`
                   counts that user's processes (RLIMIT_NPROC is per uid) on top of those it had.
                   Inside: uid/gid 65534, no capabilities, no further user namespaces.
     limits        CPU seconds (RLIMIT_CPU), address space per process (RLIMIT_AS), core files
@@ -35,7 +35,9 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import fcntl
 import signal
+import stat
 import sys
 import threading
 from dataclasses import dataclass
@@ -73,6 +75,7 @@ class SandboxResult:
     stderr: bytes
     timed_out: bool = False  # killed at timeout_s
     flooded: bool = False  # killed for writing more than max_output_bytes
+    uid: Optional[int] = None  # the uid it ran as on the host (root-started), else None (the caller's)
 
 
 def default_python() -> str:
@@ -109,15 +112,18 @@ def _probe(bwrap: str, python: str) -> Optional[str]:
     if not os.path.isabs(python) or not os.access(python, os.X_OK):
         return f"sandbox: the interpreter {python!r} is not an executable file given by its absolute path"
     sb = Sandbox(Limits(timeout_s=20), python=python, bwrap=exe)
-    slot = _SLOTS.take(sb.slots)
     try:
-        argv, kw = sb._spawn_args([python, "-I", "-S", "-c", "pass"], slot=slot or 0)
+        taken = _SLOTS.take(sb.uid_base, sb.slots) if os.getuid() == 0 else None
+    except SandboxUnavailable as e:
+        return str(e)
+    try:
+        argv, kw = sb._spawn_args([python, "-I", "-S", "-c", "pass"], taken[0] if taken else None)
         r = subprocess.run(argv, capture_output=True, timeout=30, **kw)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"sandbox: {exe} could not be started: {e}"
     finally:
-        if slot is not None:
-            _SLOTS.give(slot)
+        if taken:
+            _SLOTS.give(taken[1])
     if r.returncode != 0:
         err = r.stderr.decode("utf-8", "replace").strip().splitlines()
         why = err[-1] if err else f"exit code {r.returncode}"
@@ -128,29 +134,54 @@ def _probe(bwrap: str, python: str) -> Optional[str]:
 
 
 class _Slots:
-    """Slot numbers of the sandboxes running in this process (each root-started one its own uid)."""
+    """The uids root-started sandboxes run as, one per running sandbox on the machine: uid_base + k
+    is taken by an exclusive flock of `LOCK_DIR`/uid-<uid>.lock (so two megarl processes - the
+    manager, a reward server, another run - never share one), tried round robin from after the
+    last one this process took (a uid comes back only after the others, by when its exited
+    sandbox's zombies have been reaped)."""
 
     def __init__(self):
-        self.lock, self.busy, self.next = threading.Lock(), set(), 0
+        self.lock, self.next = threading.Lock(), 0
 
-    def take(self, n: int) -> Optional[int]:
-        """The next free slot after the last one taken (round robin: a uid is used again only after
-        the others, by when the exited sandbox's zombies have been reaped)."""
+    def take(self, base: int, n: int) -> Optional[tuple[int, int]]:
+        """(uid, fd holding its lock), or None when all n are taken."""
+        directory = _lock_dir()
         with self.lock:
             for i in range(n):
-                s = (self.next + i) % n
-                if s not in self.busy:
-                    self.busy.add(s)
-                    self.next = s + 1
-                    return s
+                k = (self.next + i) % n
+                fd = os.open(os.path.join(directory, f"uid-{base + k}.lock"),
+                             os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                self.next = k + 1
+                return base + k, fd
         return None
 
-    def give(self, s: int) -> None:
-        with self.lock:
-            self.busy.discard(s)
+    @staticmethod
+    def give(fd: int) -> None:
+        os.close(fd)  # releases the flock
 
 
 _SLOTS = _Slots()
+LOCK_DIR = "/run/megarl-sandbox"
+
+
+def _lock_dir() -> str:
+    """`LOCK_DIR` (or /tmp/megarl-sandbox-0 where /run is not writable), root's own: made 0700, and
+    refused in one line when someone else made it first (they could hold every uid's lock)."""
+    directory = LOCK_DIR if os.access(os.path.dirname(LOCK_DIR), os.W_OK) else "/tmp/megarl-sandbox-0"
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o077:
+        raise SandboxUnavailable(f"sandbox: {directory} is not a directory of root's with mode 0700; remove it "
+                                 "(another user made it: it would decide which uids sandboxes get)")
+    return directory
 
 
 def _user_processes() -> int:
@@ -202,12 +233,12 @@ class Sandbox:
                 "--remount-ro", "/", "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/tmp",
                 "--", *program]
 
-    def _spawn_args(self, program: Sequence[str], slot: int) -> tuple[list[str], dict]:
-        """(argv with the rlimits applied by prlimit, the subprocess options that set the user)."""
+    def _spawn_args(self, program: Sequence[str], uid: Optional[int]) -> tuple[list[str], dict]:
+        """(argv with the rlimits applied by prlimit, the subprocess options that set the user:
+        `uid`, taken for this run, when started by root)."""
         lim, kw = self.limits, {}
         nproc = lim.max_procs
-        if os.getuid() == 0:
-            uid = self.uid_base + slot
+        if uid is not None:
             kw = {"user": uid, "group": uid, "extra_groups": []}
         else:
             nproc += _user_processes()
@@ -219,17 +250,19 @@ class Sandbox:
 
     async def run(self, program: Sequence[str], stdin: bytes = b"") -> SandboxResult:
         probe(self.bwrap, self.python)
-        slot = _SLOTS.take(self.slots)
-        while slot is None:  # more concurrent runs than slots: wait for one
+        if os.getuid() != 0:
+            return await self._run(program, stdin, None)
+        taken = _SLOTS.take(self.uid_base, self.slots)
+        while taken is None:  # more sandboxes running on the machine than uids: wait for one
             await asyncio.sleep(0.01)
-            slot = _SLOTS.take(self.slots)
+            taken = _SLOTS.take(self.uid_base, self.slots)
         try:
-            return await self._run(program, stdin, slot)
+            return await self._run(program, stdin, taken[0])
         finally:
-            _SLOTS.give(slot)
+            _SLOTS.give(taken[1])
 
-    async def _run(self, program, stdin: bytes, slot: int) -> SandboxResult:
-        argv, kw = self._spawn_args(program, slot)
+    async def _run(self, program, stdin: bytes, uid: Optional[int]) -> SandboxResult:
+        argv, kw = self._spawn_args(program, uid)
         lim = self.limits
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -273,4 +306,4 @@ class Sandbox:
         finally:
             kill()
             await proc.wait()
-        return SandboxResult(proc.returncode, out, err, timed_out, flood_o or flood_e)
+        return SandboxResult(proc.returncode, out, err, timed_out, flood_o or flood_e, uid)

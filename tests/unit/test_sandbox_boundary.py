@@ -94,7 +94,7 @@ print(json.dumps(out))
 
 def test_a_fork_bomb_is_contained_and_leaves_nothing():
     t0 = time.monotonic()
-    got = report("""
+    bomb = run("""
 import json, os, time
 n = 0
 try:
@@ -106,13 +106,15 @@ try:
 except OSError as e:
     print(json.dumps({"forked": n, "error": type(e).__name__}))
 """)
+    assert bomb.returncode == 0 and bomb.uid is not None if os.getuid() == 0 else True, bomb
+    got = json.loads(bomb.stdout.decode().strip().splitlines()[-1])
     assert got["error"] in ("BlockingIOError", "OSError") and got["forked"] < LIMITS.max_procs, got
     assert time.monotonic() - t0 < LIMITS.timeout_s  # the children did not hold the run
     time.sleep(0.5)
     # the kernel emptied the PID namespace with its init: no sandbox process is left running on the
     # host (bubblewrap's own exited processes may wait a moment as zombies for the machine's init)
-    assert not [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) in range(60000, 60000 + 256)
-                and _state(p) != "Z"]
+    if bomb.uid is not None:  # its uid was its own (other sandboxes may be running meanwhile)
+        assert not [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) == bomb.uid and _state(p) != "Z"]
 
 
 def _uid(pid: str) -> int:
@@ -164,12 +166,12 @@ except MemoryError:
 print(json.dumps({"memory": out}))
 """)
     assert got["memory"] == "MemoryError"
-    spin = run("while True: pass", Limits(timeout_s=10, cpu_s=1))
+    spin = run("while True: pass", Limits(timeout_s=60, cpu_s=1))  # 1 CPU second, however loaded the machine
     # SIGXCPU at cpu_s (SIGKILL a second later), reported by bubblewrap's init as 128 + signal
     assert spin.returncode in (128 + 24, 128 + 9) and not spin.timed_out, spin
     t0 = time.monotonic()
     sleeper = run("import time; time.sleep(60)", Limits(timeout_s=1))
-    assert sleeper.timed_out and time.monotonic() - t0 < 5, sleeper
+    assert sleeper.timed_out and time.monotonic() - t0 < 15, sleeper  # 1 s, and the start of two processes
     flood = run("import sys\nwhile True: sys.stdout.write('x' * 65536)", Limits(max_output_bytes=1 << 16))
     assert flood.flooded and len(flood.stdout) == 1 << 16
 
