@@ -1,6 +1,6 @@
 """Reward functions: the plugin contract and loader (`base`), the awaitable `RewardCaller`
-workflows use, and the built-in verifiers - exact match and prefix credit (`text`), math answers (`math_answer`),
-Countdown (`countdown`) and a reward served over HTTP (`http`). Import paths such as
+workflows use, and the built-in verifiers - exact match and prefix credit (`text`), math answers
+(`math_answer`), Countdown (`countdown`) and a reward served over HTTP (`http`). Import paths such as
 ``megarl.rewards:math_reward`` resolve here.
 """
 from megarl.rewards.base import RewardCaller, RewardError, RewardFn, is_async_callable, load_reward_fn
@@ -28,6 +28,6 @@ __all__ = [
     "last_number",
     "load_reward_fn",
     "math_reward",
-    "prefix_match",
     "parse_number",
+    "prefix_match",
 ]

@@ -34,7 +34,8 @@ import sys
 import tempfile
 from typing import Optional
 
-from megarl.tools.sandbox import Limits, Sandbox, SandboxUnavailable, default_python, probe
+from megarl.tools.sandbox import (Limits, Sandbox, SandboxUnavailable, default_python, kill_group, probe,
+                                  read_capped)
 
 __all__ = ["PythonTool", "RUNNER"]
 
@@ -51,27 +52,6 @@ def _runner_source() -> str:
 
 
 _RUNNER_SOURCE: Optional[str] = None
-
-
-def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-async def _read_capped(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, bool]:
-    """(up to `limit` bytes until EOF, whether more was written)."""
-    chunks, size = [], 0
-    while True:
-        chunk = await stream.read(65536)
-        if not chunk:
-            return b"".join(chunks), False
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            return b"".join(chunks)[:limit], True
 
 
 class PythonTool:
@@ -134,7 +114,7 @@ class PythonTool:
                 await proc.stdin.drain()
                 proc.stdin.close()
                 out, flooded = await asyncio.wait_for(
-                    _read_capped(proc.stdout, 8 * self.max_output_chars + 65536), self.timeout_s)
+                    read_capped(proc.stdout, 8 * self.max_output_chars + 65536), self.timeout_s)
                 if not flooded:
                     await asyncio.wait_for(proc.wait(), self.timeout_s)
             except asyncio.TimeoutError:
@@ -142,7 +122,7 @@ class PythonTool:
             except (BrokenPipeError, ConnectionResetError):
                 out, flooded = b"", False
             finally:
-                _kill_group(proc)
+                kill_group(proc)
                 await proc.wait()
         if flooded:
             return self._error("output limit exceeded")

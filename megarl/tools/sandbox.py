@@ -43,7 +43,8 @@ import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["Limits", "Sandbox", "SandboxResult", "SandboxUnavailable", "probe", "default_python"]
+__all__ = ["Limits", "Sandbox", "SandboxResult", "SandboxUnavailable", "default_python", "kill_group", "probe",
+           "read_capped"]
 
 _NOBODY = 65534
 
@@ -184,6 +185,28 @@ def _lock_dir() -> str:
     return directory
 
 
+def kill_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the process group `proc` leads (started with start_new_session), if it still runs."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+async def read_capped(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, bool]:
+    """(up to `limit` bytes until EOF, whether more was written)."""
+    chunks, size = [], 0
+    while True:
+        chunk = await stream.read(65536)
+        if not chunk:
+            return b"".join(chunks), False
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return b"".join(chunks)[:limit], True
+
+
 def _user_processes() -> int:
     """Processes (threads included: RLIMIT_NPROC counts tasks) of this uid now."""
     uid, n = os.getuid(), 0
@@ -268,24 +291,14 @@ class Sandbox:
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, env={"PATH": "/usr/bin:/bin"}, cwd="/", **kw)
 
-        def kill() -> None:
-            if proc.returncode is None:
-                try:  # bwrap's session: its init dies and the kernel empties the PID namespace
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        def kill() -> None:  # bwrap's session: its init dies and the kernel empties the PID namespace
+            kill_group(proc)
 
         async def read(stream) -> tuple[bytes, bool]:
-            chunks, size = [], 0
-            while True:
-                chunk = await stream.read(65536)
-                if not chunk:
-                    return b"".join(chunks), False
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > lim.max_output_bytes:
-                    kill()
-                    return b"".join(chunks)[:lim.max_output_bytes], True
+            out, flooded = await read_capped(stream, lim.max_output_bytes)
+            if flooded:
+                kill()
+            return out, flooded
 
         async def communicate():
             try:

@@ -74,7 +74,8 @@ def test_python_tool_runs_behind_the_boundary_by_default():
     assert eval(run(PythonTool(isolation="guard")(code=code)))[0] == os.getuid()
     with pytest.raises(ValueError, match="isolation must be 'bwrap'"):
         PythonTool(isolation="none")
-    with pytest.raises(ValueError, match=r"^python tool: isolation 'bwrap': sandbox: the interpreter 'no-such-python' is not"):
+    with pytest.raises(ValueError, match=r"^python tool: isolation 'bwrap': sandbox: the interpreter "
+                                         r"'no-such-python' is not"):
         PythonTool(python="no-such-python")
 
 
