@@ -34,7 +34,7 @@ import sys
 import tempfile
 from typing import Optional
 
-from megarl.tools.sandbox import (Limits, Sandbox, SandboxUnavailable, default_python, kill_group, probe,
+from megarl.tools.sandbox import (Limits, Sandbox, SandboxUnavailable, default_python, end, probe,
                                   read_capped)
 
 __all__ = ["PythonTool", "RUNNER"]
@@ -122,8 +122,7 @@ class PythonTool:
             except (BrokenPipeError, ConnectionResetError):
                 out, flooded = b"", False
             finally:
-                kill_group(proc)
-                await proc.wait()
+                await end(proc)
         if flooded:
             return self._error("output limit exceeded")
         return self._report(out, proc.returncode)

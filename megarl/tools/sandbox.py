@@ -43,8 +43,8 @@ import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["Limits", "Sandbox", "SandboxResult", "SandboxUnavailable", "default_python", "kill_group", "probe",
-           "read_capped"]
+__all__ = ["Limits", "Sandbox", "SandboxResult", "SandboxUnavailable", "default_python", "end", "kill_group",
+           "probe", "read_capped"]
 
 _NOBODY = 65534
 
@@ -194,6 +194,17 @@ def kill_group(proc: asyncio.subprocess.Process) -> None:
             pass
 
 
+async def end(proc: asyncio.subprocess.Process) -> None:
+    """Kill `proc`'s group, reap it and close its pipes now: a pipe left open (a run cut short by
+    its clock or its output cap) would otherwise be closed by the garbage collector after the event
+    loop is gone, an exception in __del__."""
+    kill_group(proc)
+    await proc.wait()
+    transport = getattr(proc, "_transport", None)  # asyncio's Process has no public close()
+    if transport is not None:
+        transport.close()
+
+
 async def read_capped(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, bool]:
     """(up to `limit` bytes until EOF, whether more was written)."""
     chunks, size = [], 0
@@ -317,6 +328,5 @@ class Sandbox:
         except asyncio.TimeoutError:
             timed_out, out, err, flood_o, flood_e = True, b"", b"", False, False
         finally:
-            kill()
-            await proc.wait()
+            await end(proc)
         return SandboxResult(proc.returncode, out, err, timed_out, flood_o or flood_e, uid)
