@@ -6,6 +6,7 @@ import os
 import pytest
 
 from megarl.tools import CalculatorTool, PythonTool, build_tools, run_tool_call, tool_schema
+from test_sandbox_boundary import require_sandbox
 
 
 def run(coro):
@@ -54,11 +55,15 @@ SANDBOX = [
 @pytest.mark.parametrize("isolation", ["bwrap", "guard"])
 @pytest.mark.parametrize("code,out", SANDBOX)
 def test_python_sandbox(code, out, isolation):
+    if isolation == "bwrap":
+        require_sandbox()
     assert run(PythonTool(max_output_chars=100, isolation=isolation)(code=code)) == out
 
 
 @pytest.mark.parametrize("isolation", ["bwrap", "guard"])
 def test_python_sandbox_cpu_and_wall_limits(isolation):
+    if isolation == "bwrap":
+        require_sandbox()
     assert run(PythonTool(cpu_s=1, timeout_s=30, isolation=isolation)(code="while True: pass")) == \
         "error: killed: CPU time limit (1 s) or memory limit exceeded"
     assert run(PythonTool(cpu_s=5, timeout_s=0.5, isolation=isolation)(code="import time\ntime.sleep(30)")) == \
@@ -68,6 +73,7 @@ def test_python_sandbox_cpu_and_wall_limits(isolation):
 def test_python_tool_runs_behind_the_boundary_by_default():
     """By default the snippet is another user in its own PID namespace (megarl.tools.sandbox;
     its hostile corpus: tests/unit/test_sandbox_boundary.py); the guard alone runs as the trainer."""
+    require_sandbox()
     code = "import os\n(os.getuid(), os.getpid())"
     uid, pid = eval(run(PythonTool()(code=code)))
     assert uid == 65534 and pid <= 3
@@ -80,6 +86,7 @@ def test_python_tool_runs_behind_the_boundary_by_default():
 
 
 def test_run_tool_call_maps_failures_to_text():
+    require_sandbox()  # the python tool's default isolation
     tools = build_tools(["calculator", {"name": "python", "timeout_s": 5}])
     assert [tool_schema(t)["function"]["name"] for t in tools.values()] == ["calculator", "python"]
 
@@ -112,6 +119,7 @@ def test_run_tool_call_maps_failures_to_text():
 
 def test_python_tool_from_a_background_thread_loop():
     """The controller's event loop runs in a background thread; subprocesses must work there."""
+    require_sandbox()  # the python tool's default isolation
     import threading
 
     out = []

@@ -12,6 +12,7 @@ from megarl.protocol.types import SamplingParams
 from megarl.rollout.workflows import (MultiTurnWorkflow, ToolCallingWorkflow, TurnRenderer, WorkflowContext,
                                       parse_tool_calls)
 from scripted_client import ScriptedClient
+from test_sandbox_boundary import require_sandbox
 
 IM_END, IM_START = 2, 3
 NL = ids("\n")
@@ -81,6 +82,7 @@ def test_plain_prompts_use_role_formats(model_dir):
 
 def test_tool_calls_and_results_exact(model_dir):
     ctx = ctx_for(model_dir)
+    require_sandbox()  # the python tool runs in bubblewrap by default
     wf = ToolCallingWorkflow(ctx, tools=["calculator", "python"], max_turns=3)
     assert [s["function"]["name"] for s in wf.tool_schemas] == ["calculator", "python"]
     sample = chat_sample(ctx, tools=wf.tool_schemas)
