@@ -39,6 +39,7 @@ setup(
             "megarl-convert=megarl.commands.convert:main",
             "megarl-logprobs=megarl.commands.logprobs:main",
             "megarl-server=megarl.server.__main__:main",
+            "megarl-env=megarl.envs.server:main",
             "megarl-rollout-manager=megarl.rollout.manager:main",
             "megarl-launch=megarl.launch.plan:main",
         ]

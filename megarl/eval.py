@@ -164,6 +164,7 @@ def evaluate_model(cfg, model_dir: str, log_dir: str) -> list:
     from megarl.common.net import LOOPBACK
     from megarl.rollout.setup import EvalSpec, TaskSpec, build_eval, eval_reward, task_parts
     from megarl.rollout.sources import eval_set_tasks
+    from megarl.rollout.workflows.base import close_envs
 
     if not cfg.rollout.api_key:  # the servers started here answer only this command (megarl.rollout.local)
         cfg.rollout.api_key = secrets.token_urlsafe(32)
@@ -176,6 +177,15 @@ def evaluate_model(cfg, model_dir: str, log_dir: str) -> list:
             rm = RewardServers(cfg.reward.model, os.path.join(log_dir, "reward_servers"), LOOPBACK,
                                ready_timeout_s=cfg.rollout.health_timeout_s)
             task = task_with_reward_urls(task, stack.enter_context(rm), rm.api_key)
+        if cfg.env.cls:  # an environment the job serves: served here as in training
+            import dataclasses
+
+            from megarl.rollout.env_servers import env_servers
+            from megarl.rollout.setup import env_spec
+
+            es = env_servers(cfg.env, os.path.join(log_dir, "env_servers"), LOOPBACK,
+                             ready_timeout_s=cfg.rollout.health_timeout_s)
+            task = dataclasses.replace(task, env=env_spec(stack.enter_context(es), es.api_key, cfg.env))
         # rollout.eval_reward_fn: the evaluation scores with it and training's reward is not built
         reward = eval_reward(task, None if cfg.rollout.eval_reward_fn else task_parts(task)[2])
         built = build_eval(EvalSpec(task, n=cfg.eval.n), reward)
@@ -194,6 +204,8 @@ def evaluate_model(cfg, model_dir: str, log_dir: str) -> list:
             finally:
                 for caller in callers.values():
                     await caller.aclose()  # the rewards' threads / worker processes / HTTP sessions
+                for _, _, ev in sets:
+                    await close_envs(ev.workflows.greedy, ev.workflows.sampled)
 
         urls = stack.enter_context(local_servers(cfg, model_dir, log_dir))
         prompts = ", ".join(f"{name + ': ' if name else ''}{len(ev.samples)} prompts" for name, _, ev in sets)

@@ -30,7 +30,8 @@ from megarl.config.lora import LORA_TARGETS, LoRAConfig
 from megarl.config.load import (OUTPUT_PATHS, apply_overrides, check_outputs, from_dict, load_config,
                                 parse_value, read_yaml, recipe_keys, resolve_outputs, save_config)
 from megarl.config.model import CriticConfig, ModelConfig, OptimConfig, ParallelConfig
-from megarl.config.rollout import RewardConfig, RewardModelConfig, RolloutConfig, TeacherConfig, WeightSyncConfig
+from megarl.config.rollout import (EnvConfig, RewardConfig, RewardModelConfig, RolloutConfig, TeacherConfig,
+                                   WeightSyncConfig)
 from megarl.config.root import Config, check_world_size, validate_learning_signal
 from megarl.config.train import CheckpointConfig, DataConfig, LoggingConfig, TrainConfig
 from megarl.common.errors import ConfigError
@@ -39,7 +40,8 @@ __all__ = [
     "AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "EvalConfig",
     "LaunchConfig", "LORA_TARGETS", "LoRAConfig",
     "LoggingConfig", "ModelConfig", "OUTPUT_PATHS", "OptimConfig", "ParallelConfig", "RewardConfig", "RewardModelConfig",
-    "RolloutConfig", "TeacherConfig", "TrainConfig", "WeightSyncConfig", "apply_overrides", "check_outputs",
+    "RolloutConfig", "TeacherConfig", "EnvConfig", "TrainConfig", "WeightSyncConfig", "apply_overrides",
+    "check_outputs",
     "check_world_size", "from_dict", "load_config", "parse_value", "read_yaml", "recipe_keys",
     "resolve_outputs", "save_config", "validate_learning_signal",
 ]

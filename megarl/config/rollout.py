@@ -253,6 +253,48 @@ class TeacherConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Environment servers (docs/environments.md): gym's reset / step over HTTP, driven by
+    rollout.workflow megarl.rollout.workflows:EnvironmentWorkflow. Either the job serves a class
+    (env.cls: megarl-env processes beside the policy servers, keyed, health-checked and restarted)
+    or the user runs them (env.urls)."""
+
+    cls: str = ""
+    """Environment class the job serves, package.module:Class (an `megarl.envs.Environment`);
+    empty = none, or env.urls."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of env.cls, one instance per episode."""
+    urls: list[str] = field(default_factory=list)
+    """Environment servers the user runs (megarl-env, or anything speaking the protocol); instead
+    of env.cls."""
+    api_key: str = ""
+    """Key of the servers in env.urls (the job makes its own for the ones it starts)."""
+    servers: int = bounded(1, ge=1)
+    """megarl-env processes started for env.cls; episodes go to the one with the fewest open."""
+    max_episodes: int = bounded(256, ge=1)
+    """Episodes one started server keeps open at once (more wait, or go to another)."""
+    step_timeout_s: float = bounded(30.0, gt=0)
+    """Deadline of one reset or step: over it the episode ends (and is run again,
+    env.episode_retries)."""
+    episode_retries: int = bounded(1, ge=0)
+    """Re-runs of one trajectory whose episode failed (its server died, raised or overran); after
+    them the prompt's group is retried as a whole (rollout.max_retries), then recorded as failed."""
+    health_interval_s: float = bounded(5.0, gt=0)
+    """Seconds between /health probes of the started servers; one whose process died, or that fails
+    two probes in a row, is restarted on its own port."""
+
+    def validate(self) -> None:
+        _check(self, "env")
+        if self.cls and self.urls:
+            raise ConfigError(f"env.cls: the job serves {self.cls} itself; env.urls ({self.urls[0]}, ...) "
+                              "names servers run apart - set one of them")
+        if self.cls and (":" not in self.cls or self.cls.startswith(":") or self.cls.endswith(":")):
+            raise ConfigError(f"env.cls: expected package.module:Class, got {self.cls!r}")
+        if not isinstance(self.args, dict):
+            raise ConfigError(f"env.args: expected a mapping, got {self.args!r}")
+
+
+@dataclass
 class RewardConfig:
     executor: str = "thread"
     """Where sync reward functions run: thread (a daemon thread per call) or process (a pool of

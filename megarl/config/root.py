@@ -9,10 +9,13 @@ from megarl.config.eval import EvalConfig
 from megarl.config.launch import LaunchConfig
 from megarl.config.lora import LoRAConfig
 from megarl.config.model import CriticConfig, ModelConfig, OptimConfig, ParallelConfig
-from megarl.config.rollout import REWARD_MODEL_FN, RewardConfig, RolloutConfig, TeacherConfig, WeightSyncConfig
+from megarl.config.rollout import (REWARD_MODEL_FN, EnvConfig, RewardConfig, RolloutConfig, TeacherConfig,
+                                   WeightSyncConfig)
 from megarl.config.train import CheckpointConfig, DataConfig, LoggingConfig, TrainConfig
 from megarl.common.errors import ConfigError
 from megarl.config.moe import MoEConfig
+
+ENV_WORKFLOW = "megarl.rollout.workflows:EnvironmentWorkflow"
 
 
 @dataclass
@@ -30,6 +33,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -104,6 +108,16 @@ class Config:
         if self.teacher.path and self.rollout.servers:
             raise ConfigError("teacher.path: the teacher servers are started by the job beside its own policy "
                               f"servers; with rollout.servers ({self.rollout.servers[0]}, ...) none are")
+        if (self.env.cls or self.env.urls) and not self.train.is_rl:
+            raise ConfigError("env.cls: environments answer sampled turns (RL); SFT reads fixed conversations")
+        workflows = {self.rollout.workflow, *(s.workflow for s in self.data.sources if s.workflow),
+                     *(e.workflow for e in self.data.eval_sets if e.workflow)}
+        if (self.env.cls or self.env.urls) and ENV_WORKFLOW not in workflows:
+            raise ConfigError(f"env.{'cls' if self.env.cls else 'urls'}: environments are driven by "
+                              f"rollout.workflow={ENV_WORKFLOW}; got {self.rollout.workflow}")
+        if ENV_WORKFLOW in workflows and not (self.env.cls or self.env.urls):
+            raise ConfigError(f"rollout.workflow: {ENV_WORKFLOW} needs an environment: env.cls (served by the "
+                              "job) or env.urls (servers you run)")
         if self.data.messages_key and self.train.is_rl:
             raise ConfigError("data.messages_key: conversations for SFT; RL reads chat prompts from data.prompt_key")
         for name in ("sources", "eval_sets"):

@@ -51,6 +51,7 @@ from megarl.rollout.client import RolloutClient, ServerRequestError
 from megarl.rollout.shaping import GroupShaping
 from megarl.rollout.staleness import EpisodeState, StalenessManager, VersionProvider
 from megarl.protocol.types import Trajectory
+from megarl.rollout.workflows.base import close_envs, workflow_envs
 
 log = logging.getLogger("megarl.controller")
 
@@ -168,6 +169,7 @@ class RolloutController:
                 await reward.aclose()  # an HTTP reward's session, threads, worker processes
             if self.teacher is not None:
                 await self.teacher.close()
+            await close_envs(self.workflow)  # environment servers' sessions (EnvironmentWorkflow)
             await self.client.close()
 
         try:
@@ -446,6 +448,10 @@ class RolloutController:
                     if k.startswith(("filtered/", "regenerated/"))})
         if self.client is not None:
             out["rollout/busy_s"] = self.client.busy_seconds()
+        envs = workflow_envs(self.workflow)
+        if envs:  # environment episodes (EnvironmentWorkflow), cumulative
+            for k in ("episodes", "steps", "episode_errors", "episode_retries", "episodes_failed"):
+                out[f"env/{k}"] = sum(e.stats[k] for e in envs)
         if self.teacher is not None:
             out.update(self.teacher.stats)
         out.update({f"data/{k}": v for k, v in getattr(self.dataset, "stats", {}).items()})

@@ -63,7 +63,7 @@ from megarl.protocol.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, DIRECT_R
 from megarl.protocol.packing import balance_groups, pack_batch  # noqa: F401 - the step's layout
 
 if TYPE_CHECKING:
-    from megarl.config import RewardModelConfig, RolloutConfig, TeacherConfig, WeightSyncConfig
+    from megarl.config import EnvConfig, RewardModelConfig, RolloutConfig, TeacherConfig, WeightSyncConfig
     from megarl.rollout.setup import ControllerSpec, EvalSpec
 
 log = logging.getLogger("megarl.manager")
@@ -125,6 +125,7 @@ class ManagerSpec:
     timeline: bool = False
     reward_model: Optional["RewardModelConfig"] = None  # reward.model when its path is set
     teacher: Optional["TeacherConfig"] = None  # teacher when its path is set (on-policy distillation)
+    env: Optional["EnvConfig"] = None  # env when env.cls is set: the job serves the environment
 
     @classmethod
     def from_config(cls, cfg) -> "ManagerSpec":
@@ -136,7 +137,8 @@ class ManagerSpec:
         flags = feature_flags(cfg, cfg.rollout.engine, gpu=cfg.rollout.engine == "sglang" and cuda_available())
         return cls(cfg.rollout, cfg.weights, cfg.model.hf_path, cfg.train.run_dir, ControllerSpec.from_config(cfg),
                    EvalSpec.from_config(cfg), tuple(flags), cfg.logging.timeline,
-                   cfg.reward.model if cfg.reward.model.path else None, cfg.teacher if cfg.teacher.path else None)
+                   cfg.reward.model if cfg.reward.model.path else None, cfg.teacher if cfg.teacher.path else None,
+                   cfg.env if cfg.env.cls else None)
 
 
 class RolloutManager:
@@ -147,7 +149,7 @@ class RolloutManager:
         self.spec = spec
         self.stack = contextlib.ExitStack()
         self.cluster = self.controller = self.evaluator = self.local = self.reward_servers = None
-        self.teacher_servers = None
+        self.teacher_servers = self.env_servers = None
         self.dp = 1
         self.stopped = threading.Event()
         self._updates = threading.Condition()
@@ -186,6 +188,8 @@ class RolloutManager:
             self.start_reward_servers(server_cpus)
         if spec.teacher is not None:
             self.start_teacher_servers(server_cpus)
+        if spec.env is not None:
+            self.start_env_servers(server_cpus)
         if r.servers:
             return list(r.servers)
         launcher = None
@@ -233,6 +237,22 @@ class RolloutManager:
         teacher = {"addresses": list(urls), "api_key": self.teacher_servers.api_key,
                    "timeout_s": spec.teacher.timeout_s}
         self.spec = dataclasses.replace(spec, controller=dataclasses.replace(spec.controller, teacher=teacher))
+
+    def start_env_servers(self, cpus) -> None:
+        """env.cls's servers (megarl-env), watched and restarted; the workflows' tasks point at them."""
+        from megarl.common.net import serving_host
+        from megarl.rollout.env_servers import env_servers
+        from megarl.rollout.setup import env_spec
+
+        spec = self.spec
+        self.env_servers = env_servers(spec.env, f"{spec.run_dir}/env_servers", serving_host(), cpus,
+                                       ready_timeout_s=spec.rollout.health_timeout_s)
+        urls = self.stack.enter_context(self.env_servers)
+        env = env_spec(urls, self.env_servers.api_key, spec.env)
+        c, e = spec.controller, spec.eval
+        controller = dataclasses.replace(c, task=dataclasses.replace(c.task, env=env))
+        self.spec = dataclasses.replace(spec, controller=controller,
+                                        eval=dataclasses.replace(e, task=dataclasses.replace(e.task, env=env)))
 
     def init(self, msg: Init) -> list[str]:
         from megarl.rollout.cluster import RolloutCluster
@@ -285,6 +305,8 @@ class RolloutManager:
             stats["reward/server_restarts"] = self.reward_servers.restarts
         if self.teacher_servers is not None:
             stats["teacher/server_restarts"] = self.teacher_servers.restarts
+        if self.env_servers is not None:
+            stats["env/server_restarts"] = self.env_servers.restarts
         return pack_batch(trajs, self.dp, stats, self.cluster.ready_to_rejoin())
 
     def admin(self, msg):

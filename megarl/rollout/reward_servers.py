@@ -84,11 +84,15 @@ class RewardServers:
     answered /health), watched and restarted until the context ends."""
 
     def __init__(self, model_cfg, log_dir: str, host: str, cpus=None, ready_timeout_s: float = 120.0,
-                 field: str = "reward.model.path"):
+                 field: str = "reward.model.path", make_launcher=None, what: str = "reward-model"):
         self.cfg, self.ready_timeout_s, self.field = model_cfg, ready_timeout_s, field  # field: named in errors
+        self.what = what  # in the restart warnings
         self.api_key = secrets.token_urlsafe(32)  # like the policy servers: only this run's requests
+        # make_launcher(api_key): what each slot runs instead of megarl-server (the environment servers)
+        launcher = make_launcher(self.api_key) if make_launcher is not None else None
         self.local = LocalServers(model_cfg.path, model_cfg.servers, log_dir, extra=["--threads", model_cfg.threads],
-                                  host=host, cpus=cpus, ready_timeout_s=ready_timeout_s, api_key=self.api_key)
+                                  host=host, cpus=cpus, ready_timeout_s=ready_timeout_s, api_key=self.api_key,
+                                  launcher=launcher)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -121,7 +125,7 @@ class RewardServers:
                     continue  # restarted, still starting
                 failed[url] += 1
                 if dead or failed[url] >= FAILED_PROBES:
-                    log.warning("reward-model server %s %s; restarting it", url,
+                    log.warning("%s server %s %s; restarting it", self.what, url,
                                 "exited" if dead else f"failed {failed[url]} health probes")
                     self.local.restart(url)
                     failed[url] = 0

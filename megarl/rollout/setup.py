@@ -40,11 +40,22 @@ class TaskSpec:
     reward: RewardConfig
     tokenizer_path: str
     max_seq_len: int
+    # the environment servers (EnvClient's urls, api_key, timeout_s, and the workflow's retries):
+    # env.urls' from the config, or set by the manager once it started env.cls's; None = no environment
+    env: Optional[dict] = None
 
     @classmethod
     def from_config(cls, cfg) -> "TaskSpec":
+        e = cfg.env
+        env = env_spec(e.urls, e.api_key, e) if e.urls else None
         return cls(cfg.rollout, cfg.data, cfg.reward, cfg.data.tokenizer_path or cfg.model.hf_path,
-                   cfg.train.max_seq_len)
+                   cfg.train.max_seq_len, env)
+
+
+def env_spec(urls: list[str], api_key: str, env_cfg) -> dict:
+    """`TaskSpec.env` for ``urls`` (env.urls, or the servers the manager started)."""
+    return {"urls": list(urls), "api_key": api_key or None, "timeout_s": env_cfg.step_timeout_s,
+            "episode_retries": env_cfg.episode_retries}
 
 
 @dataclass(frozen=True)
@@ -125,7 +136,13 @@ def make_workflow(task: TaskSpec, tok, template, reward: Optional[RewardCaller],
     r = task.rollout
     # evaluation's group size is its own (1 greedy, eval_k sampled), whatever training's args say
     args = {k: v for k, v in r.workflow_args.items() if not (for_eval and k == "group_size")}
-    ctx = WorkflowContext(tok, reward, sampling, group_size, template, task.max_seq_len)
+    env = None
+    if task.env is not None:
+        from megarl.envs.client import EnvClient
+
+        env = EnvClient(task.env["urls"], task.env["api_key"], task.env["timeout_s"],
+                        episode_retries=task.env["episode_retries"])
+    ctx = WorkflowContext(tok, reward, sampling, group_size, template, task.max_seq_len, env)
     return load_workflow(r.workflow, ctx, args)
 
 

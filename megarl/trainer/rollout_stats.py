@@ -54,7 +54,21 @@ def batch_metrics(step, version: int) -> dict:
         out[f"staleness_hist/{int(k)}"] = int(c)
     out.update(length_metrics(response))
     out.update(source_metrics(step, response))
+    out.update(episode_metrics(step.infos))
     return out
+
+
+def episode_metrics(infos: list) -> dict:
+    """Multi-turn and environment episodes of the step (rank 0: the infos): mean turns, tool calls
+    per episode and the share of episodes that called a tool at least once. (The environment
+    servers' counts - episodes, errors, re-runs - are the manager's env/* metrics.)"""
+    turns = [i["turns"] for i in infos if isinstance(i, dict) and "num_turns" in i]
+    if not turns:
+        return {}
+    calls = [sum(t.get("tool_calls", 0) for t in ts) for ts in turns]
+    return {"episode/turns": statistics.fmean(len(ts) for ts in turns),
+            "episode/tool_calls": statistics.fmean(calls),
+            "episode/tool_call_share": sum(c > 0 for c in calls) / len(calls)}
 
 
 def length_metrics(response: np.ndarray) -> dict:

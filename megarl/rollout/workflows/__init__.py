@@ -1,10 +1,11 @@
 """Rollout workflows: how one prompt becomes a group of scored trajectories (contract, context
 and checker in `base`). Shipped: `SingleTurnWorkflow` (RLVR, the GRPO default),
 `LongTailWorkflow` (long-tailed lengths, for benchmarks), `MultiTurnWorkflow` (environment
-feedback as new turns) and `ToolCallingWorkflow` (Hermes/Qwen
-tool calls run by `megarl.tools`). Configs name them as
+feedback as new turns), `ToolCallingWorkflow` (Hermes/Qwen tool calls run by `megarl.tools`) and
+`EnvironmentWorkflow` (environment servers, `megarl.envs`). Configs name them as
 ``megarl.rollout.workflows:ToolCallingWorkflow``.
 """
+from megarl.rollout.workflows.environment import EnvironmentWorkflow
 from megarl.rollout.workflows.base import (RolloutWorkflow, TokenTrace, WorkflowContext, check_episode,
                                            load_workflow)
 from megarl.rollout.workflows.long_tail import LongTailWorkflow
@@ -15,6 +16,7 @@ from megarl.rollout.workflows.turns import TurnRenderer
 
 __all__ = [
     "EnvStep",
+    "EnvironmentWorkflow",
     "LongTailWorkflow",
     "MultiTurnWorkflow",
     "RolloutWorkflow",

@@ -34,7 +34,7 @@ from megarl.rewards.base import RewardCaller
 from megarl.protocol.types import ModelResponse, RoutedExperts, SamplingParams, Trajectory
 
 __all__ = ["WorkflowContext", "RolloutWorkflow", "TokenTrace", "load_workflow", "load_workflow_class",
-           "check_episode", "completion_text"]
+           "check_episode", "completion_text", "close_envs", "workflow_envs"]
 
 
 def completion_text(tokenizer, tokens: list[int]) -> str:
@@ -53,6 +53,7 @@ class WorkflowContext:
     group_size: int  # trajectories per prompt (GRPO group)
     chat_template: Optional[ChatTemplate] = None  # the dataset's template (None: plain prompts)
     max_seq_len: Optional[int] = None  # longest trajectory (prompt + all turns) the trainer takes
+    env: Any = None  # environment servers (megarl.envs.EnvClient: env.cls / env.urls), else None
 
     def budget(self, used: int) -> int:
         """New tokens allowed after `used` tokens: max_new_tokens, capped by max_seq_len."""
@@ -64,6 +65,23 @@ class WorkflowContext:
         is seeded (rollout.seed), so two runs with the same seed sample the same tokens."""
         seed = sample.seed if sample.seed is not None else self.sampling.seed
         return dataclasses.replace(self.sampling, max_new_tokens=max_new_tokens, seed=seed)
+
+
+def workflow_envs(*workflows) -> list:
+    """The environment clients (`megarl.envs.EnvClient`) of `workflows` and of their sources', once each."""
+    seen: list = []
+    for w in workflows:
+        for one in [w, *getattr(w, "workflows", {}).values()] if w is not None else []:
+            env = getattr(getattr(one, "ctx", None), "env", None)
+            if env is not None and all(env is not e for e in seen):
+                seen.append(env)
+    return seen
+
+
+async def close_envs(*workflows) -> None:
+    """Closes the environment clients (HTTP sessions) of `workflows` and of their sources'."""
+    for env in workflow_envs(*workflows):
+        await env.aclose()
 
 
 class RolloutWorkflow(Protocol):

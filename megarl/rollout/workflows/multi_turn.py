@@ -73,6 +73,13 @@ class MultiTurnWorkflow:
             return EnvStep(reward, True)
         return EnvStep(reward, False, [{"role": "user", "content": self.feedback}])
 
+    async def begin(self, sample: PromptSample, k: int, state: dict) -> None:
+        """Before trajectory `k`'s first turn (an environment server's reset); nothing by default."""
+
+    async def finish(self, state: dict) -> None:
+        """After its last turn, also when the trajectory raised (not when it was cancelled); nothing by
+        default."""
+
     # ---- the rollout ----------------------------------------------------------------------------
     def completion_text(self, tokens: list[int]) -> str:
         return completion_text(self.ctx.tokenizer, tokens)
@@ -91,7 +98,20 @@ class MultiTurnWorkflow:
         return sp
 
     async def _trajectory(self, client, sample: PromptSample, k: int) -> Trajectory:
-        trace, state, turns = TokenTrace(list(sample.prompt_ids)), {}, []
+        state: dict = {}
+        await self.begin(sample, k, state)
+        try:
+            result = await self._turns(client, sample, k, state)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise  # no await while being torn down (a stopping run): an environment server reaps idle episodes
+        except BaseException:
+            await self.finish(state)
+            raise
+        await self.finish(state)
+        return result
+
+    async def _turns(self, client, sample: PromptSample, k: int, state: dict) -> Trajectory:
+        trace, turns = TokenTrace(list(sample.prompt_ids)), []
         trace.add_context(self.forced_ids)
         segments, text, resp = 0, "", None
         for turn in range(self.max_turns):

@@ -1,0 +1,5 @@
+import sys
+
+from megarl.envs.server import main
+
+sys.exit(main())
