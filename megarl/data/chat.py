@@ -92,20 +92,21 @@ class ChatTemplate:
             self._suffix = text.split(_SENTINEL, 1)[1]
         return self._suffix
 
-    def assistant_spans(self, messages: list[dict]) -> list[tuple[str, bool]]:
+    def assistant_spans(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[tuple[str, bool]]:
         """The conversation as consecutive texts, each flagged True when it is an assistant turn
         (its content and what the template writes after it, the end-of-turn marker): what chat
         SFT trains on. Built from renders of growing prefixes (before each assistant message
         with the generation prompt, after it without), so the untrained text in front of a turn
         is exactly the prompt generation would start from; turns after the last assistant message
         are left out (nothing to train). A template whose renders are not prefixes of each other
-        is refused."""
+        is refused. ``tools``: the function schemas the conversation was held with (rendered as
+        the rollouts render them, HF's ``apply_chat_template(tools=...)``)."""
         out, done = [], ""
         for i, m in enumerate(messages):
             if m.get("role") != "assistant":
                 continue
-            head = self.render(messages[:i], add_generation_prompt=True)
-            full = self.render(messages[:i + 1], add_generation_prompt=False)
+            head = self.render(messages[:i], add_generation_prompt=True, tools=tools)
+            full = self.render(messages[:i + 1], add_generation_prompt=False, tools=tools)
             out.append((self._prefix_of(done, head, f"the turns before assistant message {i}"), False))
             out.append((self._prefix_of(head, full, f"assistant message {i}"), True))
             done = full

@@ -105,7 +105,8 @@ class ChatSFTDataset(_TokenSamples):
     the template's BOS / EOS text as those ids), loss on the assistant turns only: their content
     and the end-of-turn marker the template writes after it, so the model learns to stop.
     Samples are `{"input_ids", "loss_mask"}` as `SFTDataset`'s, cut at ``max_seq_len``; the
-    template writes its own BOS (no id is prepended)."""
+    template writes its own BOS (no id is prepended). A record's ``tools`` (a list of function
+    schemas) reaches the template as the rollouts' tools do."""
 
     def __init__(self, path: str, tokenizer: Tokenizer, max_seq_len: int, messages_key: str, template):
         if max_seq_len < 1:
@@ -116,8 +117,11 @@ class ChatSFTDataset(_TokenSamples):
         self.samples: list[dict[str, list[int]]] = []
         for where, row in read_records(path, (messages_key,)):
             messages = chat_messages(where, row, messages_key)
+            tools = row.get("tools")  # the schemas the conversation was held with, HF datasets' "tools" column
+            if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+                raise ValueError(f"{where}: 'tools' must be a list of function schemas (objects)")
             try:
-                spans = template.assistant_spans(messages)
+                spans = template.assistant_spans(messages, tools or None)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
             ids, mask = [], []

@@ -5,12 +5,14 @@
                  bubblewrap sandbox, `megarl.tools.sandbox`) and answer as tool messages; a turn
                  without calls is the final answer, scored by ``reward_fn(prompt, answer, meta)``.
     GuessNumber  several turns acting on the answers: guess meta["answer"] in [low, high], told
-                 "higher" or "lower" after each wrong guess; reward 1 for finding it.
+                 "higher" or "lower" after each wrong guess; reward 1 for finding it (``delay_s``:
+                 each step takes that long - a slow environment, for benchmarks and tests).
 """
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 from typing import Optional
 
 from megarl.envs.base import Environment
@@ -60,16 +62,19 @@ _INT = re.compile(r"-?\d+")
 
 
 class GuessNumber(Environment):
-    def __init__(self, low: int = 0, high: int = 99):
-        if low > high:
-            raise ValueError(f"GuessNumber: low {low} > high {high}")
+    def __init__(self, low: int = 0, high: int = 99, delay_s: float = 0.0):
+        if low > high or delay_s < 0:
+            raise ValueError(f"GuessNumber: need low <= high and delay_s >= 0, got {low}, {high}, {delay_s}")
         self.low, self.high = low, high
+        self.delay_s = delay_s  # each step takes this long (time.sleep): a slow environment, for benchmarks
         self.secret: Optional[int] = None
 
     def reset(self, task: Task, seed: Optional[int]) -> None:
         self.secret = int(task.meta["answer"])
 
     def step(self, action: Action) -> StepResult:
+        if self.delay_s:
+            time.sleep(self.delay_s)  # a plain method: the server runs it in a worker thread
         found = _INT.findall(action.content)
         if not found:
             return StepResult([{"role": "user", "content": f"Guess a whole number from {self.low} to {self.high}."}])

@@ -28,6 +28,7 @@ import json
 import logging
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -54,8 +55,10 @@ class Episode:
 
 class EnvState:
     def __init__(self, cls: type, args: dict, name: str, api_key: Optional[str] = None, max_episodes: int = 256,
-                 step_timeout_s: float = 30.0, episode_ttl_s: float = 600.0, tools: Optional[list] = None):
+                 step_timeout_s: float = 30.0, episode_ttl_s: float = 600.0, tools: Optional[list] = None,
+                 threads: int = 64):
         self.cls, self.args, self.name, self.api_key = cls, args, name, api_key
+        self.threads = threads
         self._tools = list(tools if tools is not None else getattr(cls, "tools", []) or [])
         self.max_episodes, self.step_timeout_s, self.episode_ttl_s = max_episodes, step_timeout_s, episode_ttl_s
         self.episodes: dict[str, Episode] = {}
@@ -221,7 +224,10 @@ async def _reaper(app: web.Application) -> None:
 
 
 async def _start_reaper(app: web.Application):
-    task = asyncio.get_running_loop().create_task(_reaper(app))
+    loop = asyncio.get_running_loop()
+    # plain (blocking) environment methods run in these threads: one per open episode, up to --threads
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=app["state"].threads, thread_name_prefix="env"))
+    task = loop.create_task(_reaper(app))
     yield
     task.cancel()
     for eid in list(app["state"].episodes):
@@ -254,6 +260,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-episodes", type=int, default=256, help="episodes open at once (503 beyond)")
     p.add_argument("--step-timeout-s", type=float, default=30.0, help="deadline of one reset or step")
     p.add_argument("--episode-ttl-s", type=float, default=600.0, help="an idle episode is closed after this")
+    p.add_argument("--threads", type=int, default=64,
+                   help="worker threads for environments whose methods are plain (blocking) functions")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -265,8 +273,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        if args.max_episodes < 1 or args.step_timeout_s <= 0 or args.episode_ttl_s <= 0:
-            raise ValueError("--max-episodes must be >= 1, --step-timeout-s and --episode-ttl-s > 0")
+        if args.max_episodes < 1 or args.threads < 1 or args.step_timeout_s <= 0 or args.episode_ttl_s <= 0:
+            raise ValueError("--max-episodes and --threads must be >= 1, --step-timeout-s and --episode-ttl-s > 0")
         env_args = json.loads(args.args)
         if not isinstance(env_args, dict):
             raise ValueError(f"--args: expected a JSON object, got {args.args!r}")
@@ -284,7 +292,7 @@ def main(argv=None) -> int:
         print(f"megarl-env: error: {e}", file=sys.stderr)
         return 2
     state = EnvState(cls, env_args, args.env, key, args.max_episodes, args.step_timeout_s, args.episode_ttl_s,
-                     tools)
+                     tools, args.threads)
     return _serve(state, args.host, args.port, http_url)
 
 

@@ -21,8 +21,7 @@ import harness
 from megarl.envs import Action, EnvClient, Task
 
 UNIT = pathlib.Path(__file__).resolve().parents[1] / "unit"  # env_plugins lives there
-SLOW_GUESS = "env_plugins:SlowGuess"  # GuessNumber with slow steps: the rollout, not the trainer, is the
-# bottleneck, so episodes are open whenever the server is killed
+GUESS = "megarl.envs.examples:GuessNumber"
 
 
 def env_cmd(*args: str) -> list[str]:
@@ -80,7 +79,7 @@ def test_megarl_env_serves_with_a_key(tmp_path):
     (["env_plugins:Echo", "--args", '{"colour": 1}'],
      "megarl-env: error: env_plugins:Echo(**{\"colour\": 1}): TypeError:"),
     (["env_plugins:Echo", "--host", "0.0.0.0"], "megarl-env: error: --host 0.0.0.0: a non-loopback bind needs"),
-    (["env_plugins:Echo", "--max-episodes", "0"], "megarl-env: error: --max-episodes must be >= 1"),
+    (["env_plugins:Echo", "--max-episodes", "0"], "megarl-env: error: --max-episodes and --threads must be >= 1"),
 ])
 def test_bad_input_is_one_line(args, line):
     proc = subprocess.run(env_cmd(*args), capture_output=True, text=True, env=plugin_env(), timeout=60)
@@ -116,17 +115,16 @@ def kill_env_server_at_step_3(proc) -> dict | None:
 
 def test_a_killed_environment_server_is_restarted_and_no_prompt_is_lost(tmp_path):
     """Guess-the-number (two turns: a wrong first guess is answered "higher"/"lower") on the demo's
-    addition prompts, served by the job's megarl-env (a test plugin: each step takes 1 s, so
-    episodes are open when it dies); killed at step 3."""
+    addition prompts, served by the job's megarl-env; each step takes 1 s (delay_s: the rollout, not
+    the trainer, is the bottleneck, so episodes are open when the server dies); killed at step 3."""
     run = harness.train(
         tmp_path / "run", f"train.steps={STEPS}", f"rollout.group_size={GROUP}",
         f"train.global_batch_size={GROUP * PROMPTS_PER_STEP}", "train.max_seq_len=48",
         "rollout.workflow=megarl.rollout.workflows:EnvironmentWorkflow",
-        'rollout.workflow_args={"max_turns": 2}', f"env.cls={SLOW_GUESS}", 'env.args={"delay_s": 1.0}',
+        'rollout.workflow_args={"max_turns": 2}', f"env.cls={GUESS}", 'env.args={"delay_s": 1.0}',
         "env.health_interval_s=0.5",
         "rollout.eval_at_start=false", "rollout.eval_interval=0", "checkpoint.save_interval=0",
-        "logging.dump_generations=true", "logging.log_interval=1", env={"PYTHONPATH": plugin_env()["PYTHONPATH"]},
-        timeout=900, during=kill_env_server_at_step_3)
+        "logging.dump_generations=true", "logging.log_interval=1", timeout=900, during=kill_env_server_at_step_3)
     run.check()
     killed = run.probe
     assert killed is not None, "the run ended before step 3"

@@ -73,19 +73,3 @@ class SlowSync(Environment):
         time.sleep(self.delay_s)
         return StepResult(reward=1.0, done=True)
 
-
-class SlowGuess(Environment):
-    """megarl.envs.examples.GuessNumber whose every step takes `delay_s` (await: the server's loop
-    stays free): a run always has episodes open on its environment server."""
-
-    def __init__(self, delay_s: float = 0.3):
-        from megarl.envs.examples import GuessNumber
-
-        self.inner, self.delay_s = GuessNumber(), delay_s
-
-    def reset(self, task, seed):
-        return self.inner.reset(task, seed)
-
-    async def step(self, action):
-        await asyncio.sleep(self.delay_s)
-        return self.inner.step(action)
