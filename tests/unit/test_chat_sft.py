@@ -109,3 +109,23 @@ def test_config_rules():
         load_config(os.path.join(REPO, "configs", "tiny_grpo.yaml"), ["data.messages_key=messages"])
     with pytest.raises(ValueError, match="data.messages_key: chat SFT needs a chat template"):
         sft_chat_template("", os.path.join(TINY, "model"), load_tokenizer(os.path.join(TINY, "model")))
+
+
+def test_a_records_tools_reach_the_template(tmp_path, tok):
+    """A record's "tools" render as the rollouts render them (HF apply_chat_template(tools=...)):
+    in the untrained text, never in the loss; malformed tools are refused naming the record."""
+    with_tools = ("{% if tools %}<system>{% for t in tools %}{{ t['function']['name'] }}{% endfor %}{% endif %}"
+                  + TAGS)
+    t = ChatTemplate(with_tools, eos_token="</s>")
+    tools = [{"type": "function", "function": {"name": "12", "parameters": {}}}]
+    chat = [{"role": "user", "content": "3+3="}, {"role": "assistant", "content": "6"}]
+    assert t.assistant_spans(chat, tools) == [("<system>12<user>3+3=<assistant>", False), ("6</s>", True)]
+    ds = ChatSFTDataset(write(tmp_path / "chat.jsonl", [{"messages": chat, "tools": tools}]), tok, 64, "messages", t)
+    e = tok.encode
+    assert ds[0]["input_ids"] == e("<system>12<user>3+3=<assistant>") + e("6") + [tok.eos_id]
+    assert ds[0]["loss_mask"] == [0] * len(e("<system>12<user>3+3=<assistant>")) + [1] * (len(e("6")) + 1)
+    plain = ChatSFTDataset(write(tmp_path / "plain.jsonl", [{"messages": chat}]), tok, 64, "messages", t)
+    assert plain[0]["input_ids"] == e("<user>3+3=<assistant>") + e("6") + [tok.eos_id]
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: 'tools' must be a list of function schemas"):
+        ChatSFTDataset(write(tmp_path / "bad.jsonl", [{"messages": chat, "tools": "calculator"}]), tok, 64,
+                       "messages", t)
