@@ -148,5 +148,7 @@ def test_a_killed_environment_server_is_restarted_and_no_prompt_is_lost(tmp_path
     assert all(len(s) == 1 for s in steps_of.values()) and set(samples_of.values()) == {GROUP}
     assert len(steps_of) == STEPS * PROMPTS_PER_STEP
     assert not (run.dir / "failed_prompts.jsonl").exists() or not (run.dir / "failed_prompts.jsonl").read_text()
+    # pushes landed in the middle of episodes: their generated tokens carry two policy versions
+    assert any(len(set(g["versions"])) > 1 for g in gens)
     # two-turn episodes exist, and their reward is the environment's (1 for a right guess, else 0)
     assert {g["reward"] for g in gens} <= {0.0, 1.0} and any(r["episode/turns"] > 1 for r in rows)
