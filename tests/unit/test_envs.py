@@ -4,6 +4,7 @@ place of the rollout servers. Checks the bodies' one-line errors, one episode's 
 episode only, keys, limits, the reaper, and the exact token trace an environment episode becomes."""
 import asyncio
 import contextlib
+import json
 
 import aiohttp
 import pytest
@@ -20,6 +21,7 @@ from megarl.protocol.types import SamplingParams
 from megarl.rewards import RewardCaller, math_reward
 from megarl.rollout.workflows import EnvironmentWorkflow, WorkflowContext, check_episode
 from scripted_client import ScriptedClient
+from test_sandbox_boundary import require_sandbox
 
 IM_END, IM_START = 2, 3
 NL = ids("\n")
@@ -181,6 +183,38 @@ def test_a_blocking_environment_holds_only_its_own_episode():
             await asyncio.gather(slow(), health())
             assert order == ["health", "step"]  # the time.sleep ran in a worker thread, not on the loop
     run(main())
+
+
+def test_a_code_executing_environment_runs_the_models_code_in_the_sandbox(tmp_path):
+    """ToolEnv with the python tool, served over HTTP: the model's code runs in bubblewrap, so a
+    program that reads the run's files or writes outside its temp dir gets nothing done, and the
+    episode, the server and the host are unaffected."""
+    require_sandbox()
+    from megarl.envs.examples import ToolEnv
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the run's key")
+    code = {"ok": "print(6 * 7)",
+            "read": f"print(open({str(secret)!r}).read())",
+            "write": f"open({str(tmp_path / 'planted')!r}, 'w').write('x')"}
+
+    async def main():
+        async with served(ToolEnv, {"tools": ["python"], "reward_fn": "megarl.rewards:arith_exact_match"}) \
+                as (url, state), EnvClient([url]) as env:
+            ep = await env.reset(Task("6*7", {"answer": "42"}))
+            calls = [ToolCallMsg(k, "python", json.dumps({"code": c})) for k, c in code.items()]
+            r = await env.step(ep, Action("<tool_call>...</tool_call>", calls))
+            final = await env.step(ep, Action("42"))
+            return r, final, dict(state.stats)
+
+    r, final, stats = run(main())
+    out = {m["tool_call_id"]: m["content"] for m in r.observation}
+    assert out["ok"] == "42" and not r.done
+    # refused by the runner's guard, and the file is not in the sandbox's mount namespace at all
+    # (tests/unit/test_sandbox_boundary.py: the boundary without the guard)
+    assert out["read"].startswith("error: ") and "the run's key" not in out["read"]
+    assert out["write"].startswith("error: ") and not (tmp_path / "planted").exists()
+    assert final.done and final.reward == 1.0 and stats["episodes_done"] == 1 and stats["episodes_failed"] == 0
 
 
 # ---- the workflow -------------------------------------------------------------------------------
