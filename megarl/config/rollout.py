@@ -268,7 +268,9 @@ class EnvConfig:
     """Environment servers the user runs (megarl-env, or anything speaking the protocol); instead
     of env.cls."""
     api_key: str = ""
-    """Key of the servers in env.urls (the job makes its own for the ones it starts)."""
+    """Key of the servers in env.urls (the job makes its own for the ones it starts). Put it in the
+    recipe file, not on the command line (every user sees a command line in /proc); the run's
+    config.yaml that keeps it is the user's alone (0600)."""
     servers: int = bounded(1, ge=1)
     """megarl-env processes started for env.cls; episodes go to the one with the fewest open."""
     max_episodes: int = bounded(256, ge=1)
@@ -279,9 +281,12 @@ class EnvConfig:
     episode_retries: int = bounded(1, ge=0)
     """Re-runs of one trajectory whose episode failed (its server died, raised or overran); after
     them the prompt's group is retried as a whole (rollout.max_retries), then recorded as failed."""
+    episode_ttl_s: float = bounded(600.0, gt=0)
+    """A started server closes an episode left idle this long (its client died or was cancelled)."""
     health_interval_s: float = bounded(5.0, gt=0)
-    """Seconds between /health probes of the started servers; one whose process died, or that fails
-    two probes in a row, is restarted on its own port."""
+    """Seconds between /health probes of the started servers; one whose process died, that fails
+    two probes in a row, or whose calls past their deadline hold half its threads, is restarted on
+    its own port."""
 
     def validate(self) -> None:
         _check(self, "env")

@@ -73,6 +73,7 @@ class EnvClient:
         self.stats: collections.Counter = collections.Counter()
         self._session: Optional[aiohttp.ClientSession] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._tasks: set[asyncio.Task] = set()  # background closes
 
     async def __aenter__(self) -> "EnvClient":
         return self
@@ -81,6 +82,8 @@ class EnvClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self._tasks:  # background closes still in flight get a moment to land
+            await asyncio.wait(list(self._tasks), timeout=self.connect_timeout_s)
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -111,17 +114,21 @@ class EnvClient:
         return str(data.get("message", data) if isinstance(data, dict) else data)[:500]
 
     async def reset(self, task: Task, seed: Optional[int] = None) -> EnvEpisode:
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         delay, last = 0.05, ""
         while True:
             # the server with the fewest episodes open from here; ties in list order
             for url in sorted(self.urls, key=lambda u: self.open[u]):
+                if loop.time() > deadline:
+                    break
                 eid = f"{self.prefix}{next(_ids)}"  # a new id per try: a try that timed out may have opened one
                 body = {"episode_id": eid, "task": {"prompt": task.prompt, "meta": task.meta}, "seed": seed}
                 try:
                     status, data = await self._post(url, "/reset", body)
-                except EnvError as e:  # unreachable (being restarted?): nothing ran yet, so try again
+                except EnvError as e:  # unreachable (being restarted?) or no answer: try again
                     last = str(e)
+                    self._background(self._close_quietly(url, eid))  # in case the server took it
                     continue
                 if status == 503:
                     last = f"environment {url}: every episode slot taken"
@@ -136,7 +143,7 @@ class EnvClient:
                 self.open[url] += 1
                 self.stats["episodes"] += 1
                 return EnvEpisode(eid, url)
-            if asyncio.get_running_loop().time() + delay > deadline:
+            if loop.time() + delay > deadline:
                 raise EnvError(",".join(self.urls), f"/reset: no server took the episode in {self.timeout_s} s "
                                f"(last: {last})", 503)
             await asyncio.sleep(delay)
@@ -163,6 +170,22 @@ class EnvClient:
         if ep.url in self.open and self.open[ep.url] > 0:
             self.open[ep.url] -= 1
         await self._close_quietly(ep.url, ep.id)
+
+    def abandon(self, ep: EnvEpisode) -> None:
+        """`close` without waiting (a cancelled trajectory may not await): the close runs in the
+        background; the server's reaper (--episode-ttl-s) covers it if the loop stops first."""
+        if ep.url in self.open and self.open[ep.url] > 0:
+            self.open[ep.url] -= 1
+        self._background(self._close_quietly(ep.url, ep.id))
+
+    def _background(self, coro) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:  # no running loop: nothing to close with
+            coro.close()
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _close_quietly(self, url: str, eid: str) -> None:
         try:

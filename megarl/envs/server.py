@@ -7,11 +7,15 @@ Many episodes per process, each its own ``Class(**args)`` instance, stepped conc
 on the loop, plain methods in worker threads). One episode's failure ends that episode only:
 
     environment raised in reset/step   -> 500, the episode is closed and counted failed
-    reset/step over --step-timeout-s   -> 504, likewise (a plain method's thread cannot be killed:
-                                          it finishes in the background; put code execution in
-                                          the sandbox, which has its own time limit)
+    reset/step over --step-timeout-s   -> 504, likewise (a coroutine is cancelled; a plain method's
+                                          thread cannot be killed: it finishes in the background,
+                                          and the instance is closed after it - close never races
+                                          step. With half the --threads held so, /health answers 503
+                                          and the job's watcher restarts the server. Put code
+                                          execution in the sandbox, which has its own time limit)
     unknown episode_id                 -> 404   (closed, finished, or reaped after --episode-ttl-s idle)
     --max-episodes open                -> 503   (the client retries later or elsewhere)
+    /close of a stepping episode       -> the id ends at once, the instance closes after the step
     malformed body                     -> 400 naming the field
     no / wrong key (with a key)        -> 401 on every route but /health
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import inspect
 import json
 import logging
 import sys
@@ -51,22 +56,31 @@ class Episode:
     last_used: float = field(default_factory=time.monotonic)
     steps: int = 0
     busy: bool = False  # a step is running: a second concurrent step on one episode is refused
+    running: Optional[asyncio.Future] = None  # the environment's call in progress (reset/step)
 
 
 class EnvState:
     def __init__(self, cls: type, args: dict, name: str, api_key: Optional[str] = None, max_episodes: int = 256,
                  step_timeout_s: float = 30.0, episode_ttl_s: float = 600.0, tools: Optional[list] = None,
-                 threads: int = 64):
+                 threads: Optional[int] = None):
         self.cls, self.args, self.name, self.api_key = cls, args, name, api_key
-        self.threads = threads
+        self.threads = threads or max_episodes  # one worker per open episode: none waits for another's
         self._tools = list(tools if tools is not None else getattr(cls, "tools", []) or [])
         self.max_episodes, self.step_timeout_s, self.episode_ttl_s = max_episodes, step_timeout_s, episode_ttl_s
         self.episodes: dict[str, Episode] = {}
+        self.stuck = 0  # plain calls past their deadline whose threads still run (they cannot be killed)
+        self.background: set[asyncio.Task] = set()  # closes of ended episodes
         self.stats = {"episodes_started": 0, "episodes_done": 0, "episodes_failed": 0, "episodes_closed": 0,
-                      "episodes_reaped": 0, "steps": 0, "step_seconds": 0.0, "rejected_full": 0}
+                      "episodes_reaped": 0, "steps": 0, "step_seconds": 0.0, "rejected_full": 0, "timeouts": 0}
 
     def tools(self) -> list[dict]:
         return list(self._tools)
+
+    @property
+    def wedged(self) -> bool:
+        """Half the worker threads hold calls past their deadline: the server cannot keep its
+        promises, and /health says so (the job's watcher then restarts it)."""
+        return self.stuck >= max(1, self.threads // 2)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -100,27 +114,49 @@ async def _body(request: web.Request) -> Any:
         raise ProtocolError(f"{request.path}: body is not JSON") from None
 
 
-async def _close_env(state: EnvState, eid: str, why: str) -> None:
+def _close_env(state: EnvState, eid: str, why: str) -> None:
+    """Ends episode `eid` (counted as `why`) at once: its id is gone; its instance is closed in the
+    background once the call it may still be running has returned (close never races step)."""
     ep = state.episodes.pop(eid, None)
     if ep is None:
         return
     state.stats[f"episodes_{why}"] += 1
-    try:
-        await asyncio.wait_for(call_maybe_async(ep.env.close), state.step_timeout_s)
-    except Exception as e:  # noqa: BLE001 - a failing close must not fail the request that ended the episode
-        log.warning("episode %s: close raised %s: %s", eid, type(e).__name__, e)
+
+    async def close():
+        if ep.running is not None and not ep.running.done():
+            await asyncio.wait([ep.running])
+        try:
+            await asyncio.wait_for(call_maybe_async(ep.env.close), state.step_timeout_s)
+        except Exception as e:  # noqa: BLE001 - a failing close ends nothing else
+            log.warning("episode %s: close raised %s: %s", eid, type(e).__name__, e)
+
+    task = asyncio.get_running_loop().create_task(close())
+    state.background.add(task)
+    task.add_done_callback(state.background.discard)
 
 
-async def _run(state: EnvState, eid: str, what: str, fn, *args):
-    """The environment's call under the step deadline; a raise or a timeout ends the episode."""
+async def _run(state: EnvState, eid: str, ep: Episode, what: str, fn, *args):
+    """The environment's call under the step deadline; a raise or a timeout ends the episode. A
+    coroutine past its deadline is cancelled; a plain method's thread cannot be, so it is counted
+    (`EnvState.stuck`) until it returns."""
+    ep.running = call = asyncio.ensure_future(call_maybe_async(fn, *args))
     try:
-        return await asyncio.wait_for(call_maybe_async(fn, *args), state.step_timeout_s), None
+        return await asyncio.wait_for(asyncio.shield(call), state.step_timeout_s), None
     except asyncio.TimeoutError:
-        await _close_env(state, eid, "failed")
+        state.stats["timeouts"] += 1
+        if inspect.iscoroutinefunction(fn):
+            call.cancel()
+        else:
+            state.stuck += 1
+
+            def returned(_):
+                state.stuck -= 1
+            call.add_done_callback(returned)
+        _close_env(state, eid, "failed")
         return None, _error(504, f"episode {eid}: {what} took over {state.step_timeout_s} s; episode ended")
     except Exception as e:  # noqa: BLE001 - the environment's fault: this episode ends, the server serves on
         log.warning("episode %s: %s raised %s: %s", eid, what, type(e).__name__, e)
-        await _close_env(state, eid, "failed")
+        _close_env(state, eid, "failed")
         return None, _error(500, f"episode {eid}: {what} raised {type(e).__name__}: {e}; episode ended")
 
 
@@ -132,15 +168,15 @@ async def reset(request: web.Request) -> web.Response:
     if len(state.episodes) >= state.max_episodes:
         state.stats["rejected_full"] += 1
         return _error(503, f"{state.max_episodes} episodes open (--max-episodes); retry later")
-    try:
-        env = state.cls(**state.args)
-    except Exception as e:  # noqa: BLE001
+    state.episodes[eid] = ep = Episode(None, busy=True)  # the slot is taken while the instance is built
+    state.stats["episodes_started"] += 1
+    try:  # in a worker thread: a slow __init__ holds only this episode
+        ep.env = await asyncio.wait_for(asyncio.to_thread(lambda: state.cls(**state.args)), state.step_timeout_s)
+    except Exception as e:  # noqa: BLE001 - the environment's fault, this episode's only
+        state.episodes.pop(eid, None)
         state.stats["episodes_failed"] += 1
         return _error(500, f"episode {eid}: {state.name}(**args) raised {type(e).__name__}: {e}")
-    state.episodes[eid] = ep = Episode(env)
-    ep.busy = True
-    state.stats["episodes_started"] += 1
-    out, err = await _run(state, eid, "reset", env.reset, task, seed)
+    out, err = await _run(state, eid, ep, "reset", ep.env.reset, task, seed)
     ep.busy, ep.last_used = False, time.monotonic()
     if err is not None:
         return err
@@ -149,7 +185,7 @@ async def reset(request: web.Request) -> web.Response:
     elif isinstance(out, dict):
         out = ResetResult(info=out)
     if not isinstance(out, ResetResult):
-        await _close_env(state, eid, "failed")
+        _close_env(state, eid, "failed")
         return _error(500, f"episode {eid}: reset returned {type(out).__name__}, not ResetResult, dict or None")
     return web.json_response(out.to_json())
 
@@ -164,14 +200,14 @@ async def step(request: web.Request) -> web.Response:
         return _error(409, f"episode {eid} is already stepping")
     ep.busy = True
     t0 = time.perf_counter()
-    out, err = await _run(state, eid, "step", ep.env.step, action)
+    out, err = await _run(state, eid, ep, "step", ep.env.step, action)
     ep.busy, ep.last_used = False, time.monotonic()
     state.stats["steps"] += 1
     state.stats["step_seconds"] += time.perf_counter() - t0
     if err is not None:
         return err
     if not isinstance(out, StepResult):
-        await _close_env(state, eid, "failed")
+        _close_env(state, eid, "failed")
         return _error(500, f"episode {eid}: step returned {type(out).__name__}, not StepResult; episode ended")
     ep.steps += 1
     try:
@@ -179,10 +215,10 @@ async def step(request: web.Request) -> web.Response:
         parse_step_result(body)  # what the client would refuse is the environment's fault, said here
         json.dumps(body, allow_nan=False)
     except (TypeError, ValueError) as e:  # ProtocolError is a ValueError
-        await _close_env(state, eid, "failed")
+        _close_env(state, eid, "failed")
         return _error(500, f"episode {eid}: bad step result ({e}); episode ended")
     if out.done:
-        await _close_env(state, eid, "done")
+        _close_env(state, eid, "done")
     return web.json_response(body)
 
 
@@ -193,11 +229,15 @@ async def close(request: web.Request) -> web.Response:
     if not isinstance(eid, str):
         raise ProtocolError("close.episode_id: missing")
     known = eid in state.episodes
-    await _close_env(state, eid, "closed")
+    _close_env(state, eid, "closed")  # a step still running finishes first, then the instance is closed
     return web.json_response({"closed": known})
 
 
 async def health(request: web.Request) -> web.Response:
+    state: EnvState = request.app["state"]
+    if state.wedged:
+        return _error(503, f"{state.stuck} environment calls are still running past their deadline "
+                           f"(of {state.threads} worker threads)")
     return web.json_response({"ok": True})
 
 
@@ -209,7 +249,7 @@ async def info(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     state: EnvState = request.app["state"]
-    return web.json_response({**state.stats, "episodes_open": len(state.episodes)})
+    return web.json_response({**state.stats, "episodes_open": len(state.episodes), "stuck": state.stuck})
 
 
 async def _reaper(app: web.Application) -> None:
@@ -220,7 +260,7 @@ async def _reaper(app: web.Application) -> None:
         for eid, ep in list(state.episodes.items()):
             if not ep.busy and now - ep.last_used > state.episode_ttl_s:
                 log.info("episode %s idle for %.0f s: closed", eid, now - ep.last_used)
-                await _close_env(state, eid, "reaped")
+                _close_env(state, eid, "reaped")
 
 
 async def _start_reaper(app: web.Application):
@@ -230,8 +270,11 @@ async def _start_reaper(app: web.Application):
     task = loop.create_task(_reaper(app))
     yield
     task.cancel()
-    for eid in list(app["state"].episodes):
-        await _close_env(app["state"], eid, "closed")
+    state: EnvState = app["state"]
+    for eid in list(state.episodes):
+        _close_env(state, eid, "closed")
+    if state.background:
+        await asyncio.wait(list(state.background), timeout=state.step_timeout_s)
 
 
 def build_app(state: EnvState) -> web.Application:
@@ -260,8 +303,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-episodes", type=int, default=256, help="episodes open at once (503 beyond)")
     p.add_argument("--step-timeout-s", type=float, default=30.0, help="deadline of one reset or step")
     p.add_argument("--episode-ttl-s", type=float, default=600.0, help="an idle episode is closed after this")
-    p.add_argument("--threads", type=int, default=64,
-                   help="worker threads for environments whose methods are plain (blocking) functions")
+    p.add_argument("--threads", type=int, default=None,
+                   help="worker threads for plain (blocking) environment methods (default: --max-episodes)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -273,7 +316,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        if args.max_episodes < 1 or args.threads < 1 or args.step_timeout_s <= 0 or args.episode_ttl_s <= 0:
+        if args.max_episodes < 1 or (args.threads or 1) < 1 or args.step_timeout_s <= 0 or args.episode_ttl_s <= 0:
             raise ValueError("--max-episodes and --threads must be >= 1, --step-timeout-s and --episode-ttl-s > 0")
         env_args = json.loads(args.args)
         if not isinstance(env_args, dict):

@@ -54,7 +54,8 @@ def env_servers(env: "EnvConfig", log_dir: str, host: str, cpus=None,
     """``with env_servers(cfg.env, ...) as urls:`` env.servers megarl-env processes serving
     env.cls with env.args, each answered /health; ``.api_key`` is theirs, ``.restarts`` counts relaunches."""
     cmd = [sys.executable, "-m", "megarl.envs", env.cls, "--args", json.dumps(env.args),
-           "--max-episodes", str(env.max_episodes), "--step-timeout-s", str(env.step_timeout_s)]
+           "--max-episodes", str(env.max_episodes), "--step-timeout-s", str(env.step_timeout_s),
+           "--episode-ttl-s", str(env.episode_ttl_s)]
     served = SimpleNamespace(path=env.cls, servers=env.servers, threads=1, health_interval_s=env.health_interval_s)
     return RewardServers(served, log_dir, host, cpus, ready_timeout_s, field="env.cls",
                          make_launcher=lambda key: EnvLauncher(cmd, key), what="environment")

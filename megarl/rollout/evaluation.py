@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import statistics
 import time
@@ -36,6 +37,8 @@ from megarl.protocol.messages import eval_due
 from megarl.protocol.types import SamplingParams, Trajectory
 from megarl.rollout.workflows.base import WorkflowContext
 from megarl.rollout.workflows.single_turn import SingleTurnWorkflow
+
+log = logging.getLogger("megarl.eval")
 
 
 class EvalStalled(TimeoutError):
@@ -97,6 +100,7 @@ class EvalResult:
     versions: tuple[int, ...] = ()  # policy versions that produced the completions
     mean_turns: Optional[float] = None  # greedy episodes of a multi-turn workflow
     tool_calls: Optional[float] = None  # tool calls per greedy episode (tool-calling workflows)
+    failed: int = 0  # episodes (greedy and sampled) that raised: counted as wrong
     rows: tuple[dict, ...] = ()  # one per episode: what eval_generations.jsonl records
 
 
@@ -116,7 +120,17 @@ async def evaluate(client, samples: Sequence[PromptSample], wfs: EvalWorkflows) 
     runs = [wfs.greedy.arun_episode(atomic, s) for s in samples]
     if wfs.sampled is not None:
         runs += [wfs.sampled.arun_episode(atomic, s) for s in samples]
-    groups = [g or [] for g in await asyncio.gather(*runs)]  # None: rejected by the workflow
+    results = await asyncio.gather(*runs, return_exceptions=True)
+    # an episode that failed for good (e.g. its environment server died past its re-runs) counts
+    # as a wrong answer, as a rejected one does; a failed evaluation would stop the run
+    failed = [r for r in results if isinstance(r, Exception)]
+    if failed:
+        log.warning("evaluation: %d of %d episodes failed, counted as wrong (first: %s: %s)", len(failed),
+                    len(results), type(failed[0]).__name__, failed[0])
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, Exception):
+            raise r  # cancelled: the evaluation itself is being stopped
+    groups = [[] if r is None or isinstance(r, Exception) else r for r in results]  # None: rejected
     n, tok = len(samples), wfs.tokenizer
     # the gather keeps order: the first n groups are the greedy runs, the rest the sampled ones
     greedy = [g[:1] for g in groups[:n]]
@@ -124,7 +138,7 @@ async def evaluate(client, samples: Sequence[PromptSample], wfs: EvalWorkflows) 
     # a prompt the workflow rejected counts as wrong (reward 0): the denominator stays n
     rewards = [g[0].reward if g else 0.0 for g in greedy]
     out = {"n": n, "accuracy": sum(r >= wfs.correct_at for r in rewards) / n,
-           "mean_reward": statistics.fmean(rewards)}
+           "mean_reward": statistics.fmean(rewards), "failed": len(failed)}
     if wfs.sampled is not None:
         sampled = groups[n:]
         rows += [_row(tok, s, t, "sampled") for s, g in zip(samples, sampled) for t in g]
@@ -216,7 +230,8 @@ class PeriodicEval:
         # one version in the completions is what was measured; several (should not happen: atomic) fall back to the submit version
         measured = res.versions[-1] if len(res.versions) == 1 else version
         out = {"eval_accuracy": res.accuracy, "eval/greedy_pass@1": res.accuracy,
-               "eval/mean_reward": res.mean_reward, "eval/version": measured, "eval/step": step, "eval/n": res.n}
+               "eval/mean_reward": res.mean_reward, "eval/version": measured, "eval/step": step, "eval/n": res.n,
+               "eval/failed": res.failed}
         if res.pass_at_k is not None:  # over the k sampled episodes per prompt
             out["eval/pass@1"], out[f"eval/pass@{res.k}"] = res.pass_at_1, res.pass_at_k
             out[f"eval/mean_reward_at_{res.k}"] = res.mean_reward_at_k

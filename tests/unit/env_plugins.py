@@ -63,13 +63,25 @@ class FailOnce(Environment):
         raise RuntimeError("first try fails")
 
 
+EVENTS: list[str] = []  # what SlowSync instances did, in order (in-process tests read it)
+
+
 class SlowSync(Environment):
-    """A blocking step (time.sleep): runs in a worker thread, the server keeps answering others."""
+    """A blocking step (time.sleep, meta["delay_s"] or `delay_s`): runs in a worker thread, the
+    server keeps answering others. Records "step-end <id>" and "close <id>" in EVENTS."""
 
     def __init__(self, delay_s: float = 0.5):
         self.delay_s = delay_s
 
+    def reset(self, task, seed):
+        self.delay_s = task.meta.get("delay_s", self.delay_s)
+        self.id = task.meta.get("id", "")
+
     def step(self, action):
         time.sleep(self.delay_s)
+        EVENTS.append(f"step-end {self.id}")
         return StepResult(reward=1.0, done=True)
+
+    def close(self):
+        EVENTS.append(f"close {self.id}")
 

@@ -157,22 +157,32 @@ def test_keys_limits_and_the_reaper():
                 assert state.stats["episodes_reaped"] == 1 and not state.episodes
                 with pytest.raises(EnvError, match="HTTP 404"):
                     await env.step(ep, Action("x"))
-                ep2 = await env.reset(Task())  # the slot is free again
-                a, b = await asyncio.gather(env.step(ep2, Action("x")), env.step(ep2, Action("y")),
-                                            return_exceptions=True)
-                assert sum(isinstance(x, EnvError) and x.status == 409 for x in (a, b)) <= 1
+                await env.reset(Task())  # the slot is free again
+    run(main())
+
+
+def test_a_second_step_of_a_stepping_episode_is_refused():
+    async def main():
+        async with served(env_plugins.SlowSync, {"delay_s": 0.5}) as (url, state), EnvClient([url]) as env:
+            ep = await env.reset(Task())
+            a, b = await asyncio.gather(env.step(ep, Action("x")), env.step(ep, Action("y")), return_exceptions=True)
+            refused = [x for x in (a, b) if isinstance(x, EnvError)]
+            assert len(refused) == 1 and refused[0].status == 409 and "already stepping" in str(refused[0])
+            assert [x for x in (a, b) if not isinstance(x, EnvError)][0].done
     run(main())
 
 
 def test_a_blocking_environment_holds_only_its_own_episode():
     async def main():
-        async with served(env_plugins.SlowSync, {"delay_s": 1.0}) as (url, state), EnvClient([url]) as env:
-            ep = await env.reset(Task())
+        async with served(env_plugins.SlowSync) as (url, state), EnvClient([url]) as env:
+            slow_ep = await env.reset(Task("", {"delay_s": 1.0}))
+            fast_ep = await env.reset(Task("", {"delay_s": 0.0}))
             order = []
 
-            async def slow():
+            async def step(ep, name):
+                await asyncio.sleep(0.1 if name == "fast" else 0.0)
                 await env.step(ep, Action("x"))
-                order.append("step")
+                order.append(name)
 
             async def health():
                 await asyncio.sleep(0.2)
@@ -180,9 +190,37 @@ def test_a_blocking_environment_holds_only_its_own_episode():
                     assert r.status == 200
                 order.append("health")
 
-            await asyncio.gather(slow(), health())
-            assert order == ["health", "step"]  # the time.sleep ran in a worker thread, not on the loop
+            await asyncio.gather(step(slow_ep, "slow"), step(fast_ep, "fast"), health())
+            # the time.sleep ran in a worker thread: another episode and the server went on meanwhile
+            assert order.index("slow") == 2, order
     run(main())
+
+
+def test_a_plain_step_past_its_deadline_is_closed_after_it_returns_and_health_says_wedged():
+    """A blocking step cannot be killed: the episode ends at its deadline (504), its instance is
+    closed only after the step's thread returns (close never races step), and while such threads
+    hold half the workers /health answers 503 so the job's watcher restarts the server."""
+    env_plugins.EVENTS.clear()
+
+    async def main():
+        async with served(env_plugins.SlowSync, step_timeout_s=0.3, threads=2) as (url, state), \
+                EnvClient([url], timeout_s=5) as env:
+            stuck = await env.reset(Task("", {"delay_s": 1.2, "id": "stuck"}))
+            with pytest.raises(EnvError, match="HTTP 504.*step took over 0.3 s; episode ended"):
+                await env.step(stuck, Action("x"))
+            assert state.stuck == 1 and state.stats["timeouts"] == 1 and not state.episodes
+            async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
+                assert r.status == 503 and "past their deadline" in (await r.json())["message"]
+            ok = await env.reset(Task("", {"delay_s": 0.0, "id": "ok"}))  # the other worker serves on
+            assert (await env.step(ok, Action("y"))).done
+            await asyncio.sleep(1.3)  # the stuck thread returns
+            async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
+                assert r.status == 200 and state.stuck == 0
+            return list(env_plugins.EVENTS)
+
+    events = run(main())
+    assert events.index("close stuck") > events.index("step-end stuck"), events
+    assert events.index("step-end ok") < events.index("step-end stuck")
 
 
 def test_a_code_executing_environment_runs_the_models_code_in_the_sandbox(tmp_path):
@@ -278,12 +316,14 @@ def test_a_failed_episode_is_run_again_then_reported(model_dir, tmp_path):
             (t,) = await wf.arun_episode(ScriptedClient(tok, ["answer"]), sample)
             assert t.reward == 1.0 and t.info["env_retries"] == 1
             assert state.stats["episodes_failed"] == 1 and state.stats["episodes_done"] == 1
+            assert {k: env.stats[k] for k in ("episodes", "episode_errors", "episode_retries", "episodes_failed")} \
+                == {"episodes": 2, "episode_errors": 1, "episode_retries": 1, "episodes_failed": 0}
             # retries used up: the error reaches the controller (which retries the group), nothing left open
             env.episode_retries = 0
             again = PromptSample(1, "q", {"marker_dir": str(tmp_path), "key": "b"}, tok.encode("q"))
             with pytest.raises(EnvError, match="first try fails"):
                 await wf.arun_episode(ScriptedClient(tok, ["answer"]), again)
-            assert not state.episodes
+            assert not state.episodes and env.stats["episodes_failed"] == 1
     run(main())
 
 

@@ -125,3 +125,25 @@ def test_eval_runs_the_workflows_turns_greedily_and_atomically(answer, correct):
     assert (res.n, res.accuracy, res.pass_at_k, res.pass_at_1, res.mean_turns) == (2, want, want, want, turns)
     assert len(res.rows) == 2 * 4 and {r["kind"] for r in res.rows} == {"greedy", "sampled"}
     assert all(r["final"] == answer and r["turns"] == turns for r in res.rows)
+
+
+def test_an_episode_that_fails_counts_as_wrong_and_does_not_stop_the_evaluation():
+    """An episode that raised past its re-runs (an environment server down during the evaluation)
+    is a wrong answer, counted in `failed`; the other prompts are scored as usual."""
+    from megarl.data.datasets import PromptSample
+    from megarl.protocol.types import Trajectory
+    from megarl.rollout.evaluation import EvalWorkflows, PeriodicEval, evaluate
+
+    class Flaky:
+        async def arun_episode(self, client, sample):
+            if sample.index == 1:
+                raise RuntimeError("environment http://127.0.0.1:9: /step: connection refused")
+            n = len(sample.prompt_ids)
+            return [Trajectory(list(sample.prompt_ids) + [5], [0] * n + [1], [0.0] * n + [-0.1], [-1] * n + [0],
+                               1.0, sample.index)]
+
+    tok = _CharTok()
+    samples = [PromptSample(i, f"q{i}", {}, tok.encode(f"q{i}")) for i in range(4)]
+    res = asyncio.run(evaluate(object(), samples, EvalWorkflows(Flaky(), None, tok)))
+    assert (res.n, res.accuracy, res.failed) == (4, 0.75, 1)
+    assert PeriodicEval.metrics(res, 10, 0)["eval/failed"] == 1

@@ -6,7 +6,7 @@
                step(action = {content: text, tool_calls: parsed})      -> observation, reward, done
                stop if done, no turns left, aborted or no room in max_seq_len
                trace += close-turn + render(observation) + next-turn header   mask 0
-      close(episode)                                                    (always, also on errors)
+      close(episode)                     (always, also on errors; a cancelled one in the background)
     reward = sum_t turn_discount**t * reward_t (the environment's), info["turns"] per turn
 
 Token-in, token-out: the trainer trains exactly the token ids the servers generated; the
@@ -78,8 +78,14 @@ class EnvironmentWorkflow(MultiTurnWorkflow):
         if "episode" in state:
             await self.env.close(state["episode"])
 
+    def abandon(self, state: dict) -> None:
+        if "episode" in state:
+            self.env.abandon(state["episode"])
+
     async def step(self, sample: PromptSample, turn: int, text: str, response: ModelResponse,
                    state: dict) -> EnvStep:
+        if response.stop_reason == "abort":  # cut off, not a turn the model ended: nothing to act on
+            return EnvStep(0.0, True, info={"tool_calls": 0, "aborted": True})
         action, malformed = action_of(text, turn)
         result = await self.env.step(state["episode"], action)
         return EnvStep(result.reward, result.done, result.observation, info={

@@ -77,8 +77,11 @@ class MultiTurnWorkflow:
         """Before trajectory `k`'s first turn (an environment server's reset); nothing by default."""
 
     async def finish(self, state: dict) -> None:
-        """After its last turn, also when the trajectory raised (not when it was cancelled); nothing by
-        default."""
+        """After its last turn, also when the trajectory raised; nothing by default."""
+
+    def abandon(self, state: dict) -> None:
+        """When the trajectory was cancelled (no await allowed): release what `begin` took; nothing
+        by default."""
 
     # ---- the rollout ----------------------------------------------------------------------------
     def completion_text(self, tokens: list[int]) -> str:
@@ -87,7 +90,13 @@ class MultiTurnWorkflow:
     async def arun_episode(self, client, sample: PromptSample) -> Optional[list[Trajectory]]:
         if self.ctx.budget(len(sample.prompt_ids) + len(self.forced_ids)) == 0:
             return None  # no room for a single generated token
-        return list(await asyncio.gather(*(self._trajectory(client, sample, k) for k in range(self.group_size))))
+        tasks = [asyncio.ensure_future(self._trajectory(client, sample, k)) for k in range(self.group_size)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except Exception:
+            for t in tasks:  # the group is re-run as a whole: its other trajectories stop now
+                t.cancel()
+            raise
 
     def _sampling(self, sample: PromptSample, budget: int, k: int, turn: int) -> SamplingParams:
         sp = self.ctx.sampling_for(sample, budget)
@@ -103,7 +112,8 @@ class MultiTurnWorkflow:
         try:
             result = await self._turns(client, sample, k, state)
         except (asyncio.CancelledError, GeneratorExit):
-            raise  # no await while being torn down (a stopping run): an environment server reaps idle episodes
+            self.abandon(state)  # no await while being torn down
+            raise
         except BaseException:
             await self.finish(state)
             raise
