@@ -108,16 +108,7 @@ class Config:
         if self.teacher.path and self.rollout.servers:
             raise ConfigError("teacher.path: the teacher servers are started by the job beside its own policy "
                               f"servers; with rollout.servers ({self.rollout.servers[0]}, ...) none are")
-        if (self.env.cls or self.env.urls) and not self.train.is_rl:
-            raise ConfigError("env.cls: environments answer sampled turns (RL); SFT reads fixed conversations")
-        workflows = {self.rollout.workflow, *(s.workflow for s in self.data.sources if s.workflow),
-                     *(e.workflow for e in self.data.eval_sets if e.workflow)}
-        if (self.env.cls or self.env.urls) and ENV_WORKFLOW not in workflows:
-            raise ConfigError(f"env.{'cls' if self.env.cls else 'urls'}: environments are driven by "
-                              f"rollout.workflow={ENV_WORKFLOW}; got {self.rollout.workflow}")
-        if ENV_WORKFLOW in workflows and not (self.env.cls or self.env.urls):
-            raise ConfigError(f"rollout.workflow: {ENV_WORKFLOW} needs an environment: env.cls (served by the "
-                              "job) or env.urls (servers you run)")
+        validate_env(self)
         if self.data.messages_key and self.train.is_rl:
             raise ConfigError("data.messages_key: conversations for SFT; RL reads chat prompts from data.prompt_key")
         for name in ("sources", "eval_sets"):
@@ -135,6 +126,21 @@ class Config:
             if not self.rollout.partial_rollout and self.weights.pause_mode not in ("abort", "auto"):
                 raise ConfigError(f"weights.pause_mode: {self.weights.pause_mode} keeps requests running "
                                   "across the push, which rollout.partial_rollout=false forbids; use abort")
+
+
+def validate_env(cfg: Config) -> None:
+    """An environment (env.cls / env.urls) exactly when a workflow drives one, and only in RL."""
+    env = cfg.env
+    if (env.cls or env.urls) and not cfg.train.is_rl:
+        raise ConfigError("env.cls: environments answer sampled turns (RL); SFT reads fixed conversations")
+    workflows = {cfg.rollout.workflow, *(s.workflow for s in cfg.data.sources if s.workflow),
+                 *(e.workflow for e in cfg.data.eval_sets if e.workflow)}
+    if (env.cls or env.urls) and ENV_WORKFLOW not in workflows:
+        raise ConfigError(f"env.{'cls' if env.cls else 'urls'}: environments are driven by "
+                          f"rollout.workflow={ENV_WORKFLOW}; got {cfg.rollout.workflow}")
+    if ENV_WORKFLOW in workflows and not (env.cls or env.urls):
+        raise ConfigError(f"rollout.workflow: {ENV_WORKFLOW} needs an environment: env.cls (served by the "
+                          "job) or env.urls (servers you run)")
 
 
 def validate_learning_signal(cfg: Config) -> None:

@@ -28,6 +28,9 @@ __all__ = ["Environment", "load_environment", "call_maybe_async"]
 
 
 class Environment:
+    """One episode of an environment (see the module docstring); subclass it and override
+    `reset`, `step` and, when it holds resources, `close`."""
+
     tools: list[dict] = []
 
     def __init__(self, **args: Any):
