@@ -128,6 +128,7 @@ class EnvClient:
                     status, data = await self._post(url, "/reset", body)
                 except EnvError as e:  # unreachable (being restarted?) or no answer: try again
                     last = str(e)
+                    self.stats["reset_retries"] += 1
                     self._background(self._close_quietly(url, eid))  # in case the server took it
                     continue
                 if status == 503:

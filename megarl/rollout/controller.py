@@ -450,7 +450,7 @@ class RolloutController:
             out["rollout/busy_s"] = self.client.busy_seconds()
         envs = workflow_envs(self.workflow)
         if envs:  # environment episodes (EnvironmentWorkflow), cumulative
-            for k in ("episodes", "steps", "episode_errors", "episode_retries", "episodes_failed"):
+            for k in ("episodes", "steps", "episode_errors", "episode_retries", "episodes_failed", "reset_retries"):
                 out[f"env/{k}"] = sum(e.stats[k] for e in envs)
         if self.teacher is not None:
             out.update(self.teacher.stats)

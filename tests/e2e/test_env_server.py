@@ -106,6 +106,9 @@ def kill_env_server_at_step_3(proc) -> dict | None:
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
         if any(r.get("step", 0) >= 3 and "reward" in r for r in harness.rows_so_far(run)):
+            # the push after the step opens the staleness window: new episodes start and take
+            # >= 2 s (two 1 s environment steps), so 0.7 s later some are open
+            time.sleep(0.7)
             killed = json.loads((run / "env_servers" / "servers.json").read_text())[0]
             os.kill(killed["pid"], signal.SIGKILL)
             return killed
@@ -134,8 +137,10 @@ def test_a_killed_environment_server_is_restarted_and_no_prompt_is_lost(tmp_path
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     last = rows[-1]
     assert last["env/server_restarts"] >= 1 and last["rollout/failed"] == 0, last
-    # the episodes the dead server held failed and were run again, none for good
-    assert last["env/episode_errors"] >= 1 and last["env/episode_retries"] + last["rollout/retries"] >= 1, last
+    # the episodes the dead server held failed and were run again (or, on a loaded machine where
+    # the trainer is the bottleneck, the kill found only resets, which waited for the restart), none for good
+    assert last["env/episode_errors"] + last["env/reset_retries"] >= 1, last
+    assert last["env/episode_errors"] <= last["env/episode_retries"] + last["env/episodes_failed"], last
     assert last["rollout/retries"] >= (last["env/episodes_failed"] > 0), last  # out of re-runs: the group re-runs
     assert last["env/episodes"] >= STEPS * PROMPTS_PER_STEP * GROUP and last["env/steps"] >= last["env/episodes"]
     assert all(1.0 <= r["episode/turns"] <= 2.0 for r in rows)
