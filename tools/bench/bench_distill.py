@@ -2,8 +2,8 @@
 (examples/tiny/model, greedy held-out accuracy ~0.3) needs to reach 0.9x a stronger teacher's
 held-out accuracy, learning from the task reward alone, from the teacher alone, or from both.
 
-    python tools/bench/bench_distill.py [--teacher examples/tiny/teacher] [--steps 150]
-        [--coef 1.0] [--eval-interval 10] [--out runs/bench_distill] [--png docs/distill.png]
+    python tools/bench/bench_distill.py [--teacher examples/tiny/teacher] [--steps 500]
+        [--coef 0.5] [--eval-interval 10] [--out runs/bench_distill] [--png docs/distill.png]
 
     reward_only   configs/tiny_grpo.yaml as shipped (exact-match reward, GRPO)
     distill       + teacher.path, algo.distill_coef=COEF (the reward's advantage kept, weight 1)
@@ -65,8 +65,8 @@ def plot(results: dict, target: float, teacher_acc: float, out: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--teacher", default=TEACHER)
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--coef", type=float, default=1.0)
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--coef", type=float, default=0.5)
     ap.add_argument("--eval-interval", type=int, default=10)
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "bench_distill"))
     ap.add_argument("--png", default="")
