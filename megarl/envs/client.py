@@ -74,6 +74,7 @@ class EnvClient:
         self._session: Optional[aiohttp.ClientSession] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._tasks: set[asyncio.Task] = set()  # background closes
+        self._closed = False
 
     async def __aenter__(self) -> "EnvClient":
         return self
@@ -84,11 +85,14 @@ class EnvClient:
     async def aclose(self) -> None:
         if self._tasks:  # background closes still in flight get a moment to land
             await asyncio.wait(list(self._tasks), timeout=self.connect_timeout_s)
+        self._closed = True  # a close scheduled after this (a trajectory cancelled late) opens no new session
         if self._session is not None:
             await self._session.close()
             self._session = None
 
     def _http(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise aiohttp.ClientError("the environment client is closed")
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

@@ -121,6 +121,7 @@ class RolloutController:
         # on-policy distillation: TeacherClient(**teacher) scores each group (made on the loop)
         self._teacher_args, self.teacher = teacher, None
         self.counters = collections.Counter()  # trained, filtered/<name>, failed, retries
+        self.also_close: list = []  # other workflows run on this loop (the evaluation's): closed at stop
         self.trained_groups = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -169,7 +170,7 @@ class RolloutController:
                 await reward.aclose()  # an HTTP reward's session, threads, worker processes
             if self.teacher is not None:
                 await self.teacher.close()
-            await close_envs(self.workflow)  # environment servers' sessions (EnvironmentWorkflow)
+            await close_envs(self.workflow, *self.also_close)  # environment servers' sessions (EnvironmentWorkflow)
             await self.client.close()
 
         try:

@@ -239,6 +239,10 @@ class PeriodicEval:
             out["eval/mean_turns"], out["eval/tool_calls"] = res.mean_turns, res.tool_calls
         return out
 
+    def all_workflows(self) -> list:
+        """Its workflows (the controller closes their environment clients when it stops)."""
+        return [w for w in (self.workflows.greedy, self.workflows.sampled) if w is not None]
+
     def _dump(self, res: EvalResult, step: int, version: int) -> None:
         if not self.dump_path:
             return
@@ -259,6 +263,9 @@ class EvalSuite:
         self.sets, self.last_step = list(sets), last_step
         for name, ev, _ in self.sets:
             ev.name = name
+
+    def all_workflows(self) -> list:
+        return [w for _, ev, _ in self.sets for w in ev.all_workflows()]
 
     def submit(self, controller, step: int, version: int) -> None:
         for _, ev, interval in self.sets:

@@ -289,6 +289,8 @@ class RolloutManager:
         self.controller.start()
         self.stack.callback(self.controller.stop)
         self.evaluator = build_eval(self.spec.eval, eval_reward(self.spec.eval.task, self.controller.reward))
+        if self.evaluator is not None:  # evaluations run on the controller's loop: it closes their env clients
+            self.controller.also_close = self.evaluator.all_workflows()
 
     # ------------------------------------------------------------------ requests
     def next_batch(self, msg: BatchRequest) -> Batch:
