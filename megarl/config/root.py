@@ -135,12 +135,34 @@ def validate_env(cfg: Config) -> None:
         raise ConfigError("env.cls: environments answer sampled turns (RL); SFT reads fixed conversations")
     workflows = {cfg.rollout.workflow, *(s.workflow for s in cfg.data.sources if s.workflow),
                  *(e.workflow for e in cfg.data.eval_sets if e.workflow)}
-    if (env.cls or env.urls) and ENV_WORKFLOW not in workflows:
+    # a custom workflow is imported (to see whether it subclasses EnvironmentWorkflow) only when an
+    # environment is configured
+    drives = any(_drives_env(w, resolve=bool(env.cls or env.urls)) for w in workflows)
+    if (env.cls or env.urls) and not drives:
         raise ConfigError(f"env.{'cls' if env.cls else 'urls'}: environments are driven by "
-                          f"rollout.workflow={ENV_WORKFLOW}; got {cfg.rollout.workflow}")
-    if ENV_WORKFLOW in workflows and not (env.cls or env.urls):
+                          f"rollout.workflow={ENV_WORKFLOW} (or a subclass); got {cfg.rollout.workflow}")
+    if drives and not (env.cls or env.urls):
         raise ConfigError(f"rollout.workflow: {ENV_WORKFLOW} needs an environment: env.cls (served by the "
                           "job) or env.urls (servers you run)")
+
+
+def _drives_env(path: str, resolve: bool) -> bool:
+    """Whether workflow ``path`` is EnvironmentWorkflow or a subclass (imported only when it is
+    not named as shipped; a path that does not import is left to the workflow loader's error)."""
+    if path in (ENV_WORKFLOW, "megarl.rollout.workflows.environment:EnvironmentWorkflow"):
+        return True
+    if resolve and not path.startswith("megarl.rollout.workflow") and ":" in path:
+        import importlib
+
+        from megarl.rollout.workflows.environment import EnvironmentWorkflow
+
+        module, _, name = path.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return False
+        return isinstance(cls, type) and issubclass(cls, EnvironmentWorkflow)
+    return False
 
 
 def validate_learning_signal(cfg: Config) -> None:

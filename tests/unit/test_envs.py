@@ -351,6 +351,16 @@ def test_env_config_is_checked(overrides, msg):
         load_config(None, ["model.hf_path=m", "data.train_path=x.jsonl", "train.algorithm=rl", *overrides])
 
 
+def test_a_subclass_of_the_environment_workflow_drives_an_environment():
+    cfg = load_config(None, ["model.hf_path=m", "data.train_path=x.jsonl", "train.algorithm=rl", "env.cls=a.b:C",
+                             "rollout.workflow=test_envs:MyEnvWorkflow"])
+    assert cfg.rollout.workflow == "test_envs:MyEnvWorkflow"
+
+
+class MyEnvWorkflow(EnvironmentWorkflow):
+    """A user's subclass (test_a_subclass_of_the_environment_workflow_drives_an_environment)."""
+
+
 def test_env_urls_reach_the_task():
     from megarl.rollout.setup import TaskSpec
 
