@@ -91,8 +91,8 @@ class AdminClient(HttpClient):
     async def abort_all(self) -> dict:
         return await self._admin("/abort_request", {"rid": "", "abort_all": True})
 
-    async def begin_weight_update(self) -> dict:
-        return await self._admin("/begin_weight_update", {})
+    async def begin_weight_update(self, skip: Collection[str] = ()) -> dict:
+        return await self._admin("/begin_weight_update", {}, skip=skip)
 
     async def flush_and_begin(self) -> None:
         """``/flush_cache`` and ``/begin_weight_update`` at once (after a pause; neither depends on

@@ -231,12 +231,29 @@ class RolloutCluster:
         # set before the call: a begin that landed on some servers and failed on others still
         # opened sessions, and a server refuses the next begin while one is open
         self.session_open = True
-        if self.pause_mode == "in_place":
-            # paused requests keep their KV cache and resume on it (what in_place is for); SGLang
-            # refuses /flush_cache while they hold it
-            self.admin.call(lambda c: c.begin_weight_update())
-        else:
-            self.admin.call(lambda c: c.flush_and_begin())  # one round trip: the two are independent
+        try:
+            if self.pause_mode == "in_place":
+                # paused requests keep their KV cache and resume on it (what in_place is for); SGLang
+                # refuses /flush_cache while they hold it
+                self.admin.call(lambda c: c.begin_weight_update())
+            else:
+                self.admin.call(lambda c: c.flush_and_begin())  # one round trip: the two are independent
+        except AdminError as e:
+            self._take_over_sessions(e)
+
+    def _take_over_sessions(self, e: AdminError) -> None:
+        """A begin refused because a session is open: this run always ends its own (publish,
+        abandon_update), so one open at a push's begin was left by another run, killed mid-push,
+        on a server that outlived it. It is ended, and this push begins its own there; any other
+        failure is raised."""
+        left = sorted(a for a, why in e.failures.items() if "already open" in why)
+        if not left or len(left) != len(e.failures):
+            raise e
+        log.warning("weight-update session left open on %s (a run killed mid-push?): ended; this push "
+                    "begins its own", ", ".join(left))
+        others = [a for a in self.addresses if a not in left]
+        self.admin.call(lambda c: c.end_weight_update(skip=others))
+        self.admin.call(lambda c: c.begin_weight_update(skip=others))
 
     def publish(self, version: int) -> None:
         """After every bucket landed: servers flip to ``version`` at once, then close the update."""

@@ -46,3 +46,21 @@ def test_one_server_under_two_names_is_refused_at_load(tmp_path):
     assert run.last_line == ("megarl-train: rollout.servers[1]: http://127.0.0.1:30111/ is listed twice "
                              "(also rollout.servers[0]: http://localhost:30111)"), run.last_line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_session_left_open_by_a_dead_run_is_ended_by_the_next_run(tmp_path):
+    """A trainer killed between /begin_weight_update and /end_weight_update leaves the session
+    open on a server that outlives it (seen when the kill above lands mid-push): the next run's
+    first push ends it, says so, and trains."""
+    from e2e_servers import http
+
+    server = ServerProc(str(harness.TINY / "model")).wait_ready()
+    try:
+        code, out = http("POST", server.url + "/begin_weight_update", {})  # the dead run's open session
+        assert code == 200, out
+        run = harness.train(tmp_path / "run", "train.steps=2", f"rollout.servers=[{server.url}]", *ARGS).check()
+        assert [r["step"] for r in run.rows] == [1, 2]
+        log = (run.dir / "manager.log").read_text()  # the push's admin calls are the rollout manager's
+        assert f"weight-update session left open on {server.url}" in log and "this push begins its own" in log
+    finally:
+        server.stop()
