@@ -149,19 +149,19 @@ def validate_env(cfg: Config) -> None:
 def _drives_env(path: str, resolve: bool) -> bool:
     """Whether workflow ``path`` is EnvironmentWorkflow or a subclass (imported only when it is
     not named as shipped; a path that does not import is left to the workflow loader's error)."""
-    if path in (ENV_WORKFLOW, "megarl.rollout.workflows.environment:EnvironmentWorkflow"):
+    shipped = (ENV_WORKFLOW, "megarl.rollout.workflows.environment:EnvironmentWorkflow")
+    if path in shipped:
         return True
     if resolve and not path.startswith("megarl.rollout.workflow") and ":" in path:
         import importlib
-
-        from megarl.rollout.workflows.environment import EnvironmentWorkflow
 
         module, _, name = path.partition(":")
         try:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
             return False
-        return isinstance(cls, type) and issubclass(cls, EnvironmentWorkflow)
+        # by name along the MRO: the config package imports nothing of the rollout side
+        return isinstance(cls, type) and any(f"{c.__module__}:{c.__qualname__}" in shipped for c in cls.__mro__)
     return False
 
 
