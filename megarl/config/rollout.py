@@ -397,6 +397,14 @@ class WeightSyncConfig:
     ones packed, per bucket) or sglang (SGLang 0.5.x's own: its tensor payload, one flattened
     bucket per broadcast). A setting a server cannot take stops at preflight naming it
     (megarl/config/server_wire.py)."""
+    overlap: bool = True
+    """Asynchronous runs (rollout.max_staleness >= 1): the trainer only stages the push - gathers,
+    converts and copies its buckets - and a thread of its own pauses the servers, sends them and
+    publishes the version (checksums too) while the trainer computes the next update; the trainer
+    waits for it only where the next push, an evaluation or the last step needs it landed
+    (push/blocking_s: the trainer's share; push/overlapped_s: the rest). Costs one copy of the
+    stage's weights in the serving dtype. Synchronous, whatever this says: max_staleness 0, the
+    colocated placement, the disk transport, shard refit and LoRA on SGLang (PEFT directories)."""
     refit: str = "gather"
     """How tensor-parallel shards reach the servers: gather (the stage source gathers each full
     tensor over its TP group and broadcasts it; any server) or shard (shard-to-shard refit: every

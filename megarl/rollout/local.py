@@ -12,6 +12,8 @@ answers /health and has been given the current weights). ``<log_dir>/servers.jso
 """
 from __future__ import annotations
 
+import concurrent.futures
+
 import contextlib
 import json
 import os
@@ -162,6 +164,10 @@ class LocalServers:
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.restarts = 0
+        # restarts are spawned from one thread that lives as long as this object: a server gets
+        # SIGKILL when the thread that forked it ends (PR_SET_PDEATHSIG), and `restart` is called
+        # from whichever trainer link's thread dropped the server - a push link ends with its push
+        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-spawn")
 
     def __enter__(self) -> list[str]:
         try:
@@ -199,7 +205,7 @@ class LocalServers:
         self.launcher.kill(self.procs[i])  # a hung one still holds the port
         # the same port: the address the cluster dropped is the one it will re-admit
         port = int(url.rsplit(":", 1)[1])
-        self.procs[i] = self.launcher.spawn(port, self._log(i), self.host, self.cpus)
+        self.procs[i] = self._spawner.submit(self.launcher.spawn, port, self._log(i), self.host, self.cpus).result()
         self.restarts += 1
         self._write_index()
         return True
@@ -209,6 +215,7 @@ class LocalServers:
         for p in self.procs:
             self.launcher.kill(p)
         self.procs.clear()
+        self._spawner.shutdown(wait=False)
 
     def __exit__(self, *exc) -> None:
         self.close()

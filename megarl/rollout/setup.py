@@ -158,10 +158,10 @@ def routed_experts(cfg) -> Optional[tuple[int, int]]:
 
 
 def sglang_lora(cfg) -> bool:
-    """LoRA with SGLang servers (the resolved wire is SGLang's): every push loads the adapter as a
-    PEFT directory (/load_lora_adapter) and every request names it; megarl-server instead merges
-    the adapter tensors it is pushed."""
-    return cfg.lora.enabled and cfg.weights.tensor_format == "sglang"
+    """LoRA with SGLang servers: requests name the pushed PEFT adapter (`peft_adapters`)."""
+    from megarl.protocol.wire import peft_adapters
+
+    return peft_adapters(cfg.lora.rank if cfg.lora.enabled else 0, cfg.weights.tensor_format)
 
 
 def training_task(task: TaskSpec, group_size: int):

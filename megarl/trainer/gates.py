@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megarl.weights.transports import PushError
+from megarl.weights.checksums import judge_mismatches
 
 # Mean |logp_trainer - logp_rollout| over on-policy tokens that train.mismatch_gate accepts when
 # train.mismatch_threshold is unset. fp32: the CPU trainer and megarl-server agree to ~1e-7 nats
@@ -63,16 +63,4 @@ def check_mismatch(threshold: Optional[float], metrics: dict, step: int, version
 def verify_push(pusher, mode: str) -> int:
     """weights.verify_interval: the servers must hold exactly the tensors of the last push.
     Returns the number of (server, tensor) mismatches; with weights.verify_mode=fail any raises."""
-    bad = pusher.verify()
-    if not bad:
-        return 0
-    servers = sorted({b.rsplit(":", 1)[0] for b in bad})
-    first_server, first_tensor = bad[0].rsplit(":", 1)
-    what = (f"weights.verify_interval: server {first_server} holds a different {first_tensor} than "
-            f"the trainer pushed as version {pusher.version} ({len(bad)} tensor(s) differ on "
-            f"{len(servers)} server(s): {', '.join(servers)})")
-    if mode == "fail":
-        raise PushError(what + "; weights.verify_mode=warn counts them in push/verify_mismatches instead")
-    if pusher.ps.rank == 0:
-        print(f"[weights] WARNING {what}", flush=True)
-    return len(bad)
+    return judge_mismatches(pusher.verify(), mode, pusher.version, pusher.ps.rank)

@@ -138,7 +138,7 @@ class StepRunner:
             self._wake_servers()
         # the last step always pushes: the servers (and the final evaluation) see the final weights
         if step % self.cfg.train.trigger_parameter_sync_step == 0 or last:
-            self._push(metrics)
+            self._push(metrics, land=last or self._eval_due(step))
             self.updates_since_push = 0
         metrics["policy_version"] = self.cluster.version
         if eval_intervals(self.cfg):
@@ -194,20 +194,30 @@ class StepRunner:
             if "weights" in self.cfg.rollout.sleep_tags:
                 self.pusher.forget_sent()  # the servers hold zeros until every tensor is sent
 
-    def _push(self, metrics: dict) -> None:
+    def _push(self, metrics: dict, land: bool) -> None:
+        """The step's push. Overlapped (weights.overlap), it returns once its buckets are staged
+        and lands later - at the next push, or here when ``land`` (the last step, an evaluating
+        one: the servers must hold this version) - and checks its own checksums in its flight."""
         with self.timer.phase("push"):
             try:
                 metrics.update(self.pusher.push().as_dict())
+                if land and self.pusher.flight is not None:
+                    landed = self.pusher.land_or_repush()
+                    metrics.update({**landed.as_dict(), "push/blocking_s": metrics["push/blocking_s"]
+                                    + landed.total_s - landed.overlapped_s})
             except ManagerStalled as e:  # seen by a transport while its bytes waited on the manager
                 raise self.side._died(e) from None
-        if self.pusher.verify_due(self.cluster.version):  # weights.verify_interval
+        if not self.pusher.overlap and self.pusher.verify_due(self.cluster.version):  # weights.verify_interval
             with self.timer.phase("verify"):
                 metrics["push/verify_mismatches"] = verify_push(self.pusher, self.cfg.weights.verify_mode)
+
+    def _eval_due(self, step: int) -> bool:
+        return any(eval_due(interval, step, self.cfg.train.steps) for interval in eval_intervals(self.cfg))
 
     def _evaluate(self, step: int, last: bool, metrics: dict) -> None:
         # run() calls this after the step's push (if any): it evaluates the version the servers hold
         # now; the manager evaluates the sets due at this step (data.eval_sets: each its interval)
-        due = any(eval_due(interval, step, self.cfg.train.steps) for interval in eval_intervals(self.cfg))
+        due = self._eval_due(step)
         if due:
             self.side.submit_eval(step, self.cluster.version)  # runs beside training, in the manager
         # only the last step waits for its evaluation - and, colocated, every evaluating step: the

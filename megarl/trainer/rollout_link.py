@@ -97,6 +97,50 @@ class RemoteAdmin:
             self.link.close()
 
 
+class PushLane:
+    """A push's protocol steps over one link: pause, publish (submitted, not awaited), settle
+    (the replies of what was submitted). The driver link's own for synchronous pushes; an
+    overlapped push's flight gets a link of its own (`ManagerCluster.push_lane`), so that its
+    steps run while the trainer's thread waits for its next batch on the driver link."""
+
+    def __init__(self, link: Link, cluster: "ManagerCluster", timeout_s: float, side=None, owns_link: bool = False):
+        self.link, self.timeout_s, self.side = link, timeout_s, side
+        self.admin = RemoteAdmin(link, cluster, timeout_s, owns_link=owns_link)
+
+    def _request(self, msg):
+        # +10 s: the manager's cluster steps run under weights.timeout_s; its error must arrive first
+        try:
+            return self.link.request(msg, self.timeout_s + 10.0, what=type(msg).__name__)
+        except RemoteError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the channel failed: a dead manager is named as such
+            raise (self.side._died(e) if self.side is not None else e) from None
+
+    def settle(self) -> None:
+        """Before a push: the tail of the previous one must have succeeded."""
+        try:
+            errors = self.link.settle(self.timeout_s + 10.0)
+        except Exception as e:  # noqa: BLE001 - the channel itself failed
+            raise (self.side._died(e) if self.side is not None else e) from None
+        if errors:
+            raise RemoteError("; ".join(errors))
+
+    def pause_for_update(self) -> None:
+        self.settle()
+        self._request(PauseForUpdate())
+
+    def end_push(self, version: Optional[int]) -> None:
+        """Not awaited: the manager waits for the loads, flips the version, resumes."""
+        if version is None:
+            # deferred: its reply is read at the next settle(), so a failure surfaces at the next push
+            self.link.submit(Resume(), what="continue_generation", deferred=True)
+        else:
+            self.link.submit(FinishPush(int(version)), what="update_weight_version", deferred=True)
+
+    def unhealthy(self) -> list[str]:
+        return self._request(Unhealthy())
+
+
 class ManagerCluster:
     """The trainer's view of the server set and the one policy-version counter; the driver
     (global rank 0) forwards the protocol steps to the manager's `RolloutCluster`. A
@@ -111,8 +155,8 @@ class ManagerCluster:
         self._secret = secret
         self.driver = link is not None
         self.version, self.min_live_servers, self.timeout_s = int(version), min_live_servers, timeout_s
-        self.admin = RemoteAdmin(link, self, timeout_s) if link is not None else None
-        self.last_push: dict = {}
+        self.lane = PushLane(link, self, timeout_s, side) if link is not None else None
+        self.admin = self.lane.admin if link is not None else None
 
     def get_version(self) -> int:
         return self.version
@@ -130,26 +174,19 @@ class ManagerCluster:
         return self.link.request(msg, timeout_s, what=type(msg).__name__)
 
     # ------------------------------------------------------------------ push protocol (driver)
+    def push_lane(self) -> PushLane:
+        """A link of its own for an overlapped push's flight (weights.overlap; driver only)."""
+        link = Link(self.manager_address, "push", self._secret, 0, silence_s=self.silence_s)
+        return PushLane(link, self, self.timeout_s, self.side, owns_link=True)
+
     def settle(self) -> None:
-        """Before a push: the tail of the previous one must have succeeded."""
-        try:
-            errors = self.link.settle(self.timeout_s + 10.0)
-        except Exception as e:  # noqa: BLE001 - the channel itself failed
-            raise (self.side._died(e) if self.side is not None else e) from None
-        if errors:
-            raise RemoteError("; ".join(errors))
+        self.lane.settle()
 
     def pause_for_update(self) -> None:
-        self.settle()
-        self._call(PauseForUpdate())
+        self.lane.pause_for_update()
 
     def end_push(self, version: Optional[int]) -> None:
-        """Not awaited: the manager waits for the loads, flips the version, resumes."""
-        if version is None:
-            # deferred: its reply is read at the next settle(), so a failure surfaces at the next push
-            self.link.submit(Resume(), what="continue_generation", deferred=True)
-        else:
-            self.link.submit(FinishPush(int(version)), what="update_weight_version", deferred=True)
+        self.lane.end_push(version)
 
     def commit(self, version: int) -> None:
         self.version = int(version)
@@ -165,12 +202,13 @@ class ManagerCluster:
     def unhealthy(self) -> list[str]:
         return self._call(Unhealthy())
 
-    def remove_server(self, address: str) -> None:
+    def remove_server(self, address: str, lane: Optional[PushLane] = None) -> None:
+        """``lane``: an overlapped push's recovery tells the manager over its own link."""
         if address in self.addresses:
             self.addresses.remove(address)
             self.dead.append(address)
             if self.driver:
-                self._call(RemoveServer(address))
+                (lane or self.lane)._request(RemoveServer(address))
         # every rank checks the floor itself: all raise at the same step without asking the manager
         if len(self.addresses) < self.min_live_servers:
             raise ClusterError(f"rollout.min_live_servers: {len(self.addresses)} server(s) left "

@@ -13,6 +13,8 @@ shard per row (TP=1) most HF tensors are views of the parameters themselves: no 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -61,22 +63,36 @@ class Resharder:
     dtype: Optional[torch.dtype] = None  # serving dtype; None = the training dtype
     times: ReshardTimes = field(default_factory=ReshardTimes)
     adapters: bool = True  # LoRA: stream the adapters after the base rows (off: SGLang loads a PEFT dir)
+    _plans: dict = field(default_factory=dict, repr=False)
+    _locals: Optional[list] = field(default=None, repr=False)
 
     def stage_plan(self, stage: int, skip: frozenset = frozenset()) -> list[list[TensorMeta]]:
         """Buckets of this stage, identical on every rank; rows whose Megatron name is in ``skip``
-        (a delta push's unchanged rows) are left out before bucketing."""
-        e = self.engine
-        specs = [s for s in plan(e.args, stages.of_config(e.tconfig)) if s.stage == stage
-                 and s.mcore_name not in skip]
-        return bucketize(specs, self.bucket_bytes, self.serving_dtype)
+        (a delta push's unchanged rows) are left out before bucketing. Kept per (stage, skip): the
+        model's shapes do not change between pushes."""
+        key = (stage, skip)
+        if key not in self._plans:
+            e = self.engine
+            specs = [s for s in plan(e.args, stages.of_config(e.tconfig)) if s.stage == stage
+                     and s.mcore_name not in skip]
+            self._plans[key] = bucketize(specs, self.bucket_bytes, self.serving_dtype)
+        return self._plans[key]
+
+    def _local_params(self) -> list:
+        """This rank's parameters with their HF rows, found once (a push walks the modules ~4,000
+        times for the demo model otherwise; the parameters are the same objects for the engine's
+        life: loads and optimizer steps write into them)."""
+        if self._locals is None:
+            e = self.engine
+            self._locals = list(local_params(e.chunks, e.args, e.use_te))
+        return self._locals
 
     def frozen_rows(self) -> dict[str, bool]:
         """{Megatron row name: no local shard of it can change} for this rank's dense rows: every
         shard has ``requires_grad`` False, so no optimizer step writes it. Experts are left out
         (a row's owner may be another expert-parallel rank): they are always sent."""
-        e = self.engine
         out: dict[str, bool] = {}
-        for lp in local_params(e.chunks, e.args, e.use_te):
+        for lp in self._local_params():
             if lp.pmap.expert is None:
                 name = lp.pmap.names(lp.layer)[0]
                 out[name] = out.get(name, True) and not lp.param.requires_grad
@@ -91,10 +107,25 @@ class Resharder:
         return sum(s.nbytes(self.serving_dtype) for stage in range(self.engine.ps.pp)
                    for bucket in self.stage_plan(stage) for s in bucket)
 
-    def iter_buckets(self, skip: frozenset = frozenset()) -> Iterator[Bucket]:
+    @property
+    def local_only(self) -> bool:
+        """Whether a push gathers nothing from other ranks (one TP shard, no expert parallelism):
+        its buckets can then be built from a `snapshot` on any thread."""
+        ps = self.engine.ps
+        return ps.tp == 1 and ps.ep == 1
+
+    def snapshot(self, frozen: frozenset = frozenset()) -> list:
+        """This rank's parameters as they are now, for `iter_buckets` to build a push from while
+        the optimizer goes on writing the originals: copies, but for the rows in ``frozen``
+        (no optimizer step writes them: the parameters themselves)."""
+        return [lp if lp.pmap.names(lp.layer)[0] in frozen else dataclasses.replace(lp, param=lp.param.detach().clone())
+                for lp in self._local_params()]
+
+    def iter_buckets(self, skip: frozenset = frozenset(), params: Optional[list] = None) -> Iterator[Bucket]:
         """This rank's stage, as buckets, without the rows in ``skip`` (the same set on every
         rank); yields only on the stage's source rank. Collective over the TP group of DP rank 0
-        and, for MoE experts, its expert-parallel group (other ranks return at once)."""
+        and, for MoE experts, its expert-parallel group (other ranks return at once).
+        ``params``: a `snapshot` to read instead of the live parameters."""
         e = self.engine
         ps = e.ps
         self.times = ReshardTimes()
@@ -102,7 +133,7 @@ class Resharder:
             return
         # the last stage's copy of a tied embedding is not a tensor of its own in HF: skip it, so
         # the embedding row maps to the first stage's parameter
-        local = {lp.pmap.names(lp.layer)[0]: lp for lp in local_params(e.chunks, e.args, e.use_te)
+        local = {lp.pmap.names(lp.layer)[0]: lp for lp in (self._local_params() if params is None else params)
                  if not (e.args.tie_word_embeddings and lp.local_name == "output_layer.weight")}
         rows = {pmap.names(layer)[0]: (layer, pmap) for layer, pmap in param_table(e.args)}
         # a row's HF tensors (q, k, v; gate, up) may straddle two buckets: the ones not yet

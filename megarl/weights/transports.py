@@ -388,3 +388,4 @@ def _finish(fut, timeout_s: float, step: str):
     except Exception as e:  # noqa: BLE001
         raise PushError(f"{step}: {e}") from e
 
+

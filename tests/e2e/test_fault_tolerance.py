@@ -42,24 +42,32 @@ def test_killed_local_server_is_restarted_with_current_weights(tmp_path):
         victim = json.loads((run_dir / "servers" / "servers.json").read_text())[0]
         os.kill(victim["pid"], signal.SIGKILL)  # mid-generation: staleness 1 keeps them busy
         killed_at = len(harness.rows_so_far(run_dir))
-        # restarted on its own port by the trainer, then pushed the current weights
+        key = run_dir / "servers" / "api_key"  # the run's own servers answer only with its key
+        # restarted on its own port by the job (once a push dropped it), then pushed the current weights
         after = wait_for(lambda: [s for s in json.loads((run_dir / "servers" / "servers.json").read_text())
                                   if s["url"] == victim["url"] and s["pid"] != victim["pid"]],
                          "the restart", proc)
-        key = run_dir / "servers" / "api_key"  # the run's own servers answer only with its key
+        # the trainer waits (stopped) while the restarted server loads and the job's health poll
+        # (every 1 s) finds it: a step takes ~0.05 s here and a server 2-4 s to load, so the run
+        # could otherwise end before the server rejoins
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: model_version(victim["url"], key.read_text()) is not None, "the restarted server", proc)
+            time.sleep(2.5)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
         version = wait_for(lambda: (v := model_version(victim["url"], key.read_text())) not in (None, "0") and v,
                            "current weights on the restarted server", proc)
         assert int(version) >= killed_at and after[0]["pid"] != victim["pid"]
 
-    # 30 steps: a relaunched server needs 2-4 s to load before it can rejoin
-    run = harness.train(run_dir, *OVERRIDES, "train.steps=30", "rollout.local_servers=2", during=kill_a_server)
+    run = harness.train(run_dir, *OVERRIDES, "train.steps=40", "rollout.local_servers=2", during=kill_a_server)
     run.check()
     rows = run.rows
-    assert [r["step"] for r in rows] == list(range(1, 31))  # every step completed
+    assert [r["step"] for r in rows] == list(range(1, 41))  # every step completed
     assert max(r["rollout/dead_servers"] for r in rows) == 1
     assert rows[-1]["rollout/live_servers"] == 2 and rows[-1]["rollout/restarts"] == 1
     assert all(r["staleness_max"] <= 1 for r in rows)
-    assert_every_draw_trained_once(run, 30, 8)
+    assert_every_draw_trained_once(run, 40, 8)
 
 
 class KillingProxy(ForwardingProxy):
@@ -79,6 +87,13 @@ class KillingProxy(ForwardingProxy):
                 self.killed.set()
 
 
+def rejoined(rows: list[dict]) -> bool:
+    """A step after the drop (the push that killed the server lands in its own step, or - pushes
+    overlapped with the next update - in the next) has all three servers again."""
+    dropped = next((i for i, r in enumerate(rows) if r.get("rollout/dead_servers") == 1), None)
+    return dropped is not None and any(r.get("rollout/live_servers") == 3 for r in rows[dropped:])
+
+
 def test_server_killed_mid_push_rejoins_and_hung_server_is_dropped(tmp_path):
     a, b, c = (ServerProc(MODEL).wait_ready() for _ in range(3))
     proxy = KillingProxy(a, kill_at=3)  # the initial push, step 1's, then step 2's push kills it
@@ -90,15 +105,16 @@ def test_server_killed_mid_push_rejoins_and_hung_server_is_dropped(tmp_path):
         time.sleep(1.0)
         restarted.append(subprocess.Popen([sys.executable, "-m", "megarl.server", "--model", MODEL,
                                            "--port", str(a.port), "--log-level", "WARNING"]))
-        wait_for(lambda: any(r.get("rollout/live_servers") == 3 and r["step"] > 2
-                             for r in harness.rows_so_far(run_dir)), "the killed server to rejoin", proc)
+        wait_for(lambda: rejoined(harness.rows_so_far(run_dir)), "the killed server to rejoin", proc)
         # re-admitted = given the trainer's current weights first (its version is no longer "0")
         assert model_version(a.url) not in (None, "0")
         seen["hung_at"] = len(harness.rows_so_far(run_dir))
         os.kill(b.proc.pid, signal.SIGSTOP)
 
     try:
-        run = harness.train(run_dir, *OVERRIDES, "train.steps=40", "weights.timeout_s=5",
+        # 120 steps (~0.1 s each): the killed server is restarted after 1 s and loads for 2-4 s,
+        # then B hangs and is dropped; steps must remain after each
+        run = harness.train(run_dir, *OVERRIDES, "train.steps=120", "weights.timeout_s=5",
                             f"rollout.servers=[{proxy.url},{b.url},{c.url}]", during=kill_then_hang)
     finally:
         os.kill(b.proc.pid, signal.SIGCONT)
@@ -108,7 +124,7 @@ def test_server_killed_mid_push_rejoins_and_hung_server_is_dropped(tmp_path):
             p.kill()
     run.check()
     rows, hung_at = run.rows, seen["hung_at"]
-    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert [r["step"] for r in rows] == list(range(1, 121))
     # the proxied server (A) dropped at the push that killed it, then back with the weights
     assert min(r["rollout/live_servers"] for r in rows[:hung_at]) == 2
     # the hung server (B): its push failed within the deadlines and the run went on without it
@@ -116,4 +132,4 @@ def test_server_killed_mid_push_rejoins_and_hung_server_is_dropped(tmp_path):
     assert after[-1]["rollout/live_servers"] == 2 and after[-1]["rollout/dead_servers"] == 1
     # bounded: pause deadline + health check + group teardown + the re-push, never a hang
     assert max(r["time/push"] for r in after) < 4 * 5
-    assert_every_draw_trained_once(run, 40, 8)
+    assert_every_draw_trained_once(run, 120, 8)

@@ -33,7 +33,8 @@ def test_mismatch_gate_stops_a_run_whose_server_runs_another_model(tmp_path):
     (wrong / "config.json").write_text(json.dumps(cfg))
     server = ServerProc(str(wrong)).wait_ready()
     try:
-        run = train(tmp_path, f"rollout.servers=[{server.url}]")
+        # the push synchronous (weights.overlap off): step 1's own push is verified within step 1
+        run = train(tmp_path, f"rollout.servers=[{server.url}]", "weights.overlap=false")
     finally:
         server.stop()
     assert run.returncode == 1, run.stderr[-3000:]
@@ -83,15 +84,18 @@ class TamperingProxy(ForwardingProxy):
                 assert code == 200, out
 
 
-@pytest.mark.parametrize("mode", ["warn", "fail"])
+@pytest.mark.parametrize("mode", ["warn", "fail", "fail-overlapped"])
 def test_checksum_verify_detects_a_tampered_server_tensor(tmp_path, mode):
     server = ServerProc(MODEL).wait_ready()
+    overlapped = mode.endswith("-overlapped")
+    mode = mode.split("-")[0]
     try:
         proxy = TamperingProxy(server.url, n=2)  # 1: the initial push, 2: step 1's push
         # the tampered server generates until the next push: the mismatch gate would stop the warn
         # run at step 2 (that is its job); off here, to see what verification alone does
         run = train(tmp_path, f"rollout.servers=[{proxy.url}]", f"weights.verify_mode={mode}",
-                    "weights.transport=tensor", f"train.mismatch_gate={mode == 'fail'}")
+                    "weights.transport=tensor", f"train.mismatch_gate={mode == 'fail'}",
+                    f"weights.overlap={overlapped}")
     finally:
         server.stop()
     rows = run.rows
@@ -100,10 +104,13 @@ def test_checksum_verify_detects_a_tampered_server_tensor(tmp_path, mode):
         line = run.last_line
         assert f"weights.verify_interval: server {proxy.url} holds a different model.norm.weight " \
                "than the trainer pushed as version 1 (1 tensor(s) differ on 1 server(s)" in line, line
-        assert rows == []  # step 1 stops before its metrics are logged
+        # synchronous: step 1 stops before its metrics are logged; overlapped, step 1's push is
+        # checked in its flight and judged where it lands - step 2's push - so step 1 is logged
+        assert [r["step"] for r in rows] == ([1] if overlapped else []), rows
         return
     run.check()
-    # counted at step 1; step 2's push overwrites the tampered tensor and verifies clean
+    # counted at step 1; step 2's push overwrites the tampered tensor and verifies clean (synchronous
+    # pushes: the fail-overlapped case covers the flight's check)
     assert [r["push/verify_mismatches"] for r in rows] == [1, 0, 0]
     assert "WARNING weights.verify_interval" in run.stdout
     assert proxy.calls == 4 and all(r["push/digest_s"] > 0 for r in rows)

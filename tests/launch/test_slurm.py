@@ -91,7 +91,9 @@ def test_sbatch_runs_the_demo_across_a_rollout_node_and_a_trainer_node(slurm, tm
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and len(key_file.read_text()) >= 32
     rows = metric_rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["push/bytes"] > 0.99 * TINY_BYTES - 4096 for r in rows)  # distributed push, n2 -> n1
+    # distributed push, n2 -> n1 (weights.overlap: a step reports the push that landed in it)
+    landed = [r for r in rows if "push/version" in r]
+    assert len(landed) >= 2 and all(r["push/bytes"] > 0.99 * TINY_BYTES - 4096 for r in landed)
     assert no_process_mentions(run) == []  # the supervisor stopped the server; nothing is left behind
 
 

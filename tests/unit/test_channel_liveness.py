@@ -1,4 +1,4 @@
-"""Liveness on the trainer<->manager channel (channel.py "Liveness", manager.Heartbeat): a
+"""Liveness on the trainer<->manager channel (channel.py "Liveness", links.Heartbeat): a
 manager busy for longer than the link's silence window still answers, because it beats while it
 works; a peer that passed the handshake and then says nothing is a `ManagerStalled` within the
 window, and the link stays broken; a request's own shorter deadline is not a stall."""

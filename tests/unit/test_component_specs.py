@@ -57,8 +57,16 @@ def test_critic_spec_builds_its_engine_from_its_own_sections():
 def test_push_spec():
     spec = PushSpec(WeightSyncConfig(bucket_mb=3), "/run")
     assert (spec.weights.bucket_mb, spec.run_dir) == (3, "/run")
-    assert PushSpec.from_config(_cfg("train.run_dir=/r", "weights.bucket_mb=9")) == PushSpec(
-        dataclasses.replace(WeightSyncConfig(), bucket_mb=9), "/r")
+    assert PushSpec.from_config(_cfg("train.run_dir=/r", "weights.bucket_mb=9", "rollout.max_staleness=1")) == PushSpec(
+        dataclasses.replace(WeightSyncConfig(), bucket_mb=9), "/r", asynchronous=True)
+    # weights.overlap applies to asynchronous, disaggregated runs whose buckets stream, without PEFT adapters
+    sync = PushSpec.from_config(_cfg("rollout.max_staleness=0"))
+    assert not sync.asynchronous and not sync.can_overlap
+    assert PushSpec.from_config(_cfg("rollout.max_staleness=1")).can_overlap
+    assert not PushSpec.from_config(_cfg("rollout.max_staleness=1", "weights.transport=disk")).can_overlap
+    assert not PushSpec.from_config(_cfg("rollout.max_staleness=1", "weights.refit=shard")).can_overlap
+    assert not PushSpec(WeightSyncConfig(tensor_format="sglang"), "/r", asynchronous=True, lora_rank=8).can_overlap
+    assert PushSpec(WeightSyncConfig(tensor_format="megarl"), "/r", asynchronous=True, lora_rank=8).can_overlap
 
 
 @pytest.mark.parametrize("fields,cls", [

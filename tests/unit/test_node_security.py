@@ -235,7 +235,8 @@ def test_another_user_holding_silent_connections_cannot_lock_the_trainer_out():
     import time
 
     from megarl.protocol.channel import connect
-    from megarl.rollout.manager import MAX_HANDSHAKES_PER_PEER, RolloutManager, serve_forever
+    from megarl.rollout.links import MAX_HANDSHAKES_PER_PEER, serve_forever
+    from megarl.rollout.manager import RolloutManager
 
     secret = os.urandom(32)
     manager = RolloutManager(None)
