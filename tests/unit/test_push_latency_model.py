@@ -25,6 +25,12 @@ def test_hand_computed_push():
     assert r["gather_s"] == pytest.approx(0.005)
     assert r["send_s"] == pytest.approx(0.138)
     assert r["total_s"] == pytest.approx(0.2885)
+    # achieved rate 8e9 B / 0.2885 s; the floor: 8e9 B at the link's full rate (50e9 / 0.5 = 100e9 B/s)
+    assert r["gbps"] == pytest.approx(8 / 0.2885)
+    costs_half = plm.Costs(link=50e9, nvlink=400e9, per_tensor=1e-4, per_bucket=2e-3, fixed=0.01, bucket_bytes=1e9,
+                           link_efficiency=0.5)
+    half = plm.predict(m, plm.Layout(tp=2, pp=2), costs_half)
+    assert half["floor_s"] == pytest.approx(0.08) and half["floor_share"] == pytest.approx(0.08 / 0.2885)
     # stages pushed in parallel: one stage's time
     assert plm.predict(m, plm.Layout(tp=2, pp=2), costs, parallel_stages=True)["total_s"] == pytest.approx(0.14925)
 

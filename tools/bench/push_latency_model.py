@@ -53,6 +53,7 @@ class Costs:
     per_bucket: float  # s per bucket (the HTTP announce round trip)
     fixed: float  # s per push (pause, flush, version, continue)
     bucket_bytes: float = 1 * 2**30
+    link_efficiency: float = 1.0  # the share of the link's rate a large transfer reaches (``link`` is that)
 
 
 def predict(model: Model, layout: Layout, costs: Costs, parallel_stages: bool = False) -> dict:
@@ -67,8 +68,11 @@ def predict(model: Model, layout: Layout, costs: Costs, parallel_stages: bool = 
             + buckets * costs.per_bucket)
     stage = max(gather, send) + min(gather, send) / buckets
     total = costs.fixed + (stage if parallel_stages else layout.pp * stage)
+    # the wire floor: every byte over the link at its full (not the reached) rate, nothing else
+    floor = total_bytes / (costs.link / costs.link_efficiency)
     return {"bytes": total_bytes, "buckets": buckets, "gather_s": gather, "send_s": send,
-            "stage_s": stage, "total_s": total}
+            "stage_s": stage, "total_s": total, "gbps": total_bytes / total / GB, "floor_s": floor,
+            "floor_share": floor / total}
 
 
 # Parameter and tensor counts from the models' HF configs (bf16). Tensors per layer: dense Qwen3 =
@@ -96,9 +100,10 @@ LAYOUTS = {
 # ConnectX-7 NDR port = 400 Gb/s = 50 GB/s, 90% reached. Per tensor: an NCCL launch (~20 us) plus
 # megarl's Python per tensor (~30 us); per bucket: one HTTP announce (~2 ms, measured on loopback);
 # fixed: the protocol's pause/flush/version/continue (~12 ms, measured on this machine).
-H100_IB = Costs(link=0.9 * 50 * GB, nvlink=0.8 * 450 * GB, per_tensor=50e-6, per_bucket=2e-3, fixed=0.012)
+H100_IB = Costs(link=0.9 * 50 * GB, nvlink=0.8 * 450 * GB, per_tensor=50e-6, per_bucket=2e-3, fixed=0.012,
+                link_efficiency=0.9)
 H100_NVLINK = Costs(link=0.8 * 450 * GB, nvlink=0.8 * 450 * GB, per_tensor=50e-6, per_bucket=2e-3,
-                    fixed=0.012)
+                    fixed=0.012, link_efficiency=0.8)
 
 # Published update times (the issue's anchors), for the table's last column.
 ANCHORS = {
@@ -122,10 +127,25 @@ def table() -> list[str]:
     return rows
 
 
+def floor_table() -> list[str]:
+    """Model size x link: the predicted push, the rate it achieves and its share of the wire floor
+    (every byte at the link's full rate, no per-tensor, per-bucket or fixed cost)."""
+    rows = ["| model (bf16) | GB | link | predicted push | achieved GB/s | wire floor | % of the floor |",
+            "|---|---|---|---|---|---|---|"]
+    for name, m in MODELS.items():
+        for link, costs in (("IB NDR, one port (50 GB/s)", H100_IB), ("NVLink 4 (450 GB/s)", H100_NVLINK)):
+            r = predict(m, LAYOUTS[name], costs)
+            rows.append(f"| {name} | {r['bytes'] / GB:.0f} | {link} | {r['total_s']:.2f} s | {r['gbps']:.0f} | "
+                        f"{r['floor_s']:.2f} s | {100 * r['floor_share']:.0f}% |")
+    return rows
+
+
 def main(argv=None) -> int:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
                             ).parse_args(argv)
     print("\n".join(table()))
+    print()
+    print("\n".join(floor_table()))
     return 0
 
 
