@@ -72,23 +72,7 @@ class Config:
         if self.train.pack_sequences and self.model.attention == "unfused" and self.model.spec != "te":
             raise ConfigError("train.pack_sequences: megatron-core's unfused attention takes no packed "
                               "sequences; use model.attention=sdpa")
-        if self.parallel.vpp is not None:
-            if self.parallel.pp < 2:
-                raise ConfigError(f"parallel.vpp: the interleaved schedule splits pipeline stages; needs "
-                                  f"parallel.pp >= 2, got pp={self.parallel.pp}")
-            if not self.train.pack_sequences:
-                # megarl.models.builder.transformer_config: why one activation shape per step
-                raise ConfigError("parallel.vpp: the interleaved schedule needs micro-batches of one shape per "
-                                  "step (megatron-core 0.16.1 mixes up messages of different shapes at PP=2); "
-                                  "set train.pack_sequences=true")
-        if self.parallel.cp > 1:
-            if self.train.micro_batch_tokens % 2:
-                raise ConfigError(f"train.micro_batch_tokens: {self.train.micro_batch_tokens} is odd; with "
-                                  f"parallel.cp={self.parallel.cp} a micro-batch of micro_batch_tokens x cp tokens "
-                                  f"splits in 2 x cp equal chunks, so it must be even")
-            if self.model.attention == "unfused" and self.model.spec != "te":
-                raise ConfigError("parallel.cp: megatron-core's unfused attention has no context parallelism; "
-                                  "use model.attention=sdpa (CPU) or the TE spec (GPU)")
+        validate_parallel(self)
         if self.moe.replay_check and self.algo.prox_logp_mode == "loglinear":
             raise ConfigError("moe.replay_check: needs algo.prox_logp_mode recompute or metrics (loglinear "
                               "runs no prox recompute to check)")
@@ -99,21 +83,9 @@ class Config:
         if self.eval.n and not self.eval.n >= self.rollout.eval_k > 0:
             raise ConfigError(f"eval.n: {self.eval.n} samples per prompt need rollout.eval_k = k with "
                               f"1 <= k <= n (pass@k from n samples); got rollout.eval_k={self.rollout.eval_k}")
-        if bool(self.teacher.path) != (self.algo.distill_coef > 0):
-            raise ConfigError("algo.distill_coef: on-policy distillation needs both a teacher (teacher.path) and "
-                              f"a weight for its signal (> 0); got teacher.path={self.teacher.path!r}, "
-                              f"algo.distill_coef={self.algo.distill_coef}")
-        if self.teacher.path and not self.train.is_rl:
-            raise ConfigError("teacher.path: on-policy distillation is RL (the teacher scores sampled tokens)")
-        if self.teacher.path and self.rollout.servers:
-            raise ConfigError("teacher.path: the teacher servers are started by the job beside its own policy "
-                              f"servers; with rollout.servers ({self.rollout.servers[0]}, ...) none are")
+        validate_teacher(self)
         validate_env(self)
-        if self.data.messages_key and self.train.is_rl:
-            raise ConfigError("data.messages_key: conversations for SFT; RL reads chat prompts from data.prompt_key")
-        for name in ("sources", "eval_sets"):
-            if getattr(self.data, name) and not self.train.is_rl:
-                raise ConfigError(f"data.{name}: RL prompt files (a mixture, held-out sets); SFT reads data.train_path")
+        validate_data(self)
         if self.train.is_rl:
             validate_learning_signal(self)
             if self.algo.overlong_buffer_len > self.rollout.max_new_tokens:
@@ -126,6 +98,49 @@ class Config:
             if not self.rollout.partial_rollout and self.weights.pause_mode not in ("abort", "auto"):
                 raise ConfigError(f"weights.pause_mode: {self.weights.pause_mode} keeps requests running "
                                   "across the push, which rollout.partial_rollout=false forbids; use abort")
+
+
+def validate_parallel(cfg: Config) -> None:
+    """The interleaved pipeline and context parallelism against the batch and the attention."""
+    if cfg.parallel.vpp is not None:
+        if cfg.parallel.pp < 2:
+            raise ConfigError(f"parallel.vpp: the interleaved schedule splits pipeline stages; needs "
+                              f"parallel.pp >= 2, got pp={cfg.parallel.pp}")
+        if not cfg.train.pack_sequences:
+            # megarl.models.builder.transformer_config: why one activation shape per step
+            raise ConfigError("parallel.vpp: the interleaved schedule needs micro-batches of one shape per "
+                              "step (megatron-core 0.16.1 mixes up messages of different shapes at PP=2); "
+                              "set train.pack_sequences=true")
+    if cfg.parallel.cp > 1:
+        if cfg.train.micro_batch_tokens % 2:
+            raise ConfigError(f"train.micro_batch_tokens: {cfg.train.micro_batch_tokens} is odd; with "
+                              f"parallel.cp={cfg.parallel.cp} a micro-batch of micro_batch_tokens x cp tokens "
+                              f"splits in 2 x cp equal chunks, so it must be even")
+        if cfg.model.attention == "unfused" and cfg.model.spec != "te":
+            raise ConfigError("parallel.cp: megatron-core's unfused attention has no context parallelism; "
+                              "use model.attention=sdpa (CPU) or the TE spec (GPU)")
+
+
+def validate_teacher(cfg: Config) -> None:
+    """On-policy distillation: a teacher and its weight together, in RL, beside the job's own servers."""
+    if bool(cfg.teacher.path) != (cfg.algo.distill_coef > 0):
+        raise ConfigError("algo.distill_coef: on-policy distillation needs both a teacher (teacher.path) and "
+                          f"a weight for its signal (> 0); got teacher.path={cfg.teacher.path!r}, "
+                          f"algo.distill_coef={cfg.algo.distill_coef}")
+    if cfg.teacher.path and not cfg.train.is_rl:
+        raise ConfigError("teacher.path: on-policy distillation is RL (the teacher scores sampled tokens)")
+    if cfg.teacher.path and cfg.rollout.servers:
+        raise ConfigError("teacher.path: the teacher servers are started by the job beside its own policy "
+                          f"servers; with rollout.servers ({cfg.rollout.servers[0]}, ...) none are")
+
+
+def validate_data(cfg: Config) -> None:
+    """Data fields of the other training kind (SFT conversations, RL mixtures and held-out sets)."""
+    if cfg.data.messages_key and cfg.train.is_rl:
+        raise ConfigError("data.messages_key: conversations for SFT; RL reads chat prompts from data.prompt_key")
+    for name in ("sources", "eval_sets"):
+        if getattr(cfg.data, name) and not cfg.train.is_rl:
+            raise ConfigError(f"data.{name}: RL prompt files (a mixture, held-out sets); SFT reads data.train_path")
 
 
 def validate_env(cfg: Config) -> None:

@@ -51,25 +51,8 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
     if sequence_parallel and not use_te:
         raise ValueError("parallel.sequence_parallel: needs the Transformer Engine spec (GPU)")
     params_dtype = torch.bfloat16 if bf16 else torch.float32
-    extra = {}
-    if recompute:
-        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if args.sliding_window:
-        # HF: a token sees itself and the W-1 tokens before it; Megatron: window (left, right).
-        # The local spec honours it in its unfused softmax (a [s, s] mask), TE in its kernels.
-        extra["window_size"] = (args.sliding_window - 1, 0)
-        if args.window_layers is not None:  # per-layer list: 1 = windowed (1-indexed by Megatron)
-            extra["window_attn_skip_freq"] = [int(w) for w in args.window_layers]
+    extra = _optional_kwargs(args, recompute, tp, ep, moe, use_te, sequence_parallel, cp, cp_comm_type)
     extra.update(split.megatron_kwargs())
-    if args.num_experts:
-        extra.update(moe_kwargs(args, tp, ep, moe, use_te=use_te, sequence_parallel=sequence_parallel))
-    elif ep > 1:
-        raise ValueError(f"parallel.ep: {ep} > 1 needs an MoE model ({args.architecture} is dense)")
-    if cp > 1:
-        refusal = cp_refusal(args)
-        if refusal:
-            raise ValueError(refusal)
-        extra.update(context_parallel_size=cp, cp_comm_type=cp_comm_type)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -116,6 +99,31 @@ def transformer_config(args: ModelArgs, *, tp: int, pp: int, vpp: Optional[int] 
         deallocate_pipeline_outputs=False,
         **extra,
     )
+
+
+def _optional_kwargs(args: ModelArgs, recompute: bool, tp: int, ep: int, moe, use_te: bool,
+                     sequence_parallel: bool, cp: int, cp_comm_type: str) -> dict:
+    """`transformer_config`'s settings that only some models and layouts have: recompute, the
+    sliding window, MoE, context parallelism."""
+    extra: dict = {}
+    if recompute:
+        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if args.sliding_window:
+        # HF: a token sees itself and the W-1 tokens before it; Megatron: window (left, right).
+        # The local spec honours it in its unfused softmax (a [s, s] mask), TE in its kernels.
+        extra["window_size"] = (args.sliding_window - 1, 0)
+        if args.window_layers is not None:  # per-layer list: 1 = windowed (1-indexed by Megatron)
+            extra["window_attn_skip_freq"] = [int(w) for w in args.window_layers]
+    if args.num_experts:
+        extra.update(moe_kwargs(args, tp, ep, moe, use_te=use_te, sequence_parallel=sequence_parallel))
+    elif ep > 1:
+        raise ValueError(f"parallel.ep: {ep} > 1 needs an MoE model ({args.architecture} is dense)")
+    if cp > 1:
+        refusal = cp_refusal(args)
+        if refusal:
+            raise ValueError(refusal)
+        extra.update(context_parallel_size=cp, cp_comm_type=cp_comm_type)
+    return extra
 
 
 def moe_kwargs(args: ModelArgs, tp: int, ep: int, moe=None, use_te: bool = False,

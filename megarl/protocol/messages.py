@@ -68,7 +68,8 @@ class Batch:
 
 # ------------------------------------------------------------------ admin relay (closed set)
 # One class per server operation a trainer link asks of the manager's admin connection; the
-# manager maps each class to one fixed `AdminClient` call (manager.ADMIN_CALLS). Fields follow
+# weight transports send them as they are and one table maps each class to one fixed `AdminClient`
+# call (megarl.rollout.admin.ADMIN_CALLS, run by the manager or a local `AdminRunner`). Fields follow
 # that call's parameters; ``timeout_s`` is the manager's deadline for it.
 @dataclass
 class InitWeightsGroup:

@@ -25,6 +25,9 @@ from megarl.rollout.http import AdminError, HttpClient, Server, ServerRequestErr
 from megarl.protocol.types import (DiskWeightsUpdate, DistributedWeightsMeta, PauseMode, PauseRequest,
                                    TensorWeightsUpdate, WeightsChecksumRequest, WeightsUpdateGroup)
 from megarl.protocol.wire import LoRAAdapterLoad, LoRAAdapterUnload
+from megarl.protocol.messages import (ADMIN_MESSAGES, DestroyWeightsGroup, InitWeightsGroup, LoadLoRA, ServerInfo,
+                                      ShardAnnounce, ShardJoin, UnloadLoRA, UpdateFromDisk, UpdateFromDistributed,
+                                      UpdateFromTensor, WeightsChecksum)
 
 
 class AdminClient(HttpClient):
@@ -177,6 +180,25 @@ class AdminClient(HttpClient):
         return {s.address: ok for s, ok in zip(self.servers, await asyncio.gather(*(one(s) for s in self.servers)))}
 
 
+# The one admin table: each admin message (`megarl.protocol.messages.ADMIN_MESSAGES`, what the
+# weight transports send) is one fixed `AdminClient` call - nothing on the wire picks the method.
+# `AdminRunner.request` runs it here; the rollout manager runs the messages trainer links relay.
+ADMIN_CALLS = {
+    InitWeightsGroup: lambda m, c: c.init_weights_update_group(m.group, m.rank_offsets),
+    DestroyWeightsGroup: lambda m, c: c.destroy_weights_update_group(m.group_name),
+    UpdateFromDistributed: lambda m, c: c.update_weights_from_distributed(m.meta),
+    UpdateFromTensor: lambda m, c: c.update_weights_from_tensor(m.update),
+    UpdateFromDisk: lambda m, c: c.update_weights_from_disk(m.update),
+    ServerInfo: lambda m, c: c.get_server_info(),
+    ShardJoin: lambda m, c: c.shard_refit_call("/init_weights_update_group", m.bodies),
+    ShardAnnounce: lambda m, c: c.shard_refit_call("/update_weights_from_distributed", m.bodies),
+    WeightsChecksum: lambda m, c: c.weights_checksum(m.names, m.dtypes),
+    LoadLoRA: lambda m, c: c.load_lora_adapter(m.name, m.path),
+    UnloadLoRA: lambda m, c: c.unload_lora_adapter(m.name),
+}
+assert set(ADMIN_CALLS) == set(ADMIN_MESSAGES)
+
+
 class AdminRunner:
     """A synchronous `AdminClient` for trainer ranks: a private loop on a daemon thread."""
 
@@ -208,6 +230,14 @@ class AdminRunner:
         """Starts ``fn(client)`` and returns at once (for calls that overlap a broadcast)."""
         # the announce must be in flight while this thread broadcasts: the server receives only inside it
         return asyncio.run_coroutine_threadsafe(fn(self.client), self._loop)
+
+    def request(self, msg, timeout: Optional[float] = None) -> Any:
+        """An admin message (`ADMIN_CALLS`) run and waited for (``timeout``, else the message's)."""
+        return self.call(lambda c: ADMIN_CALLS[type(msg)](msg, c), timeout or msg.timeout_s)
+
+    def send(self, msg) -> concurrent.futures.Future:
+        """An admin message started, not waited for (an announce the broadcast then overlaps)."""
+        return self.submit(lambda c: ADMIN_CALLS[type(msg)](msg, c))
 
     @property
     def addresses(self) -> list[str]:

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Callable, Optional, Protocol
 
-from megarl.protocol.errors import ClusterError  # noqa: F401 - raised here, named on both sides
+from megarl.protocol.servers import ServerSet
 from megarl.rollout.admin import AdminRunner
 from megarl.rollout.http import AdminError, normalize_address
 from megarl.protocol.types import PauseMode
@@ -51,14 +51,13 @@ class RolloutCluster:
     def __init__(self, addresses: list[str], *, driver: bool, api_key: Optional[str] = None,
                  timeout_s: float = 60.0, pause_mode: PauseMode = "abort", version: int = 0,
                  min_live_servers: int = 1, health_timeout_s: float = 3.0, required: frozenset = frozenset()):
-        self.addresses = [normalize_address(a) for a in addresses]
+        self.servers = ServerSet([normalize_address(a) for a in addresses], min_live_servers)
         # extensions the resolved weight wire needs (megarl.config.server_wire.required_extensions):
         # a server that comes back without them is not re-admitted
         self.required = frozenset(required)
         # a health check never waits longer than a push step would
         # a health probe never outlasts the push deadline it runs inside
-        self.min_live_servers, self.health_timeout_s = min_live_servers, min(health_timeout_s, timeout_s)
-        self.dead: list[str] = []  # dropped servers, polled for re-admission (driver)
+        self.health_timeout_s = min(health_timeout_s, timeout_s)
         # restart(address) -> bool: relaunch a server this job started (LocalServers); None:
         # servers are external and come back on their own
         self.restart: Optional[Callable[[str], bool]] = None
@@ -115,38 +114,42 @@ class RolloutCluster:
         return AdminRunner(self.addresses, self.api_key, self.timeout_s)
 
     # ------------------------------------------------------------------ the server set
+    @property
+    def addresses(self) -> list[str]:
+        """The live servers (`ServerSet`, the value the trainer's `ManagerCluster` mirrors)."""
+        return self.servers.addresses
+
+    @property
+    def dead(self) -> list[str]:
+        """Dropped servers, polled for re-admission (driver)."""
+        return self.servers.dead
+
     def add_server(self, address: str) -> None:
         """A (re)joining server enters the weight-update set; the caller pushes the current
         weights to it, then calls `admitted` so it gets work (see `WeightPusher.add_server`)."""
         address = normalize_address(address)
         if address not in self.addresses:
-            self.addresses.append(address)
+            self.servers.add(address)
             self._reconnect()
 
     def remove_server(self, address: str) -> None:
         """Drops a dead or hung server (every rank, in the same order): no more work, no more
         weights; the driver polls it (and restarts it when it is ours) for re-admission."""
         address = normalize_address(address)
-        if address in self.addresses:
-            self.addresses.remove(address)
-            # remembered as dead (not forgotten): the driver polls it and re-admits it once it answers
-            self.dead.append(address)
+        # remembered as dead (not forgotten): the driver polls it and re-admits it once it answers
+        if self.servers.drop(address):
             self._reconnect()
             for listener in self.listeners:
                 listener.on_server_removed(address)
             log.warning("rollout server %s dropped (%d left)", address, len(self.addresses))
             if self.driver and self.restart is not None:
                 self.restart(address)
-        # checked even when the server was already gone: a caller learns the cluster is below its floor
-        if len(self.addresses) < self.min_live_servers:
-            raise ClusterError(f"rollout.min_live_servers: {len(self.addresses)} server(s) left "
-                               f"(< {self.min_live_servers}); dead: {', '.join(self.dead)}")
+        self.servers.check_floor()
 
     def admitted(self, address: str) -> None:
         """After the pusher gave a (re)joining server the current weights: it gets work."""
         address = normalize_address(address)
-        if address in self.dead:
-            self.dead.remove(address)
+        self.servers.admitted(address)
         for listener in self.listeners:
             listener.on_server_added(address)
 

@@ -52,10 +52,9 @@ from megarl.common.errors import ConfigError
 from megarl.protocol import handshake
 from megarl.protocol.channel import from_wire
 from megarl.protocol.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, AddServer, Admitted, Batch, BatchRequest, Close,
-                                      DestroyWeightsGroup, EvalPoll, EvalReport, EvalSubmit, FinishPush, Init,
-                                      InitWeightsGroup, LoadLoRA, PauseForUpdate, RemoveServer, Resume, ServerInfo,
-                                      ShardAnnounce, ShardJoin, Sleep, Start, StateRequest, Unhealthy, UnloadLoRA,
-                                      UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake, WeightsChecksum)
+                                      EvalPoll, EvalReport, EvalSubmit, FinishPush, Init, PauseForUpdate, RemoveServer,
+                                      Resume, Sleep, Start, StateRequest, Unhealthy, UpdateFromDisk,
+                                      UpdateFromDistributed, UpdateFromTensor, Wake)
 from megarl.protocol.packing import balance_groups, pack_batch  # noqa: F401 - the step's layout
 from megarl.rollout.links import LinkServer, serve_forever
 
@@ -79,21 +78,6 @@ CLUSTER_CALLS = {
     Wake: lambda m, g: g.cluster.wake([str(t) for t in m.tags]),
 }
 assert set(CLUSTER_CALLS) == set(CLUSTER_MESSAGES)
-# each admin message is one fixed AdminClient call: nothing on the wire picks the method
-ADMIN_CALLS = {
-    InitWeightsGroup: lambda m, c: c.init_weights_update_group(m.group, m.rank_offsets),
-    DestroyWeightsGroup: lambda m, c: c.destroy_weights_update_group(m.group_name),
-    UpdateFromDistributed: lambda m, c: c.update_weights_from_distributed(m.meta),
-    UpdateFromTensor: lambda m, c: c.update_weights_from_tensor(m.update),
-    UpdateFromDisk: lambda m, c: c.update_weights_from_disk(m.update),
-    ServerInfo: lambda m, c: c.get_server_info(),
-    ShardJoin: lambda m, c: c.shard_refit_call("/init_weights_update_group", m.bodies),
-    ShardAnnounce: lambda m, c: c.shard_refit_call("/update_weights_from_distributed", m.bodies),
-    WeightsChecksum: lambda m, c: c.weights_checksum(m.names, m.dtypes),
-    LoadLoRA: lambda m, c: c.load_lora_adapter(m.name, m.path),
-    UnloadLoRA: lambda m, c: c.unload_lora_adapter(m.name),
-}
-assert set(ADMIN_CALLS) == set(ADMIN_MESSAGES)
 # weight loads: finish_push publishes only after every one of them is in
 _LOADS = (UpdateFromDistributed, UpdateFromTensor, UpdateFromDisk)
 
@@ -299,14 +283,13 @@ class RolloutManager(LinkServer):
 
     def admin(self, msg):
         msg = dataclasses.replace(msg, **{f.name: from_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)})
-        call = ADMIN_CALLS[type(msg)]
         # weight loads are counted so that finish_push publishes only after every bucket is in
         update = isinstance(msg, _LOADS)
         if update:
             with self._updates:
                 self._inflight += 1
         try:
-            return self.cluster.admin.call(lambda c: call(msg, c), msg.timeout_s)
+            return self.cluster.admin.request(msg)  # megarl.rollout.admin.ADMIN_CALLS
         finally:
             if update:
                 with self._updates:

@@ -11,10 +11,9 @@
                            step's flat arrays (megarl.trainer.handoff), each pads its DP rank's
                            contiguous share into its `TensorBatch`
 
-`RemoteAdmin` has `AdminRunner`'s interface (``call(lambda c: c.method(...))``), so the weight
-transports are the same code whether the admin connection is local or the manager's: the lambda
-is run against a recorder that turns ``c.method(args)`` into that operation's admin message (a
-closed set, channel.ADMIN_MESSAGES; a method without one is an error here, not on the wire).
+`RemoteAdmin` has `AdminRunner`'s `request` / `send` of admin messages (the closed set
+`megarl.protocol.messages.ADMIN_MESSAGES`), so the weight transports are the same code whether the
+admin connection is local or the manager's.
 
 The channel's secret: rank 0 makes one per run and hands it to the manager it spawns through an
 inherited pipe, or reads ``rollout.manager_secret_file`` for a manager started apart; the other
@@ -31,12 +30,9 @@ from typing import Optional
 import torch.distributed as dist
 
 from megarl.protocol.channel import Link, ManagerStalled, RemoteError
-from megarl.protocol.errors import ClusterError
-from megarl.protocol.messages import (AddServer, Admitted, BatchRequest, DestroyWeightsGroup, EvalPoll, EvalSubmit,
-                                      FinishPush, Init, InitWeightsGroup, LoadLoRA, PauseForUpdate, RemoveServer, Resume,
-                                      ServerInfo, ShardAnnounce, ShardJoin, Sleep, Start, StateRequest, Unhealthy,
-                                      UnloadLoRA, UpdateFromDisk, UpdateFromDistributed, UpdateFromTensor, Wake,
-                                      WeightsChecksum)
+from megarl.protocol.servers import ServerSet
+from megarl.protocol.messages import (AddServer, Admitted, BatchRequest, EvalPoll, EvalSubmit, FinishPush, Init,
+                                      PauseForUpdate, RemoveServer, Resume, Start, Sleep, StateRequest, Unhealthy, Wake)
 from megarl.trainer.handoff import ReceivedStep, receive_step
 
 log = logging.getLogger("megarl.link")
@@ -46,46 +42,20 @@ class ManagerDied(RuntimeError):
     """The rollout manager process is gone: the run stops; a resume trains every pending prompt once."""
 
 
-_ADMIN_BY_METHOD = {"init_weights_update_group": InitWeightsGroup,
-                    "destroy_weights_update_group": DestroyWeightsGroup,
-                    "update_weights_from_distributed": UpdateFromDistributed,
-                    "update_weights_from_tensor": UpdateFromTensor, "update_weights_from_disk": UpdateFromDisk,
-                    "get_server_info": ServerInfo, "weights_checksum": WeightsChecksum,
-                    "load_lora_adapter": LoadLoRA, "unload_lora_adapter": UnloadLoRA}
-_SHARD_REFIT = {"/init_weights_update_group": ShardJoin, "/update_weights_from_distributed": ShardAnnounce}
-
-
-class _Recorder:
-    """Stands in for an `AdminClient`: ``c.method(args)`` -> that operation's admin message."""
-
-    def shard_refit_call(self, path: str, bodies: dict):
-        return _SHARD_REFIT[path](bodies)
-
-    def __getattr__(self, method: str):
-        cls = _ADMIN_BY_METHOD.get(method)
-        if cls is None:
-            raise AttributeError(f"{method}: no admin message relays it to the manager")
-        return cls
-
-
 class RemoteAdmin:
-    """`AdminRunner`'s interface, run by the manager's admin connection."""
+    """A `megarl.weights.target.StageAdmin` over a link to the manager, which runs each admin
+    message against its own admin connection (megarl.rollout.admin.ADMIN_CALLS)."""
 
     def __init__(self, link: Link, cluster: "ManagerCluster", timeout_s: float, owns_link: bool = False):
         self.link, self.cluster, self.timeout_s, self.owns_link = link, cluster, timeout_s, owns_link
 
-    def _msg(self, fn, timeout):
-        msg = fn(_Recorder())
-        msg.timeout_s = timeout or self.timeout_s
-        return msg
-
-    def call(self, fn, timeout: Optional[float] = None):
-        msg = self._msg(fn, timeout)
+    def request(self, msg, timeout: Optional[float] = None):
+        msg.timeout_s = timeout or msg.timeout_s or self.timeout_s
         # +5 s over the manager's own deadline: its error (naming the servers) arrives before ours fires
         return self.link.request(msg, msg.timeout_s + 5.0, what=msg.endpoint)
 
-    def submit(self, fn):
-        msg = self._msg(fn, None)
+    def send(self, msg):
+        msg.timeout_s = msg.timeout_s or self.timeout_s
         return self.link.submit(msg, what=msg.endpoint)
 
     @property
@@ -149,14 +119,22 @@ class ManagerCluster:
     def __init__(self, addresses: list[str], *, link: Optional[Link], manager_address: str,
                  version: int = 0, min_live_servers: int = 1, timeout_s: float = 60.0, side=None,
                  secret: bytes = b"", silence_s: float = 600.0):
-        self.addresses, self.dead = list(addresses), []
+        self.servers = ServerSet(list(addresses), min_live_servers)
         self.silence_s = silence_s  # train.stall_timeout_s: a link's liveness window
         self.link, self.manager_address, self.side = link, manager_address, side
         self._secret = secret
         self.driver = link is not None
-        self.version, self.min_live_servers, self.timeout_s = int(version), min_live_servers, timeout_s
+        self.version, self.timeout_s = int(version), timeout_s
         self.lane = PushLane(link, self, timeout_s, side) if link is not None else None
         self.admin = self.lane.admin if link is not None else None
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.servers.addresses
+
+    @property
+    def dead(self) -> list[str]:
+        return self.servers.dead
 
     def get_version(self) -> int:
         return self.version
@@ -204,25 +182,18 @@ class ManagerCluster:
 
     def remove_server(self, address: str, lane: Optional[PushLane] = None) -> None:
         """``lane``: an overlapped push's recovery tells the manager over its own link."""
-        if address in self.addresses:
-            self.addresses.remove(address)
-            self.dead.append(address)
-            if self.driver:
-                (lane or self.lane)._request(RemoveServer(address))
+        if self.servers.drop(address) and self.driver:
+            (lane or self.lane)._request(RemoveServer(address))
         # every rank checks the floor itself: all raise at the same step without asking the manager
-        if len(self.addresses) < self.min_live_servers:
-            raise ClusterError(f"rollout.min_live_servers: {len(self.addresses)} server(s) left "
-                               f"(< {self.min_live_servers}); dead: {', '.join(self.dead)}")
+        self.servers.check_floor()
 
     def add_server(self, address: str) -> None:
-        if address not in self.addresses:
-            self.addresses.append(address)
+        self.servers.add(address)
         if self.driver:
             self._call(AddServer(address))
 
     def admitted(self, address: str) -> None:
-        if address in self.dead:
-            self.dead.remove(address)
+        self.servers.admitted(address)
         if self.driver:
             self._call(Admitted(address))
 

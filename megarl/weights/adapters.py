@@ -10,6 +10,7 @@ import os
 import shutil
 from typing import Callable, Optional
 
+from megarl.protocol.messages import LoadLoRA, UnloadLoRA
 from megarl.weights.transports import PushError
 
 log = logging.getLogger("megarl.push")
@@ -41,12 +42,12 @@ class AdapterDelivery:
             try:
                 if version in self.loaded:  # a re-push: a rejoined server lacks it, the others hold it
                     try:
-                        admin.call(lambda c: c.unload_lora_adapter(policy_adapter(version)))
+                        admin.request(UnloadLoRA(policy_adapter(version)))
                     except Exception as e:  # noqa: BLE001 - the servers that do not hold it say so
                         log.info("re-push of %s: %s", policy_adapter(version), e)
-                admin.call(lambda c: c.load_lora_adapter(policy_adapter(version), os.path.abspath(path)))
+                admin.request(LoadLoRA(policy_adapter(version), os.path.abspath(path)))
                 for old in [v for v in self.loaded if v != version]:
-                    admin.call(lambda c: c.unload_lora_adapter(policy_adapter(old)))
+                    admin.request(UnloadLoRA(policy_adapter(old)))
                     shutil.rmtree(os.path.join(self.dir, f"v{old}"), ignore_errors=True)
                 self.loaded = [version]
             except Exception as e:  # noqa: BLE001 - agreed below, so every rank raises

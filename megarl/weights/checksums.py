@@ -13,6 +13,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megarl.protocol.channel import ManagerStalled
+from megarl.protocol.messages import WeightsChecksum
 from megarl.protocol.wire import tensor_digest
 from megarl.weights.transports import PushError
 
@@ -92,7 +93,7 @@ def compare(admin, want: dict[str, tuple[str, str]], timeout_s: float) -> list[s
     """Driver: the servers' checksums of every name in ``want`` ({name: (dtype, hex)})."""
     names = sorted(want)
     dtypes = [want[n][0] for n in names]
-    got = admin.call(lambda c: c.weights_checksum(names, dtypes), timeout_s)
+    got = admin.request(WeightsChecksum(names, dtypes), timeout_s)
     return [f"{addr}:{n}" for addr in sorted(got) for n in names if got[addr].get(n) != want[n][1]]
 
 

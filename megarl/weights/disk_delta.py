@@ -10,6 +10,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megarl.protocol.delta_format import MANIFEST, encode
+from megarl.protocol.messages import UpdateFromDisk
 from megarl.weights.transports import DiskTransport, PushError
 from megarl.protocol.wire import DiskWeightsUpdate
 
@@ -57,7 +58,7 @@ class DiskDeltaTransport(DiskTransport):
             shutil.rmtree(path, ignore_errors=True)
             os.replace(tmp, path)  # a server never reads a half-written version
             try:
-                self.admin.call(lambda c: c.update_weights_from_disk(DiskWeightsUpdate(path, version)), self.timeout_s)
+                self.admin.request(UpdateFromDisk(DiskWeightsUpdate(path, version)), self.timeout_s)
             except Exception as e:  # noqa: BLE001
                 ok = [f"{type(e).__name__}: {e}"]
             self._prune(keep_also=path)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megarl.models.hf_io import local_params
 from megarl.protocol.hf_model import GATE_UP, QKV, VOCAB
+from megarl.protocol.messages import ServerInfo, ShardAnnounce, ShardJoin
 from megarl.common.net import advertised_address, listening_socket, new_process_group, url_host
 from megarl.protocol.refit import unit_slices
 from megarl.weights.transports import PushError, _finish, leave_update_group
@@ -78,7 +79,7 @@ class ShardRefitTransport:
         box, listener = [None], None
         if ps.tp_rank == 0:
             # each server's TP size decides how many ranks it adds to the group and how slices are cut
-            infos = self.admin.call(lambda c: c.get_server_info(), self.timeout_s)
+            infos = self.admin.request(ServerInfo(), self.timeout_s)
             self.server_tp = [int(infos[a].get("tp_size", 1)) for a in self.admin.addresses]
             addr = advertised_address(self.addr, url_host(self.admin.addresses[0]))
             listener = listening_socket(addr)  # group rank 0 serves the store there, nowhere else
@@ -96,7 +97,7 @@ class ShardRefitTransport:
                     "timeout": self.timeout_s}
             bodies = {a: {**body, "rank_offset": o} for a, o in zip(self.admin.addresses, offsets)}
             # submitted, not awaited: the servers' ranks block in the rendezvous until ours join below
-            joined = self.admin.submit(lambda c: c.shard_refit_call("/init_weights_update_group", bodies))
+            joined = self.admin.send(ShardJoin(bodies))
         try:
             self.group = new_process_group(addr, port, ps.tp_rank, world, self.group_name, self.backend,
                                            self.timeout_s, listener=listener)
@@ -132,7 +133,7 @@ class ShardRefitTransport:
                     "load_format": "shard_refit", "refit_units": units, "refit_src_tp": ps.tp,
                     "flush_cache": False}
             bodies = {a: body for a in self.admin.addresses}
-            announced = self.admin.submit(lambda c: c.shard_refit_call("/update_weights_from_distributed", bodies))
+            announced = self.admin.send(ShardAnnounce(bodies))
         args = e.args
         heads, groups, hd = args.num_heads, args.num_kv_heads, args.head_dim
         works, pieces, base = [], [], ps.tp

@@ -6,19 +6,19 @@ manager channel, the manager's `RolloutCluster` / `AdminRunner` implement them d
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Awaitable, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 
 class StageAdmin(Protocol):
     """A synchronous admin connection to the servers (`megarl.rollout.admin.AdminRunner`, or the
-    trainer's `megarl.trainer.rollout_link.RemoteAdmin`): ``fn`` is given an `AdminClient`-like
-    object, e.g. ``call(lambda c: c.update_weights_from_disk(update))``."""
+    trainer's `megarl.trainer.rollout_link.RemoteAdmin`) that takes the admin messages of
+    `megarl.protocol.messages` (``ADMIN_MESSAGES``), e.g. ``request(UpdateFromDisk(update))``."""
 
     addresses: list[str]
 
-    def call(self, fn: Callable[[Any], Awaitable], timeout: Optional[float] = None) -> Any: ...
+    def request(self, msg: Any, timeout: Optional[float] = None) -> Any: ...  # sent and waited for
 
-    def submit(self, fn: Callable[[Any], Awaitable]) -> concurrent.futures.Future: ...
+    def send(self, msg: Any) -> concurrent.futures.Future: ...  # sent; the caller waits later
 
 
 class PushTarget(Protocol):

@@ -27,6 +27,8 @@ from megarl.protocol.wire import (DIRECT_BUCKET, FLAT_ALIGN, FLATTENED_BUCKET, D
                                   DistributedWeightsMeta, WeightsUpdateGroup, direct_split, flat_layout,
                                   sglang_flat_order, TensorWeightsUpdate)
 from megarl.protocol.channel import ManagerStalled
+from megarl.protocol.messages import (DestroyWeightsGroup, InitWeightsGroup, UpdateFromDisk, UpdateFromDistributed,
+                                      UpdateFromTensor)
 from megarl.weights.resharder import Bucket
 from megarl.weights.target import StageAdmin
 from megarl.protocol.tensor_wire import WireFormat, tensor_update
@@ -85,7 +87,7 @@ class DistributedTransport:
         spec = WeightsUpdateGroup(addr, port, world, self.group_name,
                                   "nccl" if self.backend == "nccl" else "gloo")
         # the servers' join blocks until we host the store: ask first, then host, then collect
-        joined = self.admin.submit(lambda c: c.init_weights_update_group(spec))
+        joined = self.admin.send(InitWeightsGroup(spec))
         try:
             self.group = new_process_group(addr, port, 0, world, self.group_name, spec.backend,
                                           self.timeout_s, listener=listener)
@@ -109,7 +111,7 @@ class DistributedTransport:
         meta = DistributedWeightsMeta(names, dtypes, shapes, self.group_name, flush_cache=False,
                                       load_format=load_format)
         # announce first: the server enters its receive on this request; our broadcasts wait for it
-        announced = self.admin.submit(lambda c: c.update_weights_from_distributed(meta))
+        announced = self.admin.send(UpdateFromDistributed(meta))
         try:
             # NCCL moves CUDA tensors only; gloo moves host memory
             dev = tensors[0].device if self.backend == "nccl" else torch.device("cpu")
@@ -161,7 +163,7 @@ class DistributedTransport:
 def post_tensor_update(admin, update: TensorWeightsUpdate, timeout_s: float, where: str = "") -> None:
     """``/update_weights_from_tensor`` on every server; any failure is a PushError naming it."""
     try:
-        admin.call(lambda c: c.update_weights_from_tensor(update), timeout_s)
+        admin.request(UpdateFromTensor(update), timeout_s)
     except Exception as e:  # noqa: BLE001
         raise PushError(f"update_weights_from_tensor{where}: {e}") from e
 
@@ -174,7 +176,7 @@ def leave_update_group(admin: Optional[StageAdmin], group, name: str, timeout_s:
     if tell_servers:
         try:
             # short: after a failure the group may include a dead or hung server
-            admin.call(lambda c: c.destroy_weights_update_group(name), min(5.0, timeout_s))
+            admin.request(DestroyWeightsGroup(name), min(5.0, timeout_s))
         except Exception:  # noqa: BLE001 - best effort at shutdown
             pass
     dist.destroy_process_group(group)
@@ -346,7 +348,7 @@ class DiskTransport:
         if dist.get_rank() == 0:
             update = DiskWeightsUpdate(path)
             try:
-                self.admin.call(lambda c: c.update_weights_from_disk(update), self.timeout_s)
+                self.admin.request(UpdateFromDisk(update), self.timeout_s)
             except Exception as e:  # noqa: BLE001
                 raise PushError(f"update_weights_from_disk {path}: {e}") from e
             self._prune(keep_also=path)

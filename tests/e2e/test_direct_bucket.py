@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megarl.models.random_hf import tiny_config, write_random_hf
+from megarl.protocol.messages import WeightsChecksum
 from megarl.rollout.admin import AdminRunner
 from megarl.server.weights import read_hf_dir
 from megarl.weights.resharder import Bucket
@@ -23,7 +24,7 @@ def models(tmp_path_factory):
 
 
 def _checksums(admin, names):
-    got = admin.call(lambda c: c.weights_checksum(names, ["float32"] * len(names)), 60)
+    got = admin.request(WeightsChecksum(names, ["float32"] * len(names)), 60)
     return next(iter(got.values()))
 
 

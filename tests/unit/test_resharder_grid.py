@@ -266,8 +266,9 @@ class Wire:
             out, _ = receive_broadcast(WeightGroup("server"), meta.names, meta.dtypes, meta.shapes,
                                        meta.load_format)
             self.got.update({n: t.clone() for n, t in out.items()})  # views of the group buffer otherwise
-        client = SimpleNamespace(update_weights_from_distributed=lambda meta: pool.submit(receive, meta))
-        self.admin = SimpleNamespace(submit=lambda call: call(client), addresses=["http://server"])
+        # the transport's admin connection (a test double: no server process; the receive runs
+        # megarl-server's own code): an announce starts the receive, which the broadcasts feed
+        self.admin = SimpleNamespace(send=lambda msg: pool.submit(receive, msg.meta), addresses=["http://server"])
 
 
 WIRES = [("LlamaForCausalLM", 8, 2, 4), ("Qwen2ForCausalLM", 12, 4, 2), ("Qwen3ForCausalLM", 4, 1, 1)]

@@ -32,13 +32,14 @@ from rl_runs import REPO, markdown_table  # noqa: E402
 def per_tensor_transport(base):
     """SGLang's default wire, for the baseline only: one broadcast per tensor, no load_format."""
     from megarl.weights.transports import DistributedTransport, _finish
+    from megarl.protocol.messages import UpdateFromDistributed
     from megarl.protocol.wire import DistributedWeightsMeta
 
     class PerTensor(DistributedTransport):
         def send(self, bucket, version):
             meta = DistributedWeightsMeta(bucket.names, bucket.dtypes, bucket.shapes, self.group_name,
                                           flush_cache=False, load_format=None)
-            announced = self.admin.submit(lambda c: c.update_weights_from_distributed(meta))
+            announced = self.admin.send(UpdateFromDistributed(meta))
             works = [dist.broadcast(t.contiguous(), group=self.group, group_src=0, async_op=True)
                      for t in bucket.tensors]
             for w in works:
