@@ -171,6 +171,14 @@ class Resume:
 
 
 @dataclass
+class PushFailed:
+    """An overlapped push failed for good (its flight could not recover): the step the trainer is
+    waiting for fails at once with this error instead of stalling (the trainer learns the push's
+    outcome only where it lands)."""
+    error: str
+
+
+@dataclass
 class FinishPush:
     """The tail of a push, off the trainer's critical path: every load in, the servers' version
     flipped to ``version``, the staleness window moved, generation resumed."""
@@ -217,7 +225,7 @@ class Wake:
 
 
 CLUSTER_MESSAGES = (PauseForUpdate, Resume, FinishPush, Unhealthy, RemoveServer, AddServer, Admitted, Start,
-                    Sleep, Wake)
+                    Sleep, Wake, PushFailed)
 
 
 @dataclass

@@ -321,6 +321,14 @@ class RolloutController:
         groups.sort(key=lambda g: g.draw)
         return [t for g in groups for t in g.trajectories]
 
+    def fail(self, error: str) -> None:
+        """The run cannot go on (an overlapped weight push failed for good): the step waiting in
+        `next_batch` raises `RolloutFailed` with ``error`` now, and no episode starts."""
+        with self._ready:
+            if self._fatal is None:
+                self._fatal = error
+            self._ready.notify_all()
+
     def diagnose(self) -> str:
         """What the rollouts are doing now, in one line: the phase they wait in, the requests in
         flight per server, the reward calls running and the last errors."""

@@ -19,7 +19,7 @@ from typing import Optional
 from megarl.protocol import handshake
 from megarl.protocol.channel import MAX_REQUEST_HEADER, Channel, ChannelError
 from megarl.protocol.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, DIRECT_REPLIES, BatchRequest, Beat, Close,
-                                      EvalPoll, EvalSubmit, FinishPush, Hello, Init, PauseForUpdate, RemoveServer,
+                                      EvalPoll, EvalSubmit, FinishPush, Hello, Init, PauseForUpdate, PushFailed, RemoveServer,
                                       Reply, Resume, StateRequest, Unhealthy)
 
 log = logging.getLogger("megarl.manager")
@@ -29,7 +29,7 @@ STAGE_MESSAGES = ADMIN_MESSAGES
 # an overlapped push's flight (weights.overlap): the push protocol's steps on a link of their own
 # (a failed flight drops the servers that do not answer at once: the trainer may be waiting for
 # a batch that needs their requests re-sent elsewhere)
-PUSH_MESSAGES = (*ADMIN_MESSAGES, PauseForUpdate, FinishPush, Resume, Unhealthy, RemoveServer)
+PUSH_MESSAGES = (*ADMIN_MESSAGES, PauseForUpdate, FinishPush, Resume, Unhealthy, RemoveServer, PushFailed)
 DRIVER_MESSAGES = (Init, BatchRequest, EvalSubmit, EvalPoll, StateRequest, Close, *ADMIN_MESSAGES,
                    *CLUSTER_MESSAGES)
 MAX_LINKS = 64  # authenticated links: the driver and one per pipeline stage

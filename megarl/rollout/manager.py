@@ -52,8 +52,8 @@ from megarl.common.errors import ConfigError
 from megarl.protocol import handshake
 from megarl.protocol.channel import from_wire
 from megarl.protocol.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, AddServer, Admitted, Batch, BatchRequest, Close,
-                                      EvalPoll, EvalReport, EvalSubmit, FinishPush, Init, PauseForUpdate, RemoveServer,
-                                      Resume, Sleep, Start, StateRequest, Unhealthy, UpdateFromDisk,
+                                      EvalPoll, EvalReport, EvalSubmit, FinishPush, Init, PauseForUpdate, PushFailed,
+                                      RemoveServer, Resume, Sleep, Start, StateRequest, Unhealthy, UpdateFromDisk,
                                       UpdateFromDistributed, UpdateFromTensor, Wake)
 from megarl.protocol.packing import balance_groups, pack_batch  # noqa: F401 - the step's layout
 from megarl.rollout.links import LinkServer, serve_forever
@@ -76,6 +76,7 @@ CLUSTER_CALLS = {
     Start: lambda m, g: g.start(),
     Sleep: lambda m, g: g.cluster.sleep([str(t) for t in m.tags]),
     Wake: lambda m, g: g.cluster.wake([str(t) for t in m.tags]),
+    PushFailed: lambda m, g: g.controller.fail(f"weight push failed: {m.error}"),
 }
 assert set(CLUSTER_CALLS) == set(CLUSTER_MESSAGES)
 # weight loads: finish_push publishes only after every one of them is in

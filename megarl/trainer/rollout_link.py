@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megarl.protocol.channel import Link, ManagerStalled, RemoteError
 from megarl.protocol.servers import ServerSet
 from megarl.protocol.messages import (AddServer, Admitted, BatchRequest, EvalPoll, EvalSubmit, FinishPush, Init,
-                                      PauseForUpdate, RemoveServer, Resume, Start, Sleep, StateRequest, Unhealthy, Wake)
+                                      PauseForUpdate, PushFailed, RemoveServer, Resume, Start, Sleep, StateRequest, Unhealthy, Wake)
 from megarl.trainer.handoff import ReceivedStep, receive_step
 
 log = logging.getLogger("megarl.link")
@@ -109,6 +109,10 @@ class PushLane:
 
     def unhealthy(self) -> list[str]:
         return self._request(Unhealthy())
+
+    def fail(self, error: str) -> None:
+        """The flight could not recover: the step the trainer waits for fails with ``error``."""
+        self._request(PushFailed(error))
 
 
 class ManagerCluster:

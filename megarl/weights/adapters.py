@@ -54,3 +54,14 @@ class AdapterDelivery:
                 err = PushError(f"/load_lora_adapter {policy_adapter(version)}: {e}")
         agree(err)
         return nbytes
+
+
+def stage_adapter_bytes(engine, streams_buckets: bool, dtype) -> int:
+    """LoRA pushed in the buckets: this stage's adapters in the serving dtype, from their shapes
+    (stage sources only; 0 without LoRA)."""
+    from megarl.models.lora import adapter_bytes, stage_layers
+
+    lora = getattr(engine.spec, "lora", None)
+    if lora is None or not engine.ps.is_pp_source or not streams_buckets:
+        return 0
+    return adapter_bytes(engine.args, lora.target_modules, lora.rank, stage_layers(engine.chunks), dtype)

@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megarl.models.lora import adapter_bytes, merged_weight_names, stage_layers
-from megarl.weights.adapters import AdapterDelivery
+from megarl.models.lora import merged_weight_names
+from megarl.weights.adapters import AdapterDelivery, stage_adapter_bytes
 from megarl.weights.checksums import Checksums, judge_mismatches
 from megarl.weights.spec import PushMetrics, PushSpec
 from megarl.weights.flight import Flight, Sender, stage_buckets
@@ -186,7 +186,7 @@ class WeightPusher:
             self._setup()
         self.checksums.digest_s = 0.0
         self._recording = self.checksums.due(new_version)
-        frozen = self._frozen_now() if self.delta else frozenset()
+        frozen = self.resharder.agreed_frozen() if self.delta else frozenset()
         self._skip = frozen & self._frozen_sent
         return new_version, frozen
 
@@ -245,7 +245,8 @@ class WeightPusher:
         nbytes = self.resharder.times.bytes
         if not self.transport.streams_buckets and not self.refit and self.ps.rank == 0:
             nbytes = getattr(self.transport, "written", None) or self.resharder.total_bytes()
-        adapter_nbytes = adapter_nbytes or self._adapter_bytes()
+        adapter_nbytes = adapter_nbytes or stage_adapter_bytes(self.engine, self.transport.streams_buckets,
+                                                                  self.resharder.serving_dtype)
         if self.adapters is not None:
             nbytes += adapter_nbytes
         return self._metrics(new_version, nbytes, self.resharder.times, send_s, pause_s, stream_s,
@@ -312,15 +313,37 @@ class WeightPusher:
         groups rebuilt, the version sent again) - the trainer may be waiting for a batch that
         needs the rollout side whole again. A failure no server is to blame for lands with the
         flight."""
+        waited = False
         while True:
             try:
                 return self._fly_once(version, skip, snapshot, staged, times, recording)
             except PushError as e:
                 if staged is not None and skip:  # the staged copy lacks rows a new server set needs
-                    raise
-                self._recover(e, self.flight_group)
+                    self._give_up(e)
+                try:
+                    self._recover(e, self.flight_group)
+                except PushError:
+                    if waited:
+                        self._give_up(e)
+                    # every server answers /health: one caught in the failed transfer (a broadcast a
+                    # hung peer never relayed) answers its other calls once its receive times out
+                    waited = True
+                    time.sleep(self.timeout_s)
+                    self._disconnect()
+                    self._connect()
                 skip = frozenset()  # a new server set gets every tensor
                 self._setup(self.flight_group)
+
+    def _give_up(self, error: PushError) -> None:
+        """A flight that cannot recover: the step the trainer is waiting for fails with its error
+        at once (else it would wait out train.stall_timeout_s for a batch the paused servers never
+        make); the error lands with the flight too."""
+        if self.cluster.driver:
+            try:
+                self.lane.fail(str(error))
+            except Exception as e:  # noqa: BLE001 - the flight's own error is the one raised
+                print(f"[weights] could not fail the waiting step: {e}", flush=True)
+        raise error
 
     def _fly_once(self, version: int, skip: frozenset, snapshot: Optional[list], staged: Optional[list],
                   times: Optional[ReshardTimes], recording: bool) -> PushMetrics:
@@ -402,14 +425,6 @@ class WeightPusher:
         return metrics
 
     # ------------------------------------------------------------------ the synchronous path
-    def _adapter_bytes(self) -> int:
-        """LoRA: this stage's adapters in the serving dtype, from their shapes (stage sources only)."""
-        lora = getattr(self.engine.spec, "lora", None)
-        if lora is None or not self.ps.is_pp_source or not self.transport.streams_buckets:
-            return 0
-        return adapter_bytes(self.engine.args, lora.target_modules, lora.rank, stage_layers(self.engine.chunks),
-                             self.resharder.serving_dtype)
-
     def _send_stages(self, version: str) -> float:
         """Step 2, pipelined: this thread gathers/converts bucket k+1 while a sender thread
         announces and broadcasts bucket k (and hashes it, when recording). A slot is taken before
@@ -449,20 +464,6 @@ class WeightPusher:
                 send_s += sender.busy_s
             self._agree(err)
         return send_s
-
-    def _frozen_now(self) -> frozenset:
-        """Rows frozen on every rank that holds a shard of them (one all-gather of small dicts per
-        push), so every rank skips the same gathers even if freezing was not symmetric."""
-        if dist.get_world_size() == 1:
-            local = self.resharder.frozen_rows()
-            return frozenset(n for n, f in local.items() if f)
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, self.resharder.frozen_rows())
-        verdict: dict[str, bool] = {}
-        for part in parts:
-            for name, frozen in part.items():
-                verdict[name] = verdict.get(name, True) and frozen
-        return frozenset(n for n, f in verdict.items() if f)
 
     def _driver(self, fn, step: str, group=None) -> None:
         """``fn()`` on the driver rank; every rank learns whether it failed."""

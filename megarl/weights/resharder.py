@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from megarl.models.hf_io import gather_row, local_params, serves_weights
 from megarl.models import stages
@@ -97,6 +98,19 @@ class Resharder:
                 name = lp.pmap.names(lp.layer)[0]
                 out[name] = out.get(name, True) and not lp.param.requires_grad
         return out
+
+    def agreed_frozen(self) -> frozenset:
+        """Rows frozen on every rank that holds a shard of them (one all-gather of small dicts per
+        push), so every rank skips the same gathers even if freezing was not symmetric."""
+        if dist.get_world_size() == 1:
+            return frozenset(n for n, f in self.frozen_rows().items() if f)
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, self.frozen_rows())
+        verdict: dict[str, bool] = {}
+        for part in parts:
+            for name, frozen in part.items():
+                verdict[name] = verdict.get(name, True) and frozen
+        return frozenset(n for n, f in verdict.items() if f)
 
     @property
     def serving_dtype(self) -> torch.dtype:

@@ -29,6 +29,7 @@ from megarl.launch.preflight import check_wire
 from megarl.trainer.batch import TensorBatch
 from megarl.trainer.engine import Engine, EngineSpec
 from megarl.rollout.cluster import RolloutCluster
+from megarl.weights.checksums import compare
 from megarl.weights.push import PushSpec, WeightPusher
 from megarl.weights.transports import PushError
 
@@ -171,9 +172,9 @@ def delta(hf_a, hf_b, server, work):
     now = {lp.local_name: lp.param.detach() for lp in lps}
     after, version = server_vs_trainer(engine, server)
     parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, pusher._gather_digests())  # every tensor, not only those sent
+    dist.all_gather_object(parts, pusher.checksums.gather(pusher.resharder, pusher.ps))  # every tensor, not only those sent
     everything = {n: d for part in parts for n, d in part.items()}
-    differ = pusher._compare(everything) if dist.get_rank() == 0 else None
+    differ = compare(pusher.admin, everything, pusher.timeout_s) if dist.get_rank() == 0 else None
     checked = pusher.verify()
     pusher.close()
     pusher.cluster.close()
@@ -230,9 +231,9 @@ def disk_delta(hf_a, hf_b, server, work):
         codecs["retry_codecs"] = sorted(set(e[3] for e in man["tensors"].values()))
     after, version = server_vs_trainer(engine, server)
     parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, pusher._gather_digests())
+    dist.all_gather_object(parts, pusher.checksums.gather(pusher.resharder, pusher.ps))
     everything = {n: d for part in parts for n, d in part.items()}
-    differ = pusher._compare(everything) if dist.get_rank() == 0 else None
+    differ = compare(pusher.admin, everything, pusher.timeout_s) if dist.get_rank() == 0 else None
     pusher.close()
     pusher.cluster.close()
     return {"sent": sent, "after": after, "version": version, "compared": len(everything),
