@@ -182,9 +182,15 @@ class WeightsUpdateGroup:
     group_name: str = "weight_update_group"
     backend: str = "gloo"
     rank_offset: int = 1
+    # megarl-server: the group's collective timeout (a receive a dead peer never feeds ends then
+    # instead of after 300 s); not sent when None (SGLang's body has no such field)
+    timeout: Optional[float] = None
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["timeout"] is None:
+            d.pop("timeout")
+        return d
 
 
 def _without_unset_version(msg) -> dict:

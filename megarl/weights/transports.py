@@ -84,8 +84,8 @@ class DistributedTransport:
         listener = listening_socket(addr)  # the store below serves on it: this address only
         port = listener.getsockname()[1]
         world = 1 + len(self.admin.addresses)  # the source is rank 0, server i is rank 1 + i
-        spec = WeightsUpdateGroup(addr, port, world, self.group_name,
-                                  "nccl" if self.backend == "nccl" else "gloo")
+        spec = WeightsUpdateGroup(addr, port, world, self.group_name, "nccl" if self.backend == "nccl" else "gloo",
+                                  timeout=self.timeout_s if self.wire == "megarl" else None)
         # the servers' join blocks until we host the store: ask first, then host, then collect
         joined = self.admin.send(InitWeightsGroup(spec))
         try:
