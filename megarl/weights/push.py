@@ -335,9 +335,8 @@ class WeightPusher:
                 self._setup(self.flight_group)
 
     def _give_up(self, error: PushError) -> None:
-        """A flight that cannot recover: the step the trainer is waiting for fails with its error
-        at once (else it would wait out train.stall_timeout_s for a batch the paused servers never
-        make); the error lands with the flight too."""
+        """A flight that cannot recover: the step the trainer waits for fails with its error at once
+        (not after train.stall_timeout_s, waiting on servers that never resume); it lands too."""
         if self.cluster.driver:
             try:
                 self.lane.fail(str(error))
@@ -369,8 +368,9 @@ class WeightPusher:
         bad = (self.checksums.verify(self.checksums.digests, self.cluster.driver, self.admin, self.timeout_s, g)
                if recording else None)
         times = times or (self.resharder.times if snapshot is not None else ReshardTimes())
+        adapters = stage_adapter_bytes(self.engine, True, self.resharder.serving_dtype)  # LoRA: in the buckets
         metrics = self._metrics(version, times.bytes, times, send_s, pause_s, stream_s, time.perf_counter() - t0,
-                                group=g)
+                                adapters, group=g)
         metrics.verify_mismatches = None if bad is None else len(bad)
         self._mismatches = bad
         return metrics

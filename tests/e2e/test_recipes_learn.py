@@ -135,8 +135,13 @@ def only_adapters_pushed(case, run, recipes):
     assert [r["step"] for r in steps] == list(range(1, case.steps + 1))
     model_bytes = os.path.getsize(harness.TINY / "model" / "model.safetensors")
     for r in steps:
-        assert r["push/bytes"] == r["push/adapter_bytes"] < model_bytes / 4, r
         assert r["optimizer_steps"] == 1 and r["grad_norm"] > 0, r
+    # pushes overlapped with the next update (weights.overlap, staleness 1): a step reports the push
+    # that landed in it
+    landed = [r for r in steps if "push/version" in r]
+    assert len(landed) >= case.steps // 2, [r["step"] for r in landed]
+    for r in landed:
+        assert r["push/bytes"] == r["push/adapter_bytes"] < model_bytes / 4, r
 
 
 # 40 steps sat at the knee of the curve: 2 of ~12 runs there (one in a clean-clone CI run) ended at
