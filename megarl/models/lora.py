@@ -36,11 +36,12 @@ import torch.distributed as dist
 
 from megarl.config.lora import hf_target_modules
 from megarl.protocol.hf_model import GATE_UP, ModelArgs, ParamMap, param_table
+from megarl.protocol.lora_names import A_SUFFIX, SCALING, adapter_names, base_name, module_of
 
 from megarl.mcore.lora import TARGETS, LoRAMixin, unwrap
 
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
-SCALING_NAME = "lora.scaling"  # pushed with the adapters: the servers' alpha / r
+SCALING_NAME = SCALING  # pushed with the adapters: the servers' alpha / r (megarl.protocol.lora_names)
 
 
 def is_adapter_param(local_name: str) -> bool:
@@ -88,15 +89,15 @@ def hf_adapter_shapes(args: ModelArgs, targets, rank: int) -> dict[str, tuple[in
     for row in adapter_rows(args, targets):
         for mod in row.hf_modules():
             rows, cols = base[mod + ".weight"]
-            out[f"{mod}.lora_A.weight"] = (rank, cols)
-            out[f"{mod}.lora_B.weight"] = (rows, rank)
+            a, b = adapter_names(mod)
+            out[a], out[b] = (rank, cols), (rows, rank)
     return out
 
 
 def merged_weight_names(args: ModelArgs, lora) -> frozenset:
     """HF names of the base weights the adapters change (servers hold them merged, W0 + s B A)."""
-    return frozenset(n.replace(".lora_A.weight", ".weight")
-                     for n in hf_adapter_shapes(args, lora.target_modules, lora.rank) if ".lora_A." in n)
+    return frozenset(base_name(n) for n in hf_adapter_shapes(args, lora.target_modules, lora.rank)
+                     if n.endswith(A_SUFFIX))
 
 
 def adapter_bytes(args: ModelArgs, targets, rank: int, layers, dtype: torch.dtype) -> int:
@@ -157,7 +158,7 @@ def adapter_hf_tensors(chunks, args: ModelArgs, targets, tp: int, tp_group, laye
             As = [A if tp == 1 else torch.cat(_all_gather(A, tp, tp_group), dim=1)]
             Bs = [B]
         for mod, a, b in zip(row.hf_modules(), As, Bs):
-            for name, t in ((f"{mod}.lora_A.weight", a), (f"{mod}.lora_B.weight", b)):
+            for name, t in zip(adapter_names(mod), (a, b)):
                 yield name, (t.to(dtype) if dtype is not None else t).contiguous()
 
 
@@ -173,10 +174,10 @@ def merge_hf(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], s
     returned; computed in float32, cast back to the base's dtype)."""
     out = {}
     for name, a in adapters.items():
-        if not name.endswith(".lora_A.weight"):
+        if not name.endswith(A_SUFFIX):
             continue
-        mod = name[: -len(".lora_A.weight")]
-        b = adapters[f"{mod}.lora_B.weight"]
+        mod = module_of(name)
+        b = adapters[adapter_names(mod)[1]]
         w0 = base[f"{mod}.weight"]
         out[f"{mod}.weight"] = (w0.float() + scaling * (b.float() @ a.float())).to(w0.dtype)
     return out

@@ -18,12 +18,7 @@ from typing import Callable
 
 import torch
 
-SCALING = "lora.scaling"
-_A, _B = ".lora_A.weight", ".lora_B.weight"
-
-
-def is_lora_name(name: str) -> bool:
-    return name == SCALING or name.endswith((_A, _B))
+from megarl.protocol.lora_names import SCALING, adapter_names, base_name, is_lora_name
 
 
 class LoRAState:
@@ -52,24 +47,25 @@ class LoRAState:
         for name, t in tensors.items():
             if name == SCALING:
                 scaling = float(t.reshape(-1)[0])
-            elif name.endswith((_A, _B)):
+            elif is_lora_name(name):
                 adapters[name] = t.detach().clone()
-                touched.add(name[: -len(_A)] + ".weight")
+                touched.add(base_name(name))
             else:
                 rest[name] = t
         bases = {n: rest[n].detach().clone() for n in rest if n in self.bases}
         touched |= set(bases)
         if scaling != self.scaling:  # a new scale changes every merged module
-            touched |= {n[: -len(_A)] + ".weight" for n in adapters if n.endswith(_A)}
+            touched |= {base_name(n) for n in adapters}
         for w in sorted(touched):
             mod = w[: -len(".weight")]
-            a, b = adapters.get(mod + _A), adapters.get(mod + _B)
+            a_name, b_name = adapter_names(mod)
+            a, b = adapters.get(a_name), adapters.get(b_name)
             if a is None or b is None:
                 continue  # the other half comes in a later bucket of this push
             if scaling is None:
-                raise ValueError(f"{mod + _A}: an adapter without {SCALING!r} (alpha / r) pushed before it")
+                raise ValueError(f"{a_name}: an adapter without {SCALING!r} (alpha / r) pushed before it")
             if w not in model.params:
-                raise KeyError(f"{mod + _A}: the model has no parameter {w!r} to adapt")
+                raise KeyError(f"{a_name}: the model has no parameter {w!r} to adapt")
             shape = model.full_shape(w)
             if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or (b.shape[0], a.shape[1]) != tuple(shape):
                 raise ValueError(f"{mod}: lora_B {tuple(b.shape)} @ lora_A {tuple(a.shape)} does not give "

@@ -40,7 +40,7 @@ from aiohttp import web
 
 from megarl.common.net import new_process_group
 from megarl.server import weights as W
-from megarl.server.lora import is_lora_name
+from megarl.protocol.lora_names import is_lora_name
 from megarl.protocol import delta_format as disk_delta
 from megarl.protocol.wire import DIRECT_BUCKET, FLATTENED_BUCKET, SHARED_MEMORY, tensor_digest
 from megarl.server.state import (BadRequest, ServerState, allowed_weights_path, body_field, on_engine,
