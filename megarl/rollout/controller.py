@@ -48,28 +48,13 @@ from typing import Optional
 
 from megarl.data.datasets import PromptDataset, ResumableSampler
 from megarl.rollout.client import RolloutClient, ServerRequestError
+from megarl.rollout.failures import RolloutFailed, RolloutStalled, error_key
 from megarl.rollout.shaping import GroupShaping
 from megarl.rollout.staleness import EpisodeState, StalenessManager, VersionProvider
 from megarl.protocol.types import Trajectory
 from megarl.rollout.workflows.base import close_envs, workflow_envs
 
 log = logging.getLogger("megarl.controller")
-
-
-class RolloutStalled(TimeoutError):
-    """No batch within the deadline (train.stall_timeout_s); the message names the stalled phase."""
-
-
-class RolloutFailed(RuntimeError):
-    """Prompts keep failing with one error (rollout.max_consecutive_failures): the run stops."""
-
-
-def error_key(e: BaseException) -> str:
-    """What makes two failures "the same error": a server's refusal by its status and message
-    (whichever server said it), anything else by its type and text."""
-    if isinstance(e, ServerRequestError):
-        return f"HTTP {e.status}: {e.message}"
-    return f"{type(e).__name__}: {e}"
 
 
 @dataclass
