@@ -404,7 +404,11 @@ class WeightSyncConfig:
     waits for it only where the next push, an evaluation or the last step needs it landed
     (push/blocking_s: the trainer's share; push/overlapped_s: the rest). Costs one copy of the
     stage's weights in the serving dtype. Synchronous, whatever this says: max_staleness 0, the
-    colocated placement, the disk transport, shard refit and LoRA on SGLang (PEFT directories)."""
+    colocated placement, the disk transport, shard refit and LoRA on SGLang (PEFT directories).
+    While a flight is in the air the servers still generate with the previous version, so a group
+    can now and then be trained one version past rollout.max_staleness (1 step in 1,000 of the
+    demo), as stragglers are under the default rollout.staleness_hard_cap; a cap of 0 keeps every
+    trained token within the bound."""
     refit: str = "gather"
     """How tensor-parallel shards reach the servers: gather (the stage source gathers each full
     tensor over its TP group and broadcasts it; any server) or shard (shard-to-shard refit: every

@@ -59,6 +59,7 @@ from megarl.trainer.gates import check_mismatch, mismatch_threshold, verify_push
 from megarl.trainer.handoff import ReceivedStep
 from megarl.trainer.rollout_link import ManagerCluster, ManagerState, RolloutSide
 from megarl.trainer.rollout_stats import StepTimer, batch_metrics, dump_generations
+from megarl.weights.flight import FLIGHT_THREAD
 from megarl.weights.push import PushSpec, WeightPusher
 
 
@@ -166,8 +167,11 @@ class StepRunner:
         self.trained_version = self.cluster.version
         with self.timer.phase("update"):
             metrics = train_step(self.actor, self.critic, batch, self.cluster.version)
-            # the rollout side lives in the manager process: nothing else runs Python here
-            metrics["trainer/python_threads"] = threading.active_count()
+            # the rollout side lives in the manager process: nothing else runs Python here but an
+            # overlapped push's flight (weights.overlap), counted apart
+            flights = sum(t.name.startswith(FLIGHT_THREAD) for t in threading.enumerate())
+            metrics["trainer/python_threads"] = threading.active_count() - flights
+            metrics["trainer/push_threads"] = flights
         metrics.update(shaping)
         # only consecutive non-finite steps count: one good step shows the run can go on
         self.bad_steps = self.bad_steps + 1 if metrics.get("skipped_updates", 0) > 0 else 0

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megarl.protocol.channel import Link, ManagerStalled, RemoteError
+from megarl.protocol.channel import ChannelError, Link, ManagerStalled, RemoteError
 from megarl.protocol.servers import ServerSet
 from megarl.protocol.messages import (AddServer, Admitted, BatchRequest, EvalPoll, EvalSubmit, FinishPush, Init,
                                       PauseForUpdate, PushFailed, RemoveServer, Resume, Start, Sleep, StateRequest, Unhealthy, Wake)
@@ -38,7 +38,7 @@ from megarl.trainer.handoff import ReceivedStep, receive_step
 log = logging.getLogger("megarl.link")
 
 
-class ManagerDied(RuntimeError):
+class ManagerDied(ChannelError):
     """The rollout manager process is gone: the run stops; a resume trains every pending prompt once."""
 
 
@@ -217,6 +217,7 @@ class RolloutSide:
         self._secret = b""  # the channel's, this run's (never logged, never in argv)
         self._log_from = 0  # manager.log's size at launch: a failed start quotes its own lines only
         self.evals_pending = 0  # submitted evaluations not reported yet (rank 0)
+        self.stalled = False  # a link of this run (the driver's, or a push lane) found the manager stopped
 
     def launch(self) -> None:
         """Rank 0: start the manager process without waiting for it, so that it imports and
@@ -284,6 +285,7 @@ class RolloutSide:
 
     def _died(self, error: BaseException) -> Exception:
         if isinstance(error, ManagerStalled):  # alive but not running: waiting on its exit says nothing
+            self.stalled = True
             return ManagerDied(f"{error} (log {self.cfg.train.run_dir}/manager.log); rerun to resume from the "
                                f"last checkpoint")
         if self.proc is not None:
@@ -332,7 +334,7 @@ class RolloutSide:
         the weight groups close: a broadcast the stalled manager never relayed to the servers is
         still waiting on them, and gloo would hold the exit for weights.timeout_s; with the
         servers gone it fails at once."""
-        if self.proc is not None and self.link is not None and self.link.broken is not None:
+        if self.proc is not None and (self.stalled or (self.link is not None and self.link.broken is not None)):
             self.proc.kill()
 
     def close(self) -> None:

@@ -33,6 +33,9 @@ def stage_buckets(resharder, skip: frozenset, ps, agree: Callable) -> tuple[list
     return staged, times
 
 
+FLIGHT_THREAD = "megarl-push-v"  # a flight's thread name: this, then its version
+
+
 class Flight:
     """One overlapped push in the air: ``fly(version, *args)`` on a thread of its own. ``frozen``:
     the rows frozen when it was staged (the delta bookkeeping takes them once it lands)."""
@@ -41,7 +44,7 @@ class Flight:
         self.version, self.frozen = version, frozen
         self._out, self._error = None, None
         self._thread = threading.Thread(target=self._run, args=(fly, (version, *args)),
-                                        name=f"megarl-push-v{version}", daemon=True)
+                                        name=f"{FLIGHT_THREAD}{version}", daemon=True)
         self._thread.start()
 
     def _run(self, fly: Callable, args: tuple) -> None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megarl.models.lora import merged_weight_names
 from megarl.weights.adapters import AdapterDelivery, stage_adapter_bytes
+from megarl.protocol.channel import ChannelError
 from megarl.weights.checksums import Checksums, judge_mismatches
 from megarl.weights.spec import PushMetrics, PushSpec
 from megarl.weights.flight import Flight, Sender, stage_buckets
@@ -175,6 +176,8 @@ class WeightPusher:
                     return self.launch(t0, landed)
                 return self.push_once(bump)
             except PushError as e:
+                if isinstance(e.__cause__, ChannelError):  # the manager gone or stopped: no recovery
+                    raise e.__cause__ from None
                 self._recover(e)
 
     def _begin(self, bump: bool) -> tuple[int, frozenset]:
@@ -249,8 +252,8 @@ class WeightPusher:
                                                                   self.resharder.serving_dtype)
         if self.adapters is not None:
             nbytes += adapter_nbytes
-        return self._metrics(new_version, nbytes, self.resharder.times, send_s, pause_s, stream_s,
-                             time.perf_counter() - t0, adapter_nbytes)
+        return PushMetrics.summed(new_version, nbytes, self.resharder.times, send_s, self.checksums.digest_s,
+                                  pause_s, stream_s, time.perf_counter() - t0, adapter_nbytes)
 
     def _finish_transport(self, version: int) -> float:
         """The transport's last step on every rank (disk: the collective export); its time."""
@@ -274,15 +277,6 @@ class WeightPusher:
                 tail = PushError(f"update_weight_version: {e}")
         if ok:
             self._agree(tail, group)
-
-    def _metrics(self, version: int, nbytes: int, t: ReshardTimes, send_s: float, pause_s: float, stream_s: float,
-                 total_s: float, adapter_nbytes: int = 0, group=None) -> PushMetrics:
-        """Every rank's sum (sources hold the counts; times summed over stages)."""
-        stats = torch.tensor([nbytes, t.buckets, t.gather_s, t.convert_s, send_s, self.checksums.digest_s,
-                              adapter_nbytes], dtype=torch.float64)
-        dist.all_reduce(stats, group=group)
-        b, n, g, c, s, h, a = stats.tolist()
-        return PushMetrics(version, int(b), int(n), g, c, s, total_s, pause_s, h, stream_s, int(a))
 
     # ------------------------------------------------------------------ overlapped pushes
     def launch(self, t0: float, landed: Optional[PushMetrics]) -> PushMetrics:
@@ -318,6 +312,8 @@ class WeightPusher:
             try:
                 return self._fly_once(version, skip, snapshot, staged, times, recording)
             except PushError as e:
+                if isinstance(e.__cause__, ChannelError):  # the manager gone or stopped: the trainer sees it too
+                    raise
                 if staged is not None and skip:  # the staged copy lacks rows a new server set needs
                     self._give_up(e)
                 try:
@@ -369,8 +365,8 @@ class WeightPusher:
                if recording else None)
         times = times or (self.resharder.times if snapshot is not None else ReshardTimes())
         adapters = stage_adapter_bytes(self.engine, True, self.resharder.serving_dtype)  # LoRA: in the buckets
-        metrics = self._metrics(version, times.bytes, times, send_s, pause_s, stream_s, time.perf_counter() - t0,
-                                adapters, group=g)
+        metrics = PushMetrics.summed(version, times.bytes, times, send_s, self.checksums.digest_s, pause_s, stream_s,
+                                     time.perf_counter() - t0, adapters, group=g)
         metrics.verify_mismatches = None if bad is None else len(bad)
         self._mismatches = bad
         return metrics
@@ -473,6 +469,7 @@ class WeightPusher:
                 fn()
             except Exception as e:  # noqa: BLE001
                 err = PushError(f"{step}: {e}")
+                err.__cause__ = e
         self._agree(err, group)
 
     def verify(self) -> list[str]:
@@ -485,9 +482,10 @@ class WeightPusher:
         return self.checksums.verify(local, self.cluster.driver, self.admin, self.timeout_s)
 
     def close(self) -> None:
-        if self.flight is not None:  # a run ending on an error: the flight's outcome is only logged
+        if self.flight is not None:  # a run ending on an error: the flight is not waited for long
+            flight, self.flight = self.flight, None
             try:
-                self.land()
+                flight.result(5.0)
             except Exception as e:  # noqa: BLE001
                 print(f"[weights] the last overlapped push did not land: {e}", flush=True)
         self._disconnect()

@@ -69,6 +69,20 @@ class PushMetrics:
     landed: bool = True  # False: an overlapped push call in which no earlier flight landed
 
     @classmethod
+    def summed(cls, version: int, nbytes: int, t, send_s: float, digest_s: float, pause_s: float, stream_s: float,
+               total_s: float, adapter_nbytes: int = 0, group=None) -> "PushMetrics":
+        """Every rank's sum (sources hold the counts; times summed over stages); ``t``: this
+        rank's `ReshardTimes`. Collective over ``group`` (default: the world)."""
+        import torch
+        import torch.distributed as dist
+
+        stats = torch.tensor([nbytes, t.buckets, t.gather_s, t.convert_s, send_s, digest_s, adapter_nbytes],
+                             dtype=torch.float64)
+        dist.all_reduce(stats, group=group)
+        b, n, g, c, s, h, a = stats.tolist()
+        return cls(version, int(b), int(n), g, c, s, total_s, pause_s, h, stream_s, int(a))
+
+    @classmethod
     def waited(cls, blocking_s: float) -> "PushMetrics":
         """An overlapped push call that landed no flight: only the trainer's own time to report."""
         return cls(-1, 0, 0, 0.0, 0.0, 0.0, 0.0, blocking_s=blocking_s, landed=False)

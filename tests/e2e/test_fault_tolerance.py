@@ -60,7 +60,10 @@ def test_killed_local_server_is_restarted_with_current_weights(tmp_path):
                            "current weights on the restarted server", proc)
         assert int(version) >= killed_at and after[0]["pid"] != victim["pid"]
 
-    run = harness.train(run_dir, *OVERRIDES, "train.steps=40", "rollout.local_servers=2", during=kill_a_server)
+    # the strict staleness rule (hard cap 0): with the push overlapped, a group started before the
+    # kill can otherwise be trained one version past the bound (the default cap admits stragglers)
+    run = harness.train(run_dir, *OVERRIDES, "train.steps=40", "rollout.local_servers=2",
+                        "rollout.staleness_hard_cap=0", during=kill_a_server)
     run.check()
     rows = run.rows
     assert [r["step"] for r in rows] == list(range(1, 41))  # every step completed
@@ -130,6 +133,9 @@ def test_server_killed_mid_push_rejoins_and_hung_server_is_dropped(tmp_path):
     # the hung server (B): its push failed within the deadlines and the run went on without it
     after = rows[hung_at:]
     assert after[-1]["rollout/live_servers"] == 2 and after[-1]["rollout/dead_servers"] == 1
-    # bounded: pause deadline + health check + group teardown + the re-push, never a hang
-    assert max(r["time/push"] for r in after) < 4 * 5
+    # bounded: pause deadline + health check + group teardown + the re-push, never a hang; an
+    # overlapped push's recovery may also wait out one receive timeout of a server caught in the
+    # failed transfer and tear the groups down again before it re-pushes (the trainer waits for
+    # it where the flight lands)
+    assert max(r["time/push"] for r in after) < 6 * 5
     assert_every_draw_trained_once(run, 120, 8)
