@@ -32,9 +32,9 @@ def check_grpo_steps(run: harness.Run, sinks: bool) -> None:
     assert [(r["step"], r["push/version"]) for r in landed] == [(2, 2), (4, 4)], landed
     for r in landed:
         assert r["push/bytes"] > 0.99 * hf_bytes - 4096  # the whole model each push
-    # the trainer's share of the push: the copy, not the pause, the bytes or the checksum
+    # the trainer's share of the push is reported every step (its size is a benchmark's:
+    # tools/bench/bench_push_overlap.py)
     assert all(0 < r["push/blocking_s"] < r["step_time"] for r in rows)
-    assert rows[2]["push/blocking_s"] < 0.25 * (rows[1]["push/total_s"] + rows[3]["push/total_s"]) / 2, rows
     # step 1 trains on rollouts of the very weights it starts from: no training-inference gap
     assert rows[0]["logp_gap"] <= 1e-5 and rows[0]["staleness_max"] == 0
     # train.mismatch_gate (on by default) never trips on the demo: tokens of the version each step
