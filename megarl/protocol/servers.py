@@ -40,3 +40,19 @@ class ServerSet:
     def admitted(self, address: str) -> None:
         if address in self.dead:
             self.dead.remove(address)
+
+
+class HoldsServers:
+    """A holder of a `ServerSet` in ``self.servers`` (the trainer's `ManagerCluster`, the
+    manager's `RolloutCluster`), read as ``addresses`` (live) and ``dead`` (dropped, polled for
+    re-admission)."""
+
+    servers: ServerSet
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.servers.addresses
+
+    @property
+    def dead(self) -> list[str]:
+        return self.servers.dead

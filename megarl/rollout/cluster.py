@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Callable, Optional, Protocol
 
-from megarl.protocol.servers import ServerSet
+from megarl.protocol.servers import HoldsServers, ServerSet
 from megarl.rollout.admin import AdminRunner
 from megarl.rollout.http import AdminError, normalize_address
 from megarl.protocol.types import PauseMode
@@ -47,7 +47,7 @@ class ClusterListener(Protocol):
     def on_server_added(self, address: str) -> None: ...  # it holds the current weights
 
 
-class RolloutCluster:
+class RolloutCluster(HoldsServers):
     def __init__(self, addresses: list[str], *, driver: bool, api_key: Optional[str] = None,
                  timeout_s: float = 60.0, pause_mode: PauseMode = "abort", version: int = 0,
                  min_live_servers: int = 1, health_timeout_s: float = 3.0, required: frozenset = frozenset()):
@@ -114,16 +114,6 @@ class RolloutCluster:
         return AdminRunner(self.addresses, self.api_key, self.timeout_s)
 
     # ------------------------------------------------------------------ the server set
-    @property
-    def addresses(self) -> list[str]:
-        """The live servers (`ServerSet`, the value the trainer's `ManagerCluster` mirrors)."""
-        return self.servers.addresses
-
-    @property
-    def dead(self) -> list[str]:
-        """Dropped servers, polled for re-admission (driver)."""
-        return self.servers.dead
-
     def add_server(self, address: str) -> None:
         """A (re)joining server enters the weight-update set; the caller pushes the current
         weights to it, then calls `admitted` so it gets work (see `WeightPusher.add_server`)."""

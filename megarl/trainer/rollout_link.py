@@ -30,7 +30,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megarl.protocol.channel import ChannelError, Link, ManagerStalled, RemoteError
-from megarl.protocol.servers import ServerSet
+from megarl.protocol.servers import HoldsServers, ServerSet
 from megarl.protocol.messages import (AddServer, Admitted, BatchRequest, EvalPoll, EvalSubmit, FinishPush, Init,
                                       PauseForUpdate, PushFailed, RemoveServer, Resume, Start, Sleep, StateRequest, Unhealthy, Wake)
 from megarl.trainer.handoff import ReceivedStep, receive_step
@@ -115,7 +115,7 @@ class PushLane:
         self._request(PushFailed(error))
 
 
-class ManagerCluster:
+class ManagerCluster(HoldsServers):
     """The trainer's view of the server set and the one policy-version counter; the driver
     (global rank 0) forwards the protocol steps to the manager's `RolloutCluster`. A
     `megarl.weights.target.PushTarget` for `WeightPusher`, as `RolloutCluster` is."""
@@ -131,14 +131,6 @@ class ManagerCluster:
         self.version, self.timeout_s = int(version), timeout_s
         self.lane = PushLane(link, self, timeout_s, side) if link is not None else None
         self.admin = self.lane.admin if link is not None else None
-
-    @property
-    def addresses(self) -> list[str]:
-        return self.servers.addresses
-
-    @property
-    def dead(self) -> list[str]:
-        return self.servers.dead
 
     def get_version(self) -> int:
         return self.version
