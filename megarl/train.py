@@ -95,6 +95,11 @@ def train(cfg, stop: StopRequest) -> int:
     side = RolloutSide(cfg) if cfg.train.is_rl else None
     if ranks.rank == 0:
         save_config(cfg, cfg.train.run_dir)  # the manager reads it
+        if side is not None:  # and the weight wire it expects (megarl.protocol.wire_plan)
+            from megarl.protocol.wire_plan import WirePlan
+            wire = WirePlan.of_config(cfg)
+            wire.save(cfg.train.run_dir)
+            print(f"[megarl] weight wire: {wire.describe()}", flush=True)
         clear_stop_marker(cfg.train.run_dir)
         if side is not None:  # it loads and starts its servers while megatron-core imports and the engine builds
             side.launch()

@@ -358,13 +358,6 @@ def tensor_digest(t, dtype=None) -> str:
     return h.hexdigest()
 
 
-def peft_adapters(lora_rank: int, tensor_format: str) -> bool:
-    """The one place that decides how a LoRA run's adapters reach the servers: as a PEFT directory
-    each push loads (/load_lora_adapter) and every request names (`policy_adapter`) when the
-    resolved wire is SGLang's; megarl-server instead merges the adapter tensors it is pushed."""
-    return lora_rank > 0 and tensor_format == "sglang"
-
-
 def policy_adapter(version: int) -> str:
     """The name the policy's LoRA adapter of ``version`` is loaded under on SGLang servers
     (megarl-train's pusher loads it; the rollout manager's requests select it as ``lora_path``)."""

@@ -82,16 +82,18 @@ class RolloutCluster(HoldsServers):
         return cls.from_sections(cfg.rollout, cfg.weights, addresses, driver)
 
     @classmethod
-    def from_sections(cls, rollout, weights, addresses: list[str], driver: bool) -> "RolloutCluster":
+    def from_sections(cls, rollout, weights, addresses: list[str], driver: bool,
+                      pause_mode: Optional[str] = None) -> "RolloutCluster":
         """From ``rollout.api_key``, ``rollout.min_live_servers``, ``weights.timeout_s`` and
-        ``weights.pause_mode``."""
+        ``pause_mode`` (the run's wire plan's; default ``weights.pause_mode``)."""
         from megarl.config.server_wire import required_extensions
 
-        if weights.pause_mode == "auto":  # guessing is how a wire fit for one server reaches another
+        pause_mode = pause_mode or weights.pause_mode
+        if pause_mode == "auto":  # guessing is how a wire fit for one server reaches another
             raise ValueError("weights.pause_mode: auto was not resolved against the servers "
                              "(megarl.config.server_wire.resolve_wire, run by megarl-train's preflight)")
         return cls(addresses, driver=driver, api_key=rollout.api_key or None, timeout_s=weights.timeout_s,
-                   pause_mode=weights.pause_mode, min_live_servers=rollout.min_live_servers,
+                   pause_mode=pause_mode, min_live_servers=rollout.min_live_servers,
                    required=required_extensions(weights))
 
     # ------------------------------------------------------------------ the version

@@ -56,6 +56,7 @@ from megarl.protocol.messages import (ADMIN_MESSAGES, CLUSTER_MESSAGES, AddServe
                                       RemoveServer, Resume, Sleep, Start, StateRequest, Unhealthy, UpdateFromDisk,
                                       UpdateFromDistributed, UpdateFromTensor, Wake)
 from megarl.protocol.packing import balance_groups, pack_batch  # noqa: F401 - the step's layout
+from megarl.protocol.wire_plan import WirePlan
 from megarl.rollout.links import LinkServer, serve_forever
 
 if TYPE_CHECKING:
@@ -101,6 +102,8 @@ class ManagerSpec:
     reward_model: Optional["RewardModelConfig"] = None  # reward.model when its path is set
     teacher: Optional["TeacherConfig"] = None  # teacher when its path is set (on-policy distillation)
     env: Optional["EnvConfig"] = None  # env when env.cls is set: the job serves the environment
+    # the run's weight wire (<run_dir>/wire.json, saved by megarl-train); None: the weights section's
+    wire: Optional[WirePlan] = None
 
     @classmethod
     def from_config(cls, cfg) -> "ManagerSpec":
@@ -110,10 +113,11 @@ class ManagerSpec:
 
         # the manager is this process's child, on this node: its servers see the devices it sees
         flags = feature_flags(cfg, cfg.rollout.engine, gpu=cfg.rollout.engine == "sglang" and cuda_available())
-        return cls(cfg.rollout, cfg.weights, cfg.model.hf_path, cfg.train.run_dir, ControllerSpec.from_config(cfg),
+        wire = WirePlan.for_run(cfg)
+        return cls(cfg.rollout, cfg.weights, cfg.model.hf_path, cfg.train.run_dir, ControllerSpec.from_config(cfg, wire.peft),
                    EvalSpec.from_config(cfg), tuple(flags), cfg.logging.timeline,
                    cfg.reward.model if cfg.reward.model.path else None, cfg.teacher if cfg.teacher.path else None,
-                   cfg.env if cfg.env.cls else None)
+                   cfg.env if cfg.env.cls else None, wire)
 
 
 class RolloutManager(LinkServer):
@@ -237,7 +241,8 @@ class RolloutManager(LinkServer):
             raise self._servers_error
         servers = self._servers
         self.dp = msg.dp
-        self.cluster = RolloutCluster.from_sections(self.spec.rollout, self.spec.weights, servers, driver=True)
+        self.cluster = RolloutCluster.from_sections(self.spec.rollout, self.spec.weights, servers, driver=True,
+                                                    pause_mode=self.spec.wire and self.spec.wire.pause_mode)
         # the trainer's version (a resumed run's is > 0): the staleness clock continues from it
         self.cluster.version = int(msg.version)
         if self.local is not None:

@@ -81,11 +81,12 @@ class ControllerSpec:
     teacher: Optional[dict] = None
 
     @classmethod
-    def from_config(cls, cfg) -> "ControllerSpec":
+    def from_config(cls, cfg, lora_adapters: bool = False) -> "ControllerSpec":
+        """``lora_adapters``: the run's wire plan names PEFT adapters (`WirePlan.peft`)."""
         return cls(TaskSpec.from_config(cfg), groups_per_step(cfg) * cfg.train.trigger_parameter_sync_step,
                    cfg.train.seed, cfg.algo.dynamic_sampling, cfg.weights.timeout_s,
                    os.path.join(cfg.train.run_dir, "failed_prompts.jsonl"), routed_experts(cfg),
-                   cfg.algo.overlong_buffer_len, cfg.algo.overlong_penalty_factor, sglang_lora(cfg))
+                   cfg.algo.overlong_buffer_len, cfg.algo.overlong_penalty_factor, lora_adapters)
 
     def shaping(self) -> GroupShaping:
         return GroupShaping(self.task.rollout.max_new_tokens, self.overlong_buffer_len,
@@ -155,13 +156,6 @@ def routed_experts(cfg) -> Optional[tuple[int, int]]:
 
     args = read_model_args(cfg.model.hf_path)
     return args.num_layers, args.moe_topk
-
-
-def sglang_lora(cfg) -> bool:
-    """LoRA with SGLang servers: requests name the pushed PEFT adapter (`peft_adapters`)."""
-    from megarl.protocol.wire import peft_adapters
-
-    return peft_adapters(cfg.lora.rank if cfg.lora.enabled else 0, cfg.weights.tensor_format)
 
 
 def training_task(task: TaskSpec, group_size: int):

@@ -1,8 +1,8 @@
 """LoRA adapters on SGLang: every push writes them as a PEFT directory that each server loads
 (``/load_lora_adapter``) under the version's name; the buckets carry the base rows only.
 
-Whether a run delivers adapters this way is decided once, for the pusher and the rollout setup
-alike (`megarl.protocol.wire.peft_adapters`)."""
+Whether a run delivers adapters this way is its wire plan's ``adapters: peft``
+(`megarl.protocol.wire_plan.WirePlan`), which the rollout manager reads too."""
 from __future__ import annotations
 
 import logging

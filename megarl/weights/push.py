@@ -33,7 +33,7 @@ class WeightPusher:
     call :meth:`push`."""
 
     def __init__(self, spec: PushSpec, engine, cluster: PushTarget):
-        w = spec.weights
+        w, wire = spec.weights, spec.wire
         self.spec, self.engine, self.ps, self.cluster = spec, engine, engine.ps, cluster
         self.timeout_s = w.timeout_s
         self.dtype = None if w.dtype == "auto" else getattr(torch, w.dtype)
@@ -45,7 +45,7 @@ class WeightPusher:
         # adapters (W0 + s B A), so their checksums are checked through the adapters' and the
         # scale's, not against W0
         merged = frozenset() if lora is None or spec.peft else merged_weight_names(engine.args, lora)
-        self.checksums = Checksums(w.verify_every, merged)
+        self.checksums = Checksums(wire.verify_every, merged)
         # weights.delta: only a trainable engine's frozen rows are known not to change (a
         # forward-only engine has no optimizer to tell: its weights may be set by hand); not the
         # disk transport, which writes whole checkpoints
@@ -57,7 +57,7 @@ class WeightPusher:
         self.resharder.adapters = self.adapters is None
         # weights.overlap: the flight's thread agrees over a group of its own (the trainer's groups
         # stay the trainer thread's), and the driver speaks to the manager over a link of its own
-        self.overlap = w.overlap and spec.can_overlap and hasattr(cluster, "push_lane")
+        self.overlap = wire.overlap and hasattr(cluster, "push_lane")
         self.flight_group = dist.new_group(backend="gloo") if self.overlap else None
         self.flight: Optional[Flight] = None
         self._mismatches: Optional[list] = None  # the last checked flight's differing tensors
@@ -80,7 +80,7 @@ class WeightPusher:
         """Transport for the cluster's current server list. The driver (rank 0) sends through the
         cluster's admin connection (overlapped: its push lane's); other pipeline-stage sources
         announce their own buckets."""
-        w, ps = self.spec.weights, self.ps
+        wire, ps = self.spec.wire, self.ps
         self.lane = self.cluster  # the driver's steps (other ranks only name them)
         if self.cluster.driver:
             self.lane = self.cluster.push_lane() if self.overlap else self.cluster
@@ -88,12 +88,12 @@ class WeightPusher:
         elif ps.is_pp_source and self.spec.streams_buckets:  # disk: the export is collective, rank 0 announces
             self.admin = self.cluster.stage_admin(ps.rank)
             self._own_admin = True
-        if self.checksums.merged and w.tensor_format != "megarl":  # LoRA: only megarl-server merges adapters
+        if self.checksums.merged and wire.tensor_format != "megarl":  # LoRA: only megarl-server merges adapters
             raise PushError("weights.tensor_format: lora.rank > 0 pushes adapters that only megarl-server "
-                            f"merges; the servers resolved to {w.tensor_format!r} (real SGLang?)")
-        self.refit = w.refit == "shard"
-        self.transport = open_transport(w, self.admin, self.engine, self.dtype, self.spec.run_dir,
-                                        self.spec.colocated)
+                            f"merges; the servers resolved to {wire.tensor_format!r} (real SGLang?)")
+        self.refit = wire.refit == "shard"
+        self.transport = open_transport(wire, self.spec.weights, self.admin, self.engine, self.dtype,
+                                        self.spec.run_dir)
         self._ready = False
         self._frozen_sent = frozenset()  # a new server set (or a retry) gets every tensor
 

@@ -1,49 +1,40 @@
 """What a `megarl.weights.push.WeightPusher` is built from (`PushSpec`: the weights section and
-the run's shape, with the push decisions that follow from them) and what a push reports
-(`PushMetrics`)."""
+the run's wire plan) and what a push reports (`PushMetrics`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
 from megarl.config import WeightSyncConfig
-from megarl.protocol.wire import peft_adapters
+from megarl.protocol.wire_plan import WirePlan
 
 
 @dataclass(frozen=True)
 class PushSpec:
-    """What a `WeightPusher` is built from: the weights section and the run directory (the disk
-    transport's default directory is <run_dir>/weights)."""
+    """What a `WeightPusher` is built from: the weights section (bucket size, dtype, timeouts,
+    delta, verify mode), the run directory (the disk transport's default directory is
+    <run_dir>/weights) and the run's wire plan (`megarl.protocol.wire_plan.WirePlan`: transport,
+    format, adapters, checksums, overlap - decided once, saved as <run_dir>/wire.json)."""
 
     weights: WeightSyncConfig
     run_dir: str
-    colocated: bool = False  # rollout.placement: the servers share the trainer's devices
-    asynchronous: bool = False  # rollout.max_staleness >= 1: the next update may start before the push lands
-    lora_rank: int = 0
+    wire: WirePlan
 
     @classmethod
     def from_config(cls, cfg) -> "PushSpec":
-        return cls(cfg.weights, cfg.train.run_dir, cfg.rollout.placement == "colocated",
-                   cfg.rollout.max_staleness >= 1, cfg.lora.rank if cfg.lora.enabled else 0)
+        return cls(cfg.weights, cfg.train.run_dir, WirePlan.of_config(cfg))
 
     @property
     def streams_buckets(self) -> bool:
-        """Buckets go over the wire (the transport's own ``streams_buckets``, known before it is
-        built): not the disk transport, which writes whole checkpoints through the engine's export,
-        nor shard refit, where each TP rank sends its own slices without buckets."""
-        return self.weights.transport != "disk" and self.weights.refit != "shard"
+        return self.wire.streams_buckets
 
     @property
     def peft(self) -> bool:
-        """LoRA on SGLang: each push's adapters go as a PEFT directory, not in the buckets."""
-        return peft_adapters(self.lora_rank, self.weights.tensor_format)
+        return self.wire.peft
 
     @property
     def can_overlap(self) -> bool:
-        """Where ``weights.overlap`` applies: an asynchronous, disaggregated run whose push
-        streams buckets (the staged copy is all its flight sends) with no PEFT adapters to export
-        (a collective over the trainer's groups)."""
-        return self.asynchronous and not self.colocated and self.streams_buckets and not self.peft
+        return self.wire.overlap
 
 
 @dataclass

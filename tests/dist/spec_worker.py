@@ -18,6 +18,7 @@ from megarl.rollout.cluster import RolloutCluster
 from megarl.trainer.batch import TensorBatch
 from megarl.trainer.critic import Critic, CriticSpec
 from megarl.trainer.engine import Engine, EngineSpec
+from megarl.protocol.wire_plan import WirePlan
 from megarl.weights.push import PushSpec, WeightPusher
 
 PROMPT = [1, 5, 9, 17, 33]
@@ -48,8 +49,9 @@ def main(hf: str, server: str, out: str) -> None:
     spec = EngineSpec(ModelConfig(hf_path=hf), ParallelConfig(tp=2), OptimConfig(lr=1e-3), MoEConfig(),
                       steps=4, micro_batch_tokens=256)
     engine = Engine.build(spec, ps)
-    pusher = WeightPusher(PushSpec(WeightSyncConfig(transport="distributed", tensor_format="megarl", bucket_mb=1, timeout_s=60.0,
-                                                    verify_interval=1), "/unused-run-dir"),
+    weights = WeightSyncConfig(transport="distributed", tensor_format="megarl", bucket_mb=1, timeout_s=60.0,
+                               verify_interval=1, pause_mode="abort")
+    pusher = WeightPusher(PushSpec(weights, "/unused-run-dir", WirePlan.decide(weights)),
                           engine, RolloutCluster([server], driver=ps.rank == 0, timeout_s=60.0))
     gap_before, _ = gap(engine, server, ps)
     pushed = pusher.push()

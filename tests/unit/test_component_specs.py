@@ -15,6 +15,7 @@ from megarl.weights.target import PushTarget
 from megarl.trainer.critic import CriticSpec
 from megarl.trainer.engine import EngineSpec
 from megarl.trainer.rollout_link import ManagerCluster
+from megarl.protocol.wire_plan import WirePlan
 from megarl.weights.push import PushSpec
 from megarl.weights.disk_delta import DiskDeltaTransport
 from megarl.weights.shard_push import ShardRefitTransport
@@ -55,18 +56,18 @@ def test_critic_spec_builds_its_engine_from_its_own_sections():
 
 
 def test_push_spec():
-    spec = PushSpec(WeightSyncConfig(bucket_mb=3), "/run")
-    assert (spec.weights.bucket_mb, spec.run_dir) == (3, "/run")
-    assert PushSpec.from_config(_cfg("train.run_dir=/r", "weights.bucket_mb=9", "rollout.max_staleness=1")) == PushSpec(
-        dataclasses.replace(WeightSyncConfig(), bucket_mb=9), "/r", asynchronous=True)
-    # weights.overlap applies to asynchronous, disaggregated runs whose buckets stream, without PEFT adapters
-    sync = PushSpec.from_config(_cfg("rollout.max_staleness=0"))
-    assert not sync.asynchronous and not sync.can_overlap
-    assert PushSpec.from_config(_cfg("rollout.max_staleness=1")).can_overlap
-    assert not PushSpec.from_config(_cfg("rollout.max_staleness=1", "weights.transport=disk")).can_overlap
-    assert not PushSpec.from_config(_cfg("rollout.max_staleness=1", "weights.refit=shard")).can_overlap
-    assert not PushSpec(WeightSyncConfig(tensor_format="sglang"), "/r", asynchronous=True, lora_rank=8).can_overlap
-    assert PushSpec(WeightSyncConfig(tensor_format="megarl"), "/r", asynchronous=True, lora_rank=8).can_overlap
+    wire = WirePlan(tensor_format="megarl", pause_mode="abort", verify_every=10, overlap=True)
+    spec = PushSpec(WeightSyncConfig(bucket_mb=3), "/run", wire)
+    assert (spec.weights.bucket_mb, spec.run_dir, spec.can_overlap, spec.streams_buckets) == (3, "/run", True, True)
+    resolved = ["weights.tensor_format=megarl", "weights.pause_mode=abort", "weights.verify_interval=10"]
+    assert PushSpec.from_config(_cfg("train.run_dir=/r", "weights.bucket_mb=9", "rollout.max_staleness=1",
+                                     *resolved)) == PushSpec(
+        dataclasses.replace(WeightSyncConfig(), bucket_mb=9, tensor_format="megarl", pause_mode="abort",
+                            verify_interval=10), "/r", wire)
+    # the spec's decisions are its wire plan's (tests/unit/test_wire_plan.py has the whole table)
+    assert not PushSpec.from_config(_cfg("rollout.max_staleness=0", *resolved)).can_overlap
+    with pytest.raises(ValueError, match="^weights.tensor_format: auto was not resolved"):
+        PushSpec.from_config(_cfg())
 
 
 @pytest.mark.parametrize("fields,cls", [
@@ -75,8 +76,9 @@ def test_push_spec():
     ({"transport": "distributed", "refit": "shard"}, ShardRefitTransport)])
 def test_push_spec_knows_whether_its_transport_streams(fields, cls):
     """The pusher decides delta pushes and stage sources' own admin links before it builds the
-    transport: the spec's answer is the class's the pusher then builds (`WeightPusher._connect`)."""
-    assert PushSpec(WeightSyncConfig(**fields), "/r").streams_buckets is cls.streams_buckets
+    transport: the plan's answer is the class's the pusher then builds (`WeightPusher._connect`)."""
+    w = WeightSyncConfig(tensor_format="megarl", pause_mode="abort", verify_interval=0, **fields)
+    assert PushSpec(w, "/r", WirePlan.decide(w)).streams_buckets is cls.streams_buckets
 
 
 def _members(proto) -> set[str]:
@@ -154,7 +156,8 @@ def test_rollout_specs_from_config_read_their_sections(tmp_path):
     cfg = _cfg("model.hf_path=/m", "data.tokenizer_path=/tok", "train.max_seq_len=300", "train.run_dir=/run",
                "train.global_batch_size=8", "rollout.group_size=2", "train.trigger_parameter_sync_step=3",
                "train.seed=9", "weights.timeout_s=77", "algo.dynamic_sampling=true", "logging.timeline=true",
-               "logging.dump_eval_generations=true", "weights.disk_dir=/d")
+               "logging.dump_eval_generations=true", "weights.disk_dir=/d", "weights.tensor_format=megarl",
+               "weights.pause_mode=retract", "weights.verify_interval=0")
     task = TaskSpec.from_config(cfg)
     assert task == TaskSpec(cfg.rollout, cfg.data, cfg.reward, "/tok", 300)
     assert TaskSpec.from_config(_cfg("model.hf_path=/m")).tokenizer_path == "/m"  # the model's tokenizer
@@ -167,6 +170,7 @@ def test_rollout_specs_from_config_read_their_sections(tmp_path):
     m = ManagerSpec.from_config(cfg)
     assert (m.model_path, m.run_dir, m.timeline, m.server_flags, m.weights.disk_dir) == ("/m", "/run", True, (), "/d")
     assert m.controller == c and m.eval == EvalSpec.from_config(cfg) and m.rollout is cfg.rollout
+    assert m.wire == WirePlan.of_config(cfg) and m.wire.pause_mode == "retract"  # no /run/wire.json: decided
 
 
 def test_manager_built_from_its_spec_without_a_config(tmp_path):

@@ -55,8 +55,10 @@ def test_each_feature_asks_its_engine_flags(overrides, engine, gpu, flags, moe):
 
 def test_the_local_servers_get_them(moe):
     from megarl.rollout.manager import ManagerSpec
+    from megarl.rollout.probe import check_wire
 
     cfg = load_config(DEMO, [f"model.hf_path={moe}", "moe.routing_replay=rollout", "lora.rank=8"])
+    check_wire(cfg)
     assert ManagerSpec.from_config(cfg).server_flags == tuple(ROUTES)  # megarl-server on this CPU machine
 
 

@@ -96,7 +96,9 @@ def test_the_rollout_manager_imports_no_torch(tmp_path):
     code = ("import sys\n"
             "from megarl.config import load_config\n"
             "from megarl.rollout.manager import ManagerSpec, RolloutManager\n"
+            "from megarl.rollout.probe import check_wire\n"
             f"cfg = load_config('configs/tiny_grpo.yaml', ['train.run_dir={tmp_path}/run'])\n"
+            "check_wire(cfg)\n"
             "RolloutManager(ManagerSpec.from_config(cfg)).close()\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))\n")
     assert _fresh(code) == "[]"

@@ -104,7 +104,7 @@ def test_merge_hf():
     assert torch.allclose(out["m.weight"], w + 0.5 * b @ a)
 
 
-def test_sglang_servers_get_lora_flags_and_requests_name_the_adapter():
+def test_sglang_servers_get_lora_flags_and_requests_name_the_adapter(tmp_path):
     """LoRA on SGLang (rollout.engine=sglang): the local servers start with SGLang's adapter
     support sized for the run, and the rollout client names the adapter the trainer's push loaded
     for the servers' current version in every /generate (megarl-server merges pushed adapters
@@ -112,13 +112,16 @@ def test_sglang_servers_get_lora_flags_and_requests_name_the_adapter():
     from megarl.config.server_wire import local_extensions, resolve_wire
     from megarl.rollout.client import RolloutClient
     from megarl.config.server_flags import feature_flags
-    from megarl.rollout.setup import ControllerSpec, sglang_lora
+    from megarl.protocol.wire_plan import WirePlan
+    from megarl.rollout.manager import ManagerSpec
     from megarl.rollout.sglang_local import server_args
 
-    cfg = load("lora.rank=4", "lora.target_modules=[linear_qkv,linear_fc2]", "rollout.engine=sglang", base=RL)
+    cfg = load("lora.rank=4", "lora.target_modules=[linear_qkv,linear_fc2]", "rollout.engine=sglang",
+               f"train.run_dir={tmp_path}/run", base=RL)
     cfg.weights = resolve_wire(cfg.weights, {"local": local_extensions("sglang")}, lora=cfg.lora.enabled)
     assert (cfg.weights.tensor_format, cfg.weights.pause_mode) == ("sglang", "abort")
-    assert sglang_lora(cfg) and ControllerSpec.from_config(cfg).lora_adapters
+    wire = WirePlan.of_config(cfg)
+    assert wire.peft and ManagerSpec.from_config(cfg).controller.lora_adapters
     flags = feature_flags(cfg, "sglang", gpu=False)
     assert flags == ["--enable-lora", "--max-lora-rank", "4", "--max-loras-per-batch", "2",
                      "--lora-target-modules", "down_proj", "k_proj", "q_proj", "v_proj"]
@@ -132,7 +135,7 @@ def test_sglang_servers_get_lora_flags_and_requests_name_the_adapter():
     assert client._options() == {"lora_path": "megarl-policy-v4"}
     assert RolloutClient(["http://127.0.0.1:9"])._options() == {}
 
-    megarl = load("lora.rank=4", base=RL)
+    megarl = load("lora.rank=4", f"train.run_dir={tmp_path}/run", base=RL)
     megarl.weights = resolve_wire(megarl.weights, {"local": local_extensions("megarl")}, lora=True)
-    assert not sglang_lora(megarl) and feature_flags(megarl, "megarl", gpu=True) == []
-    assert not ControllerSpec.from_config(megarl).lora_adapters
+    assert WirePlan.of_config(megarl).adapters == "merged" and feature_flags(megarl, "megarl", gpu=True) == []
+    assert not ManagerSpec.from_config(megarl).controller.lora_adapters

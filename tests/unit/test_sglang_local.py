@@ -76,6 +76,7 @@ def test_the_manager_starts_sglang_with_the_memory_saver_when_colocated(monkeypa
     server starts: `LocalServers` is replaced by a stand-in that only keeps the launcher."""
     from megarl.rollout import local
     from megarl.rollout.manager import ManagerSpec, RolloutManager
+    from megarl.rollout.probe import check_wire
 
     (tmp_path / "tokenizer.json").write_text("{}")  # what SGLangLauncher checks for
     cfg = load_config(RECIPE, ["rollout.engine=sglang", f"rollout.placement={placement}", "rollout.max_staleness=0",
@@ -99,6 +100,7 @@ def test_the_manager_starts_sglang_with_the_memory_saver_when_colocated(monkeypa
     monkeypatch.setattr(S, "SGLangLauncher", GPULauncher)
     monkeypatch.setattr(S, "cuda_available", lambda: True)  # the trainer sees the node's GPUs
     monkeypatch.setattr(local, "LocalServers", NoServers)
+    check_wire(cfg)  # as the manager does with a config not yet resolved
     manager = RolloutManager(ManagerSpec.from_config(cfg))
     try:
         manager.start_servers()
