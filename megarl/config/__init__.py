@@ -33,7 +33,7 @@ from megarl.config.model import CriticConfig, ModelConfig, OptimConfig, Parallel
 from megarl.config.rollout import (EnvConfig, RewardConfig, RewardModelConfig, RolloutConfig, TeacherConfig,
                                    WeightSyncConfig)
 from megarl.config.root import Config, check_world_size, validate_learning_signal
-from megarl.config.train import CheckpointConfig, DataConfig, LoggingConfig, TrainConfig
+from megarl.config.train import CheckpointConfig, DataConfig, LoggingConfig, TrainConfig, packs_sequences
 from megarl.common.errors import ConfigError
 
 __all__ = [
@@ -43,5 +43,5 @@ __all__ = [
     "RolloutConfig", "TeacherConfig", "EnvConfig", "TrainConfig", "WeightSyncConfig", "apply_overrides",
     "check_outputs",
     "check_world_size", "from_dict", "load_config", "parse_value", "read_yaml", "recipe_keys",
-    "resolve_outputs", "save_config", "validate_learning_signal",
+    "packs_sequences", "resolve_outputs", "save_config", "validate_learning_signal",
 ]

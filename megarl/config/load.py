@@ -262,8 +262,8 @@ def _coerce(tp, value, name):
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None or (value == "auto" and args[0] is int):
-            return None  # an optional count's "auto" is its unset value: derived by the code
+        if value is None or (value == "auto" and args[0] in (int, bool)):
+            return None  # an optional count's or switch's "auto" is its unset value: derived by the code
         return _coerce(args[0], value, name)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):

@@ -69,7 +69,7 @@ class Config:
                               f"(parallel.pp={self.parallel.pp}); use weights.refit=gather")
         if self.lora.enabled:
             validate_lora(self)
-        if self.train.pack_sequences and self.model.attention == "unfused" and self.model.spec != "te":
+        if self.train.pack_sequences is True and self.model.attention == "unfused" and self.model.spec != "te":
             raise ConfigError("train.pack_sequences: megatron-core's unfused attention takes no packed "
                               "sequences; use model.attention=sdpa")
         validate_parallel(self)
@@ -106,11 +106,11 @@ def validate_parallel(cfg: Config) -> None:
         if cfg.parallel.pp < 2:
             raise ConfigError(f"parallel.vpp: the interleaved schedule splits pipeline stages; needs "
                               f"parallel.pp >= 2, got pp={cfg.parallel.pp}")
-        if not cfg.train.pack_sequences:
+        if cfg.train.pack_sequences is False or cfg.model.attention == "unfused" and cfg.model.spec != "te":
             # megarl.models.builder.transformer_config: why one activation shape per step
             raise ConfigError("parallel.vpp: the interleaved schedule needs micro-batches of one shape per "
-                              "step (megatron-core 0.16.1 mixes up messages of different shapes at PP=2); "
-                              "set train.pack_sequences=true")
+                              "step (megatron-core 0.16.1 mixes up messages of different shapes at PP=2): "
+                              "packed sequences, train.pack_sequences auto or true with model.attention sdpa")
     if cfg.parallel.cp > 1:
         if cfg.train.micro_batch_tokens % 2:
             raise ConfigError(f"train.micro_batch_tokens: {cfg.train.micro_batch_tokens} is odd; with "

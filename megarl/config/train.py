@@ -24,11 +24,14 @@ class TrainConfig:
     """Token budget of one micro-batch on one rank: padded length x sequences, or the real tokens
     with train.pack_sequences. With parallel.cp > 1 a rank holds 1/cp of every sequence, so a
     micro-batch holds up to micro_batch_tokens x cp tokens of sequences."""
-    pack_sequences: bool = False
+    pack_sequences: Optional[bool] = None
     """Feed each micro-batch's sequences to the model packed end to end (THD, positions restarting
     per sequence) instead of padded to its longest: linear layers, norms and the head run on real
-    tokens only (megarl/trainer/packing.py). Needs model.attention sdpa (or the TE spec); not
-    with MoE models."""
+    tokens only, with the padded path's logprobs, loss and gradients within float rounding
+    (megarl/trainer/packing.py, tests/dist/test_packed_sequences.py). auto (or unset): packed
+    wherever that is exact - dense models with model.attention sdpa or the TE spec - and padded
+    for MoE models (the routers' padding mask and routing replay are per padded row) and
+    megatron-core's unfused attention. true needs such a model; false always pads."""
     max_seq_len: int = bounded(512, ge=2)
     """Longest sequence (prompt + response) in tokens; longer SFT samples are truncated."""
     run_dir: str = "runs/default"
@@ -289,3 +292,13 @@ class LoggingConfig:
 
     def validate(self) -> None:
         _check(self, "logging")
+
+
+def packs_sequences(pack: Optional[bool], model, num_experts: int) -> bool:
+    """``train.pack_sequences`` (``pack``) resolved for a model with ``num_experts`` experts (0:
+    dense) and the model section ``model``: auto packs where packing is exact (dense, attention
+    that takes THD sequences: sdpa or the TE spec), pads otherwise; true and false are kept (the
+    config and the engine refuse true where it is not exact)."""
+    if pack is not None:
+        return pack
+    return not num_experts and (model.attention != "unfused" or model.spec == "te")

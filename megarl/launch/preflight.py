@@ -41,7 +41,7 @@ import dataclasses
 import os
 import uuid
 
-from megarl.config import Config
+from megarl.config import Config, packs_sequences
 from megarl.common.errors import ConfigError, ToolError
 from megarl.models.checks import check_against_model
 from megarl.rollout.probe import check_servers, check_wire  # noqa: F401 - check_servers: re-exported
@@ -174,7 +174,10 @@ def check_features(cfg: Config, args) -> None:
     if cfg.train.pack_sequences and args.num_experts:
         raise ConfigError(f"train.pack_sequences: not supported for MoE models ({cfg.model.hf_path} has "
                           f"{args.num_experts} experts: the routers' padding mask and routing replay are "
-                          "per padded row); set it to false")
+                          "per padded row); set it to auto or false")
+    if cfg.parallel.vpp is not None and not packs_sequences(cfg.train.pack_sequences, cfg.model, args.num_experts):
+        raise ConfigError(f"parallel.vpp: the interleaved schedule needs packed sequences, which MoE models "
+                          f"do not run ({cfg.model.hf_path} has {args.num_experts} experts); unset parallel.vpp")
     if cfg.parallel.cp > 1:  # the builder's own refusal, before any rank starts
         from megarl.models.builder import cp_refusal
 

@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.algo.stats import Stat
-from megarl.config import Config, ConfigError, LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
+from megarl.config import (Config, ConfigError, LoRAConfig, ModelConfig, OptimConfig, ParallelConfig,
+                           packs_sequences)
 from megarl.mcore.optimizer import step_unless_nonfinite
 from megarl.trainer.metrics import StatsTracker
 from megarl.models import builder, hf_io
@@ -70,7 +71,8 @@ class EngineSpec:
     micro_batch_tokens: int  # train.micro_batch_tokens: the token budget of one micro-batch
     tokenizer_path: str = ""  # data.tokenizer_path: copied next to an HF export (else model.hf_path's)
     lora: Optional[LoRAConfig] = None  # lora section: adapters on a frozen base (trainable engines)
-    pack_sequences: bool = False  # train.pack_sequences: micro-batches fed packed (THD), not padded
+    # train.pack_sequences: micro-batches fed packed (THD), not padded; None = auto (`packs_sequences`)
+    pack_sequences: Optional[bool] = None
     # rollout.temperature in RL (1 in SFT): every logprob, entropy and loss is of softmax(logits / T),
     # the distribution the samples were drawn from and the one SGLang and megarl-server report
     temperature: float = 1.0
@@ -127,7 +129,10 @@ class Engine:
         if spec.pack_sequences and args.num_experts:
             raise ConfigError(f"train.pack_sequences: not supported for MoE models ({spec.model.hf_path} has "
                               f"{args.num_experts} experts: the routers' padding mask and routing replay are "
-                              "per padded row); set it to false")
+                              "per padded row); set it to auto or false")
+        # auto resolved once: self.spec.pack_sequences is what every step does
+        spec = dataclasses.replace(spec, pack_sequences=packs_sequences(spec.pack_sequences, spec.model,
+                                                                        args.num_experts))
         use_te = builder.resolve_spec(spec.model.spec)
         tconfig = builder.transformer_config(
             args, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, first_stage_layers=spec.parallel.first_stage_layers,

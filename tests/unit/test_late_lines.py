@@ -19,6 +19,8 @@ TINY, MOE = f"{REPO}/examples/tiny/model", f"{REPO}/examples/tiny_moe/model"
     (["lora.rank=1000000000"], "lora.rank: 1000000000 is above the model's hidden size 128 "),
     (["lora.rank=9223372036854775808"], "lora.rank: 9223372036854775808 is above the model's hidden size 128 "),
     ([f"model.hf_path={MOE}", "train.pack_sequences=true"], "train.pack_sequences: not supported for MoE models "),
+    ([f"model.hf_path={MOE}", "parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=16"],
+     "parallel.vpp: the interleaved schedule needs packed sequences, which MoE models do not run "),
     ([f"model.hf_path={MOE}", "parallel.cp=2"], "parallel.cp: context parallelism is not supported for MoE models "
                                                 "(Qwen3MoeForCausalLM has "),
     ([f"model.hf_path={MOE}", "lora.rank=8"],
