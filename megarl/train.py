@@ -81,7 +81,7 @@ def train(cfg, stop: StopRequest) -> int:
     from megarl.trainer import parallel
 
     compat.quiet_megatron_warnings()
-    if cfg.train.torch_threads:
+    if cfg.train.torch_threads:  # auto (None): the RL loop's split (megarl.trainer.threads)
         import torch
         torch.set_num_threads(cfg.train.torch_threads)
     from megarl.checkpoint import CheckpointManager
@@ -89,9 +89,14 @@ def train(cfg, stop: StopRequest) -> int:
     from megarl.trainer.metrics import MetricsLogger
     from megarl.trainer.engine import Engine, EngineSpec
     from megarl.trainer.rollout_link import RolloutSide
+    from megarl.trainer.threads import ThreadSplit
 
     ranks = parallel.discover_ranks()
     check_world_size(cfg, ranks.world_size)
+    threads = ThreadSplit.for_run(cfg, ranks.rank, ranks.world_size)
+    if threads is not None:  # train.torch_threads auto: the rank's own share until an update borrows
+        import torch
+        torch.set_num_threads(threads.own)
     side = RolloutSide(cfg) if cfg.train.is_rl else None
     if ranks.rank == 0:
         save_config(cfg, cfg.train.run_dir)  # the manager reads it
@@ -119,7 +124,7 @@ def train(cfg, stop: StopRequest) -> int:
                            console_interval=cfg.logging.log_interval)
     if cfg.train.is_rl:
         from megarl.trainer.rl import run_rl
-        run_rl(cfg, ps, engine, logger, ckpt, stop=stop, side=side)
+        run_rl(cfg, ps, engine, logger, ckpt, stop=stop, side=side, threads=threads)
     else:
         run_sft(cfg, ps, engine, logger, ckpt, stop)
     ckpt.close()  # a checkpoint still being written in the background (checkpoint.async_save) is committed

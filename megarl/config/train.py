@@ -38,9 +38,13 @@ class TrainConfig:
     """Directory for the resolved config, metrics.jsonl and checkpoints by default."""
     seed: int = bounded(1234, ge=0)
     """Data-order seed (also seeds the PPO mini-batch shuffle)."""
-    torch_threads: int = bounded(0, ge=0)
-    """torch intra-op threads of each trainer rank; 0 = torch's default (OMP_NUM_THREADS, else
-    one per core, which oversubscribes the cores a local rollout server also uses)."""
+    torch_threads: Optional[int] = bounded(None, ge=0)
+    """torch intra-op threads of each trainer rank: N fixed; 0 = torch's default (OMP_NUM_THREADS,
+    else one per core, which oversubscribes the cores a local rollout server also uses); auto (or
+    unset): the rank's share of the cores its node's local rollout servers leave, and - one
+    trainer rank with local servers - the servers' cores too for each update while they are idle
+    at least half of the recent steps (megarl/trainer/threads.py; metrics trainer/update_threads
+    and trainer/servers_idle, and a line with the reason at each change)."""
     ppo_epochs: int = bounded(1, ge=1)
     """RL: passes over each step's trajectories (one optimizer step per mini-batch per pass)."""
     ppo_mini_batch_size: int = bounded(0, ge=0)

@@ -60,6 +60,7 @@ from megarl.trainer.handoff import ReceivedStep
 from megarl.trainer.rollout_link import ManagerCluster, ManagerState, RolloutSide
 from megarl.trainer.rollout_stats import StepTimer, batch_metrics, dump_generations
 from megarl.weights.flight import FLIGHT_THREAD
+from megarl.trainer.threads import ThreadSplit
 from megarl.weights.push import PushSpec, WeightPusher
 
 
@@ -116,6 +117,7 @@ class StepRunner:
     trained_version: int = 0  # the policy version the last step started from
     updates_since_push: int = 0  # optimizer updates the servers' weights lag behind the trainer's
     pushed_weights: bool = True  # the last step started from exactly the weights the servers hold
+    threads: Optional[ThreadSplit] = None  # train.torch_threads auto: the update's threads, per step
 
     def check_gates(self, metrics: dict, step: int) -> None:
         """train.mismatch_gate on a logged step (every rank holds the same reduced metrics). Only
@@ -166,7 +168,13 @@ class StepRunner:
         # the version the batch's step starts from; the push after it makes version + 1
         self.trained_version = self.cluster.version
         with self.timer.phase("update"):
-            metrics = train_step(self.actor, self.critic, batch, self.cluster.version)
+            if self.threads is not None:
+                self.threads.before_update()
+            try:
+                metrics = train_step(self.actor, self.critic, batch, self.cluster.version)
+            finally:
+                if self.threads is not None:
+                    self.threads.after_update()
             # the rollout side lives in the manager process: nothing else runs Python here but an
             # overlapped push's flight (weights.overlap), counted apart
             flights = sum(t.name.startswith(FLIGHT_THREAD) for t in threading.enumerate())
@@ -243,6 +251,9 @@ class StepRunner:
         metrics.update(stats)
         metrics.update(self.timer.finish(
             metrics, stats.get("rollout/busy_s"), stats.get("rollout/tokens"), trained_tokens=received.tokens))
+        if self.threads is not None:
+            metrics.update(self.threads.observe(metrics.get("rollout_idle_ratio"), metrics.get("time/update"),
+                                                received.tokens))
 
 
 def eval_intervals(cfg) -> list[int]:
@@ -265,7 +276,8 @@ def connect_rollout_side(cfg, ps, ckpt, side: RolloutSide) -> tuple[int, Manager
     return start, cluster
 
 
-def run_rl(cfg, ps, engine, logger, ckpt, stop=None, side: Optional[RolloutSide] = None) -> None:
+def run_rl(cfg, ps, engine, logger, ckpt, stop=None, side: Optional[RolloutSide] = None,
+           threads: Optional[ThreadSplit] = None) -> None:
     r, t = cfg.rollout, cfg.train
     with contextlib.ExitStack() as stack:
         if side is None:  # train.py starts it before the engine build; tests may not
@@ -295,7 +307,7 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None, side: Optional[RolloutSide]
             side.submit_eval(0, cluster.version)
             first = side.poll_eval(wait=True, timeout_s=t.stall_timeout_s)
             logger.log({**first, "policy_version": cluster.version}, 0)
-        runner = StepRunner(cfg, ps, cluster, side, actor, critic, pusher, StepTimer(timeline))
+        runner = StepRunner(cfg, ps, cluster, side, actor, critic, pusher, StepTimer(timeline), threads=threads)
         step = start
         for step in progress(range(start + 1, t.steps + 1), desc="grpo", total=t.steps - start):
             last = step == t.steps

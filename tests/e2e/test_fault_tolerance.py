@@ -136,6 +136,7 @@ def test_server_killed_mid_push_rejoins_and_hung_server_is_dropped(tmp_path):
     # bounded: pause deadline + health check + group teardown + the re-push, never a hang; an
     # overlapped push's recovery may also wait out one receive timeout of a server caught in the
     # failed transfer and tear the groups down again before it re-pushes (the trainer waits for
-    # it where the flight lands)
-    assert max(r["time/push"] for r in after) < 6 * 5
+    # it where the flight lands): ~5 deadlines and the groups' set-up; 8 x 5 s leaves room for a
+    # loaded machine (34.8 s measured beside a benchmark), and a hang (300 s default) fails it
+    assert max(r["time/push"] for r in after) < 8 * 5
     assert_every_draw_trained_once(run, 120, 8)
