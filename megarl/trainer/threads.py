@@ -8,8 +8,9 @@ for the next version (``rollout_idle_ratio``), while the trainer's update is wha
 for. `ThreadSplit` decides, before each update, from what the last steps measured: below
 ``BORROW_AT`` servers' idle share (smoothed) the update runs on its own share (generation is the
 bottleneck, or close to it: the servers keep their cores); at or above it, on the thread count
-whose update cost the least per trained token - both counts are measured, alternating, in the
-first steps of every ``RETRY_EVERY`` (a small model's operations can be too small to split: the
+measured cheaper per trained token - both counts alternate in the first ``TRIALS`` steps of
+every ``RETRY_EVERY`` and their medians decide, the servers' cores borrowed only when that makes
+the update at least 10% cheaper (a small model's operations can be too small to split: the
 demo's update is slower on two threads than on one). Every other phase (waiting, pushing,
 evaluating) runs on the trainer's own share.
 
@@ -21,12 +22,14 @@ smoothed share the decision read), and a change of decision is printed with its 
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
 BORROW_AT = 0.5  # the servers idle at least half of the recent steps: their cores go to the update
-SMOOTHING = 0.3  # weight of the newest step in the smoothed shares and costs
-TRIALS, RETRY_EVERY = 6, 100  # the first 6 steps of every 100 alternate the two counts
+SMOOTHING = 0.3  # weight of the newest step in the servers' smoothed idle share
+TRIALS, RETRY_EVERY = 8, 100  # the first 8 steps of every 100 (servers idle) alternate the two counts
+MARGIN = 0.9  # borrowing must make the update at least 10% cheaper: contention costs the servers too
 
 
 def node_cores() -> int:
@@ -54,7 +57,10 @@ class ThreadSplit:
     update_threads: int = 0
     reason: str = ""
     steps: int = 0
-    cost: dict = field(default_factory=dict)  # threads -> smoothed update seconds per trained token
+    choice: int = 0  # the count the last trials chose for idle servers (0: none yet)
+    cost: dict = field(default_factory=dict)  # threads -> median update seconds per trained token, last trials
+    trials: dict = field(default_factory=dict)  # threads -> this trial window's costs
+    _trying: bool = False
 
     @classmethod
     def for_run(cls, cfg, rank: int, world_size: int, env=None) -> Optional["ThreadSplit"]:
@@ -82,6 +88,7 @@ class ThreadSplit:
         return n
 
     def _decide(self) -> tuple[int, str]:
+        self._trying = False
         if not self.borrow:
             return self.own, "a fixed split (no local servers, or more than one trainer rank)"
         if self.idle is None or self.idle < BORROW_AT:
@@ -90,11 +97,13 @@ class ThreadSplit:
         more = self.own + self.borrow
         idle = f"the local servers were idle {self.idle:.0%} of the recent steps"
         if self.steps % RETRY_EVERY < TRIALS:  # (re)measure both counts now and then
+            self._trying = True
             n = (self.own, more)[self.steps % 2]
             return n, f"{idle}; measuring the update at {n} thread(s)"
-        fast = min((self.own, more), key=lambda k: self.cost.get(k, 0.0))
-        ms = ", ".join(f"{k}: {1e6 * self.cost[k]:.1f} us" for k in (self.own, more) if k in self.cost)
-        return fast, f"{idle}; the update per trained token at {ms}"
+        if not self.cost:
+            return self.own, f"{idle}; not measured at both counts yet"
+        ms = ", ".join(f"{k}: {1e6 * v:.1f} us" for k, v in sorted(self.cost.items()))
+        return self.choice, f"{idle}; the update per trained token (median of the last trials) at {ms}"
 
     def after_update(self) -> None:
         """The other phases on the trainer's own share."""
@@ -109,10 +118,13 @@ class ThreadSplit:
         if rollout_idle is not None:
             self.idle = rollout_idle if self.idle is None else (
                 SMOOTHING * rollout_idle + (1 - SMOOTHING) * self.idle)
-        if update_s is not None and tokens > 0 and self.update_threads:
-            per = update_s / tokens
-            old = self.cost.get(self.update_threads)
-            self.cost[self.update_threads] = per if old is None else SMOOTHING * per + (1 - SMOOTHING) * old
+        if self._trying and update_s is not None and tokens > 0:
+            self.trials.setdefault(self.update_threads, []).append(update_s / tokens)
+            if self.steps % RETRY_EVERY == TRIALS - 1:  # the window's last trial: its medians decide
+                self.cost = {k: statistics.median(v) for k, v in self.trials.items()}
+                more = self.own + self.borrow
+                cheaper = self.cost.get(more, float("inf")) < MARGIN * self.cost.get(self.own, 0.0)
+                self.choice, self.trials = (more if cheaper else self.own), {}
         self.steps += 1
         out = {"trainer/update_threads": self.update_threads}
         if self.idle is not None:
