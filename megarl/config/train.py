@@ -43,8 +43,9 @@ class TrainConfig:
     else one per core, which oversubscribes the cores a local rollout server also uses); auto (or
     unset): the rank's share of the cores its node's local rollout servers leave, and - one
     trainer rank with local servers - the servers' cores too for each update while they are idle
-    at least half of the recent steps (megarl/trainer/threads.py; metrics trainer/update_threads
-    and trainer/servers_idle, and a line with the reason at each change)."""
+    at least half of the recent steps and trial steps show the update at least 10% cheaper so
+    (megarl/trainer/threads.py; metrics trainer/update_threads and trainer/servers_idle, and a
+    line with the reason at each change)."""
     ppo_epochs: int = bounded(1, ge=1)
     """RL: passes over each step's trajectories (one optimizer step per mini-batch per pass)."""
     ppo_mini_batch_size: int = bounded(0, ge=0)

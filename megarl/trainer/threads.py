@@ -2,7 +2,7 @@
 (``train.torch_threads: auto``).
 
 A trainer rank owns its share of the cores the servers leave: ``(cores - server threads) /
-ranks on the node``, at least one. Its update may borrow the servers' cores when they are idle:
+ranks on the node``, at least one, at most ``OMP_NUM_THREADS`` when that is set. Its update may borrow the servers' cores when they are idle:
 asynchronous generation of short answers finishes early in the step and the server then waits
 for the next version (``rollout_idle_ratio``), while the trainer's update is what the step waits
 for. `ThreadSplit` decides, before each update, from what the last steps measured: below
@@ -69,11 +69,13 @@ class ThreadSplit:
         launcher's first ``ranks_on_node`` ranks)."""
         if cfg.train.torch_threads is not None:
             return None
-        r = cfg.rollout
-        local_ranks = ranks_on_node(world_size, os.environ if env is None else env)
+        r, env = cfg.rollout, os.environ if env is None else env
+        local_ranks = ranks_on_node(world_size, env)
         local = cfg.train.is_rl and not r.servers and r.placement == "disaggregated" and rank < local_ranks
         servers = r.local_servers * r.server_threads if local else 0
         own = max(1, (node_cores() - servers) // local_ranks)
+        if env.get("OMP_NUM_THREADS", "").isdigit():  # the launcher's (torchrun: 1) or the user's cap
+            own = max(1, min(own, int(env["OMP_NUM_THREADS"])))
         return cls(own, servers if world_size == 1 else 0)
 
     def before_update(self) -> int:

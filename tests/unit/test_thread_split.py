@@ -31,6 +31,7 @@ def keep_threads():
     ([], 0, 2, {"LOCAL_WORLD_SIZE": "2"}, (1, 0)),  # two ranks beside the server: fixed
     ([], 2, 4, {"LOCAL_WORLD_SIZE": "2"}, (2, 0)),  # a rank of the second node: no server there
     (["train.algorithm=sft"], 0, 1, {}, (4, 0)),
+    ([], 0, 1, {"OMP_NUM_THREADS": "2"}, (2, 1)),  # the launcher's or the user's cap on its own share
 ])
 def test_a_rank_owns_what_the_local_servers_leave(four_cores, overrides, rank, world, env, want):
     cfg = load_config(DEMO, ["train.torch_threads=auto", *overrides], validate=False)
