@@ -43,6 +43,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_vs_trl import greedy_accuracy, plot, time_to, write_char_tokenizer  # noqa: E402
 from megarl.rewards import arith_exact_match  # noqa: E402
 from rl_runs import run_train  # noqa: E402
 
@@ -76,20 +77,8 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 
 
 def make_tokenizer(model_dir: str) -> None:
-    """A char-level tokenizer.json (one token per character) that megarl's loader and
-    transformers' fast tokenizer both read; BOS prepended, EOS = </s>."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(CHARS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.save(os.path.join(model_dir, "tokenizer.json"))
-    with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                   "pad_token": "</s>", "unk_token": "<unk>", "model_max_length": 192}, f, indent=1)
+    """The task's char-level tokenizer: <unk> <s> </s>, then the digits and ':' ',' '='."""
+    write_char_tokenizer(model_dir, {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(CHARS)}}, 192)
 
 
 def check_tokenizers(model_dir: str, rows: list[dict]) -> None:
@@ -107,21 +96,6 @@ def check_tokenizers(model_dir: str, rows: list[dict]) -> None:
 
 
 # ----------------------------------------------------------------------------- warm start
-def greedy_accuracy(model, tok, rows: list[dict], max_new_tokens: int = MAX_NEW) -> float:
-    """Exact-match accuracy of greedy completions (the reward megarl's evaluation uses)."""
-    import torch
-
-    was_training = model.training
-    model.eval()
-    enc = tok([r["prompt"] for r in rows], return_tensors="pt", padding=True, padding_side="left")
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    model.train(was_training)
-    return sum(arith_exact_match(r["prompt"], t, r) for r, t in zip(rows, texts)) / len(rows)
-
-
 def forced_accuracy(model, batch) -> float:
     """Greedy exact match without decoding: a greedy completion is the answer (then EOS) exactly
     when the argmax at every answer position, fed the answer so far, is the answer's next token."""
@@ -200,7 +174,7 @@ def warm_start(out: str, target: float, seed: int) -> dict:
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
         if step > 20000:
             raise SystemExit(f"warm start: held-out accuracy {acc:.3f} < {target} after {step} steps")
-    greedy = greedy_accuracy(model, tok, eval_rows)  # the same, decoded: what both sides evaluate
+    greedy = greedy_accuracy(model, tok, eval_rows, MAX_NEW)  # the same, decoded: what both sides evaluate
     print(f"[warm] greedy held-out accuracy {greedy:.3f} (teacher-forced {acc:.3f})", flush=True)
     model.save_pretrained(model_dir, safe_serialization=True)
     return {"params": params, "steps": step, "accuracy": greedy, "seconds": time.perf_counter() - t0}
@@ -297,7 +271,7 @@ def run_trl(args, model_dir: str, data: str) -> dict:
 
         def evaluate(self, step: int) -> None:
             t = time.perf_counter()
-            acc = greedy_accuracy(model, tok, held_out)
+            acc = greedy_accuracy(model, tok, held_out, MAX_NEW)
             self.eval_s += time.perf_counter() - t
             train_s = (time.perf_counter() - self.t0 - self.eval_s) if step else 0.0
             log["evals"].append({"step": step, "accuracy": acc, "train_s": train_s})
@@ -332,38 +306,6 @@ def run_trl(args, model_dir: str, data: str) -> dict:
     return {"name": "trl", "evals": log["evals"], "train_s": train_s, "steps": len(log["steps"]),
             "step_s": statistics.median(log["steps"]), "tokens": log["tokens"],
             "tokens_per_s": log["tokens"] / max(sum(log["steps"]), 1e-9)}
-
-
-def time_to(evals: list[dict], threshold: float):
-    hit = next((e for e in evals if e["step"] and e["accuracy"] >= threshold), None)
-    return (hit["train_s"], hit["step"]) if hit else None
-
-
-def plot(results: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[bench_tail] matplotlib not installed: no PNG")
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name in ("megarl", "trl"):
-        if name in results:
-            ev = results[name]["evals"]
-            for ax, x in zip(axes, ("train_s", "step")):
-                ax.plot([e[x] for e in ev], [e["accuracy"] for e in ev], marker=".", label=name)
-    for ax, label in zip(axes, ("training seconds (evaluation excluded)", "step")):
-        ax.set_xlabel(label)
-        ax.set_ylabel("held-out greedy accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"heavy-tailed countdown (answers 4-128 tokens), {results['warm']['params'] / 1e6:.2f}M-parameter "
-                 "Llama, 8 x 8 GRPO")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
             results["time_to"][str(t)] = row
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump(results, f, indent=1)
-    plot(results, os.path.join(args.out, "curves.png"))
+    plot(results, os.path.join(args.out, "curves.png"),
+         f"heavy-tailed countdown (answers 4-128 tokens), {warm['params'] / 1e6:.2f}M-parameter Llama, 8 x 8 GRPO")
     return 0
 
 

@@ -54,25 +54,32 @@ THRESHOLDS = (0.5, 0.6, 0.7, 0.8)
 def make_assets(out: str, src_model: str) -> str:
     """OUT/assets/model: the demo weights + config, and a tokenizer.json with the sentencepiece ids."""
     import sentencepiece as spm
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     model_dir = os.path.join(out, "assets", "model")
     os.makedirs(model_dir, exist_ok=True)
     for name in ("config.json", "model.safetensors"):
         shutil.copyfile(os.path.join(src_model, name), os.path.join(model_dir, name))
     sp = spm.SentencePieceProcessor(model_file=os.path.join(src_model, "tokenizer.model"))
-    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    write_char_tokenizer(model_dir, {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}, 64)
+    check_tokenizers(model_dir, sp)
+    return model_dir
+
+
+def write_char_tokenizer(model_dir: str, vocab: dict[str, int], max_length: int) -> None:
+    """A char-level ``tokenizer.json`` (one token per character, ``vocab``: piece -> id with
+    <unk> <s> </s>) that megarl's loader and transformers' fast tokenizer both read; BOS
+    prepended, EOS = </s>, padding with EOS."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per char
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
     tok.save(os.path.join(model_dir, "tokenizer.json"))
     with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                   "pad_token": "</s>", "unk_token": "<unk>", "model_max_length": 64}, f, indent=1)
-    check_tokenizers(model_dir, sp)
-    return model_dir
+                   "pad_token": "</s>", "unk_token": "<unk>", "model_max_length": max_length}, f, indent=1)
 
 
 def check_tokenizers(model_dir: str, sp) -> None:
@@ -102,13 +109,14 @@ def greedy_accuracy(model, tok, rows: list[dict], max_new_tokens: int = 8) -> fl
     """Exact-match accuracy of greedy completions (the same reward as megarl's evaluation)."""
     import torch
 
+    was_training = model.training
     model.eval()
     enc = tok([r["prompt"] for r in rows], return_tensors="pt", padding=True, padding_side="left")
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    model.train()
+    model.train(was_training)
     return sum(arith_exact_match(r["prompt"], t, r) for r, t in zip(rows, texts)) / len(rows)
 
 
@@ -221,7 +229,7 @@ def time_to(evals: list[dict], threshold: float):
     return (hit["train_s"], hit["step"]) if hit else None
 
 
-def plot(results: dict, out: str) -> None:
+def plot(results: dict, out: str, title: str = "") -> None:
     """Held-out accuracy vs training seconds and vs step, both sides (OUT/curves.png)."""
     try:
         import matplotlib
@@ -242,6 +250,8 @@ def plot(results: dict, out: str) -> None:
         ax.set_ylabel("held-out greedy accuracy")
         ax.grid(alpha=0.3)
         ax.legend()
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)
