@@ -14,9 +14,9 @@ the update at least 10% cheaper (a small model's operations can be too small to 
 demo's update is slower on two threads than on one). Every other phase (waiting, pushing,
 evaluating) runs on the trainer's own share.
 
-Borrowing applies to a single trainer rank (it alone reads the servers' idle share, and a rank
-decided apart from the others would make the data-parallel ranks unequal); with more ranks the
-split is fixed. Every step reports ``trainer/update_threads`` and ``trainer/servers_idle`` (the
+Borrowing applies to a single trainer rank on CPU (it alone reads the servers' idle share, a rank
+deciding apart from the others would make the data-parallel ranks unequal, and a GPU's update does
+not wait for CPU threads); otherwise the split is fixed. Every step reports ``trainer/update_threads`` and ``trainer/servers_idle`` (the
 smoothed share the decision read), and a change of decision is printed with its reason.
 """
 from __future__ import annotations
@@ -25,6 +25,8 @@ import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Optional
+
+from megarl.common import compat
 
 BORROW_AT = 0.5  # the servers idle at least half of the recent steps: their cores go to the update
 SMOOTHING = 0.3  # weight of the newest step in the servers' smoothed idle share
@@ -76,7 +78,8 @@ class ThreadSplit:
         own = max(1, (node_cores() - servers) // local_ranks)
         if env.get("OMP_NUM_THREADS", "").isdigit():  # the launcher's (torchrun: 1) or the user's cap
             own = max(1, min(own, int(env["OMP_NUM_THREADS"])))
-        return cls(own, servers if world_size == 1 else 0)
+        # the update runs on the CPU only without CUDA: on GPU its threads are not what it waits for
+        return cls(own, servers if world_size == 1 and not compat.HAVE_CUDA else 0)
 
     def before_update(self) -> int:
         """The update's threads (set here), from what the last steps measured."""
