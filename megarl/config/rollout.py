@@ -434,12 +434,3 @@ class WeightSyncConfig:
         if self.disk_delta != "off" and self.tensor_format == "sglang":
             raise ConfigError("weights.disk_delta: real SGLang (weights.tensor_format=sglang) reads only HF "
                               "checkpoints; set it to off")
-
-    @property
-    def verify_every(self) -> int:
-        """Pushes between checksum checks (0 = off), once `megarl.config.server_wire.resolve_wire`
-        resolved auto against the servers (or the config set it)."""
-        if self.verify_interval is None:
-            raise ConfigError("weights.verify_interval: auto is resolved against the servers "
-                              "(megarl.config.server_wire.resolve_wire, run by megarl-train's preflight)")
-        return self.verify_interval

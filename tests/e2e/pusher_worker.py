@@ -54,7 +54,7 @@ def main():
         pusher = WeightPusher(PushSpec.from_config(cfg), engine, cluster)
         metrics = pusher.push()
         # checksums of what was sent (disk: gathered again) against the server's /weights_checksum
-        checked = pusher.verify() if cfg.weights.verify_every else None
+        checked = pusher.verify() if cfg.weights.verify_interval else None
         pusher.close()
         cluster.close()
         res = post(server + "/generate", key, {"input_ids": PROMPT, "return_logprob": True, "sampling_params": {

@@ -105,11 +105,14 @@ def test_verify_push_warns_or_fails(capsys):
 
 def test_verify_config(hf):
     """verify_interval auto is resolved against the servers (tests/unit/test_server_wire.py);
-    explicit values stand, and a count read before resolution is refused, not guessed."""
-    assert load(hf, "weights.verify_interval=0").weights.verify_every == 0
-    assert load(hf, "weights.verify_interval=3").weights.verify_every == 3
+    explicit values stand, and the wire plan refuses a count not resolved yet, not guessed."""
+    from megarl.protocol.wire_plan import WirePlan
+
+    resolved = ["weights.tensor_format=megarl", "weights.pause_mode=abort"]
+    assert WirePlan.decide(load(hf, "weights.verify_interval=0", *resolved).weights).verify_every == 0
+    assert WirePlan.decide(load(hf, "weights.verify_interval=3", *resolved).weights).verify_every == 3
     assert load(hf, "weights.verify_interval=auto").weights.verify_interval is None
-    with pytest.raises(ConfigError, match="weights.verify_interval: auto is resolved against the servers"):
-        load(hf).weights.verify_every
+    with pytest.raises(ValueError, match="weights.verify_interval: auto was not resolved against the servers"):
+        WirePlan.decide(load(hf, *resolved).weights)
     with pytest.raises(ConfigError, match="weights.verify_mode"):
         load(hf, "weights.verify_mode=ignore")
