@@ -44,16 +44,16 @@ class WeightPusher:
         # LoRA on megarl-server: the servers hold these base weights merged with the pushed
         # adapters (W0 + s B A), so their checksums are checked through the adapters' and the
         # scale's, not against W0
-        merged = frozenset() if lora is None or spec.peft else merged_weight_names(engine.args, lora)
+        merged = frozenset() if lora is None or wire.peft else merged_weight_names(engine.args, lora)
         self.checksums = Checksums(wire.verify_every, merged)
         # weights.delta: only a trainable engine's frozen rows are known not to change (a
         # forward-only engine has no optimizer to tell: its weights may be set by hand); not the
         # disk transport, which writes whole checkpoints
         # (shard refit sends every tensor: it has no buckets to leave out)
-        self.delta = w.delta and getattr(engine, "optimizer", None) is not None and spec.streams_buckets
+        self.delta = w.delta and getattr(engine, "optimizer", None) is not None and wire.streams_buckets
         self._frozen_sent: frozenset = frozenset()  # rows frozen at the last push that reached every server
         self._recording = False
-        self.adapters = AdapterDelivery(spec.run_dir) if lora is not None and spec.peft else None
+        self.adapters = AdapterDelivery(spec.run_dir) if lora is not None and wire.peft else None
         self.resharder.adapters = self.adapters is None
         # weights.overlap: the flight's thread agrees over a group of its own (the trainer's groups
         # stay the trainer thread's), and the driver speaks to the manager over a link of its own
@@ -85,7 +85,7 @@ class WeightPusher:
         if self.cluster.driver:
             self.lane = self.cluster.push_lane() if self.overlap else self.cluster
             self.admin, self._own_admin = self.lane.admin, self.overlap
-        elif ps.is_pp_source and self.spec.streams_buckets:  # disk: the export is collective, rank 0 announces
+        elif ps.is_pp_source and wire.streams_buckets:  # disk: the export is collective, rank 0 announces
             self.admin = self.cluster.stage_admin(ps.rank)
             self._own_admin = True
         if self.checksums.merged and wire.tensor_format != "megarl":  # LoRA: only megarl-server merges adapters

@@ -24,18 +24,6 @@ class PushSpec:
     def from_config(cls, cfg) -> "PushSpec":
         return cls(cfg.weights, cfg.train.run_dir, WirePlan.of_config(cfg))
 
-    @property
-    def streams_buckets(self) -> bool:
-        return self.wire.streams_buckets
-
-    @property
-    def peft(self) -> bool:
-        return self.wire.peft
-
-    @property
-    def can_overlap(self) -> bool:
-        return self.wire.overlap
-
 
 @dataclass
 class PushMetrics:

@@ -58,14 +58,14 @@ def test_critic_spec_builds_its_engine_from_its_own_sections():
 def test_push_spec():
     wire = WirePlan(tensor_format="megarl", pause_mode="abort", verify_every=10, overlap=True)
     spec = PushSpec(WeightSyncConfig(bucket_mb=3), "/run", wire)
-    assert (spec.weights.bucket_mb, spec.run_dir, spec.can_overlap, spec.streams_buckets) == (3, "/run", True, True)
+    assert (spec.weights.bucket_mb, spec.run_dir, spec.wire.overlap, spec.wire.streams_buckets) == (3, "/run", True, True)
     resolved = ["weights.tensor_format=megarl", "weights.pause_mode=abort", "weights.verify_interval=10"]
     assert PushSpec.from_config(_cfg("train.run_dir=/r", "weights.bucket_mb=9", "rollout.max_staleness=1",
                                      *resolved)) == PushSpec(
         dataclasses.replace(WeightSyncConfig(), bucket_mb=9, tensor_format="megarl", pause_mode="abort",
                             verify_interval=10), "/r", wire)
     # the spec's decisions are its wire plan's (tests/unit/test_wire_plan.py has the whole table)
-    assert not PushSpec.from_config(_cfg("rollout.max_staleness=0", *resolved)).can_overlap
+    assert not PushSpec.from_config(_cfg("rollout.max_staleness=0", *resolved)).wire.overlap
     with pytest.raises(ValueError, match="^weights.tensor_format: auto was not resolved"):
         PushSpec.from_config(_cfg())
 
@@ -78,7 +78,7 @@ def test_push_spec_knows_whether_its_transport_streams(fields, cls):
     """The pusher decides delta pushes and stage sources' own admin links before it builds the
     transport: the plan's answer is the class's the pusher then builds (`WeightPusher._connect`)."""
     w = WeightSyncConfig(tensor_format="megarl", pause_mode="abort", verify_interval=0, **fields)
-    assert PushSpec(w, "/r", WirePlan.decide(w)).streams_buckets is cls.streams_buckets
+    assert PushSpec(w, "/r", WirePlan.decide(w)).wire.streams_buckets is cls.streams_buckets
 
 
 def _members(proto) -> set[str]:
