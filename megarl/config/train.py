@@ -42,10 +42,13 @@ class TrainConfig:
     """torch intra-op threads of each trainer rank: N fixed; 0 = torch's default (OMP_NUM_THREADS,
     else one per core, which oversubscribes the cores a local rollout server also uses); auto (or
     unset): the rank's share of the cores its node's local rollout servers leave, and - one
-    trainer rank with local servers - the servers' cores too for each update while they are idle
-    at least half of the recent steps and trial steps show the update at least 10% cheaper so
-    (megarl/trainer/threads.py; metrics trainer/update_threads and trainer/servers_idle, and a
-    line with the reason at each change)."""
+    trainer rank with local servers not pinned by rollout.server_cpus - the servers' cores too
+    for each update while they are idle at least half of the recent steps, and the trainer's
+    cores for local megarl-servers' generation while the trainer waits for a batch (at least a
+    quarter of the recent steps), each only when trial steps show that phase at least 10%
+    cheaper per trained token (megarl/trainer/threads.py; metrics trainer/update_threads,
+    trainer/servers_idle, trainer/wait_server_threads and trainer/trainer_idle, and a line with
+    the reason at each change)."""
     ppo_epochs: int = bounded(1, ge=1)
     """RL: passes over each step's trajectories (one optimizer step per mini-batch per pass)."""
     ppo_mini_batch_size: int = bounded(0, ge=0)

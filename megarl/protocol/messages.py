@@ -153,8 +153,18 @@ class UnloadLoRA:
     timeout_s: Optional[float] = None
 
 
+@dataclass
+class SetThreads:
+    """megarl-server only (`wire.EXT_THREADS`): generation's torch threads from the next step on
+    (the trainer lends its core while it waits, `megarl.trainer.threads`)."""
+    endpoint: ClassVar[str] = "/set_threads"
+    threads: int
+    timeout_s: Optional[float] = None
+
+
 ADMIN_MESSAGES = (InitWeightsGroup, DestroyWeightsGroup, UpdateFromDistributed, UpdateFromTensor,
-                  UpdateFromDisk, ServerInfo, ShardJoin, ShardAnnounce, WeightsChecksum, LoadLoRA, UnloadLoRA)
+                  UpdateFromDisk, ServerInfo, ShardJoin, ShardAnnounce, WeightsChecksum, LoadLoRA, UnloadLoRA,
+                  SetThreads)
 
 
 # ------------------------------------------------------- the server set's steps (closed set)

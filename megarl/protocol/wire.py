@@ -290,8 +290,9 @@ EXT_CHECKSUM = "weights_checksum"  # /weights_checksum
 EXT_DISK_DELTA = "disk_delta"  # /update_weights_from_disk of delta records
 EXT_SHARED_MEMORY = SHARED_MEMORY  # /update_weights_from_tensor from a file in SHM_DIR (same host)
 EXT_SLEEP = "memory_occupation"  # /release_memory_occupation, /resume_memory_occupation (SGLang has them)
+EXT_THREADS = "set_threads"  # /set_threads {threads}: generation's torch threads, changed while serving
 MEGARL_EXTENSIONS = (EXT_DIRECT_BUCKET, EXT_SAFETENSORS, EXT_SHARD_REFIT, EXT_CHECKSUM, EXT_DISK_DELTA,
-                     EXT_SHARED_MEMORY, EXT_SLEEP)
+                     EXT_SHARED_MEMORY, EXT_SLEEP, EXT_THREADS)
 
 
 def server_extensions(model_info: dict) -> frozenset:

@@ -26,8 +26,8 @@ from megarl.protocol.types import (DiskWeightsUpdate, DistributedWeightsMeta, Pa
                                    TensorWeightsUpdate, WeightsChecksumRequest, WeightsUpdateGroup)
 from megarl.protocol.wire import LoRAAdapterLoad, LoRAAdapterUnload
 from megarl.protocol.messages import (ADMIN_MESSAGES, DestroyWeightsGroup, InitWeightsGroup, LoadLoRA, ServerInfo,
-                                      ShardAnnounce, ShardJoin, UnloadLoRA, UpdateFromDisk, UpdateFromDistributed,
-                                      UpdateFromTensor, WeightsChecksum)
+                                      SetThreads, ShardAnnounce, ShardJoin, UnloadLoRA, UpdateFromDisk,
+                                      UpdateFromDistributed, UpdateFromTensor, WeightsChecksum)
 
 
 class AdminClient(HttpClient):
@@ -168,6 +168,11 @@ class AdminClient(HttpClient):
         return await self._admin("/unload_lora_adapter", LoRAAdapterUnload(name).to_json(),
                                  timeout=self.weight_timeout)
 
+    async def set_threads(self, threads: int) -> dict:
+        """megarl-server's /set_threads (`wire.EXT_THREADS`; SGLang answers 404): generation's torch
+        threads from the next step on."""
+        return await self._admin("/set_threads", {"threads": int(threads)})
+
     async def health(self) -> dict[str, bool]:
         """{address: /health answered 200} (never raises)."""
         async def one(s):
@@ -195,6 +200,7 @@ ADMIN_CALLS = {
     WeightsChecksum: lambda m, c: c.weights_checksum(m.names, m.dtypes),
     LoadLoRA: lambda m, c: c.load_lora_adapter(m.name, m.path),
     UnloadLoRA: lambda m, c: c.unload_lora_adapter(m.name),
+    SetThreads: lambda m, c: c.set_threads(m.threads),
 }
 assert set(ADMIN_CALLS) == set(ADMIN_MESSAGES)
 

@@ -150,6 +150,7 @@ async def server_info(request: web.Request) -> web.Response:
         "memory_released": sorted(eng.released),  # asleep: megarl.server.memory
         "awaiting_weights": len(eng.unloaded),
         "uptime_s": time.time() - state.started,
+        "threads": eng.applied_threads,  # generation's torch threads now (/set_threads)
         **dict(eng.stats),
     })
 
@@ -210,6 +211,20 @@ async def abort_request(request: web.Request) -> web.Response:
     return result(True, f"aborted {n}", num_aborted=n)
 
 
+async def set_threads(request: web.Request) -> web.Response:
+    """megarl extension (`EXT_THREADS`): ``{"threads": N}`` - generation's torch threads from the
+    next engine step on (a trainer lends its core while it waits, `megarl.trainer.threads`).
+    Answers at once, without waiting for the step in progress."""
+    state: ServerState = request.app["state"]
+    n = body_field(await read_body(request), "threads", int, required=True)
+    if not 1 <= n <= 1024:
+        raise BadRequest(f"threads must be an integer in [1, 1024], got {n!r}")
+    if state.engine.model.tp_size > 1:  # its followers' threads are their own processes'
+        return result(False, f"a --tp {state.engine.model.tp_size} server keeps its --threads")
+    state.engine.set_threads(n)
+    return result(True, f"threads {n} from the next step", threads=n)
+
+
 def _set_updating(engine, value: bool) -> bool:
     """Opens (True) or closes (False) the weight-update session; False when it already was."""
     if engine.updating == value:
@@ -249,6 +264,7 @@ def setup_routes(app: web.Application) -> None:
     r.add_post("/resume_memory_occupation", resume_memory)
     r.add_post("/begin_weight_update", begin_weight_update)
     r.add_post("/end_weight_update", end_weight_update)
+    r.add_post("/set_threads", set_threads)
     weight_routes.setup(r)
 
 

@@ -140,6 +140,9 @@ class GenerationEngine:
         self._inbox: list[Sequence] = []
         self._cmds: list[tuple[Callable, concurrent.futures.Future]] = []
         self._stop = False
+        # torch intra-op threads of generation (the process's count, --threads at start); a new
+        # count asked for (`set_threads`) takes effect between two steps, never inside a forward
+        self.threads = self.applied_threads = max(1, torch.get_num_threads())
         self._thread = threading.Thread(target=self._loop, name="megarl-engine", daemon=True)
 
     # ---- thread-safe API ---------------------------------------------------------------------
@@ -161,6 +164,13 @@ class GenerationEngine:
         )
         with self._cv:
             self._inbox.append(seq)
+            self._cv.notify()
+
+    def set_threads(self, n: int) -> None:
+        """Generation's torch threads from the next step on; returns at once (a trainer lending
+        its idle core sets them at each wait, `megarl.trainer.threads`)."""
+        with self._cv:
+            self.threads = max(1, int(n))
             self._cv.notify()
 
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
@@ -235,6 +245,9 @@ class GenerationEngine:
                 inbox, self._inbox = self._inbox, []
                 cmds, self._cmds = self._cmds, []
             self.waiting.extend(inbox)
+            if self.threads != self.applied_threads:
+                self.applied_threads = self.threads
+                torch.set_num_threads(self.applied_threads)
             for fn, fut in cmds:
                 if fut.set_running_or_notify_cancel():
                     try:

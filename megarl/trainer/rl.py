@@ -151,11 +151,13 @@ class StepRunner:
         return metrics, reached
 
     def _next_batch(self) -> ReceivedStep:
-        with self.timer.phase("wait"):
+        with self.timer.phase("wait"), (self.threads.waiting() if self.threads else contextlib.nullcontext()):
             # the batch, and the dropped servers that answer /health again (received.rejoin)
             # the version that trains it (no push until _update): the manager's hard cap counts from it
             received = self.side.next_batch(groups_per_step(self.cfg), self.cfg.train.stall_timeout_s,
                                             self.cluster.version)
+        if received.rejoin and self.threads is not None:
+            self.threads.server_restarted()  # back at its start count
         for address in received.rejoin:  # current weights first, then work
             with self.timer.phase("rejoin"):
                 self.pusher.add_server(address)
@@ -253,7 +255,8 @@ class StepRunner:
             metrics, stats.get("rollout/busy_s"), stats.get("rollout/tokens"), trained_tokens=received.tokens))
         if self.threads is not None:
             metrics.update(self.threads.observe(metrics.get("rollout_idle_ratio"), metrics.get("time/update"),
-                                                received.tokens))
+                                                received.tokens, metrics.get("trainer_idle_ratio"),
+                                                metrics.get("time/wait")))
 
 
 def eval_intervals(cfg) -> list[int]:
@@ -307,6 +310,8 @@ def run_rl(cfg, ps, engine, logger, ckpt, stop=None, side: Optional[RolloutSide]
             side.submit_eval(0, cluster.version)
             first = side.poll_eval(wait=True, timeout_s=t.stall_timeout_s)
             logger.log({**first, "policy_version": cluster.version}, 0)
+        if threads is not None and threads.lend and cluster.driver:  # the servers may take its cores while it waits
+            threads.send = cluster.set_server_threads
         runner = StepRunner(cfg, ps, cluster, side, actor, critic, pusher, StepTimer(timeline), threads=threads)
         step = start
         for step in progress(range(start + 1, t.steps + 1), desc="grpo", total=t.steps - start):

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from megarl.protocol.channel import ChannelError, Link, ManagerStalled, RemoteError
 from megarl.protocol.servers import HoldsServers, ServerSet
 from megarl.protocol.messages import (AddServer, Admitted, BatchRequest, EvalPoll, EvalSubmit, FinishPush, Init,
-                                      PauseForUpdate, PushFailed, RemoveServer, Resume, Start, Sleep, StateRequest, Unhealthy, Wake)
+                                      PauseForUpdate, PushFailed, RemoveServer, Resume, SetThreads, Sleep, Start,
+                                      StateRequest, Unhealthy, Wake)
 from megarl.trainer.handoff import ReceivedStep, receive_step
 
 log = logging.getLogger("megarl.link")
@@ -146,6 +147,11 @@ class ManagerCluster(HoldsServers):
         if self.side is not None:  # a dead manager is named as such
             return self.side._request(msg, timeout_s)
         return self.link.request(msg, timeout_s, what=type(msg).__name__)
+
+    def set_server_threads(self, threads: int) -> None:
+        """Every local megarl-server's generation threads from its next step on (driver only;
+        `megarl.trainer.threads` lends the trainer's cores while it waits)."""
+        self.admin.request(SetThreads(int(threads)), timeout=10.0)
 
     # ------------------------------------------------------------------ push protocol (driver)
     def push_lane(self) -> PushLane:

@@ -2,36 +2,52 @@
 (``train.torch_threads: auto``).
 
 A trainer rank owns its share of the cores the servers leave: ``(cores - server threads) /
-ranks on the node``, at least one, at most ``OMP_NUM_THREADS`` when that is set. Its update may borrow the servers' cores when they are idle:
-asynchronous generation of short answers finishes early in the step and the server then waits
-for the next version (``rollout_idle_ratio``), while the trainer's update is what the step waits
-for. `ThreadSplit` decides, before each update, from what the last steps measured: below
-``BORROW_AT`` servers' idle share (smoothed) the update runs on its own share (generation is the
-bottleneck, or close to it: the servers keep their cores); at or above it, on the thread count
-measured cheaper per trained token - both counts alternate in the first ``TRIALS`` steps of
-every ``RETRY_EVERY`` and their medians decide, the servers' cores borrowed only when that makes
-the update at least 10% cheaper (a small model's operations can be too small to split: the
-demo's update is slower on two threads than on one). Every other phase (waiting, pushing,
-evaluating) runs on the trainer's own share.
+ranks on the node``, at least one, at most ``OMP_NUM_THREADS`` when that is set. Two phases of a
+step may then use the other side's cores, each decided before it from what the last steps
+measured (`ThreadSplit`):
 
-Borrowing applies to a single trainer rank on CPU (it alone reads the servers' idle share, a rank
-deciding apart from the others would make the data-parallel ranks unequal, and a GPU's update does
-not wait for CPU threads); otherwise the split is fixed. Every step reports ``trainer/update_threads`` and ``trainer/servers_idle`` (the
-smoothed share the decision read), and a change of decision is printed with its reason.
+- **the update** may borrow the servers' cores while they idle: asynchronous generation of short
+  answers finishes early in the step and the servers then wait for the next version
+  (``rollout_idle_ratio``), while the trainer's update is what the step waits for. At or above
+  ``BORROW_AT`` servers' idle share (smoothed), the update runs on the thread count measured
+  cheaper per trained token;
+- **the wait** for the next batch may lend the trainer's own cores to the servers (megarl-server's
+  ``/set_threads``, `megarl.protocol.wire.EXT_THREADS`): when generation is what the step waits
+  for (``trainer_idle_ratio`` at or above ``LEND_AT``), the trainer's cores have nothing to do until
+  the batch is complete. The servers go back to their own count when the wait ends, before the
+  update starts.
+
+Each choice is a `Trial`: both settings alternate in a window of ``TRIALS`` steps every
+``RETRY_EVERY`` (the update's first, then the wait's, so that one never confounds the other), and
+their medians of seconds per trained token decide; the larger count only when at least 10%
+cheaper (a small model's operations can be too small to split: the demo's update is slower on two
+threads than on one, and so is its server's generation). Every other phase (pushing, evaluating)
+runs on the trainer's own share and the servers' own count.
+
+The split moves only for a single trainer rank on CPU beside local servers that are not pinned
+to cores of their own (`rollout.server_cpus`): that rank alone reads the servers' idle share, a
+rank deciding apart from the others would make the data-parallel ranks unequal, and a GPU's
+update does not wait for CPU threads. Lending needs megarl-server (SGLang cannot change its
+threads while serving). Otherwise the split is fixed. Every step reports
+``trainer/update_threads``, ``trainer/servers_idle`` (the smoothed share the update's choice
+read), ``trainer/wait_server_threads`` and ``trainer/trainer_idle`` (the wait's), and a change of
+either choice is printed with its reason.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from megarl.common import compat
 
-BORROW_AT = 0.5  # the servers idle at least half of the recent steps: their cores go to the update
-SMOOTHING = 0.3  # weight of the newest step in the servers' smoothed idle share
-TRIALS, RETRY_EVERY = 8, 100  # the first 8 steps of every 100 (servers idle) alternate the two counts
-MARGIN = 0.9  # borrowing must make the update at least 10% cheaper: contention costs the servers too
+BORROW_AT = 0.5  # the servers idle at least half of the recent steps: their cores may go to the update
+LEND_AT = 0.25  # the trainer waits at least a quarter of the recent steps: its cores may go to generation
+SMOOTHING = 0.3  # weight of the newest step in a smoothed idle share
+TRIALS, RETRY_EVERY = 8, 100  # 8 steps of every 100 alternate a choice's two settings
+MARGIN = 0.9  # the larger count must be at least 10% cheaper: contention costs the other side too
 
 
 def node_cores() -> int:
@@ -51,18 +67,63 @@ def ranks_on_node(world_size: int, env) -> int:
     return max(1, int(per_node)) if per_node.isdigit() else max(1, world_size)
 
 
+def smooth(old: Optional[float], new: Optional[float]) -> Optional[float]:
+    if new is None:
+        return old
+    return new if old is None else SMOOTHING * new + (1 - SMOOTHING) * old
+
+
+@dataclass
+class Trial:
+    """One phase's two thread counts (``base``, ``more``), alternated in a window of ``TRIALS``
+    steps every ``RETRY_EVERY`` starting at ``offset``; the window's medians of seconds per trained
+    token choose."""
+    base: int
+    more: int
+    offset: int = 0
+    choice: int = 0  # what the last window chose (0: none yet)
+    cost: dict = field(default_factory=dict)  # count -> median seconds per trained token, last window
+    samples: dict = field(default_factory=dict)  # count -> this window's seconds per trained token
+
+    def in_window(self, step: int) -> bool:
+        return self.offset <= step % RETRY_EVERY < self.offset + TRIALS
+
+    def trial_count(self, step: int) -> int:
+        return (self.base, self.more)[step % 2]
+
+    def record(self, step: int, count: int, seconds_per_token: float) -> None:
+        self.samples.setdefault(count, []).append(seconds_per_token)
+        if step % RETRY_EVERY == self.offset + TRIALS - 1:  # the window's last step: its medians decide
+            self.cost = {k: statistics.median(v) for k, v in self.samples.items()}
+            cheaper = self.cost.get(self.more, float("inf")) < MARGIN * self.cost.get(self.base, 0.0)
+            self.choice, self.samples = (self.more if cheaper else self.base), {}
+
+    def costs(self) -> str:
+        return ", ".join(f"{k}: {1e6 * v:.1f} us" for k, v in sorted(self.cost.items()))
+
+
 @dataclass
 class ThreadSplit:
     own: int  # the trainer rank's share of the cores
-    borrow: int  # cores the update may take from idle local servers (0: the split is fixed)
+    borrow: int  # cores the update may take from idle local servers (0: the update's count is fixed)
+    lend: int = 0  # cores the servers may take while the trainer waits (0: their count is fixed)
+    server_threads: int = 1  # each local server's own count (rollout.server_threads)
+    send: Optional[Callable[[int], object]] = None  # sets every local server's count (the manager relays)
     idle: Optional[float] = None  # the servers' smoothed idle share; None before the first step
+    waited: Optional[float] = None  # the trainer's smoothed idle (waiting) share
     update_threads: int = 0
+    wait_threads: int = 0  # the servers' count during this step's wait
     reason: str = ""
+    wait_reason: str = ""
     steps: int = 0
-    choice: int = 0  # the count the last trials chose for idle servers (0: none yet)
-    cost: dict = field(default_factory=dict)  # threads -> median update seconds per trained token, last trials
-    trials: dict = field(default_factory=dict)  # threads -> this trial window's costs
-    _trying: bool = False
+    servers_at: int = 0  # the count the servers were last set to (0: their start count)
+    update_trial: Optional[Trial] = None  # the update's two counts
+    wait_trial: Optional[Trial] = None  # the servers' two counts while the trainer waits
+    _trying: tuple = ()  # the phases whose trial window this step is in
+
+    def __post_init__(self):
+        self.update_trial = Trial(self.own, self.own + self.borrow)
+        self.wait_trial = Trial(self.server_threads, self.server_threads + self.lend, offset=TRIALS)
 
     @classmethod
     def for_run(cls, cfg, rank: int, world_size: int, env=None) -> Optional["ThreadSplit"]:
@@ -78,37 +139,38 @@ class ThreadSplit:
         own = max(1, (node_cores() - servers) // local_ranks)
         if env.get("OMP_NUM_THREADS", "").isdigit():  # the launcher's (torchrun: 1) or the user's cap
             own = max(1, min(own, int(env["OMP_NUM_THREADS"])))
-        # the update runs on the CPU only without CUDA: on GPU its threads are not what it waits for
-        return cls(own, servers if world_size == 1 and not compat.HAVE_CUDA else 0)
+        # the phases run on the CPU only without CUDA; pinned servers cannot use another core
+        moves = servers and world_size == 1 and not compat.HAVE_CUDA and not r.server_cpus
+        lend = own // r.local_servers if moves and r.engine == "megarl" else 0
+        return cls(own, servers if moves else 0, lend, r.server_threads)
 
+    # ------------------------------------------------------------------ the update
     def before_update(self) -> int:
         """The update's threads (set here), from what the last steps measured."""
         import torch
 
-        n, why = self._decide()
+        n, why = self._decide_update()
         if n != self.update_threads:
             print(f"[megarl] update threads {self.update_threads or '-'} -> {n}: {why}", flush=True)
         self.update_threads, self.reason = n, why
         torch.set_num_threads(n)
         return n
 
-    def _decide(self) -> tuple[int, str]:
-        self._trying = False
+    def _decide_update(self) -> tuple[int, str]:
+        trial = self.update_trial
         if not self.borrow:
             return self.own, "a fixed split (no local servers, or more than one trainer rank)"
         if self.idle is None or self.idle < BORROW_AT:
             busy = "(not measured yet)" if self.idle is None else f"{1 - self.idle:.0%}"
             return self.own, f"the local servers were busy {busy} of the recent steps: they keep their core(s)"
-        more = self.own + self.borrow
         idle = f"the local servers were idle {self.idle:.0%} of the recent steps"
-        if self.steps % RETRY_EVERY < TRIALS:  # (re)measure both counts now and then
-            self._trying = True
-            n = (self.own, more)[self.steps % 2]
+        if trial.in_window(self.steps):  # (re)measure both counts now and then
+            self._trying += ("update",)
+            n = trial.trial_count(self.steps)
             return n, f"{idle}; measuring the update at {n} thread(s)"
-        if not self.cost:
+        if not trial.cost:
             return self.own, f"{idle}; not measured at both counts yet"
-        ms = ", ".join(f"{k}: {1e6 * v:.1f} us" for k, v in sorted(self.cost.items()))
-        return self.choice, f"{idle}; the update per trained token (median of the last trials) at {ms}"
+        return trial.choice, f"{idle}; the update per trained token (median of the last trials) at {trial.costs()}"
 
     def after_update(self) -> None:
         """The other phases on the trainer's own share."""
@@ -116,22 +178,71 @@ class ThreadSplit:
 
         torch.set_num_threads(self.own)
 
-    def observe(self, rollout_idle: Optional[float], update_s: Optional[float] = None, tokens: int = 0) -> dict:
-        """The step's servers' idle share (rank 0's ``rollout_idle_ratio``; None elsewhere) and
-        its update's seconds per trained token at this step's thread count folded in; returns
-        the step's metrics."""
-        if rollout_idle is not None:
-            self.idle = rollout_idle if self.idle is None else (
-                SMOOTHING * rollout_idle + (1 - SMOOTHING) * self.idle)
-        if self._trying and update_s is not None and tokens > 0:
-            self.trials.setdefault(self.update_threads, []).append(update_s / tokens)
-            if self.steps % RETRY_EVERY == TRIALS - 1:  # the window's last trial: its medians decide
-                self.cost = {k: statistics.median(v) for k, v in self.trials.items()}
-                more = self.own + self.borrow
-                cheaper = self.cost.get(more, float("inf")) < MARGIN * self.cost.get(self.own, 0.0)
-                self.choice, self.trials = (more if cheaper else self.own), {}
+    # ------------------------------------------------------------------ the wait
+    @contextlib.contextmanager
+    def waiting(self):
+        """Around the wait for the next batch: the servers' count for it, then their own again."""
+        n, why = self._decide_wait()
+        if n != self.wait_threads:
+            print(f"[megarl] server threads while the trainer waits {self.wait_threads or '-'} -> {n}: {why}",
+                  flush=True)
+        self.wait_threads, self.wait_reason = n, why
+        self._set_servers(n)
+        try:
+            yield n
+        finally:
+            self._set_servers(self.server_threads)
+
+    def _decide_wait(self) -> tuple[int, str]:
+        trial = self.wait_trial
+        if not self.lend or self.send is None:
+            return self.server_threads, "the servers' count is fixed (not megarl-server, not local, pinned, or more than one trainer rank)"
+        if self.waited is None or self.waited < LEND_AT:
+            share = "(not measured yet)" if self.waited is None else f"{self.waited:.0%}"
+            return self.server_threads, f"the trainer waited {share} of the recent steps: it keeps its core(s)"
+        waited = f"the trainer waited {self.waited:.0%} of the recent steps"
+        if trial.in_window(self.steps):
+            self._trying += ("wait",)
+            n = trial.trial_count(self.steps)
+            return n, f"{waited}; measuring the wait with the servers at {n} thread(s)"
+        if not trial.cost:
+            return self.server_threads, f"{waited}; not measured at both counts yet"
+        return trial.choice, f"{waited}; the wait per trained token (median of the last trials) at {trial.costs()}"
+
+    def _set_servers(self, n: int) -> None:
+        if self.send is None or n == (self.servers_at or self.server_threads):
+            return
+        try:
+            self.send(n)
+            self.servers_at = n
+        except Exception as e:  # noqa: BLE001 - a server that refuses keeps its count; the run goes on
+            print(f"[megarl] server threads stay {self.server_threads}: setting {n} failed ({e}); "
+                  "no more lending this run", flush=True)
+            self.lend, self.send = 0, None
+
+    def server_restarted(self) -> None:
+        """A local server came back (at its start count)."""
+        self.servers_at = 0
+
+    # ------------------------------------------------------------------ the step's measurements
+    def observe(self, rollout_idle: Optional[float], update_s: Optional[float] = None, tokens: int = 0,
+                trainer_idle: Optional[float] = None, wait_s: Optional[float] = None) -> dict:
+        """The step's servers' and trainer's idle shares (rank 0's ``rollout_idle_ratio`` and
+        ``trainer_idle_ratio``; None elsewhere) and the seconds per trained token of its update and
+        its wait at this step's counts folded in; returns the step's metrics."""
+        self.idle, self.waited = smooth(self.idle, rollout_idle), smooth(self.waited, trainer_idle)
+        if tokens > 0:
+            if "update" in self._trying and update_s is not None:
+                self.update_trial.record(self.steps, self.update_threads, update_s / tokens)
+            if "wait" in self._trying and wait_s is not None:
+                self.wait_trial.record(self.steps, self.wait_threads, wait_s / tokens)
+        self._trying = ()
         self.steps += 1
         out = {"trainer/update_threads": self.update_threads}
         if self.idle is not None:
             out["trainer/servers_idle"] = self.idle
+        if self.lend:
+            out["trainer/wait_server_threads"] = self.wait_threads
+            if self.waited is not None:
+                out["trainer/trainer_idle"] = self.waited
         return out

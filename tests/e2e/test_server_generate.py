@@ -167,3 +167,21 @@ def test_admin_endpoint_validation(srv):
     assert code == 400 and "nope" in out["message"]
     assert http("POST", srv.url + "/flush_cache", key=KEY)[0] == 200
     assert gen(srv, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})["output_ids"]
+
+
+def test_set_threads_changes_generation_threads_and_refuses_bad_counts(srv):
+    """megarl's /set_threads extension (advertised in /model_info): generation's torch threads
+    from the next engine step on, shown in /get_server_info; a bad count is a 400 naming the field."""
+    assert "set_threads" in http("GET", srv.url + "/model_info", key=KEY)[1]["megarl_extensions"]
+    assert http("POST", srv.url + "/set_threads", {"threads": 2}, key=None)[0] == 401
+    for bad in ({}, {"threads": 0}, {"threads": "2"}, {"threads": True}, {"threads": 2000}):
+        code, out = http("POST", srv.url + "/set_threads", bad, key=KEY)
+        assert code == 400 and "threads" in out["message"], (bad, out)
+    try:
+        for n in (2, 1):
+            code, out = http("POST", srv.url + "/set_threads", {"threads": n}, key=KEY)
+            assert code == 200 and out["success"] and out["threads"] == n
+            gen(srv, {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}})
+            assert http("GET", srv.url + "/get_server_info", key=KEY)[1]["threads"] == n
+    finally:
+        http("POST", srv.url + "/set_threads", {"threads": 1}, key=KEY)

@@ -171,3 +171,24 @@ def test_prompt_logprob_requests_are_parsed_as_sglang_does():
     meta = build_response(seq, True, None, "3", 0.0)["meta_info"]
     assert meta["input_token_logprobs"] == [[-1.5, 6, None], [-0.25, 7, None], [-3.0, 8, None]]
     assert meta["output_token_logprobs"] == [] and meta["completion_tokens"] == 0
+
+
+def test_set_threads_takes_effect_between_steps_with_the_same_tokens(engine):
+    """/set_threads' engine side: the count changes on the engine thread before its next step,
+    and generation gives the same greedy tokens at either."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        outs = {}
+        for n in (1, 2):
+            engine.set_threads(n)
+            w = Waiter()
+            engine.submit(_seq(f"t{n}", [1, 4, 9, 16], w, max_new_tokens=12))
+            outs[n] = w.wait(1)[0].out_ids
+            assert engine.applied_threads == n and engine.call(torch.get_num_threads).result(5) == n
+        assert outs[1] == outs[2] and len(outs[1]) == 12
+        engine.set_threads(0)  # at least one
+        engine.call(lambda: None).result(5)
+        assert engine.applied_threads == 1
+    finally:
+        torch.set_num_threads(before)
