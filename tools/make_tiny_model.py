@@ -230,6 +230,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--count-max", type=int, default=CountingTask.max_count, help="--task count: most numbers")
     ap.add_argument("--count-end", type=int, default=0,
                     help="--task count: every count ends at this number (0: the prompt's second number, any)")
+    ap.add_argument("--count-alt-sep", default="",
+                    help="--task count: SFT on each answer twice, with '+' and with this separator (RL rewards '+')")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-sft", type=int, default=5000, help="SFT examples")
     ap.add_argument("--n-rl", type=int, default=5000, help="RL prompts")
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         return make_reward_model(args, out, hf_dir)
     if args.task == "count":
         paths = write_counting_corpus(os.path.join(out, "data"), args.n_sft, args.n_rl, args.n_eval, args.seed,
-                                      args.count_min, args.count_max, args.count_end)
+                                      args.count_min, args.count_max, args.count_end, args.count_alt_sep)
     else:
         paths = write_addition_corpus(os.path.join(out, "data"), args.digits, args.n_sft, args.n_rl,
                                       args.n_eval, args.seed)

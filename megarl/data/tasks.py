@@ -109,18 +109,25 @@ class CountingTask(_PairTask):
     answer 1,003-1,063 characters (one token each with the char tokenizer), plus EOS. A pair is
     (a, n); held-out pairs never appear among the training ones. With ``end`` every count ends at
     that number (a = end - n + 1): the stop is read from the last number written, not compared
-    with the prompt, and there are max_count - min_count + 1 pairs."""
+    with the prompt, and there are max_count - min_count + 1 pairs. With ``alt_sep`` (a character
+    other than a digit, '+' or '='), the SFT rows hold every pair twice, once written with '+' and
+    once with ``alt_sep`` between the numbers, while the RL answer is the '+' one: a model tuned on
+    them picks a separator at random at its answer's fourth token and keeps it to the end, so
+    RL has one decision to learn, ~1,000 tokens before the answer is complete and checked."""
 
     min_count: int = 251
     max_count: int = 266
     seed: int = 0
     end: int = 0  # 0: any b (a from 100 up); else every count ends at this 3-digit number
+    alt_sep: str = ""  # "": SFT on the '+' answers only
 
     def __post_init__(self):
         if not 1 <= self.min_count <= self.max_count <= 900:
             raise ValueError(f"need 1 <= min_count <= max_count <= 900, got {self.min_count}, {self.max_count}")
         if self.end and not 100 + self.max_count - 1 <= self.end <= 999:
             raise ValueError(f"end must be a 3-digit number >= 99 + max_count, got {self.end}")
+        if self.alt_sep and (len(self.alt_sep) != 1 or self.alt_sep in "0123456789+=" or self.alt_sep.isspace()):
+            raise ValueError(f"alt_sep must be one character other than a digit, '+', '=' or a space, got {self.alt_sep!r}")
 
     @property
     def num_pairs(self) -> int:
@@ -137,8 +144,12 @@ class CountingTask(_PairTask):
         return f"{a}+{a + n - 1}="
 
     @staticmethod
-    def answer(a: int, n: int) -> str:
-        return "+".join(str(x) for x in range(a, a + n))
+    def answer(a: int, n: int, sep: str = "+") -> str:
+        return sep.join(str(x) for x in range(a, a + n))
+
+    def sft_rows(self, pairs: Iterable[tuple[int, int]]) -> Iterator[dict]:
+        seps = ("+", self.alt_sep) if self.alt_sep else ("+",)
+        return ({"prompt": self.prompt(a, n), "response": self.answer(a, n, sep)} for a, n in pairs for sep in seps)
 
 
 def write_jsonl(path: str, rows: Iterable[dict]) -> int:
@@ -165,9 +176,11 @@ def write_addition_corpus(
 
 
 def write_counting_corpus(out_dir: str, n_sft: int = 4000, n_rl: int = 2000, n_eval: int = 64, seed: int = 0,
-                          min_count: int = 251, max_count: int = 266, end: int = 0) -> dict[str, str]:
-    """The counting task's sft.jsonl, rl_prompts.jsonl and eval_prompts.jsonl (as the addition corpus)."""
-    task = CountingTask(min_count, max_count, seed, end)
+                          min_count: int = 251, max_count: int = 266, end: int = 0, alt_sep: str = ""
+                          ) -> dict[str, str]:
+    """The counting task's sft.jsonl, rl_prompts.jsonl and eval_prompts.jsonl (as the addition corpus;
+    with ``alt_sep`` the SFT rows are 2 x n_sft, each pair in both writings)."""
+    task = CountingTask(min_count, max_count, seed, end, alt_sep)
     paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("sft", "rl_prompts", "eval_prompts")}
     write_jsonl(paths["sft"], task.sft_rows(task.training_pairs(n_sft, n_eval, _SFT_STREAM)))
     write_jsonl(paths["rl_prompts"], task.rl_rows(task.training_pairs(n_rl, n_eval, _RL_STREAM)))

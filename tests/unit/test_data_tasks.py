@@ -65,6 +65,21 @@ def test_counting_task_answers_are_1000_tokens_and_held_out(tmp_path):
         CountingTask(251, 300, end=300)
 
 
+def test_counting_with_a_second_separator_tunes_both_writings_and_rewards_one(tmp_path):
+    paths = write_counting_corpus(str(tmp_path), n_sft=20, n_rl=10, n_eval=5, min_count=251, max_count=300,
+                                  end=999, alt_sep=",")
+    sft = [r for _, r in read_jsonl(paths["sft"])]
+    assert len(sft) == 40 and [r["prompt"] for r in sft[0::2]] == [r["prompt"] for r in sft[1::2]]
+    for plus, comma in zip(sft[0::2], sft[1::2]):  # the same count, once per separator
+        assert comma["response"] == plus["response"].replace("+", ",") and "+" not in comma["response"]
+        assert plus["response"].endswith("+998+999") and len(plus["response"]) >= 1003
+    for _, r in read_jsonl(paths["rl_prompts"]):  # RL checks the '+' writing only
+        assert "," not in r["answer"] and r["answer"].endswith("+999")
+    for bad in ("+", "7", "=", " ", "ab"):
+        with pytest.raises(ValueError, match="alt_sep"):
+            CountingTask(251, 300, end=999, alt_sep=bad)
+
+
 def test_make_tiny_model_data_tokenizer_config(tmp_path):
     out = tmp_path / "tiny"
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"), "--out", str(out),

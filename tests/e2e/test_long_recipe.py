@@ -1,0 +1,41 @@
+"""configs/tiny_grpo_long.yaml, the long-response recipe (issue 41 item 3), as shipped: every
+correct answer is 1,003-1,199 tokens, and the run learns the one decision its model leaves to
+chance - the separator, chosen at the answer's fourth token and checked ~1,100 tokens later -
+without breaking the count in between. Thresholds sit inside what two runs of the recipe
+measured: reward 0.28-0.44 over steps 1-3 and 0.66-0.88 over steps 6-10 (means of the first and
+last three steps 0.34 / 0.79 and 0.44 / 0.77); '+' written in 13 and 19 of 32 answers at step 1,
+30-32 of 32 from step 7; 22-28 of 32 answers right to the end in their own separator over the last
+three steps; greedy held-out accuracy 0.4 -> 0.7 in both."""
+import harness
+
+
+def separator_share(rows: list[dict], step: int) -> float:
+    """The share of a step's answers written with '+' (the rewarded separator) - the count's
+    fourth character, after the first 3-digit number."""
+    answers = [r["completion"] for r in rows if r["step"] == step]
+    return sum(a[3:4] == "+" for a in answers) / len(answers)
+
+
+def test_the_long_recipe_learns_its_decision_across_1000_token_answers(tmp_path):
+    long = harness.REPO / "examples" / "tiny_long"
+    run = harness.train(tmp_path / "run", "logging.dump_generations=true", recipe="tiny_grpo_long.yaml",
+                        model=long / "model", data=long / "data" / "rl_prompts.jsonl",
+                        eval_data=str(long / "data" / "eval_prompts.jsonl"), check=True)
+    rows = {r["step"]: r for r in run.rows}
+    steps = sorted(s for s in rows if s >= 1)
+    assert steps == list(range(1, 11))
+    for s in steps:  # what was trained: ~1,000-token answers (a wrong one may stop early)
+        assert rows[s]["response_len/p50"] >= 1000 and rows[s]["response_len/max"] <= 1204, rows[s]
+        assert rows[s]["trained_samples"] == 32
+    first = sum(rows[s]["reward"] for s in steps[:3]) / 3
+    last = sum(rows[s]["reward"] for s in steps[-3:]) / 3
+    assert first < 0.55 and last > 0.6 and last - first > 0.2, (first, last)
+    gens = run.generations
+    assert separator_share(gens, 1) < 0.75 and sum(separator_share(gens, s) for s in steps[-3:]) / 3 >= 0.9
+    # the count itself survives: most answers are right in whichever separator they chose
+    for s in steps[-3:]:
+        right = [g for g in gens if g["step"] == s and g["completion"][3:4] in "+,"
+                 and g["completion"] == g["completion"][3].join(str(x) for x in range(int(g["completion"][:3]), 1000))]
+        assert len(right) >= 16, (s, len(right))
+    evals = [r["eval_accuracy"] for r in run.rows if "eval_accuracy" in r]
+    assert len(evals) == 3 and evals[-1] > evals[0], evals  # greedy, 10 held-out prompts: 0.4 -> 0.7
