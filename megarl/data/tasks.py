@@ -127,7 +127,8 @@ class CountingTask(_PairTask):
         if self.end and not 100 + self.max_count - 1 <= self.end <= 999:
             raise ValueError(f"end must be a 3-digit number >= 99 + max_count, got {self.end}")
         if self.alt_sep and (len(self.alt_sep) != 1 or self.alt_sep in "0123456789+=" or self.alt_sep.isspace()):
-            raise ValueError(f"alt_sep must be one character other than a digit, '+', '=' or a space, got {self.alt_sep!r}")
+            raise ValueError("alt_sep must be one character other than a digit, '+', '=' or a space, "
+                             f"got {self.alt_sep!r}")
 
     @property
     def num_pairs(self) -> int:

@@ -80,6 +80,7 @@ class Trial:
     token choose."""
     base: int
     more: int
+    what: str  # the phase, in its reasons ("the update")
     offset: int = 0
     choice: int = 0  # what the last window chose (0: none yet)
     cost: dict = field(default_factory=dict)  # count -> median seconds per trained token, last window
@@ -97,9 +98,22 @@ class Trial:
             self.cost = {k: statistics.median(v) for k, v in self.samples.items()}
             cheaper = self.cost.get(self.more, float("inf")) < MARGIN * self.cost.get(self.base, 0.0)
             self.choice, self.samples = (self.more if cheaper else self.base), {}
+            print(f"[megarl] trials of {self.what}: {self.costs()} per trained token (medians) -> "
+                  f"{self.choice} thread(s)", flush=True)
 
     def costs(self) -> str:
         return ", ".join(f"{k}: {1e6 * v:.1f} us" for k, v in sorted(self.cost.items()))
+
+    def decide(self, step: int, because: str) -> tuple[int, str, bool]:
+        """The count at ``step`` of a phase that may move (``because`` says why), its reason, and
+        whether the step is a trial."""
+        if self.in_window(step):  # (re)measure both counts now and then
+            n = self.trial_count(step)
+            return n, f"{because}; measuring {self.what} at {n} thread(s)", True
+        if not self.cost:
+            return self.base, f"{because}; not measured at both counts yet", False
+        return self.choice, (f"{because}; {self.what} per trained token (median of the last trials) at "
+                             f"{self.costs()}"), False
 
 
 @dataclass
@@ -122,8 +136,9 @@ class ThreadSplit:
     _trying: tuple = ()  # the phases whose trial window this step is in
 
     def __post_init__(self):
-        self.update_trial = Trial(self.own, self.own + self.borrow)
-        self.wait_trial = Trial(self.server_threads, self.server_threads + self.lend, offset=TRIALS)
+        self.update_trial = Trial(self.own, self.own + self.borrow, "the update")
+        self.wait_trial = Trial(self.server_threads, self.server_threads + self.lend, "the wait with the servers",
+                                offset=TRIALS)
 
     @classmethod
     def for_run(cls, cfg, rank: int, world_size: int, env=None) -> Optional["ThreadSplit"]:
@@ -163,14 +178,9 @@ class ThreadSplit:
         if self.idle is None or self.idle < BORROW_AT:
             busy = "(not measured yet)" if self.idle is None else f"{1 - self.idle:.0%}"
             return self.own, f"the local servers were busy {busy} of the recent steps: they keep their core(s)"
-        idle = f"the local servers were idle {self.idle:.0%} of the recent steps"
-        if trial.in_window(self.steps):  # (re)measure both counts now and then
-            self._trying += ("update",)
-            n = trial.trial_count(self.steps)
-            return n, f"{idle}; measuring the update at {n} thread(s)"
-        if not trial.cost:
-            return self.own, f"{idle}; not measured at both counts yet"
-        return trial.choice, f"{idle}; the update per trained token (median of the last trials) at {trial.costs()}"
+        n, why, trying = trial.decide(self.steps, f"the local servers were idle {self.idle:.0%} of the recent steps")
+        self._trying += ("update",) * trying
+        return n, why
 
     def after_update(self) -> None:
         """The other phases on the trainer's own share."""
@@ -196,18 +206,14 @@ class ThreadSplit:
     def _decide_wait(self) -> tuple[int, str]:
         trial = self.wait_trial
         if not self.lend or self.send is None:
-            return self.server_threads, "the servers' count is fixed (not megarl-server, not local, pinned, or more than one trainer rank)"
+            return self.server_threads, ("the servers' count is fixed (not megarl-server, not local, pinned, "
+                                         "or more than one trainer rank)")
         if self.waited is None or self.waited < LEND_AT:
             share = "(not measured yet)" if self.waited is None else f"{self.waited:.0%}"
             return self.server_threads, f"the trainer waited {share} of the recent steps: it keeps its core(s)"
-        waited = f"the trainer waited {self.waited:.0%} of the recent steps"
-        if trial.in_window(self.steps):
-            self._trying += ("wait",)
-            n = trial.trial_count(self.steps)
-            return n, f"{waited}; measuring the wait with the servers at {n} thread(s)"
-        if not trial.cost:
-            return self.server_threads, f"{waited}; not measured at both counts yet"
-        return trial.choice, f"{waited}; the wait per trained token (median of the last trials) at {trial.costs()}"
+        n, why, trying = trial.decide(self.steps, f"the trainer waited {self.waited:.0%} of the recent steps")
+        self._trying += ("wait",) * trying
+        return n, why
 
     def _set_servers(self, n: int) -> None:
         if self.send is None or n == (self.servers_at or self.server_threads):

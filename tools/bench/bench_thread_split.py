@@ -147,7 +147,8 @@ def render(results: list[dict]) -> str:
                       fmt(r["wait_s"]), f"{r['update_threads']:g} / {r['wait_server_threads']:g}",
                       fmt(r["trainer_idle"], ".2f"), fmt(r["generated_tok_s"], ".0f"), fmt(r["cpu_util"], ".0%")])
         if r["mode"] == "auto":
-            base = next(x for x in results if x["shape"] == r["shape"] and x["pair"] == r["pair"] and x["mode"] == "fixed")
+            base = next(x for x in results
+                        if (x["shape"], x["pair"], x["mode"]) == (r["shape"], r["pair"], "fixed"))
             ratios.append([r["shape"], r["pair"], fmt(base["step_s"] / r["step_s"], ".2f") + "x",
                            fmt(base["mean_step_s"] / r["mean_step_s"], ".2f") + "x",
                            fmt(r["generated_tok_s"] / base["generated_tok_s"], ".2f") + "x"])
