@@ -41,4 +41,4 @@ def test_a_waiting_trainer_lends_its_core_to_the_server_through_the_manager(tmp_
         phases.append(("the update", "trainer/update_threads"))
     for what, key in phases:
         line = next(x for x in run.log.splitlines() if x.startswith(f"[megarl] trials of {what}: 1: "))
-        assert line.endswith(f"-> {after[0][key]} thread(s)"), (line, after[0][key])
+        assert line.endswith(f"-> {int(after[0][key])} thread(s)"), (line, after[0][key])
