@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from megarl.common import compat
+from megarl.config.server_wire import local_extensions
+from megarl.protocol.wire import EXT_THREADS
 
 BORROW_AT = 0.5  # the servers idle at least half of the recent steps: their cores may go to the update
 LEND_AT = 0.25  # the trainer waits at least a quarter of the recent steps: its cores may go to generation
@@ -156,7 +158,8 @@ class ThreadSplit:
             own = max(1, min(own, int(env["OMP_NUM_THREADS"])))
         # the phases run on the CPU only without CUDA; pinned servers cannot use another core
         moves = servers and world_size == 1 and not compat.HAVE_CUDA and not r.server_cpus
-        lend = own // r.local_servers if moves and r.engine == "megarl" else 0
+        # the servers a job starts are known by kind: megarl-server can change its threads, SGLang cannot
+        lend = own // r.local_servers if moves and EXT_THREADS in local_extensions(r.engine) else 0
         return cls(own, servers if moves else 0, lend, r.server_threads)
 
     # ------------------------------------------------------------------ the update

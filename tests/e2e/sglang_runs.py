@@ -29,7 +29,7 @@ SGLANG_PATHS = {"/generate", "/model_info", "/get_model_info", "/server_info", "
                 "/update_weights_from_distributed", "/update_weights_from_disk", "/update_weights_from_tensor",
                 "/destroy_weights_update_group", "/update_weight_version", "/get_weights_by_name",
                 "/load_lora_adapter", "/unload_lora_adapter"}
-MEGARL_ONLY_PATHS = {"/weights_checksum"}
+MEGARL_ONLY_PATHS = {"/weights_checksum", "/set_threads"}
 # uvicorn's access log (SGLang's --log-level-http info): '... "POST /generate HTTP/1.1" 200 OK'
 ACCESS = re.compile(r'"(GET|POST|PUT|DELETE) (/[^ ?"]*)[^"]* HTTP/1\.[01]" (\d{3})')
 

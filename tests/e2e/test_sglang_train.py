@@ -22,8 +22,10 @@ def run(tmp_path_factory):
     require_sglang()
     work = tmp_path_factory.mktemp("sglang-train")
     model, run = demo_model(str(work / "model")), str(work / "run")
-    # on-policy: every step's tokens come from the weights the step starts from, so each step is gated
+    # on-policy: every step's tokens come from the weights the step starts from, so each step is gated;
+    # the thread split on (auto): the trainer waits for SGLang, which is never asked to change threads
     done = train(run, model, f"train.steps={STEPS}", "rollout.max_staleness=0", "rollout.eval_at_start=true",
+                 "train.torch_threads=auto",
                  f"rollout.eval_interval={STEPS}", "rollout.eval_size=500", f"train.mismatch_threshold={GAP}",
                  timeout=1500)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -59,7 +61,9 @@ def test_held_out_accuracy_rises(run):
 
 
 def test_servers_received_only_sglang_endpoints_and_load_formats(run):
-    path, _, _ = run
+    path, _, log = run
+    # the split ran, and left SGLang's threads alone (/set_threads is megarl-server's: MEGARL_ONLY_PATHS)
+    assert "server threads while the trainer waits - -> 1: the servers' count is fixed" in log
     got = received(path)
     assert list(got) == ["server0.log"], got
     paths = {key.split()[1] for key in got["server0.log"]}
